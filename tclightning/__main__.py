@@ -1,0 +1,5 @@
+import sys
+
+from tclightning.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,315 @@
+"""The Lightning glue shared by the health callbacks: read metrics, run the detector, act.
+
+:class:`HealthMonitor` is a thin :class:`~lightning.pytorch.callbacks.Callback` over a
+:class:`~tclightning.health.HealthDetector` (the pure logic). It reads
+``trainer.callback_metrics`` by canonical names (``metric_names`` maps canonical -> your own
+name), feeds the detector once per RL step, and carries out the configured actions:
+
+* ``log`` (always): the scalar ``health/<name>`` (0/1/2) for this monitor and ``health/state`` (the
+  worst over every health monitor of the trainer) through ``pl_module.log``; the reason text of
+  each new event through ``add_text`` on a TensorBoard logger.
+* ``warn``: a console :class:`HealthWarning` once per episode (when a rule starts firing or
+  escalates to collapsing), on rank zero.
+* ``checkpoint``: every ``checkpoint_every`` RL steps, if the verdict is healthy (ignoring
+  ``tolerated_rules``) on every rank, ``trainer.save_checkpoint`` to ``last-healthy.ckpt``.
+* ``stop``: at ``act_on`` (default collapsing) on any rank, every rank sets
+  ``trainer.should_stop`` (agreed through ``strategy.reduce_boolean_decision``).
+* ``rollback``: at ``act_on``, restore the weights and optimizer states of the last healthy
+  checkpoint (and this monitor's detector state from it), scale the learning rates by
+  ``rollback_lr_scale``, continue; after ``max_rollbacks`` rollbacks (or with no healthy
+  checkpoint yet), stop instead. Implies ``checkpoint``.
+
+Steps are RL steps: ``trainer.fit_loop.epoch_loop._batches_that_stepped`` (the ``step`` of
+metrics.csv and TensorBoard), not ``trainer.global_step``, which counts optimizer steps and runs
+ahead when a training step makes several optimizer steps (the GRPO module does).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+
+from tclightning.errors import TclightningError
+from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
+from tclightning.health.rules import HealthState, Rule
+
+ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
+
+
+class HealthWarning(UserWarning):
+    """Console warning raised by the health monitors (filter it with the ``warnings`` module)."""
+
+
+def rl_step(trainer: pl.Trainer) -> int:
+    """The RL step: batches that stepped the optimizer(s), as loggers number their rows."""
+    loop = trainer.fit_loop.epoch_loop
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item()) if value.numel() == 1 else None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+class HealthMonitor(Callback):
+    """Base health callback: a detector over ``rules`` plus the actions listed in the module doc.
+
+    Args:
+        rules: the detector's rules (subclasses pass their own family by default).
+        name: names the logged scalar ``health/<name>``, the checkpoint state key and warnings.
+        metric_names: canonical name -> the name your module logs (``{"reward/mean": "train/reward"}``).
+        actions: any of ``log``, ``warn``, ``checkpoint``, ``stop``, ``rollback`` (``log`` is implied).
+        act_on: ``"collapsing"`` (default) or ``"warning"``: the state that triggers stop/rollback.
+        checkpoint_every: RL steps between "last healthy" checkpoints (10: the length loop takes
+            ~20 steps from onset to damage, so the last healthy point is at most half of that old).
+        checkpoint_dir: where ``<checkpoint_name>.ckpt`` goes (default ``<log_dir>/checkpoints``).
+        checkpoint_name: file stem of the healthy checkpoint (default ``last-healthy``).
+        max_rollbacks: rollbacks before giving up and stopping (2: a third collapse from the
+            same healthy point means lowering the LR did not help).
+        rollback_lr_scale: multiply every learning rate by this at each rollback (1.0 keeps it).
+        tolerated_rules: rules whose warnings do not block a healthy checkpoint (default
+            ``gap.level``: a standing gap is a property of the codec, not a decline).
+        validation_metrics: canonical names read at ``on_validation_end`` instead of per batch
+            (plus every name starting with ``val/``).
+        clear_after: detector hysteresis, see :class:`~tclightning.health.HealthDetector`.
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[Rule] | None = None,
+        name: str = "health",
+        metric_names: Mapping[str, str] | None = None,
+        actions: Sequence[str] = ("log", "warn"),
+        act_on: str = "collapsing",
+        checkpoint_every: int = 10,
+        checkpoint_dir: str | None = None,
+        checkpoint_name: str = "last-healthy",
+        max_rollbacks: int = 2,
+        rollback_lr_scale: float = 1.0,
+        tolerated_rules: Sequence[str] = ("gap.level",),
+        validation_metrics: Sequence[str] = ("val/accuracy",),
+        clear_after: int = 5,
+    ) -> None:
+        unknown = set(actions) - set(ACTIONS)
+        if unknown:
+            raise TclightningError(f"{type(self).__name__}: unknown action(s) {sorted(unknown)}; choose from {ACTIONS}")
+        if act_on not in ("warning", "collapsing"):
+            raise TclightningError(f"{type(self).__name__}: act_on must be 'warning' or 'collapsing', got {act_on!r}")
+        if checkpoint_every < 1 or max_rollbacks < 0 or rollback_lr_scale <= 0:
+            raise TclightningError(f"{type(self).__name__}: checkpoint_every >= 1, max_rollbacks >= 0, rollback_lr_scale > 0")
+        self.name = name
+        self.detector = HealthDetector(rules, clear_after=clear_after)
+        self.metric_names = dict(metric_names or {})
+        self._canonical = {user: canonical for canonical, user in self.metric_names.items()}
+        self.actions = {"log", *actions}
+        if "rollback" in self.actions:
+            self.actions.add("checkpoint")
+        self.act_on = HealthState.WARNING if act_on == "warning" else HealthState.COLLAPSING
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_name = checkpoint_name
+        self.max_rollbacks = max_rollbacks
+        self.rollback_lr_scale = rollback_lr_scale
+        self.tolerated_rules = tuple(tolerated_rules)
+        self.validation_metrics = tuple(validation_metrics)
+        self.rollbacks = 0
+        self.last_healthy_path: str | None = None
+        self.last_healthy_step: int | None = None
+        self.stopped_at: int | None = None
+        self._lr_factor = 1.0
+
+    # ------------------------------------------------------------------ identity and state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(name=self.name)
+
+    @property
+    def state_metric(self) -> str:
+        """The scalar this monitor logs: ``health/<name>``."""
+        return f"health/{self.name}"
+
+    @property
+    def state(self) -> HealthState:
+        return self.detector.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "detector": self.detector.state_dict(),
+            "rollbacks": self.rollbacks,
+            "last_healthy_path": self.last_healthy_path,
+            "last_healthy_step": self.last_healthy_step,
+            "stopped_at": self.stopped_at,
+            "lr_factor": self._lr_factor,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state_dict["detector"])
+        self.rollbacks = int(state_dict.get("rollbacks", 0))
+        self.last_healthy_path = state_dict.get("last_healthy_path")
+        self.last_healthy_step = state_dict.get("last_healthy_step")
+        self.stopped_at = state_dict.get("stopped_at")
+        self._lr_factor = float(state_dict.get("lr_factor", 1.0))
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        step = rl_step(trainer)
+        metrics = self.read_metrics(trainer, validation=False)
+        verdict = self.detector.update(step, metrics) if metrics else self.detector.verdict()
+        self._log(trainer, pl_module, verdict, step)
+        self._act(trainer, pl_module, verdict, step, allow_checkpoint=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        metrics = self.read_metrics(trainer, validation=True)
+        if not metrics:
+            return
+        step = rl_step(trainer)
+        verdict = self.detector.update(step, metrics)
+        self._log_text(trainer, verdict, step)  # the scalar follows with the next training batch
+        self._act(trainer, pl_module, verdict, step, allow_checkpoint=False)
+
+    # ------------------------------------------------------------------ reading
+    def _is_validation(self, canonical: str) -> bool:
+        return canonical in self.validation_metrics or canonical.startswith("val/")
+
+    def read_metrics(self, trainer: pl.Trainer, validation: bool) -> dict[str, float]:
+        """Scalars of ``trainer.callback_metrics`` under canonical names, train or validation ones."""
+        out: dict[str, float] = {}
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith("health/"):
+                continue
+            canonical = self._canonical.get(key, key)
+            if self._is_validation(canonical) != validation:
+                continue
+            scalar = _scalar(value)
+            if scalar is not None:
+                out[canonical] = scalar
+        return out
+
+    # ------------------------------------------------------------------ actions
+    def _monitors(self, trainer: pl.Trainer) -> list[HealthMonitor]:
+        return [cb for cb in trainer.callbacks if isinstance(cb, HealthMonitor)]  # type: ignore[attr-defined]
+
+    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict, step: int) -> None:
+        kwargs: dict[str, Any] = {"on_step": True, "on_epoch": False, "batch_size": 1, "logger": True}
+        pl_module.log(self.state_metric, float(verdict.state), **kwargs)
+        if "rollback" in self.actions:
+            pl_module.log(f"health/{self.name}_rollbacks", float(self.rollbacks), **kwargs)
+        monitors = self._monitors(trainer)
+        if monitors and monitors[-1] is self:
+            pl_module.log("health/state", float(max(m.state for m in monitors)), **kwargs)
+        self._log_text(trainer, verdict, step)
+
+    def _log_text(self, trainer: pl.Trainer, verdict: Verdict, step: int) -> None:
+        events = [e for e in verdict.events if e.kind != "cleared"]
+        if "warn" in self.actions:
+            for event in events:
+                if event.kind in ("fired", "escalated"):
+                    self._warn(f"[{self.name}] step {step}: {event.severity} ({event.rule}) {event.message}")
+        if not verdict.events:
+            return
+        text = "\n\n".join(f"**{e.kind} {e.severity}** `{e.rule}` {e.metric}: {e.message}" for e in verdict.events)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(f"{self.state_metric}/events", text, global_step=step)
+
+    @rank_zero_only
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, HealthWarning, stacklevel=2)
+
+    def _act(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict, step: int, allow_checkpoint: bool
+    ) -> None:
+        strategy = trainer.strategy
+        if "checkpoint" in self.actions and allow_checkpoint and step % self.checkpoint_every == 0:
+            healthy = verdict.state_ignoring(self.tolerated_rules) == HealthState.HEALTHY
+            if strategy.reduce_boolean_decision(healthy, all=True):
+                self._save_healthy(trainer, step)
+        if "rollback" in self.actions or "stop" in self.actions:
+            bad = strategy.reduce_boolean_decision(verdict.state >= self.act_on, all=False)
+            if not bad:
+                return
+            if "rollback" in self.actions:
+                if self.rollbacks < self.max_rollbacks and self.last_healthy_path and os.path.isfile(self.last_healthy_path):
+                    self._rollback(trainer, pl_module, verdict, step)
+                    return
+                why = (f"gave up after {self.rollbacks} rollbacks" if self.rollbacks >= self.max_rollbacks
+                       else "no healthy checkpoint to roll back to")
+                self._stop(trainer, verdict, step, why)
+            else:
+                self._stop(trainer, verdict, step, f"state {verdict.state.label}")
+
+    def _checkpoint_path(self, trainer: pl.Trainer) -> str:
+        root = self.checkpoint_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
+        return os.path.join(root, f"{self.checkpoint_name}.ckpt")
+
+    def _save_healthy(self, trainer: pl.Trainer, step: int) -> None:
+        path = self._checkpoint_path(trainer)
+        self.last_healthy_path, self.last_healthy_step = path, step
+        trainer.save_checkpoint(path)
+
+    def _stop(self, trainer: pl.Trainer, verdict: Verdict, step: int, why: str) -> None:
+        if not trainer.should_stop:
+            self._record(step, "stopped", why, verdict)
+            self._warn(f"[{self.name}] step {step}: stopping training ({why}): {verdict.reasons}")
+        trainer.should_stop = True
+        self.stopped_at = step
+
+    def _record(self, step: int, kind: str, message: str, verdict: Verdict) -> None:
+        event = HealthEvent(step, kind, self.name, "", verdict.state.label, verdict.state.label, message)
+        self.detector.events.append(event)
+
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict, step: int) -> None:
+        """Restore weights + optimizer states (+ this monitor's detector) from the healthy checkpoint."""
+        assert self.last_healthy_path is not None
+        ckpt = torch.load(self.last_healthy_path, map_location="cpu", weights_only=False)
+        pl_module.load_state_dict(ckpt["state_dict"])
+        for optimizer, opt_state in zip(trainer.optimizers, ckpt.get("optimizer_states", [])):
+            optimizer.load_state_dict(opt_state)
+        saved = ckpt.get("callbacks", {}).get(self.state_key)
+        saved_factor = float(saved.get("lr_factor", 1.0)) if saved else 1.0
+        target = self._lr_factor * self.rollback_lr_scale
+        self._scale_lr(trainer, target / saved_factor)
+        reasons = verdict.reasons
+        events = list(self.detector.events)
+        if saved:
+            self.detector.load_state_dict(saved["detector"])
+            self.detector.events = events  # keep the full timeline, not the checkpoint's
+        self.rollbacks += 1
+        self._lr_factor = target
+        message = (f"rolled back to the healthy checkpoint of step {self.last_healthy_step} "
+                   f"(rollback {self.rollbacks}/{self.max_rollbacks}, lr x{target:g})")
+        self._record(step, "rollback", message, verdict)
+        self._warn(f"[{self.name}] step {step}: {message}; because: {reasons}")
+
+    @staticmethod
+    def _scale_lr(trainer: pl.Trainer, factor: float) -> None:
+        if math.isclose(factor, 1.0):
+            return
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= factor
+                if "initial_lr" in group:
+                    group["initial_lr"] *= factor
+        for config in trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]

@@ -1,0 +1,87 @@
+"""`tclightning analyze ...`: offline analysis tools. ``analyze health PATH`` replays a run's metrics
+through the health detector and prints the verdict timeline (``--json`` for machines)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tclightning.errors import TclightningError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("analyze", help="offline analysis of runs")
+    tools = parser.add_subparsers(dest="analyze_command", metavar="TOOL")
+    health = tools.add_parser(
+        "health",
+        help="replay a run's metrics through the collapse detector",
+        description=(
+            "Replay a run's metrics through the health detector (the rules of the CollapseDetector callback) "
+            "and print when it warned and when it saw a collapse. PATH is a run directory (its metrics.csv, "
+            "else TensorBoard event files under it), a metrics.csv, any CSV with a 'step' column and canonical "
+            "metric names, or an event file."
+        ),
+    )
+    health.add_argument("path", metavar="PATH", help="run directory, CSV file or TensorBoard event file")
+    health.add_argument("--json", action="store_true",
+                        help='print {"first_warning_step": ..., "first_collapse_step": ..., "events": [...]}')
+    health.add_argument("--name", action="append", default=[], metavar="CANONICAL=YOURS",
+                        help="read the canonical metric CANONICAL from your column YOURS (repeatable), "
+                             "e.g. --name reward/mean=train/reward")
+    health.add_argument("--all-events", action="store_true", help="also list 'cleared' and 'recovered' events")
+    health.set_defaults(func=run_health)
+
+
+def _names(pairs: list[str]) -> dict[str, str]:
+    """``--name canonical=yours`` -> ``{yours: canonical}`` (the readers' column -> canonical map)."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        canonical, sep, yours = pair.partition("=")
+        if not sep or not canonical or not yours:
+            raise TclightningError(f"--name expects CANONICAL=YOURS, got {pair!r}")
+        out[yours] = canonical
+    return out
+
+
+def run_health(args: argparse.Namespace) -> int:
+    """Handler of ``analyze health``: 0 when the replay ran (whatever its verdict)."""
+    from tclightning.health.detector import HealthDetector, replay
+    from tclightning.health.io import read_run
+
+    rows = read_run(args.path, _names(args.name))
+    if not rows:
+        raise TclightningError(f"{args.path}: no metric rows")
+    result = replay(rows, HealthDetector())
+    if args.json:
+        print(json.dumps(result.summary(), allow_nan=False, default=str))
+        return 0
+    _print_timeline(args.path, rows, result, args.all_events)
+    return 0
+
+
+def _print_timeline(path: str, rows: list, result, all_events: bool) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    steps = [step for step, _ in rows]
+    names = sorted({name for _, metrics in rows for name in metrics})
+    console.print(f"[bold]{escape(str(path))}[/bold]: {len(rows)} steps ({steps[0]}..{steps[-1]}), {len(names)} metrics")
+    colour = {"healthy": "green", "warning": "yellow", "collapsing": "red"}
+    width = max((len(e.rule) for e in result.events), default=8)
+    for event in result.events:
+        if not all_events and event.kind in ("cleared", "recovered"):
+            continue
+        sev = event.severity
+        console.print(
+            f"  step {event.step:>6}  [{colour.get(sev, 'white')}]{sev:<10}[/] {event.kind:<9} "
+            f"{event.rule:<{width}}  {escape(event.message)}"
+        )
+    final = result.verdicts[-1].state.label
+    fw, fc = result.first_warning_step, result.first_collapse_step
+    console.print(
+        f"first warning: {'step ' + str(fw) if fw is not None else 'none'}; "
+        f"first collapse: {'step ' + str(fc) if fc is not None else 'none'}; "
+        f"state at the last step: [{colour[final]}]{final}[/]"
+    )

@@ -1,0 +1,77 @@
+"""`tclightning bench ...` (subcommands are added by the features that own them).
+
+* ``bench codec`` -- PRF encode/decode time against ``clone()`` and bytes per token
+  (``tclightning.codecs.benchmark.bench_codec``; ``benchmarks/codec.py`` runs the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+
+
+def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``bench codec`` (shared with ``benchmarks/codec.py``)."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens in the boundary tensor (default 8192)")
+    parser.add_argument("--dim", type=int, default=1536, help="boundary width d (default 1536)")
+    parser.add_argument("--k", type=int, default=77, help="values kept per token (default 77 = 5%% of 1536)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--repeats", type=int, default=25, help="timed rounds; medians are reported (default 25)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+
+
+def run_codec(args: argparse.Namespace) -> int:
+    """Handler of ``bench codec``: prints the result; exit code 0."""
+    from tclightning.codecs.benchmark import bench_codec
+    from tclightning.errors import TclightningError
+
+    if not 1 <= args.k <= args.dim or args.tokens < 1:
+        raise TclightningError(
+            f"bench codec: need 1 <= k <= dim and tokens >= 1 (got k={args.k}, dim={args.dim}, tokens={args.tokens})"
+        )
+    result = bench_codec(
+        tokens=args.tokens,
+        dim=args.dim,
+        k=args.k,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        device=args.device,
+        threads=args.threads,
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"PRF codec, [{result['tokens']} x {result['dim']}] {result['dtype']}, k={result['k']}, "
+        f"{result['device']}, {result['threads']} threads, median of {result['repeats']}"
+    )
+    print(f"  clone    {result['clone_ms']:9.3f} ms")
+    print(f"  encode   {result['encode_ms']:9.3f} ms  ({result['encode_over_clone']:.2f} x clone; target <= 0.3)")
+    print(
+        f"  decode   {result['decode_ms']:9.3f} ms  (encode+decode {result['roundtrip_over_clone']:.2f} x clone; target <= 1.5)"
+    )
+    print(
+        f"  bytes/token  payload {result['payload_bytes_per_token']}  dense {result['dense_bytes_per_token']}  "
+        f"({result['compression']:.2f}x)"
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="bench tools")
+    tools = parser.add_subparsers(dest="bench_command", metavar="TOOL")
+    codec = tools.add_parser("codec", help="time the PRF codec against clone() and report bytes per token")
+    add_codec_arguments(codec)
+    codec.set_defaults(func=run_codec)
+
+
+def main_codec(argv: Sequence[str] | None = None) -> int:
+    """``benchmarks/codec.py`` entry point: the same options and output as ``tclightning bench codec``."""
+    parser = argparse.ArgumentParser(description="PRF codec benchmark (same as `tclightning bench codec`)")
+    add_codec_arguments(parser)
+    return run_codec(parser.parse_args(argv))

@@ -1,0 +1,56 @@
+"""The ``tclightning`` command: one verb per subcommand (run, recipes, analyze, probe, bench).
+
+Each subcommand lives in its own module exposing ``register(subparsers)``; the handler it sets
+as ``func`` receives the parsed namespace and returns an exit code. Heavy imports (torch,
+transformers) happen inside handlers so ``--help`` and ``recipes list`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tclightning import __version__
+from tclightning.errors import TclightningError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tclightning.cli import analyze, bench, probe, recipes, run
+
+    parser = argparse.ArgumentParser(
+        prog="tclightning",
+        description="Communication-efficient GRPO on PyTorch Lightning: run recipes, list them, probe and analyse runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"tclightning {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in (run, recipes, analyze, probe, bench):
+        module.register(subparsers)
+    return parser
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse ``argv``, run the chosen handler, and turn user errors into one line + exit code 2."""
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except TclightningError as err:
+        if args.debug:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return dispatch(build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

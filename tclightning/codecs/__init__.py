@@ -1,0 +1,84 @@
+"""Boundary codecs: what crosses a pipeline cut (pure tensor math, no Lightning).
+
+* ``prf``      -- exact-k per token, indices from a keyed hash, only values sent (:mod:`.prf`)
+* ``identity`` -- the dense boundary (:mod:`.identity`)
+* ``svd``      -- static rank-r basis from calibration activations (:mod:`.lowrank`)
+* ``powersgd`` -- rank-r PowerSGD, for gradient messages only (:mod:`.lowrank`)
+
+``make_codec(name, dim, ...)`` builds one by name; see ``docs/codecs.md``.
+"""
+
+from __future__ import annotations
+
+from tclightning.codecs.base import (
+    BACKWARD_STREAM,
+    FORWARD_STREAM,
+    Codec,
+    CodecKey,
+    Payload,
+    dense_bytes,
+    payload_nbytes,
+)
+from tclightning.codecs.identity import IdentityCodec
+from tclightning.codecs.lowrank import PowerSGDCodec, SVDCodec
+from tclightning.codecs.prf import FILLS, PRFCodec, PRFIndexer
+
+CODECS = ("prf", "identity", "svd", "powersgd")
+
+
+def budget_k(dim: int, *, rate: float | None = None, k: int | None = None) -> int:
+    """Values kept per token: ``k`` if given, else ``round(rate * d)`` (half up), clamped to [1, d].
+
+    ``budget_k(1536, rate=0.05) == 77``; ``budget_k(576, rate=0.05) == 29``."""
+    if k is not None:
+        if not 1 <= k <= dim:
+            raise ValueError(f"k must be in [1, d={dim}], got {k}")
+        return k
+    if rate is None or not 0.0 < rate <= 1.0:
+        raise ValueError(f"rate must be in (0, 1], got {rate}")
+    return min(dim, max(1, int(rate * dim + 0.5)))
+
+
+def make_codec(
+    name: str,
+    dim: int,
+    *,
+    k: int | None = None,
+    rate: float | None = 0.05,
+    fill: str = "zero",
+    rescale: bool = False,
+    fill_momentum: float = 0.1,
+    rank: int | None = None,
+) -> Codec:
+    """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
+    values per token for ``prf`` and the rank (default: that same budget) for ``svd``/``powersgd``."""
+    if name == "identity":
+        return IdentityCodec(dim)
+    budget = budget_k(dim, rate=rate, k=k)
+    if name == "prf":
+        return PRFCodec(dim, budget, fill=fill, rescale=rescale, fill_momentum=fill_momentum)
+    if name == "svd":
+        return SVDCodec(dim, rank or budget)
+    if name == "powersgd":
+        return PowerSGDCodec(dim, rank or budget)
+    raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
+
+
+__all__ = [
+    "BACKWARD_STREAM",
+    "CODECS",
+    "FILLS",
+    "FORWARD_STREAM",
+    "Codec",
+    "CodecKey",
+    "IdentityCodec",
+    "PRFCodec",
+    "PRFIndexer",
+    "Payload",
+    "PowerSGDCodec",
+    "SVDCodec",
+    "budget_k",
+    "dense_bytes",
+    "make_codec",
+    "payload_nbytes",
+]

@@ -1,0 +1,117 @@
+"""The boundary-codec protocol: what crosses a pipeline cut, and how many bytes it costs.
+
+A codec turns a boundary tensor ``x`` of shape ``[B, L, d]`` (rows x positions x channels; a 2-D
+``[T, d]`` tensor is one row of ``T`` positions) into a *payload* -- the only thing that crosses
+the wire -- and back:
+
+    payload = codec.encode(x, key)          # sender side
+    x_hat   = codec.decode(payload, key)    # receiver side, same key => same reconstruction
+
+The key is shared by both sides and never sent. Pure tensor math: no Lightning import here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Payload = Tensor | tuple[Tensor, ...]
+"""What crosses a cut: one tensor (prf values, svd coefficients, identity) or a tuple (powersgd P, Q)."""
+
+FORWARD_STREAM = 0
+"""``CodecKey.stream`` for boundary activations (forward)."""
+BACKWARD_STREAM = 1
+"""``CodecKey.stream`` for boundary gradients when a separate backward codec is configured."""
+
+
+@dataclass(frozen=True)
+class CodecKey:
+    """Everything sender and receiver share to agree on a message without sending indices.
+
+    ``seed``: run-level secret; ``step``: optimizer tick; ``cut``: the cut's identity (the layer
+    index it follows, so the same cut gets the same indices under any layout); ``row_offset``:
+    global index of this tensor's first row (micro-batches / data-parallel shards keep global rows);
+    ``stream``: 0 forward activations, 1 gradients under a separate backward codec.
+    """
+
+    seed: int
+    step: int
+    cut: int
+    row_offset: int = 0
+    stream: int = FORWARD_STREAM
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """View ``x`` as ``[B, L, d]``: a 2-D ``[T, d]`` tensor is one row of ``T`` positions."""
+    if x.dim() == 3:
+        return x
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    raise ValueError(f"boundary tensors must be [B, L, d] or [T, d], got shape {tuple(x.shape)}")
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes of a payload as it would be sent: sum of ``numel * element_size`` over its tensors."""
+    tensors = payload if isinstance(payload, tuple) else (payload,)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dense_bytes(tokens: int, dim: int, dtype: torch.dtype) -> int:
+    """Bytes of the uncompressed boundary: ``tokens * d * element_size``."""
+    return tokens * dim * dtype.itemsize
+
+
+class Codec(ABC):
+    """A boundary codec for a ``d``-channel cut.
+
+    Contract: ``decode(encode(x, key), key)`` has ``x``'s shape ``[B, L, d]``; the payload is all
+    that crosses; ``payload_bytes(tokens, dtype)`` is exactly what ``tokens`` real tokens cost on
+    the wire. Both maps are differentiable where the codec is linear in ``x`` (prf, identity, svd),
+    so the gradient w.r.t. the payload is the backward message (chain rule through the codec).
+    """
+
+    name: str = "codec"
+    differentiable: bool = True
+    """False for codecs that may only be used as a separate backward codec (powersgd)."""
+
+    def __init__(self, dim: int) -> None:
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.dim = dim
+
+    @abstractmethod
+    def encode(self, x: Tensor, key: CodecKey) -> Payload:
+        """Sender side: ``[B, L, d]`` (or ``[T, d]``) -> payload."""
+
+    @abstractmethod
+    def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:
+        """Receiver side: payload -> ``[B, L, d]``. ``token_mask`` ([B, L], True = real token) only
+        tells stateful fills which tokens to learn from."""
+
+    @abstractmethod
+    def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """Exact wire bytes of one message carrying ``tokens`` tokens of ``dtype``."""
+
+    def payload_bytes_per_token(self, dtype: torch.dtype) -> float:
+        """Wire bytes per token for a large message (per-message overheads amortised away)."""
+        return float(self.payload_bytes(1, dtype))
+
+    def commit_step(self) -> None:
+        """Fold statistics gathered during the last step into receiver state (no-op by default).
+
+        Called once per optimizer tick, so state is constant within a step and every forward of a
+        step (old-logp recompute, loss forward) sees the same reconstruction."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Receiver-side state to checkpoint (empty for stateless codecs)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"

@@ -1,0 +1,277 @@
+"""Exact-k PRF codec: each token keeps exactly k of its d channels, chosen by a keyed hash.
+
+Index construction (per token t with key (seed, step, cut, row, position)):
+
+    h_t        = H(seed, step, cut, stream, row, position)        32-bit keyed integer hash
+    a_t        = H_a(h_t) mod d                                   offset, uniform on [0, d)
+    b_t        = units(d)[H_b(h_t) mod phi(d)]                    stride, invertible mod d
+    idx_t[j]   = perm[(a_t + b_t * j) mod d],  j = 0 .. k-1       perm: fixed keyed permutation of [0, d)
+
+Why this construction:
+* exact-k and distinct by construction: j -> a + b*j is injective mod d when gcd(b, d) = 1 and
+  k <= d, and ``perm`` is a bijection -- no rejection, no sort, no top-k;
+* O(T*k) work: the hash is O(T); the progression is one row gather from a [phi(d), k] table of
+  ``b*j mod d`` plus one gather from ``perm`` doubled to length 2d (so no modulo on T*k elements);
+* every channel is kept with probability exactly k/d per token (a is uniform and the k offsets
+  are distinct), which is what makes the optional d/k rescale unbiased;
+* ``perm`` (keyed by seed and cut, fixed over steps) scatters the progression over the channels, so
+  kept sets do not follow the model's channel layout (heads, rotary halves, contiguous runs);
+* deterministic across processes and devices: the hash is integer arithmetic on int64 tensors
+  kept inside [0, 2**32) with products split so nothing overflows -- no torch RNG involved.
+
+Only the k values per token cross the wire; the receiver regenerates the indices from the key.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tclightning.codecs.base import Codec, CodecKey, as_rows
+
+MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: separates hash rounds
+_SALT_OFFSET = 0x68E31DA4
+_SALT_STRIDE = 0xB5297A4D
+_SALT_PERM = 0x1B56C4E9
+
+FILLS = ("zero", "mean")
+
+
+def _mul32(x: Any, c: int) -> Any:
+    """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` (int or int64 tensor) without int64 overflow.
+
+    ``c`` is split into 16-bit halves so every partial product stays below 2**48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: Any) -> Any:
+    """A bijective 32-bit integer hash (Wellons' ``lowbias32``) on ints or int64 tensors in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def fold32(value: int) -> int:
+    """Any Python int (negative, or wider than 32 bits) -> [0, 2**32), xor-folding the high word."""
+    value &= (1 << 64) - 1
+    return (value ^ (value >> 32)) & MASK32
+
+
+def key_hash(key: CodecKey) -> int:
+    """32-bit hash of the scalar key parts (seed, step, cut, stream); rows/positions are mixed in later."""
+    h = mix32(fold32(key.seed) ^ _GOLDEN)
+    for part in (key.step, key.cut, key.stream):
+        h = mix32(((h + _GOLDEN) & MASK32) ^ fold32(part))
+    return h
+
+
+def units_mod(d: int) -> list[int]:
+    """Strides invertible mod d: ``{b in [1, d) : gcd(b, d) = 1}`` (``[0]`` for d = 1)."""
+    return [b for b in range(1, d) if math.gcd(b, d) == 1] or [0]
+
+
+def keyed_permutation(seed: int, cut: int, d: int, device: torch.device | str = "cpu") -> Tensor:
+    """The fixed permutation of [0, d) for (seed, cut): argsort of distinct 32-bit hashes (no ties, so
+    the same on every device)."""
+    base = mix32(mix32(fold32(seed) ^ _SALT_PERM) ^ fold32(cut))
+    scores = mix32(torch.arange(d, dtype=torch.int64) ^ base)
+    return torch.argsort(scores, stable=True).to(device)
+
+
+class PRFIndexer:
+    """Generates the k kept channels per token for a (d, k) budget; tables are cached per device/key."""
+
+    def __init__(self, dim: int, k: int) -> None:
+        if not 1 <= k <= dim:
+            raise ValueError(f"k must be in [1, d={dim}], got {k}")
+        self.dim, self.k = dim, k
+        units = units_mod(dim)
+        self._units = torch.tensor(units, dtype=torch.int64)
+        self._progressions: dict[torch.device, Tensor] = {}
+        self._perms: dict[tuple[int, int, torch.device], Tensor] = {}
+
+    def _progression(self, device: torch.device) -> Tensor:
+        """[phi(d), k] table of ``b * j mod d`` for every invertible stride b."""
+        table = self._progressions.get(device)
+        if table is None:
+            j = torch.arange(self.k, dtype=torch.int64)
+            table = ((self._units[:, None] * j[None, :]) % self.dim).to(device)
+            self._progressions[device] = table
+        return table
+
+    def _doubled_perm(self, seed: int, cut: int, device: torch.device) -> Tensor:
+        """``perm`` repeated twice, so ``perm2[a + (b*j mod d)] = perm[(a + b*j) mod d]`` for a < d."""
+        slot = (seed, cut, device)
+        perm2 = self._perms.get(slot)
+        if perm2 is None:
+            perm = keyed_permutation(seed, cut, self.dim, device)
+            perm2 = torch.cat([perm, perm])
+            if len(self._perms) > 64:  # seeds/cuts are few; bound the cache anyway
+                self._perms.clear()
+            self._perms[slot] = perm2
+        return perm2
+
+    def indices(self, key: CodecKey, batch: int, length: int, device: torch.device | str = "cpu") -> Tensor:
+        """int64 ``[batch, length, k]``: the kept channels of token (row_offset + b, position l)."""
+        device = torch.device(device)
+        rows = torch.arange(batch, dtype=torch.int64, device=device) + key.row_offset
+        positions = torch.arange(length, dtype=torch.int64, device=device)
+        row_hash = mix32((rows & MASK32) ^ key_hash(key))
+        token_hash = mix32((row_hash[:, None] + _mul32(positions, _GOLDEN)[None, :]) & MASK32)
+        offset = mix32(token_hash ^ _SALT_OFFSET) % self.dim
+        stride_slot = mix32(token_hash ^ _SALT_STRIDE) % self._units.numel()
+        positions_in_perm = self._progression(device)[stride_slot]  # [B, L, k] = b*j mod d (a fresh tensor)
+        positions_in_perm += offset[..., None]  # in place: one T*k pass fewer
+        return self._doubled_perm(key.seed, key.cut, device)[positions_in_perm]
+
+
+class PRFCodec(Codec):
+    """Exact-k PRF codec: payload = the k kept values per token, ``[B, L, k]`` in ``x``'s dtype.
+
+    Decode: ``x_hat = fill``, then on kept channels ``x_hat[idx] = fill[idx] + s * (v - fill[idx])``
+    with ``s = d/k`` when ``rescale`` else 1 (so without rescale the kept values are exact).
+    Fills: ``zero``; ``mean`` -- a per-channel running mean of the *decoded* values only (receiver
+    state, so it needs nothing extra on the wire), EMA with ``fill_momentum``, folded in by
+    :meth:`commit_step` once per tick and constant within a tick.
+    Bytes: ``k * element_size`` per token, exactly (no indices, no padding).
+    """
+
+    name = "prf"
+
+    def __init__(
+        self, dim: int, k: int, *, fill: str = "zero", rescale: bool = False, fill_momentum: float = 0.1
+    ) -> None:
+        super().__init__(dim)
+        if fill not in FILLS:
+            raise ValueError(f"unknown fill '{fill}'; choose one of {', '.join(FILLS)}")
+        if not 0.0 < fill_momentum <= 1.0:
+            raise ValueError(f"fill_momentum must be in (0, 1], got {fill_momentum}")
+        self.k = k
+        self.fill = fill
+        self.rescale = rescale
+        self.fill_momentum = fill_momentum
+        self.indexer = PRFIndexer(dim, k)
+        self._last: tuple[tuple[CodecKey, int, int, torch.device], Tensor] | None = None
+        # receiver-side running-mean state (fill="mean"); float32 whatever the activation dtype
+        self._mean: Tensor | None = None
+        self._seen: Tensor | None = None
+        self._pending_sum: Tensor | None = None
+        self._pending_count: Tensor | None = None
+
+    @property
+    def scale(self) -> float:
+        """``d/k`` under rescale, else 1."""
+        return self.dim / self.k if self.rescale else 1.0
+
+    def indices(self, key: CodecKey, batch: int, length: int, device: torch.device | str) -> Tensor:
+        """Kept channels ``[batch, length, k]``; the last result is cached (encode and decode of the
+        same message in one process generate them once)."""
+        slot = (key, batch, length, torch.device(device))
+        if self._last is not None and self._last[0] == slot:
+            return self._last[1]
+        idx = self.indexer.indices(key, batch, length, device)
+        self._last = (slot, idx)
+        return idx
+
+    def clear_cache(self) -> None:
+        """Forget cached indices (benchmarks time index generation on both sides)."""
+        self._last = None
+
+    def encode(self, x: Tensor, key: CodecKey) -> Tensor:
+        rows = as_rows(x)
+        self._check_dim(rows)
+        idx = self.indices(key, rows.shape[0], rows.shape[1], rows.device)
+        values = rows.gather(-1, idx)
+        return values if x.dim() == 3 else values.squeeze(0)
+
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        values = as_rows(payload)
+        batch, length, k = values.shape
+        if k != self.k:
+            raise ValueError(f"payload carries {k} values per token, codec expects k={self.k}")
+        idx = self.indices(key, batch, length, values.device)
+        if self.fill == "zero":
+            src = values * self.scale if self.rescale else values
+            out = values.new_zeros(batch, length, self.dim).scatter_(-1, idx, src)
+        else:
+            fill = self._fill_vector(values)
+            out = fill.expand(batch, length, self.dim).clone()
+            src = values
+            if self.rescale:
+                kept_fill = fill[idx]
+                src = kept_fill + self.scale * (values - kept_fill)
+            out.scatter_(-1, idx, src)
+            self._observe(idx, values, token_mask)
+        return out if payload.dim() == 3 else out.squeeze(0)
+
+    def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        return tokens * self.k * dtype.itemsize
+
+    # -- running-mean fill -------------------------------------------------------------------
+
+    def _fill_vector(self, like: Tensor) -> Tensor:
+        if self._mean is None or self._mean.device != like.device:
+            self._reset_state(like.device)
+        assert self._mean is not None
+        return self._mean.to(like.dtype)
+
+    def _reset_state(self, device: torch.device) -> None:
+        zeros = torch.zeros(self.dim, dtype=torch.float32, device=device)
+        if self._mean is not None:  # moved device: keep what was learned
+            self._mean, self._seen = self._mean.to(device), self._seen.to(device)  # type: ignore[union-attr]
+        else:
+            self._mean, self._seen = zeros.clone(), torch.zeros(self.dim, dtype=torch.bool, device=device)
+        self._pending_sum, self._pending_count = zeros.clone(), zeros.clone()
+
+    @torch.no_grad()
+    def _observe(self, idx: Tensor, values: Tensor, token_mask: Tensor | None) -> None:
+        """Accumulate decoded values per channel (only real tokens when a mask is known)."""
+        assert self._pending_sum is not None and self._pending_count is not None
+        if token_mask is not None and token_mask.shape == idx.shape[:2]:
+            keep = token_mask.to(torch.bool)
+            idx, values = idx[keep], values[keep]
+        flat_idx = idx.reshape(-1)
+        self._pending_sum.index_add_(0, flat_idx, values.detach().reshape(-1).float())
+        self._pending_count.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float32))
+
+    @torch.no_grad()
+    def commit_step(self) -> None:
+        """``mean_c <- (1 - m) mean_c + m * (batch mean of decoded values on c)`` for observed
+        channels (``mean_c <- batch mean`` the first time a channel is seen)."""
+        if self.fill != "mean" or self._pending_count is None:
+            return
+        assert self._mean is not None and self._seen is not None and self._pending_sum is not None
+        observed = self._pending_count > 0
+        batch_mean = self._pending_sum / self._pending_count.clamp_min(1.0)
+        blended = torch.where(
+            self._seen, (1 - self.fill_momentum) * self._mean + self.fill_momentum * batch_mean, batch_mean
+        )
+        self._mean = torch.where(observed, blended, self._mean)
+        self._seen = self._seen | observed
+        self._pending_sum.zero_()
+        self._pending_count.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._mean is None:
+            return {}
+        return {"mean": self._mean.cpu(), "seen": self._seen.cpu()}  # type: ignore[union-attr]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self._mean, self._seen = state["mean"].float(), state["seen"].bool()
+        self._pending_sum = torch.zeros(self.dim, dtype=torch.float32)
+        self._pending_count = torch.zeros(self.dim, dtype=torch.float32)
+
+    def _check_dim(self, rows: Tensor) -> None:
+        if rows.shape[-1] != self.dim:
+            raise ValueError(f"tensor has {rows.shape[-1]} channels, codec expects d={self.dim}")
+
+    def __repr__(self) -> str:
+        return f"PRFCodec(dim={self.dim}, k={self.k}, fill={self.fill!r}, rescale={self.rescale})"

@@ -1,0 +1,330 @@
+"""The GRPO LightningModule. One ``training_step`` is one RL step, and it reads top to bottom:
+
+sample (dense) -> reward -> advantages -> trainer log-probs (through whatever cuts the strategy
+installed) and the gap -> ``epochs x minibatches`` optimizer ticks of the clipped surrogate.
+
+Manual optimisation: ``trainer.global_step`` counts optimizer ticks, while the logged ``step``
+(TensorBoard, ``metrics.csv``) is the RL step, Lightning's batch counter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import asdict
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torchmetrics import MeanMetric
+
+from tclightning.callbacks.steps import completed_steps
+from tclightning.grpo.advantages import group_advantages, zero_variance_groups
+from tclightning.grpo.config import GRPOConfig
+from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
+from tclightning.grpo.logprobs import completion_logps
+from tclightning.grpo.loss import gap_metrics, policy_loss
+from tclightning.models.config import ModelConfig
+from tclightning.models.loading import load_model
+from tclightning.models.warmup import supervised_warmup
+from tclightning.sampling.base import PromptFormatter, Rollouts, sequence_seed
+from tclightning.sampling.config import SamplerConfig
+from tclightning.sampling.factory import build_sampler
+from tclightning.tasks import Example, TaskConfig, build_task
+
+PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
+
+
+class GRPOModule(L.LightningModule):
+    """GRPO on a causal LM with verifiable rewards.
+
+    The HF model is ``self.policy``; a pipeline Strategy may install codecs at its cuts (the
+    sampler always runs dense, under ``cuts.bypassed()``). With ``grpo.kl_coef > 0`` a frozen
+    copy of the initial policy is kept as ``self.reference`` (and checkpointed).
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig | None = None,
+        task: TaskConfig | None = None,
+        sampler: SamplerConfig | None = None,
+        grpo: GRPOConfig | None = None,
+        total_steps: int = 100,
+        seed: int = 0,
+        val_batch_size: int = 32,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model_cfg = model or ModelConfig()
+        self.task_cfg = task or TaskConfig()
+        self.sampler_cfg = sampler or SamplerConfig()
+        self.cfg = grpo or GRPOConfig()
+        self.total_steps = total_steps
+        self.seed = seed
+        self.val_batch_size = val_batch_size
+        self.save_hyperparameters(
+            {
+                "model": asdict(self.model_cfg),
+                "task": asdict(self.task_cfg),
+                "sampler": asdict(self.sampler_cfg),
+                "grpo": asdict(self.cfg),
+                "total_steps": total_steps,
+                "seed": seed,
+            }
+        )
+        self.policy, self.tokenizer = load_model(self.model_cfg, seed=seed)
+        self.task = build_task(self.task_cfg)
+        self.train_examples: list[Example] = list(self.task.train_examples())
+        self.eval_examples: list[Example] = list(self.task.eval_examples())
+        self.formatter = PromptFormatter(self.tokenizer, self.task.system_prompt, self.model_cfg.chat_template)
+        self.sampler = build_sampler(self.sampler_cfg, self.formatter)
+        self.reference: torch.nn.Module | None = None
+        self.val_accuracy = MeanMetric()
+        self.val_length = MeanMetric()
+        self.warmup_stats: dict[str, float] = {}
+        self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
+
+    # ----------------------------------------------------------------------------- setup
+    def setup(self, stage: str) -> None:
+        fresh = self.trainer is None or self.trainer.ckpt_path is None
+        if stage == "fit" and fresh and self.model_cfg.warmup.steps > 0:
+            self.warmup_stats = supervised_warmup(
+                self.policy,
+                self.formatter,
+                [e.prompt for e in self.train_examples],
+                [e.solution for e in self.train_examples],
+                self.model_cfg.warmup,
+            )
+        if self.cfg.kl_coef > 0 and self.reference is None:
+            import copy
+
+            # On resume this copy is overwritten by the checkpoint's reference weights.
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    def train_dataloader(self) -> PromptStream:
+        return PromptStream(
+            len(self.train_examples), self.cfg.prompts_per_step, self.total_steps, self.seed, self._resume_step
+        )
+
+    def val_dataloader(self) -> EvalBatches:
+        return EvalBatches(len(self.eval_examples), self.val_batch_size)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=self.cfg.lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay
+        )
+        warmup = max(self.cfg.warmup_steps, 0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda tick: min(1.0, (tick + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # ----------------------------------------------------------------------------- pieces
+    @property
+    def cuts(self) -> Any:
+        """The pipeline Strategy's cuts (``None`` when training dense in one piece)."""
+        return getattr(self.trainer.strategy, "cuts", None) if self._trainer else None
+
+    def sample(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None) -> Rollouts:
+        """Dense sampling: codecs (if any) are bypassed, as on a real inference engine."""
+        cuts = self.cuts
+        context = cuts.bypassed() if cuts is not None else contextlib.nullcontext()
+        with context:
+            return self.sampler.generate(
+                self.policy,
+                [e.prompt for e in examples],
+                group_size=group_size or self.sampler_cfg.group_size,
+                seed=seed,
+                greedy=greedy,
+                max_new_tokens=(self.sampler_cfg.eval_max_new_tokens if greedy else None),
+            )
+
+    def score(self, rollouts: Rollouts, examples: list[Example]) -> torch.Tensor:
+        expanded = [e for e in examples for _ in range(rollouts.group_size)]
+        return torch.tensor(self.task.rewards(rollouts.texts, expanded), dtype=torch.float32)
+
+    # ----------------------------------------------------------------------------- the step
+    def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
+        cfg, G = self.cfg, self.sampler_cfg.group_size
+        logged_step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        if batch.step != logged_step:  # would misalign metrics.csv/TensorBoard after a resume
+            raise RuntimeError(f"prompt stream at step {batch.step} but Lightning logs step {logged_step}")
+        started = time.perf_counter()
+        examples = [self.train_examples[i] for i in batch.indices]
+        rollouts = self.sample(examples, sequence_seed(self.sampler_cfg.seed + self.seed, batch.step))
+        rollouts = _to_device(rollouts, self.device)
+        rewards = self.score(rollouts, examples)
+        truncated = rollouts.truncated.cpu()
+        shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong == "penalty" else rewards
+        advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)
+        sampled = time.perf_counter()
+
+        rows = torch.arange(rollouts.num_sequences)
+        if cfg.drop_zero_variance_groups:
+            keep_groups = ~zero_variance_groups(shaped, G)
+            rows = rows[keep_groups.repeat_interleave(G)]
+        if cfg.overlong == "mask":
+            rollouts.completion_mask = rollouts.completion_mask * (~rollouts.truncated).float().unsqueeze(-1)
+        metrics = self._rollout_metrics(rewards, rollouts)
+        metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step))
+        trained = time.perf_counter()
+
+        tokens = float(rollouts.completion_mask.sum())
+        metrics.update(
+            {
+                "time/sample_s": sampled - started,
+                "time/train_s": trained - sampled,
+                "throughput/tokens_per_s": tokens / max(trained - started, 1e-9),
+                "policy/lr": self.optimizers().param_groups[0]["lr"],
+            }
+        )
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rollouts.num_sequences)
+        self.log_dict(
+            {short: metrics[key] for key, short in PROGRESS_KEYS.items()},
+            prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=rollouts.num_sequences,
+        )
+
+    def _rollout_metrics(self, rewards: torch.Tensor, rollouts: Rollouts) -> dict[str, float]:
+        lengths = rollouts.lengths.float().cpu()
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/truncated_frac": float(rollouts.truncated.float().mean()),
+        }
+
+    def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, step: int) -> dict[str, float]:
+        """``epochs x minibatches`` optimizer ticks; returns losses, gap and health metrics."""
+        cfg = self.cfg
+        optimizer, schedule = self.optimizers(), self.lr_schedulers()
+        temperature = self.sampler_cfg.temperature
+        single_tick = cfg.epochs * cfg.minibatches == 1
+        stats: dict[str, list[float]] = {}
+        cuts = self.cuts
+        if cuts is not None:
+            cuts.set_step(self.trainer.global_step)
+
+        # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and
+        # the trainer side of the gap. With a single tick they come from the update's forward.
+        if single_tick:
+            old_logp, entropy = None, None
+        else:
+            with torch.no_grad():
+                old_logp, entropy = completion_logps(self.policy, rollouts, temperature, with_entropy=True)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = completion_logps(self.reference, rollouts, temperature)
+
+        gen = torch.Generator().manual_seed(sequence_seed(self.seed, step, salt=1))
+        for _ in range(cfg.epochs):
+            order = rows[torch.randperm(len(rows), generator=gen)] if cfg.minibatches > 1 else rows
+            for chunk in torch.tensor_split(order, cfg.minibatches):
+                if len(chunk) == 0:
+                    continue
+                if cuts is not None:
+                    cuts.set_step(self.trainer.global_step)
+                part = rollouts.select(chunk.to(rollouts.completion_ids.device))
+                width = part.completion_ids.shape[1]
+                logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
+                if single_tick:
+                    old_logp_part = logp.detach()
+                    old_logp, entropy = old_logp_part, tick_entropy
+                else:
+                    old_logp_part = old_logp[chunk, :width]
+                out = policy_loss(
+                    logp,
+                    old_logp_part,
+                    advantages[chunk],
+                    part.completion_mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    aggregation=cfg.loss_aggregation,
+                    norm_length=self.sampler_cfg.max_new_tokens,
+                    ref_logp=None if ref_logp is None else ref_logp[chunk, :width],
+                    kl_coef=cfg.kl_coef,
+                    logp_sampler=part.logp_sampler,
+                    tis_cap=cfg.tis_cap,
+                    mask_ratio=(cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None,
+                )
+                optimizer.zero_grad(set_to_none=True)
+                self.manual_backward(out.loss)
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+                optimizer.step()
+                schedule.step()
+                for key, value in (
+                    ("loss/policy", out.policy_loss),
+                    ("loss/kl", out.kl),
+                    ("policy/clip_frac", out.clip_frac),
+                    ("policy/grad_norm", grad_norm),
+                    ("policy/tis_clipped_frac", out.tis_frac),
+                    ("policy/masked_frac", out.masked_frac),
+                ):
+                    stats.setdefault(key, []).append(float(value))
+
+        metrics = {key: sum(values) / len(values) for key, values in stats.items()}
+        if not stats:  # every group dropped: nothing to learn from this step
+            metrics.update({"loss/policy": 0.0, "loss/kl": 0.0, "policy/clip_frac": 0.0, "policy/grad_norm": 0.0})
+        mask = rollouts.completion_mask
+        if old_logp is not None:
+            sel_rows = rows if single_tick else slice(None)
+            sel_mask = mask[sel_rows, : old_logp.shape[1]]
+            metrics.update(gap_metrics(old_logp, rollouts.logp_sampler[sel_rows, : old_logp.shape[1]], sel_mask))
+            if entropy is not None:
+                metrics["policy/entropy"] = float((entropy * sel_mask).sum() / sel_mask.sum().clamp(min=1))
+        metrics["policy/kept_frac"] = len(rows) / rollouts.num_sequences
+        return metrics
+
+    # ----------------------------------------------------------------------------- validation
+    def validation_step(self, batch: list[int], batch_idx: int) -> None:
+        examples = [self.eval_examples[i] for i in batch]
+        rollouts = self.sample(examples, seed=self.seed, greedy=True, group_size=1)
+        rewards = self.score(rollouts, examples)
+        self.val_accuracy.update(rewards)
+        self.val_length.update(rollouts.lengths.float())
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            self.val_accuracy.reset()
+            self.val_length.reset()
+            return
+        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True)
+        self.log("val/length_mean", self.val_length.compute())
+        self.val_accuracy.reset()
+        self.val_length.reset()
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tclightning"] = {
+            "rl_step": completed_steps(self.trainer),
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            # Sampling is seeded per step from this, so it is the whole sampler state.
+            "sampler": {"seed": self.sampler_cfg.seed + self.seed, "backend": self.sampler_cfg.backend},
+            "warmup": self.warmup_stats,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("tclightning", {})
+        rng = state.get("rng")
+        if rng:
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        self.warmup_stats = state.get("warmup", {})
+        self._resume_step = int(state.get("rl_step", 0))
+
+
+def _to_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp_sampler", "truncated"):
+        setattr(rollouts, name, getattr(rollouts, name).to(device))
+    return rollouts

@@ -1,0 +1,102 @@
+"""Read a run's metrics for offline replay: ``metrics.csv`` (Lightning's CSVLogger or any CSV with a
+``step`` column) or TensorBoard event files. Returns ``(step, {name: value})`` rows merged by step.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+from tclightning.errors import TclightningError
+
+Row = tuple[int, dict[str, float]]
+
+#: Columns that are bookkeeping, not metrics.
+_SKIP_COLUMNS = {"step", "epoch", "wall_time", "time", "timestamp"}
+
+
+def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
+    """Rows of a CSV with a ``step`` column, merged by step (last non-empty value wins).
+
+    Lightning's CSVLogger writes one row per logging call with only that call's columns filled
+    (train rows and validation rows for the same step), so empty cells are skipped and rows with
+    the same step are merged. ``names`` maps the file's column names to canonical names
+    (``{"train/reward": "reward/mean"}``); unmapped columns keep their names.
+    """
+    path = Path(path)
+    names = dict(names or {})
+    merged: dict[int, dict[str, float]] = {}
+    with path.open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        if not reader.fieldnames or "step" not in reader.fieldnames:
+            raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")
+        for line_no, record in enumerate(reader, start=2):
+            raw_step = (record.get("step") or "").strip()
+            if not raw_step:
+                continue
+            try:
+                step = int(float(raw_step))
+            except ValueError as err:
+                raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a number") from err
+            row = merged.setdefault(step, {})
+            for column, cell in record.items():
+                if column is None or column in _SKIP_COLUMNS or cell is None or not cell.strip():
+                    continue
+                try:
+                    value = float(cell)
+                except ValueError:
+                    continue
+                row[names.get(column, column)] = value
+    return [(step, merged[step]) for step in sorted(merged)]
+
+
+def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
+    """Scalars from every TensorBoard event file under ``path``, merged by step."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    root = Path(path)
+    files = sorted(root.rglob("events.out.tfevents.*")) if root.is_dir() else [root]
+    if not files:
+        raise TclightningError(f"{root}: no TensorBoard event files found")
+    names = dict(names or {})
+    merged: dict[int, dict[str, float]] = {}
+    for file in files:
+        acc = event_accumulator.EventAccumulator(str(file), size_guidance={event_accumulator.SCALARS: 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            if tag in _SKIP_COLUMNS:
+                continue
+            for event in acc.Scalars(tag):
+                merged.setdefault(int(event.step), {})[names.get(tag, tag)] = float(event.value)
+    return [(step, merged[step]) for step in sorted(merged)]
+
+
+def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
+    """Metrics of a run: ``path`` is a CSV file, an event file, or a run directory.
+
+    In a directory: ``metrics.csv`` at its top, else the newest ``metrics.csv`` below it (Lightning's
+    ``lightning_logs/version_N/``), else TensorBoard event files below it.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise TclightningError(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.name.startswith("events.out.tfevents."):
+            return read_tensorboard(p, names)
+        return read_metrics_csv(p, names)
+    direct = p / "metrics.csv"
+    if direct.is_file():
+        return read_metrics_csv(direct, names)
+    nested = sorted(p.rglob("metrics.csv"), key=lambda f: f.stat().st_mtime)
+    if nested:
+        return read_metrics_csv(nested[-1], names)
+    if any(p.rglob("events.out.tfevents.*")):
+        return read_tensorboard(p, names)
+    raise TclightningError(f"{p}: no metrics.csv or TensorBoard event files in this directory")
+
+
+def finite_or_none(x: float | None) -> float | None:
+    """``x`` when it is a finite number, else None (for JSON output)."""
+    return x if x is not None and math.isfinite(x) else None

@@ -1,0 +1,205 @@
+"""The autograd cut: what one boundary does to the activation going forward and the gradient coming back.
+
+Forward, sender -> receiver:   payload = enc(x);  payload = wire.send_forward(payload);  x_hat = dec(payload)
+Backward, receiver -> sender:
+* ``backward_codec=None`` (default): the message is the gradient w.r.t. the payload, i.e. plain
+  autograd through ``dec`` then ``enc`` ([tokens, k] for prf: the same indices, for free);
+* a separate backward codec: ``msg = enc_bwd(g)``, ``wire.send_backward(msg)``, ``g_x = dec_bwd(msg)``
+  (a straight-through estimator for the forward codec).
+
+Everything that crosses goes through a :class:`Wire`. In one process that is :class:`LoopbackWire`
+(hands the payload back); the multi-process Strategy supplies a wire that sends it to the next
+stage's rank. Byte accounting is separate (:class:`WireMeter`), so both count the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from tclightning.codecs import BACKWARD_STREAM, Codec, CodecKey, Payload, SVDCodec
+
+FORWARD = "fwd"
+BACKWARD = "bwd"
+
+
+class Wire(Protocol):
+    """Transport for payloads between the two sides of cut ``ordinal``; returns what the receiver got."""
+
+    def send_forward(self, ordinal: int, payload: Payload) -> Payload: ...
+
+    def send_backward(self, ordinal: int, message: Payload) -> Payload: ...
+
+
+class LoopbackWire:
+    """One process: sender and receiver are the same process, so the payload is handed back as is."""
+
+    def send_forward(self, ordinal: int, payload: Payload) -> Payload:
+        return payload
+
+    def send_backward(self, ordinal: int, message: Payload) -> Payload:
+        return message
+
+
+@dataclass
+class CutTraffic:
+    """Bytes across one cut since the last reset: sent, and what the dense boundary would have sent."""
+
+    layer: int
+    bytes_fwd: int = 0
+    bytes_bwd: int = 0
+    dense_fwd: int = 0
+    dense_bwd: int = 0
+    messages_fwd: int = 0
+    messages_bwd: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Dense bytes / sent bytes over both directions (1.0 when nothing was sent)."""
+        sent = self.bytes_fwd + self.bytes_bwd
+        return (self.dense_fwd + self.dense_bwd) / sent if sent else 1.0
+
+
+class WireMeter:
+    """Per-cut, per-direction byte counters."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.cuts = [CutTraffic(layer) for layer in layers]
+
+    def record(self, ordinal: int, direction: str, sent: int, dense: int) -> None:
+        traffic = self.cuts[ordinal]
+        if direction == FORWARD:
+            traffic.bytes_fwd += sent
+            traffic.dense_fwd += dense
+            traffic.messages_fwd += 1
+        else:
+            traffic.bytes_bwd += sent
+            traffic.dense_bwd += dense
+            traffic.messages_bwd += 1
+
+    def record_setup(self, ordinal: int, sent: int) -> None:
+        """One-off forward bytes (e.g. an svd basis shipped to the receiver)."""
+        self.cuts[ordinal].bytes_fwd += sent
+
+    def reset(self) -> None:
+        self.cuts = [CutTraffic(t.layer) for t in self.cuts]
+
+    def metrics(self) -> dict[str, float]:
+        """``wire/bytes_fwd``, ``wire/bytes_bwd``, ``wire/dense_bytes_fwd``, ``wire/dense_bytes_bwd``,
+        ``wire/ratio`` (dense / sent, both directions, 1.0 if nothing sent) summed over cuts, and
+        ``wire/cut{i}/bytes_fwd|bytes_bwd|ratio`` per cut (i = ordinal)."""
+        total = CutTraffic(-1)
+        out: dict[str, float] = {}
+        for ordinal, t in enumerate(self.cuts):
+            total.bytes_fwd += t.bytes_fwd
+            total.bytes_bwd += t.bytes_bwd
+            total.dense_fwd += t.dense_fwd
+            total.dense_bwd += t.dense_bwd
+            out[f"wire/cut{ordinal}/bytes_fwd"] = float(t.bytes_fwd)
+            out[f"wire/cut{ordinal}/bytes_bwd"] = float(t.bytes_bwd)
+            out[f"wire/cut{ordinal}/ratio"] = t.ratio
+        out.update(
+            {
+                "wire/bytes_fwd": float(total.bytes_fwd),
+                "wire/bytes_bwd": float(total.bytes_bwd),
+                "wire/dense_bytes_fwd": float(total.dense_fwd),
+                "wire/dense_bytes_bwd": float(total.dense_bwd),
+                "wire/ratio": total.ratio,
+            }
+        )
+        return out
+
+
+def count_tokens(x: Tensor, token_mask: Tensor | None) -> int:
+    """Real tokens in a ``[B, L, d]`` boundary: ``token_mask.sum()`` if given, else ``B * L``."""
+    if token_mask is not None:
+        return int(token_mask.sum())
+    return x.numel() // x.shape[-1]
+
+
+class Boundary:
+    """One cut: forward codec, optional separate backward codec, its wire and its meter."""
+
+    def __init__(
+        self,
+        ordinal: int,
+        forward_codec: Codec,
+        backward_codec: Codec | None,
+        wire: Wire,
+        meter: WireMeter,
+    ) -> None:
+        if not forward_codec.differentiable:
+            raise ValueError(f"{forward_codec.name} cannot be a forward codec (not differentiable)")
+        self.ordinal = ordinal
+        self.forward_codec = forward_codec
+        self.backward_codec = backward_codec
+        self.wire = wire
+        self.meter = meter
+
+    @property
+    def dim(self) -> int:
+        return self.forward_codec.dim
+
+    def __call__(self, x: Tensor, key: CodecKey, token_mask: Tensor | None = None) -> Tensor:
+        """``x`` [B, L, d] at the sender -> ``x_hat`` at the receiver, with the backward message
+        routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count."""
+        tokens = count_tokens(x, token_mask)
+        codec = self.forward_codec
+        if isinstance(codec, SVDCodec) and not codec.calibrated:
+            codec.calibrate(x[token_mask.bool()] if token_mask is not None else x)
+            self.meter.record_setup(self.ordinal, codec.setup_bytes(x.dtype))
+        if self.backward_codec is None or not x.requires_grad:
+            return self._chain_rule(x, key, token_mask, tokens)
+        return _SeparateBackward.apply(x, self, key, token_mask, tokens)
+
+    def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int) -> Tensor:
+        codec = self.forward_codec
+        payload = self.wire.send_forward(self.ordinal, codec.encode(x, key))
+        self._record(FORWARD, payload, tokens)
+        if isinstance(payload, Tensor) and payload.requires_grad:
+            payload.register_hook(self._gradient_hook(tokens))
+        return codec.decode(payload, key, token_mask=token_mask)
+
+    def _gradient_hook(self, tokens: int) -> Callable[[Tensor], Tensor]:
+        def send_gradient(grad: Tensor) -> Tensor:
+            message = self.wire.send_backward(self.ordinal, grad)
+            self._record(BACKWARD, message, tokens)
+            return message  # type: ignore[return-value]
+
+        return send_gradient
+
+    def _record(self, direction: str, message: Payload, tokens: int) -> None:
+        codec = self.forward_codec if direction == FORWARD or self.backward_codec is None else self.backward_codec
+        dtype = (message[0] if isinstance(message, tuple) else message).dtype
+        self.meter.record(
+            self.ordinal, direction, codec.payload_bytes(tokens, dtype), tokens * self.dim * dtype.itemsize
+        )
+
+    def send_gradient_separately(self, grad: Tensor, key: CodecKey, tokens: int) -> Tensor:
+        """Backward through a separate codec: ``g_x = dec_bwd(wire(enc_bwd(g)))``."""
+        assert self.backward_codec is not None
+        backward_key = dataclasses.replace(key, stream=BACKWARD_STREAM)
+        message = self.wire.send_backward(self.ordinal, self.backward_codec.encode(grad, backward_key))
+        self._record(BACKWARD, message, tokens)
+        return self.backward_codec.decode(message, backward_key).reshape(grad.shape).to(grad.dtype)
+
+
+class _SeparateBackward(torch.autograd.Function):
+    """Forward: the forward codec (no autograd through it). Backward: the backward codec."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, boundary: Boundary, key: CodecKey, token_mask: Tensor | None, tokens: int
+    ) -> Tensor:  # type: ignore[override]
+        ctx.boundary, ctx.key, ctx.tokens = boundary, key, tokens
+        x_hat = boundary._chain_rule(x, key, token_mask, tokens)  # grad mode is off inside forward
+        return x_hat.clone() if x_hat is x else x_hat  # a Function must not hand its input back as is
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return ctx.boundary.send_gradient_separately(grad, ctx.key, ctx.tokens), None, None, None, None

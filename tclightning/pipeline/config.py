@@ -1,0 +1,111 @@
+"""``PipelineConfig``: where the trainer is cut and what crosses each cut (a recipe's ``pipeline:``).
+
+A plain dataclass, so ``OmegaConf.structured(PipelineConfig)`` types a recipe section and
+``PipelineConfig(**section)`` builds one in code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tclightning.codecs import CODECS, FILLS
+from tclightning.errors import TclightningError
+
+LAYOUTS = ("dense", "all", "shallow", "solo:i", "explicit")
+
+
+@dataclass
+class PipelineConfig:
+    """Cut layout and codecs; each field is documented by the string below it."""
+
+    layout: str = "dense"
+    """Which cuts are compressed: ``dense`` (none), ``all``, ``shallow`` (the first
+    ``shallow_count`` cuts), ``solo:i`` (only cut i, 0-based in cut order), ``explicit``
+    (``compressed`` / ``cut_codecs`` per cut). Uncompressed cuts send the dense boundary."""
+
+    stages: int = 4
+    """Pipeline stages when ``cuts`` is not given: an even split of the decoder layers into
+    ``stages`` blocks, cut after layer ``round(n * i / stages) - 1`` for i = 1..stages-1
+    (28 layers, 4 stages -> cuts after layers 6, 13, 20)."""
+
+    cuts: list[int] | None = None
+    """Explicit cut layers (0-based layer index the cut follows), strictly increasing, each in
+    [0, n_layers - 2]. Overrides ``stages``."""
+
+    compressed: list[bool] | None = None
+    """``explicit`` layout: one flag per cut (True = apply ``codec``, False = dense)."""
+
+    cut_codecs: list[str] | None = None
+    """``explicit`` layout: one forward codec name per cut (``identity`` = dense); overrides
+    ``compressed`` and ``codec``."""
+
+    shallow_count: int = 1
+    """``shallow`` layout: how many of the shallowest cuts are compressed."""
+
+    codec: str = "prf"
+    """Forward codec at compressed cuts: ``prf`` | ``svd`` | ``identity``."""
+
+    backward_codec: str | None = None
+    """Gradient codec at compressed cuts. None: the gradient w.r.t. the forward payload (same
+    [tokens, k] indices for prf, free); or ``identity`` (dense straight-through), ``prf``
+    (independent indices), ``powersgd``."""
+
+    rate: float = 0.05
+    """Budget as a share of the d channels: ``k = round(rate * d)`` (0.05 -> 77 of 1536)."""
+
+    k: int | None = None
+    """Budget in values per token; overrides ``rate``."""
+
+    fill: str = "zero"
+    """PRF receiver fill for the d - k dropped channels: ``zero`` | ``mean`` (per-channel running
+    mean of decoded values, updated once per tick)."""
+
+    fill_momentum: float = 0.1
+    """EMA weight of the newest tick in the ``mean`` fill."""
+
+    rescale: bool = False
+    """PRF: scale kept deviations from the fill by d/k (unbiased random-k; larger variance)."""
+
+    rank: int | None = None
+    """Rank for ``svd`` / ``powersgd``; None = the same budget k (equal bytes per token)."""
+
+    seed: int = 0
+    """PRF key seed shared by sender and receiver (never sent)."""
+
+    def validate(self) -> None:
+        """Check names and ranges that do not depend on the model; raises ``TclightningError``."""
+        layout = self.layout
+        if not (layout in ("dense", "all", "shallow", "explicit") or layout.startswith("solo:")):
+            raise TclightningError(f"pipeline.layout '{layout}' is not one of {', '.join(LAYOUTS)}")
+        if layout.startswith("solo:") and not layout[5:].lstrip("-").isdigit():
+            raise TclightningError(f"pipeline.layout '{layout}': expected solo:<cut index>, e.g. solo:0")
+        if self.cuts is None and self.stages < 1:
+            raise TclightningError(f"pipeline.stages must be >= 1, got {self.stages}")
+        if layout == "explicit" and self.compressed is None and self.cut_codecs is None:
+            raise TclightningError("pipeline.layout 'explicit' needs 'compressed' or 'cut_codecs' (one entry per cut)")
+        if layout != "explicit" and (self.compressed is not None or self.cut_codecs is not None):
+            raise TclightningError("pipeline.compressed / cut_codecs are only read by layout 'explicit'")
+        if self.shallow_count < 1:
+            raise TclightningError(f"pipeline.shallow_count must be >= 1, got {self.shallow_count}")
+        forward_codecs = [self.codec, *(self.cut_codecs or [])]
+        for name in forward_codecs:
+            if name not in CODECS:
+                raise TclightningError(f"pipeline codec '{name}' is not one of {', '.join(CODECS)}")
+            if name == "powersgd":
+                raise TclightningError("pipeline codec 'powersgd' compresses gradients only: use it as backward_codec")
+        if self.backward_codec is not None and self.backward_codec not in CODECS + ("svd",):
+            raise TclightningError(f"pipeline.backward_codec '{self.backward_codec}' is not one of {', '.join(CODECS)}")
+        if self.backward_codec == "svd":
+            raise TclightningError(
+                "pipeline.backward_codec 'svd' is not supported (static bases fit activations); use powersgd"
+            )
+        if self.fill not in FILLS:
+            raise TclightningError(f"pipeline.fill '{self.fill}' is not one of {', '.join(FILLS)}")
+        if not 0.0 < self.rate <= 1.0:
+            raise TclightningError(f"pipeline.rate must be in (0, 1], got {self.rate}")
+        if self.k is not None and self.k < 1:
+            raise TclightningError(f"pipeline.k must be >= 1, got {self.k}")
+        if self.rank is not None and self.rank < 1:
+            raise TclightningError(f"pipeline.rank must be >= 1, got {self.rank}")
+        if not 0.0 < self.fill_momentum <= 1.0:
+            raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")

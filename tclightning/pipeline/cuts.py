@@ -1,0 +1,238 @@
+"""Install a layout's cuts into a HF decoder-only model (Llama / Qwen2 style) with forward hooks.
+
+A cut after layer i is a forward hook on ``layers[i]`` that replaces the layer's output hidden
+state with what the receiving stage would see (:class:`~tclightning.pipeline.boundary.Boundary`).
+``CutSet.remove()`` deletes every hook, leaving the model exactly as it was (hook-free).
+
+Token identity for the PRF key: row = batch index (+ ``row_offset``), position = column in the
+``[B, L]`` input (so left-padded prompts followed by right-padded completions are keyed by
+column, independent of the padding). Bytes are counted for real tokens only: the mask is the
+``attention_mask`` passed to the model's forward (2-D [B, L]) unless ``set_token_mask`` gave one
+of the same shape; with neither, every token counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tclightning.codecs import Codec, CodecKey, make_codec
+from tclightning.errors import TclightningError
+from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
+from tclightning.pipeline.config import PipelineConfig
+from tclightning.pipeline.layout import CutSpec, resolve_layout
+
+_LAYER_PATHS = ("model.layers", "layers", "model.decoder.layers", "transformer.h")
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """``(body, layers)``: the module that runs the decoder stack and its layer list
+    (``model.model.layers`` for Llama/Qwen2 ``*ForCausalLM``)."""
+    for path in _LAYER_PATHS:
+        owner: Any = model
+        parts = path.split(".")
+        for part in parts:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                break
+        if isinstance(owner, nn.ModuleList) and len(owner) > 0:
+            body = model
+            for part in parts[:-1]:
+                body = getattr(body, part)
+            return body, owner
+    raise TclightningError(
+        f"cannot find the decoder layers of {type(model).__name__} (looked for {', '.join(_LAYER_PATHS)})"
+    )
+
+
+def boundary_width(model: nn.Module) -> int:
+    """The hidden size d that crosses a cut (``model.config.hidden_size``)."""
+    config = getattr(model, "config", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not width:
+        raise TclightningError(f"cannot read the hidden size of {type(model).__name__} (no config.hidden_size)")
+    return int(width)
+
+
+class CutSet:
+    """The installed cuts of one model, and the knobs the training loop turns.
+
+    * ``set_step(step)`` -- PRF key component; call once per optimizer tick (also folds stateful
+      fills, so reconstruction is constant within a tick);
+    * ``bypassed()`` -- context under which the forward is dense and nothing is counted (the
+      sampler and dense probes run under it);
+    * ``metrics()`` / ``reset_stats()`` -- wire bytes since the last reset (``wire/*``);
+    * ``set_token_mask(mask)`` -- override the real-token mask used for byte counting;
+    * ``remove()`` -- delete the hooks (also on ``with CutSet(...)`` exit).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: PipelineConfig,
+        *,
+        wire: Wire | None = None,
+        row_offset: int = 0,
+    ) -> None:
+        body, layers = find_decoder_layers(model)
+        self.config = config
+        self.dim = boundary_width(model)
+        self.specs: list[CutSpec] = resolve_layout(config, len(layers), self.dim)
+        self.wire: Wire = wire if wire is not None else LoopbackWire()
+        self.meter = WireMeter([spec.layer for spec in self.specs])
+        self.boundaries = [
+            Boundary(spec.ordinal, self._codec(spec.codec, spec), self._backward_codec(spec), self.wire, self.meter)
+            for spec in self.specs
+        ]
+        self.step = 0
+        self.row_offset = row_offset
+        self._bypass_depth = 0
+        self._token_mask: Tensor | None = None
+        self._forward_mask: Tensor | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        if self.boundaries:
+            self._handles.append(body.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
+            self._handles.append(body.register_forward_hook(self._release_mask, always_call=True))
+            for boundary, spec in zip(self.boundaries, self.specs):
+                self._handles.append(layers[spec.layer].register_forward_hook(self._cut_hook(boundary, spec)))
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _codec(self, name: str, spec: CutSpec) -> Codec:
+        cfg = self.config
+        return make_codec(
+            name,
+            self.dim,
+            k=spec.k,
+            fill=cfg.fill,
+            rescale=cfg.rescale,
+            fill_momentum=cfg.fill_momentum,
+            rank=spec.rank,
+        )
+
+    def _backward_codec(self, spec: CutSpec) -> Codec | None:
+        if spec.backward_codec is None:
+            return None
+        # gradients have no useful running mean: a separate prf gradient codec always zero-fills
+        return make_codec(
+            spec.backward_codec, self.dim, k=spec.k, fill="zero", rescale=self.config.rescale, rank=spec.rank
+        )
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _capture_mask(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        self._forward_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    def _release_mask(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_mask = None
+
+    def _mask_for(self, hidden: Tensor) -> Tensor | None:
+        shape = hidden.shape[:2]
+        for mask in (self._token_mask, self._forward_mask):
+            if mask is not None and mask.shape == shape:
+                return mask.to(hidden.device)
+        return None
+
+    def _cut_hook(self, boundary: Boundary, spec: CutSpec) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._bypass_depth:
+                return None  # None keeps the layer's own output
+            hidden = output[0] if isinstance(output, tuple) else output
+            if hidden.dim() == 2:  # unbatched [L, d]
+                hidden_rows = hidden.unsqueeze(0)
+            else:
+                hidden_rows = hidden
+            key = CodecKey(seed=self.config.seed, step=self.step, cut=spec.layer, row_offset=self.row_offset)
+            received = boundary(hidden_rows, key, self._mask_for(hidden_rows))
+            received = received.reshape(hidden.shape)
+            return (received, *output[1:]) if isinstance(output, tuple) else received
+
+        return hook
+
+    # -- the loop's knobs --------------------------------------------------------------------
+
+    @property
+    def compressed(self) -> bool:
+        """True when at least one cut is compressed."""
+        return any(spec.compressed for spec in self.specs)
+
+    def set_step(self, step: int) -> None:
+        """Set the key's step. On a change of step, stateful fills fold in what the last step decoded."""
+        if step != self.step:
+            for boundary in self.boundaries:
+                boundary.forward_codec.commit_step()
+        self.step = int(step)
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Dense forward inside the block: no codec, no byte counted (sampling, dense probes)."""
+        self._bypass_depth += 1
+        try:
+            yield
+        finally:
+            self._bypass_depth -= 1
+
+    @property
+    def is_bypassed(self) -> bool:
+        return self._bypass_depth > 0
+
+    def set_token_mask(self, mask: Tensor | None) -> None:
+        """Real-token mask [B, L] for byte counting (and the mean fill), used while its shape
+        matches the forward's; ``None`` returns to the forward's ``attention_mask``."""
+        self._token_mask = None if mask is None else mask.bool()
+
+    def metrics(self) -> dict[str, float]:
+        """Wire bytes since the last :meth:`reset_stats` (see ``WireMeter.metrics`` for keys)."""
+        return self.meter.metrics()
+
+    def reset_stats(self) -> None:
+        self.meter.reset()
+
+    def describe(self) -> str:
+        """One line for logs: ``cut after layer 1: prf k=3 | cut after layer 2: identity``."""
+        if not self.specs:
+            return "no cuts"
+        parts = []
+        for spec, boundary in zip(self.specs, self.boundaries):
+            text = f"cut after layer {spec.layer}: {boundary.forward_codec!r}"
+            if boundary.backward_codec is not None:
+                text += f" / grad {boundary.backward_codec!r}"
+            parts.append(text)
+        return " | ".join(parts)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step and receiver-side codec state (running-mean fills, svd bases, powersgd warm starts)."""
+        return {
+            "step": self.step,
+            "forward": [b.forward_codec.state_dict() for b in self.boundaries],
+            "backward": [b.backward_codec.state_dict() if b.backward_codec else {} for b in self.boundaries],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        for boundary, fwd, bwd in zip(self.boundaries, state.get("forward", []), state.get("backward", [])):
+            boundary.forward_codec.load_state_dict(fwd)
+            if boundary.backward_codec is not None:
+                boundary.backward_codec.load_state_dict(bwd)
+
+    def remove(self) -> None:
+        """Delete every hook; the model is hook-free again. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> CutSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install_cuts(model: nn.Module, config: PipelineConfig, *, wire: Wire | None = None) -> CutSet:
+    """Install ``config``'s cuts on ``model`` and return them (``cuts.remove()`` undoes it)."""
+    return CutSet(model, config, wire=wire)

@@ -1,0 +1,141 @@
+"""The ``pipeline`` Lightning Strategy: train a policy split at compressed cuts.
+
+One process (this module): every stage lives in this process and each cut's codec runs in-graph
+exactly as it would on the wire (the numerics reference); bytes are counted per cut and direction.
+The multi-process version (one stage per rank over ``torch.distributed.pipelining``) keeps the
+same :class:`~tclightning.pipeline.cuts.CutSet` / :class:`~tclightning.pipeline.boundary.Wire`
+seam: the codec math and byte accounting stay, the loopback wire is replaced by real sends.
+
+Inference stays dense: the sampler (and any dense probe) must run under ``strategy.cuts.bypassed()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import fields
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from omegaconf import DictConfig, OmegaConf
+
+from tclightning.errors import TclightningError
+from tclightning.pipeline.boundary import Wire
+from tclightning.pipeline.config import PipelineConfig
+from tclightning.pipeline.cuts import CutSet
+
+STRATEGY_NAME = "pipeline"
+
+
+def _as_config(config: PipelineConfig | Mapping[str, Any] | None, overrides: dict[str, Any]) -> PipelineConfig:
+    """A validated ``PipelineConfig`` from a dataclass, a mapping (plain or OmegaConf) or None, plus overrides."""
+    if config is None:
+        values: dict[str, Any] = {}
+    elif isinstance(config, PipelineConfig):
+        values = {f.name: getattr(config, f.name) for f in fields(PipelineConfig)}
+    elif isinstance(config, DictConfig):
+        values = OmegaConf.to_container(config, resolve=True)  # type: ignore[assignment]
+    elif isinstance(config, Mapping):
+        values = dict(config)
+    else:
+        raise TclightningError(
+            f"strategy 'pipeline': config must be a PipelineConfig or a mapping, got {type(config).__name__}"
+        )
+    values.update(overrides)
+    unknown = sorted(set(values) - {f.name for f in fields(PipelineConfig)})
+    if unknown:
+        raise TclightningError(f"unknown pipeline option(s): {', '.join(unknown)}")
+    result = PipelineConfig(**values)
+    result.validate()
+    return result
+
+
+class PipelineStrategy(SingleDeviceStrategy):
+    """Single-process pipeline Strategy (``Trainer(strategy="pipeline")`` or an instance).
+
+    At ``setup`` it installs the layout's cuts on ``lightning_module.<policy_attr>`` (a HF decoder)
+    and exposes them as ``strategy.cuts``; ``teardown`` removes them. Before each
+    ``training_step`` it sets the PRF key step to ``trainer.global_step`` (the module may call
+    ``cuts.set_step`` itself too). ``wire`` replaces the in-process loopback (the multi-process seam).
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        config: PipelineConfig | Mapping[str, Any] | None = None,
+        *,
+        policy_attr: str = "policy",
+        device: str | torch.device | None = None,
+        wire: Wire | None = None,
+        auto_step: bool = True,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        **config_overrides: Any,
+    ) -> None:
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._device_given = device is not None
+        self.config = _as_config(config, config_overrides)
+        self.policy_attr = policy_attr
+        self.wire = wire
+        self.auto_step = auto_step
+        self.cuts: CutSet | None = None
+
+    def setup_environment(self) -> None:
+        if not self._device_given and self.accelerator is not None:
+            # no explicit device: take the accelerator's (cuda:<current> on GPU, else cpu)
+            accelerator = type(self.accelerator).__name__
+            if accelerator == "CUDAAccelerator":
+                self._root_device = torch.device("cuda", torch.cuda.current_device())
+            elif accelerator == "MPSAccelerator":
+                self._root_device = torch.device("mps", 0)
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.install()
+
+    def install(self) -> CutSet:
+        """Install the cuts on the module's policy (idempotent)."""
+        if self.cuts is not None:
+            return self.cuts
+        module = self.lightning_module
+        policy = getattr(module, self.policy_attr, None) if module is not None else None
+        if not isinstance(policy, torch.nn.Module):
+            raise TclightningError(
+                f"strategy 'pipeline' needs the LightningModule to hold its HF decoder as "
+                f"'{self.policy_attr}' (got {type(policy).__name__}); pass policy_attr=... otherwise"
+            )
+        self.cuts = CutSet(policy, self.config, wire=self.wire)
+        return self.cuts
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.auto_step and self.cuts is not None and self.lightning_module is not None:
+            self.cuts.set_step(self.lightning_module.trainer.global_step)
+        return super().training_step(*args, **kwargs)
+
+    def teardown(self) -> None:
+        if self.cuts is not None:
+            self.cuts.remove()
+            self.cuts = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            STRATEGY_NAME,
+            cls,
+            description="Pipeline cuts with boundary codecs (one process; layout from PipelineConfig)",
+            override=True,
+        )
+
+
+def register() -> None:
+    """Register ``pipeline`` in Lightning's StrategyRegistry (done on ``import tclightning.pipeline``)."""
+    PipelineStrategy.register_strategies(StrategyRegistry)

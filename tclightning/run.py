@@ -1,0 +1,171 @@
+"""The ``run`` verb: recipe -> validated config -> ``Trainer.fit`` -> summary.
+
+Everything that can fail on user input (recipe, overrides, callbacks, resume target) fails
+before the run directory is created.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tclightning.errors import TclightningError
+from tclightning.recipes.loader import instantiate_callbacks, load_recipe, to_dataclass, to_yaml
+from tclightning.recipes.schema import RecipeConfig
+
+
+@dataclass
+class RunPlan:
+    """Where a run writes and what it resumes from (decided before anything is written)."""
+
+    run_dir: Path
+    ckpt_path: Path | None
+    resume_step: int | None
+
+
+def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
+    root = Path(recipe.logging.root) / (recipe.logging.name or recipe.name)
+    if resume is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        run_dir, n = root / stamp, 1
+        while run_dir.exists():
+            run_dir, n = root / f"{stamp}-{n}", n + 1
+        return RunPlan(run_dir, None, None)
+    if resume == "last":
+        candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not candidates:
+            raise TclightningError(f"--resume last: no checkpoint under {root}/*/checkpoints/last.ckpt")
+        ckpt = candidates[-1]
+    else:
+        ckpt = Path(resume).expanduser()
+        if ckpt.is_dir():
+            ckpt = ckpt / "checkpoints" / "last.ckpt"
+        if not ckpt.is_file():
+            raise TclightningError(f"--resume: no such checkpoint: {ckpt}")
+    return RunPlan(ckpt.resolve().parent.parent, ckpt.resolve(), checkpoint_step(ckpt))
+
+
+def checkpoint_step(path: Path) -> int:
+    """The number of completed RL steps recorded in a tclightning checkpoint."""
+    import torch
+
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise TclightningError(f"--resume: cannot read checkpoint {path}: {err}") from None
+    state = ckpt.get("tclightning")
+    if not state:
+        raise TclightningError(f"--resume: {path} is not a tclightning checkpoint")
+    return int(state["rl_step"])
+
+
+def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
+    import lightning as L
+
+    from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
+    from tclightning.callbacks.progress import GRPORichProgressBar, GRPOTQDMProgressBar
+    from tclightning.logging import ResumableCSVLogger, build_tensorboard
+
+    t = recipe.trainer
+    loggers: list[Any] = []
+    if recipe.logging.tensorboard:
+        loggers.append(build_tensorboard(plan.run_dir, plan.resume_step))
+    if recipe.logging.csv:
+        loggers.append(ResumableCSVLogger(plan.run_dir, plan.resume_step))
+    callbacks: list[Any] = [
+        StepCheckpoint(plan.run_dir / "checkpoints", t.checkpoint_every, t.keep_checkpoints),
+        GracefulStop(),
+        *user_callbacks,
+    ]
+    progress = {"rich": GRPORichProgressBar, "tqdm": GRPOTQDMProgressBar}.get(recipe.logging.progress)
+    if progress is not None:
+        callbacks.append(progress())
+    strategy: Any = t.strategy
+    if t.strategy == "pipeline":
+        from tclightning.pipeline import PipelineStrategy
+
+        strategy = PipelineStrategy(config=recipe.pipeline)
+    return L.Trainer(
+        max_epochs=1,  # one pass over the prompt stream = trainer.steps RL steps
+        max_steps=-1,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=strategy,
+        precision=t.precision,
+        logger=loggers or False,
+        callbacks=callbacks,
+        enable_checkpointing=False,  # StepCheckpoint counts RL steps, not optimizer ticks
+        enable_progress_bar=progress is not None,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        val_check_interval=t.val_every if t.val_every > 0 else None,
+        check_val_every_n_epoch=None if t.val_every > 0 else 1,
+        limit_val_batches=None if t.val_every > 0 else 0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(plan.run_dir),
+    )
+
+
+def build_module(recipe: RecipeConfig) -> Any:
+    from tclightning.grpo.module import GRPOModule
+
+    return GRPOModule(
+        model=recipe.model,
+        task=recipe.task,
+        sampler=recipe.sampler,
+        grpo=recipe.grpo,
+        total_steps=recipe.trainer.steps,
+        seed=recipe.trainer.seed,
+        val_batch_size=recipe.trainer.val_batch_size,
+    )
+
+
+def run(
+    recipe_ref: str,
+    overrides: Sequence[str] = (),
+    resume: str | None = None,
+    quiet: bool = False,
+    extra_callbacks: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """Train one recipe; returns the run summary (also written to ``<run_dir>/summary.json``).
+
+    ``extra_callbacks`` are added after the recipe's (for programmatic use and tests).
+    """
+    cfg: DictConfig = load_recipe(recipe_ref, overrides)
+    recipe = to_dataclass(cfg)
+    user_callbacks = [*instantiate_callbacks(cfg), *extra_callbacks]
+    plan = plan_run(recipe, resume)
+
+    import lightning as L
+    import torch
+
+    from tclightning.grpo.summary import summarize
+
+    if recipe.trainer.num_threads:
+        torch.set_num_threads(recipe.trainer.num_threads)
+    L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
+    started = time.perf_counter()
+    module = build_module(recipe)
+    trainer = build_trainer(recipe, plan, user_callbacks)
+    # Our own checkpoints carry RNG states (numpy arrays), so they are not weights-only.
+    trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=False)
+    for logger in trainer.loggers:
+        logger.finalize("success")
+    summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats)
+    if not quiet:
+        from tclightning.grpo.summary import print_summary
+
+        print_summary(summary)
+    return summary
+
+
+def resolved_yaml(recipe_ref: str, overrides: Sequence[str] = ()) -> str:
+    return OmegaConf.to_yaml(load_recipe(recipe_ref, overrides))

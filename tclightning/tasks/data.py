@@ -1,0 +1,247 @@
+"""Where task rows come from (local files, the shared data copy, the Hugging Face hub) and
+how they become deterministic, disjoint train / eval ``Example`` lists.
+
+Local ``.jsonl`` is read directly (fast, no cache). Every other format, and hub datasets, go
+through one function, ``load_with_datasets``, so the code the offline tests run on a local
+parquet file is the code an online user runs on ``openai/gsm8k``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from abc import abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tclightning.errors import TclightningError
+from tclightning.tasks.base import Example, Task
+from tclightning.tasks.config import TaskConfig
+
+Row = Mapping[str, Any]
+# Local formats, in the order preferred when a directory holds several files of one split.
+LOCAL_EXTENSIONS = (".jsonl", ".parquet", ".json", ".csv")
+_DATASETS_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def shared_data_dir() -> Path:
+    """The shared data copy: ``$TCLIGHTNING_DATA`` if set, else ``<repo>/../shared/data``.
+
+    (``<repo>`` is the checkout holding this package; an installed wheel has no such
+    sibling, so installed users set ``$TCLIGHTNING_DATA``, ``path`` or ``hf_name``.)
+    """
+    env = os.environ.get("TCLIGHTNING_DATA")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def load_with_datasets(
+    name: str, config: str | None = None, *, split: str, data_files: str | None = None
+) -> list[dict[str, Any]]:
+    """Rows of one split via ``datasets.load_dataset`` (hub name, or a builder such as
+    ``"parquet"`` with ``data_files``). Imported lazily: ``datasets`` costs a second to import."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
+    except Exception as exc:  # turn any loader failure into one clear line
+        where = data_files or f"{name}" + (f" ({config})" if config else "")
+        raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
+    return [dict(row) for row in ds]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """All rows of one local file (.jsonl, .json, .parquet, .csv)."""
+    if path.suffix == ".jsonl":
+        rows = []
+        with path.open(encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise TclightningError(f"{path}:{line_no}: not valid JSON ({exc})") from exc
+        return rows
+    builder = _DATASETS_BUILDERS.get(path.suffix)
+    if builder is None:
+        raise TclightningError(f"{path}: unsupported file type (use one of {LOCAL_EXTENSIONS})")
+    return load_with_datasets(builder, split="train", data_files=str(path))
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A hub dataset (``hf_name``) or a local file / directory (``path``)."""
+
+    hf_name: str | None = None
+    hf_config: str | None = None
+    path: Path | None = None
+
+    @classmethod
+    def from_config(cls, cfg: TaskConfig, default_subdir: str) -> DataSource:
+        """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``."""
+        if cfg.hf_name:
+            return cls(hf_name=cfg.hf_name, hf_config=cfg.hf_config)
+        path = Path(cfg.path).expanduser() if cfg.path else shared_data_dir() / default_subdir
+        if not path.exists():
+            hint = "" if cfg.path else " (set task.path, task.hf_name or $TCLIGHTNING_DATA)"
+            raise TclightningError(f"task data not found: {path}{hint}")
+        return cls(path=path)
+
+    def _split_files(self) -> dict[str, Path]:
+        assert self.path is not None
+        if self.path.is_file():
+            return {self.path.stem: self.path}
+        files: dict[str, Path] = {}
+        for ext in reversed(LOCAL_EXTENSIONS):  # preferred extension written last, wins
+            for file in sorted(self.path.glob(f"*{ext}")):
+                files[file.name[: -len(ext)]] = file
+        return files
+
+    def splits(self) -> list[str]:
+        """Split names available (a local file is one split named after its stem)."""
+        if self.hf_name:
+            import datasets
+
+            try:
+                return list(datasets.get_dataset_split_names(self.hf_name, self.hf_config))
+            except Exception as exc:
+                raise TclightningError(f"cannot list splits of {self.hf_name}: {exc}") from exc
+        return sorted(self._split_files())
+
+    def rows(self, split: str) -> list[dict[str, Any]]:
+        if self.hf_name:
+            return load_with_datasets(self.hf_name, self.hf_config, split=split)
+        return read_rows(self._split_files()[split])
+
+    def __str__(self) -> str:
+        return self.hf_name or str(self.path)
+
+
+def resolve_splits(cfg: TaskConfig, available: Sequence[str]) -> tuple[str, str | None]:
+    """(train split, eval split or None = carve the held-out set from the train split).
+
+    The train split is ``cfg.split``, or the only split when there is just one (MATH-500).
+    The eval split is ``cfg.eval_split``, else ``"test"`` when present, else None.
+    """
+    if cfg.split in available:
+        train = cfg.split
+    elif len(available) == 1:
+        train = available[0]
+    else:
+        raise TclightningError(f"split '{cfg.split}' not found; available: {sorted(available)}")
+    if cfg.eval_split:
+        if cfg.eval_split not in available:
+            raise TclightningError(
+                f"eval_split '{cfg.eval_split}' not found; available: {sorted(available)}"
+            )
+        return train, (None if cfg.eval_split == train else cfg.eval_split)
+    return train, ("test" if "test" in available and train != "test" else None)
+
+
+def held_out_indices(n: int, eval_size: int, seed: int) -> list[int]:
+    """A seeded sample of ``min(eval_size, n)`` indices out of ``n``, sorted."""
+    rng = random.Random(seed)
+    return sorted(rng.sample(range(n), min(max(eval_size, 0), n)))
+
+
+def build_prompt(question: str, template: str, instruction: str | None) -> str:
+    """``template`` with ``{question}`` replaced, then the instruction after a blank line."""
+    prompt = template.replace("{question}", question)
+    return f"{prompt}\n\n{instruction}" if instruction else prompt
+
+
+def check_template(template: str) -> None:
+    if "{question}" not in template:
+        raise TclightningError(f"task.prompt_template must contain '{{question}}': {template!r}")
+
+
+class DatasetTask(Task):
+    """A task backed by rows of a dataset; subclasses say how a row becomes an answer.
+
+    Loading is lazy (constructing a task touches no file) and cached. Train and eval come
+    from different splits when the source has a ``test`` split, else from a seeded cut of
+    one split; either way train examples whose prompt also appears in eval are dropped, so
+    the two are disjoint by content.
+    """
+
+    default_subdir: str = ""
+    default_instruction: str = ""
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        check_template(cfg.prompt_template)
+        self.cfg = cfg
+        self.system_prompt = cfg.system_prompt
+        self.instruction = self.default_instruction if cfg.instruction is None else cfg.instruction
+        self._examples: tuple[tuple[Example, ...], tuple[Example, ...]] | None = None
+
+    @abstractmethod
+    def parse_row(self, row: Row) -> tuple[str, str, str] | None:
+        """(question, answer, solution) of a dataset row, or None to skip an unusable row."""
+
+    def _to_examples(
+        self, rows: Sequence[Row], split: str, indices: Sequence[int]
+    ) -> list[Example]:
+        examples = []
+        for i in indices:
+            parsed = self.parse_row(rows[i])
+            if parsed is None:
+                continue
+            question, answer, solution = parsed
+            prompt = build_prompt(question, self.cfg.prompt_template, self.instruction)
+            examples.append(Example(f"{self.name}/{split}/{i}", prompt, answer, solution))
+        return examples
+
+    def _load(self) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
+        if self._examples is not None:
+            return self._examples
+        cfg = self.cfg
+        source = DataSource.from_config(cfg, self.default_subdir)
+        train_split, eval_split = resolve_splits(cfg, source.splits())
+        train_rows = source.rows(train_split)
+        if eval_split is None:
+            if cfg.eval_size >= len(train_rows):
+                raise TclightningError(
+                    f"{source}: eval_size {cfg.eval_size} leaves no training rows "
+                    f"out of {len(train_rows)}"
+                )
+            eval_idx = held_out_indices(len(train_rows), cfg.eval_size, cfg.seed)
+            held = set(eval_idx)
+            train_idx = [i for i in range(len(train_rows)) if i not in held]
+            evals = self._to_examples(train_rows, train_split, eval_idx)
+        else:
+            eval_rows = source.rows(eval_split)
+            eval_idx = held_out_indices(len(eval_rows), cfg.eval_size, cfg.seed)
+            train_idx = list(range(len(train_rows)))
+            evals = self._to_examples(eval_rows, eval_split, eval_idx)
+        eval_prompts = {e.prompt for e in evals}
+        train = [
+            e
+            for e in self._to_examples(train_rows, train_split, train_idx)
+            if e.prompt not in eval_prompts
+        ]
+        if cfg.train_size is not None:
+            train = train[: cfg.train_size]
+        if not train:
+            raise TclightningError(f"{source}: no usable training rows for task '{self.name}'")
+        self._examples = (tuple(train), tuple(evals))
+        return self._examples
+
+    def train_examples(self) -> Sequence[Example]:
+        return self._load()[0]
+
+    def eval_examples(self) -> Sequence[Example]:
+        return self._load()[1]
+
+
+def first_field(row: Row, *keys: str) -> str | None:
+    """The first of ``keys`` that holds a non-empty string in ``row``."""
+    for key in keys:
+        value = row.get(key)
+        if isinstance(value, str) and value.strip():
+            return value
+    return None

@@ -1,0 +1,392 @@
+"""Answer extraction and verification: the pure functions behind every task's reward.
+
+Contract shared by everything public here: any ``str`` (empty, huge, malformed LaTeX,
+adversarial) is accepted; extractors return ``None`` when there is no answer, verifiers
+return 1.0 or 0.0 and never raise.
+
+``verify_math`` uses math-verify (sympy) for equivalence (``\\frac{1}{2}`` = ``0.5``), and
+sympy can run for minutes on hostile input (``\\boxed{9^{9^{9^9}}}``), so every math-verify
+call runs under a wall-clock limit:
+
+* main thread (POSIX): a ``SIGALRM`` interval timer around the whole parse + verify
+  (math-verify's own per-call alarms are switched off: they take whole seconds and would
+  clobber ours). An outer timer someone else armed (e.g. pytest-timeout) is re-armed after.
+* any other thread (or no ``SIGALRM``): signals only reach the main thread, so the call
+  runs in a small pool of spawned worker processes, which apply the timer themselves; a
+  worker that still does not answer ``timeout_s + 1 s`` later is killed (this also bounds
+  C-level work a signal cannot interrupt). The first call in a thread pays the spawn (~1-3 s).
+* if no worker can be started (e.g. inside a daemonic process), the verdict falls back to
+  normalised string / exact number comparison, which needs no time limit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# A final answer longer than this is not an answer: never hand it to sympy.
+MAX_ANSWER_CHARS = 1000
+# Without a \boxed{}, math-verify looks for the answer in this many trailing characters only
+# (its regexes and sympy are not cheap on a 100k-char ramble; the answer is at the end).
+MAX_TAIL_CHARS = 4000
+
+# --------------------------------------------------------------------------- extraction
+
+# Tokens that matter for brace matching: a \boxed{ / \fbox{ opener, an escaped character
+# (\{ \} \\ ... : skipped, so LaTeX set braces do not count), or a bare brace. finditer
+# jumps over everything else in C, so a megabyte of text costs milliseconds.
+_BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+_ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced.
+
+    Nested boxes resolve to the outer one. Returns ``None`` when there is none, or when a
+    box is left unclosed (a truncated or malformed final answer is no answer). Escaped
+    braces ``\\{ \\}`` do not count. Linear time in ``len(text)``.
+    """
+    if not isinstance(text, str):
+        return None
+    stack: list[int | None] = []  # per open brace: content start for a box, None for a group
+    open_boxes = 0
+    last: tuple[int, int] | None = None
+    for m in _BRACE_TOKENS.finditer(text):
+        token = m.group()
+        if token == "{":
+            stack.append(None)
+        elif token == "}":
+            if not stack:
+                continue  # a stray closer: ignore it rather than reject the whole text
+            start = stack.pop()
+            if start is not None:
+                open_boxes -= 1
+                if open_boxes == 0:
+                    last = (start, m.start())
+        elif token[-1] == "{" and len(token) > 2:  # \boxed{ or \fbox{ (not the escape "\{")
+            stack.append(m.end())
+            open_boxes += 1
+    if open_boxes or last is None:
+        return None
+    return text[last[0] : last[1]].strip()
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` as a plain string (``"1,234.5"`` -> ``"1234.5"``), or None."""
+    if not isinstance(text, str):
+        return None
+    found = None
+    for found in _NUMBER.finditer(text):
+        pass
+    return found.group().replace(",", "") if found else None
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The GSM8K final answer: the number on the line after the last ``####``, or None.
+
+    Works on the dataset's ``answer`` field and on completions that copy its format.
+    ``"#### $1,000"`` -> ``"1000"``.
+    """
+    if not isinstance(text, str) or "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].strip()
+    line = tail.splitlines()[0] if tail else ""
+    match = _NUMBER.search(line.replace("$", ""))
+    return match.group().replace(",", "") if match else None
+
+
+def extract_answer_is(text: str) -> str | None:
+    """The number right after the last "answer is" (``"The answer is: $72."`` -> ``"72"``)."""
+    if not isinstance(text, str):
+        return None
+    found = None
+    for found in _ANSWER_IS.finditer(text):
+        pass
+    if found is None:
+        return None
+    # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
+    match = _NUMBER.search(text, found.end(), found.end() + 32)
+    return match.group().replace(",", "") if match else None
+
+
+def gsm8k_completion_answer(text: str) -> str | None:
+    """The final number a GSM8K completion commits to, by priority:
+
+    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text.
+    """
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return last_number(boxed)
+    for extract in (extract_gsm8k_answer, extract_answer_is, last_number):
+        answer = extract(text)
+        if answer is not None:
+            return answer
+    return None
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _to_decimal(text: str) -> Decimal | None:
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    if not cleaned or len(cleaned) > MAX_ANSWER_CHARS:
+        return None
+    try:
+        value = Decimal(cleaned)
+    except (InvalidOperation, ValueError):
+        return None
+    return value if value.is_finite() else None
+
+
+def numbers_equal(a: str | None, b: str | None) -> bool:
+    """Exact numeric equality of number strings (``"18.00"`` == ``"18"``); False for non-numbers."""
+    if a is None or b is None:
+        return False
+    x, y = _to_decimal(a), _to_decimal(b)
+    return x is not None and y is not None and x == y
+
+
+def verify_gsm8k(completion: str, gold: str) -> float:
+    """1.0 if the completion's final number (see ``gsm8k_completion_answer``) equals ``gold``."""
+    try:
+        return 1.0 if numbers_equal(gsm8k_completion_answer(completion), gold) else 0.0
+    except Exception:  # noqa: BLE001 -- verifiers never raise
+        return 0.0
+
+
+_LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;:> ]|\\displaystyle|\^\{?\\circ\}?|\\%|%|\s+")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$|^(-?\d+)/(-?\d+)$")
+
+
+def normalize_math_answer(text: str) -> str:
+    """A conservative canonical form for string comparison of final answers.
+
+    Drops ``$``, ``\\left``/``\\right``, thin spaces, degrees, percent signs, whitespace,
+    a trailing period and ``\\text{}`` wrappers; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``.
+    Never merges answers that differ in value.
+    """
+    s = text.strip().rstrip(".").strip().strip("$").strip()
+    s = _TEXT_WRAPPER.sub(r"\1", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = _LATEX_NOISE.sub("", s)
+    return s.rstrip(".")
+
+
+def _as_fraction(text: str) -> Fraction | None:
+    s = normalize_math_answer(text)
+    if len(s) > 64:  # Fraction/Decimal of a giant literal is pointless work
+        return None
+    m = _FRAC.match(s)
+    try:
+        if m and m.group(2) is not None:
+            value = Fraction(int(m.group(2)), int(m.group(3)))
+            return -value if m.group(1) else value
+        if m:
+            return Fraction(int(m.group(4)), int(m.group(5)))
+        d = _to_decimal(s)
+        return Fraction(d) if d is not None else None
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+
+
+def simple_math_equal(pred: str, gold: str) -> bool:
+    """Cheap equivalence without sympy: normalised strings equal, or equal exact numbers
+    (``0.5`` = ``\\frac{1}{2}`` = ``1/2``). Needs no time limit."""
+    a, b = normalize_math_answer(pred), normalize_math_answer(gold)
+    if a and a == b:
+        return True
+    x, y = _as_fraction(pred), _as_fraction(gold)
+    return x is not None and y is not None and x == y
+
+
+# --------------------------------------------------------------------------- time limits
+
+
+class _Timeout(BaseException):
+    """Raised by the alarm handler. A BaseException so that math-verify's and sympy's
+    ``except Exception`` blocks cannot swallow it and carry on past the limit."""
+
+
+def _raise_timeout(signum: int, frame: Any) -> None:
+    raise _Timeout()
+
+
+def _can_use_alarm() -> bool:
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
+    """Run ``fn()`` (main thread only) under a SIGALRM interval timer; ``TimeoutError`` past it.
+
+    Nests with a timer armed by someone else: ours never outlives theirs, and theirs is
+    re-armed afterwards with its remaining time (so it still fires, just after us).
+    """
+    previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
+    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    if 0 < outer_delay < timeout_s:
+        signal.setitimer(signal.ITIMER_REAL, outer_delay)
+    started = time.monotonic()
+    try:
+        try:
+            return fn()
+        finally:
+            # First thing: if the alarm fires right here instead, it is one-shot and the
+            # outer handlers below still run.
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:
+        raise TimeoutError(f"timed out after {timeout_s} s") from None
+    finally:
+        signal.signal(signal.SIGALRM, previous_handler)
+        if outer_delay > 0:
+            left = outer_delay - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
+
+
+def _math_verify_equal(pred_text: str, gold: str) -> bool:
+    """math-verify's verdict, with its own signal timeouts off (the caller bounds the time)."""
+    import math_verify.grader
+    import math_verify.parser
+    from math_verify import parse, verify
+
+    # We pass timeout=None on purpose; silence math-verify's one-time "timeout disabled" warning.
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
+    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)  # type: ignore[arg-type]
+    pred_parsed = parse(pred_text, parsing_timeout=None)  # type: ignore[arg-type]
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def _math_verify_local(pred_text: str, gold: str, timeout_s: float) -> bool:
+    """``_math_verify_equal`` under a SIGALRM limit; False on timeout or any error."""
+    try:
+        if timeout_s is None or timeout_s <= 0:
+            return _math_verify_equal(pred_text, gold)
+        return run_with_alarm(lambda: _math_verify_equal(pred_text, gold), timeout_s)
+    except Exception:  # noqa: BLE001 -- includes TimeoutError
+        return False
+
+
+# Worker processes for calls from non-main threads (see the module docstring).
+_START_TIMEOUT_S = 120.0  # a spawned worker imports sympy: slow on a loaded 2-core box
+_GRACE_S = 1.0  # how long past timeout_s the parent waits before killing a worker
+_MAX_WORKERS = 4
+_pool_lock = threading.Lock()
+_idle_workers: list[_Worker] = []
+_worker_slots = threading.BoundedSemaphore(_MAX_WORKERS)
+
+
+def _worker_main(conn: Any) -> None:
+    # Ctrl-C belongs to the parent; it kills us on exit (we are a daemon).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import math_verify  # noqa: F401 -- warm the import before saying ready
+
+    conn.send("ready")
+    while True:
+        try:
+            pred_text, gold, timeout_s = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(_math_verify_local(pred_text, gold, timeout_s))
+
+
+class _Worker:
+    """One spawned verification process and its pipe."""
+
+    def __init__(self) -> None:
+        # spawn, not fork: forking a multi-threaded trainer (CUDA, dataloader threads) is unsafe.
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(_START_TIMEOUT_S) or self.conn.recv() != "ready":
+            self.close()
+            raise RuntimeError("verification worker did not start")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def _math_verify_in_worker(pred_text: str, gold: str, timeout_s: float) -> bool | None:
+    """math-verify in a worker process; None if no worker could run (caller falls back)."""
+    with _worker_slots:
+        with _pool_lock:
+            worker = _idle_workers.pop() if _idle_workers else None
+        if worker is None:
+            try:
+                worker = _Worker()
+            except Exception:  # noqa: BLE001 -- e.g. daemonic processes may not have children
+                return None
+        healthy = False
+        try:
+            worker.conn.send((pred_text, gold, timeout_s))
+            if not worker.conn.poll(timeout_s + _GRACE_S):
+                return False  # hung past its own alarm: the finally kills it
+            result = bool(worker.conn.recv())
+            healthy = True
+            return result
+        except Exception:  # noqa: BLE001 -- a dead worker: report "could not verify"
+            return None
+        finally:
+            if healthy:
+                with _pool_lock:
+                    _idle_workers.append(worker)
+            else:
+                worker.close()
+
+
+def math_verify_equal(pred_text: str, gold: str, timeout_s: float) -> bool | None:
+    """math-verify's verdict on ``pred_text`` (any text; its answer is extracted) vs ``gold``
+    (a bare answer), within ``timeout_s`` seconds from any thread.
+
+    Returns None only when math-verify could not run at all (non-main thread and no worker).
+    """
+    if _can_use_alarm() or timeout_s is None or timeout_s <= 0:
+        return _math_verify_local(pred_text, gold, timeout_s)
+    return _math_verify_in_worker(pred_text, gold, timeout_s)
+
+
+# --------------------------------------------------------------------------- math verifier
+
+
+def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
+    """1.0 if ``completion``'s final answer is mathematically equal to ``gold``, else 0.0.
+
+    The answer is the last ``\\boxed{}``; without one, math-verify's own extraction over
+    the last ``MAX_TAIL_CHARS`` characters. Order: a cheap normalised string / exact-number
+    check, then math-verify (sympy) under ``timeout_s`` (see the module docstring; <= 0
+    disables the limit). A timeout or any error scores 0.0. Never raises.
+    """
+    try:
+        if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
+            return 0.0
+        boxed = extract_boxed(completion)
+        if boxed is not None:
+            if not boxed or len(boxed) > MAX_ANSWER_CHARS:
+                return 0.0
+            if simple_math_equal(boxed, gold):
+                return 1.0
+            pred_text = "\\boxed{" + boxed + "}"
+        else:
+            pred_text = completion[-MAX_TAIL_CHARS:]
+        verdict = math_verify_equal(pred_text, gold, timeout_s)
+        if verdict is None:  # math-verify unavailable here: exact numbers are all we can check
+            return 1.0 if boxed is None and numbers_equal(last_number(pred_text), gold) else 0.0
+        return 1.0 if verdict else 0.0
+    except Exception:  # noqa: BLE001 -- verifiers never raise
+        return 0.0

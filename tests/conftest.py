@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny, fast settings on top of the shipped `tiny` recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A run small enough for unit tests (~0.1 s a step on a 2-core CPU).
+FAST = [
+    "model.warmup.steps=0",
+    "model.tiny.hidden_size=32",
+    "model.tiny.num_layers=2",
+    "model.tiny.intermediate_size=64",
+    "sampler.group_size=4",
+    "sampler.max_new_tokens=4",
+    "grpo.prompts_per_step=4",
+    "trainer.num_threads=1",
+    "task.eval_size=8",
+    "task.num_train=64",
+    "logging.progress=none",
+]
+
+
+@pytest.fixture(autouse=True)
+def _single_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture()
+def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Runs write under a temporary directory (cwd-relative `runs/` in recipes)."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "runs"

@@ -1,0 +1,249 @@
+"""The health callbacks on a plain LightningModule (a Linear layer) that logs canonical names."""
+
+from __future__ import annotations
+
+import csv
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from tclightning.callbacks.collapse import CollapseDetector
+from tclightning.callbacks.gap_monitor import GapMonitor
+from tclightning.callbacks.health_actions import HealthWarning, rl_step
+from tclightning.callbacks.length_feedback import LengthFeedbackMonitor
+from tclightning.health.rules import HealthState
+
+Schedule = Callable[[int], dict[str, float]]
+
+
+def healthy(step: int) -> dict[str, float]:
+    return {
+        "reward/mean": 0.5 + 0.03 * math.sin(step * 1.7),
+        "response/length_mean": 300.0 * (1 + 0.02 * math.sin(step * 2.3)),
+        "response/truncated_frac": 0.01,
+        "policy/entropy": 0.6,
+        "policy/grad_norm": 1.0 + 0.1 * math.cos(step),
+        "gap/abs_mean": 0.01,
+    }
+
+
+class TinyModule(pl.LightningModule):
+    """A Linear layer trained on random data; logs metrics from ``schedule(rl_step)`` via self.log.
+
+    ``names`` renames canonical metrics (to test the name mapping); with ``manual=True`` each
+    training step makes two optimizer steps (like the GRPO module)."""
+
+    def __init__(self, schedule: Schedule, names: dict[str, str] | None = None, manual: bool = False) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.schedule = schedule
+        self.names = names or {}
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            for _ in range(2):
+                opt.zero_grad()
+                self.manual_backward(torch.nn.functional.mse_loss(self.layer(x), y))
+                opt.step()
+        for name, value in self.schedule(rl_step(self.trainer)).items():
+            self.log(self.names.get(name, name), value, on_step=True, on_epoch=False, batch_size=1)
+        return loss if self.automatic_optimization else None
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/accuracy", 0.5, batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def loader(n: int = 16) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size=1)
+
+
+def trainer(tmp_path: Path, callbacks: list, max_steps: int, **kwargs) -> pl.Trainer:
+    kwargs.setdefault("logger", CSVLogger(tmp_path, name="run"))
+    return pl.Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        **kwargs,
+    )
+
+
+def logged(tmp_path: Path, name: str) -> dict[int, float]:
+    """``{step: value}`` of one column of the CSVLogger's metrics.csv."""
+    (path,) = tmp_path.rglob("metrics.csv")
+    with path.open() as fh:
+        return {int(r["step"]): float(r[name]) for r in csv.DictReader(fh) if r.get(name)}
+
+
+def test_length_feedback_monitor_warns_from_logged_names(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        metrics = healthy(step)
+        if step >= 30:
+            metrics["response/length_mean"] = 300.0 * 1.04 ** (step - 30)
+        return metrics
+
+    monitor = LengthFeedbackMonitor()
+    with pytest.warns(HealthWarning, match="length.feedback"):
+        trainer(tmp_path, [monitor], 60).fit(TinyModule(schedule), loader())
+    assert monitor.state == HealthState.WARNING
+    assert 30 < monitor.detector.first_warning_step < 45
+    state = logged(tmp_path, "health/length")
+    overall = logged(tmp_path, "health/state")
+    assert state[20] == 0 and state[59] == 1 and overall[59] == 1
+
+
+def test_gap_monitor_warns_at_step_zero_and_writes_tensorboard_text(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        return {**healthy(step), "gap/abs_mean": 0.61}
+
+    monitor = GapMonitor()
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    with pytest.warns(HealthWarning, match="before any update"):
+        trainer(tmp_path, [monitor], 5, logger=logger).fit(TinyModule(schedule), loader())
+    assert monitor.detector.first_warning_step == 0
+    from tensorboard.backend.event_processing import event_accumulator
+
+    (event_file,) = Path(logger.log_dir).glob("events.out.tfevents.*")
+    acc = event_accumulator.EventAccumulator(str(event_file))
+    acc.Reload()
+    assert "health/gap/events/text_summary" in acc.Tags()["tensors"]
+    assert [e.step for e in acc.Scalars("health/state")][:1] == [0]
+
+
+def test_name_mapping_and_rl_steps_under_manual_optimisation(tmp_path):
+    names = {"reward/mean": "train/reward"}
+    monitor = CollapseDetector(metric_names=names)
+    t = trainer(tmp_path, [monitor], 10)
+    t.fit(TinyModule(healthy, names=names, manual=True), loader())
+    # two optimizer steps per RL step: global_step runs ahead, the detector counts RL steps
+    assert t.global_step == 10 and rl_step(t) == 5
+    assert list(monitor.detector.history.steps("reward/mean")) == [0, 1, 2, 3, 4]
+    assert not monitor.detector.history.has("train/reward")
+
+
+def test_stop_ends_fit_cleanly_on_nan(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        return {**healthy(step), "policy/grad_norm": float("nan") if step >= 7 else 1.0}
+
+    monitor = CollapseDetector(actions=["log", "stop"])
+    t = trainer(tmp_path, [monitor], 50)
+    t.fit(TinyModule(schedule), loader())
+    assert t.state.finished and t.should_stop
+    assert monitor.stopped_at == 7 and rl_step(t) == 8
+    assert monitor.detector.first_collapse_step == 7
+    assert any(e.kind == "stopped" for e in monitor.detector.events)
+
+
+class RollbackSpy(pl.Callback):
+    """Runs after the detector: at each rollback, compares weights and optimizer state to the file."""
+
+    def __init__(self, monitor: CollapseDetector) -> None:
+        self.monitor = monitor
+        self.checked = 0
+        self.seen = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.monitor.rollbacks == self.seen:
+            return
+        self.seen = self.monitor.rollbacks
+        ckpt = torch.load(self.monitor.last_healthy_path, map_location="cpu", weights_only=False)
+        for key, value in pl_module.state_dict().items():
+            assert torch.equal(value, ckpt["state_dict"][key]), key
+        restored = trainer.optimizers[0].state_dict()
+        saved = ckpt["optimizer_states"][0]
+        for pid, pstate in saved["state"].items():
+            for key, value in pstate.items():
+                assert torch.equal(torch.as_tensor(restored["state"][pid][key]), torch.as_tensor(value)), key
+        assert restored["param_groups"][0]["lr"] == pytest.approx(saved["param_groups"][0]["lr"] * 0.5**self.seen)
+        self.checked += 1
+
+
+def test_rollback_restores_last_healthy_checkpoint_and_training_continues(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        metrics = healthy(step)
+        if 34 <= step < 37:
+            metrics["reward/mean"] = 0.0  # no rollout earns reward: reward.dead -> collapsing
+        return metrics
+
+    monitor = CollapseDetector(actions=["log", "rollback"], checkpoint_every=10, rollback_lr_scale=0.5, max_rollbacks=3)
+    spy = RollbackSpy(monitor)
+    t = trainer(tmp_path, [monitor, spy], 50)
+    with pytest.warns(HealthWarning, match="rolled back to the healthy checkpoint of step 30"):
+        t.fit(TinyModule(schedule), loader())
+    assert monitor.rollbacks == 1 and spy.checked == 1
+    assert t.global_step == 50 and not t.should_stop  # training continued to max_steps
+    assert monitor.last_healthy_step == 40  # healthy again after the rollback: new checkpoints
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert [e.kind for e in monitor.detector.events if e.kind == "rollback"] == ["rollback"]
+
+
+def test_rollback_gives_up_after_max_rollbacks(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        metrics = healthy(step)
+        if step >= 14:
+            metrics["reward/mean"] = 0.0
+        return metrics
+
+    monitor = CollapseDetector(actions=["log", "rollback"], checkpoint_every=5, max_rollbacks=2)
+    t = trainer(tmp_path, [monitor], 60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HealthWarning)
+        t.fit(TinyModule(schedule), loader())
+    assert monitor.rollbacks == 2 and t.should_stop and rl_step(t) < 60
+    assert "gave up after 2 rollbacks" in [e for e in monitor.detector.events if e.kind == "stopped"][0].message
+
+
+def test_state_survives_checkpoint_and_resume(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        return {**healthy(step), "gap/abs_mean": 0.61}
+
+    first = GapMonitor(actions=["log"])
+    t = trainer(tmp_path, [first], 6)
+    t.fit(TinyModule(schedule), loader())
+    path = tmp_path / "resume.ckpt"
+    t.save_checkpoint(path)
+
+    second = GapMonitor(actions=["log"])
+    t2 = trainer(tmp_path, [second], 10)
+    t2.fit(TinyModule(schedule), loader(), ckpt_path=path)
+    assert second.detector.first_warning_step == 0  # from the first run
+    assert second.detector.history.count("gap/abs_mean") == 10
+    assert list(second.detector.history.steps("gap/abs_mean")) == list(range(10))
+    assert len([e for e in second.detector.events if e.kind == "fired"]) == 1  # no second warning
+
+
+def test_validation_metrics_are_read_at_validation_end(tmp_path):
+    monitor = CollapseDetector()
+    t = trainer(tmp_path, [monitor], 6)
+    t.limit_val_batches = 1
+    t.val_check_interval = 2
+    t.fit(TinyModule(healthy), loader(), loader())
+    # the same steps the logger gives the validation rows of metrics.csv
+    assert list(monitor.detector.history.steps("val/accuracy")) == sorted(logged(tmp_path, "val/accuracy")) == [1, 3, 5]
+    assert not monitor.detector.history.has("health/state")
+
+
+def test_bad_action_is_a_user_error():
+    from tclightning.errors import TclightningError
+
+    with pytest.raises(TclightningError, match="unknown action"):
+        CollapseDetector(actions=["log", "explode"])

@@ -1,0 +1,173 @@
+"""Every shipped recipe loads; every kind of bad input gives one clear line and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tclightning.cli.lightning import main as lightning_main
+from tclightning.cli.main import main
+from tclightning.errors import RecipeError
+from tclightning.recipes.loader import find_recipe, list_recipes, load_recipe, to_dataclass
+from tclightning.recipes.schema import RecipeConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_hub_lists_every_shipped_file() -> None:
+    listed = {info.path.resolve() for info in list_recipes()}
+    assert {p.resolve() for p in SHIPPED} <= listed
+    assert all(info.description for info in list_recipes()), "every recipe needs a one-line description"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_recipe_loads(path: Path) -> None:
+    recipe = to_dataclass(load_recipe(str(path)))
+    assert isinstance(recipe, RecipeConfig)
+    assert recipe.trainer.steps > 0
+    # found by name as well as by path
+    assert find_recipe(recipe.name) == path.resolve() or find_recipe(path.stem) == path.resolve()
+
+
+def test_overrides_and_includes(tmp_path: Path) -> None:
+    child = tmp_path / "child.yaml"
+    child.write_text("description: child\ndefaults: [tiny]\ngrpo: {lr: 0.5}\n")
+    cfg = load_recipe(str(child), ["trainer.steps=7", "sampler.group_size=3"])
+    assert cfg.name == "child"
+    assert cfg.grpo.lr == 0.5  # the child's own value
+    assert cfg.trainer.steps == 7  # command line wins
+    assert cfg.sampler.group_size == 3
+    assert cfg.model.source == "tiny"  # inherited from `tiny`
+    assert cfg.model.warmup.steps == load_recipe("tiny").model.warmup.steps
+
+
+def _error(tmp_path: Path, text: str, *overrides: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(str(path), overrides)
+    return str(info.value)
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
+    message = _error(tmp_path, "description: x\ngrpo: {lrr: 0.1}\n")
+    assert "bad.yaml" in message and "grpo.lrr" in message and "did you mean 'grpo.lr'" in message
+
+
+def test_unknown_section_is_named(tmp_path: Path) -> None:
+    message = _error(tmp_path, "description: x\ntrainr: {steps: 3}\n")
+    assert "trainr" in message and "did you mean 'trainer'" in message
+
+
+def test_wrong_type_names_key_and_value(tmp_path: Path) -> None:
+    message = _error(tmp_path, "description: x\ntrainer: {steps: many}\n")
+    assert "trainer.steps" in message and "many" in message
+
+
+def test_override_errors_name_the_command_line(tmp_path: Path) -> None:
+    message = _error(tmp_path, "description: x\n", "grpo.clip_hihg=0.3")
+    assert "command line" in message and "did you mean 'grpo.clip_high'" in message
+
+
+def test_bad_choice_and_missing_include(tmp_path: Path) -> None:
+    assert "grpo.loss_aggregation" in _error(tmp_path, "description: x\ngrpo: {loss_aggregation: sum}\n")
+    message = _error(tmp_path, "description: x\ndefaults: [no-such-recipe]\n")
+    assert "defaults" in message and "no-such-recipe" in message
+
+
+def test_unknown_callback_class(tmp_path: Path) -> None:
+    message = _error(tmp_path, "description: x\ncallbacks:\n  - class_path: nowhere.Missing\n")
+    assert "callbacks[0].class_path" in message and "nowhere.Missing" in message
+    message = _error(tmp_path, "description: x\ncallbacks:\n  - class_path: collections.OrderedDict\n")
+    assert "not a lightning Callback" in message
+
+
+def test_unknown_recipe_name_suggests() -> None:
+    with pytest.raises(RecipeError, match="did you mean 'tiny'"):
+        find_recipe("tinny")
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tclightning", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "recipe_text, overrides, fragment",
+    [
+        ("description: x\ngrpo: {lrr: 0.1}\n", [], "did you mean 'grpo.lr'"),
+        ("description: x\ntrainer: {steps: many}\n", [], "trainer.steps"),
+        ("description: x\ncallbacks:\n  - class_path: nowhere.Missing\n", [], "nowhere.Missing"),
+        ("description: x\n", ["sampler.group_sise=2"], "sampler.group_size"),
+        ("description: [unclosed\n", [], "not valid YAML"),
+    ],
+    ids=["unknown-key", "wrong-type", "unknown-callback", "bad-override", "bad-yaml"],
+)
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    recipe_text: str, overrides: list[str], fragment: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text(recipe_text)
+    code, _, err = _main(capsys, "run", "--recipe", "bad.yaml", *overrides)
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
+    assert "bad.yaml" in lines[0] or "command line" in lines[0]
+    assert not (tmp_path / "runs").exists(), "nothing may be written before the recipe validates"
+
+
+def test_cli_missing_file_and_unknown_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _main(capsys, "run", "--recipe", "nope/missing.yaml")
+    assert code == 2 and "missing.yaml" in err
+    code, _, err = _main(capsys, "run", "--recipe", "tinny")
+    assert code == 2 and "did you mean 'tiny'" in err
+    code, _, err = _main(capsys, "run", "--recipe", "tiny", "--resume", "last")
+    assert code == 2 and "no checkpoint" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_process_exit_code_and_debug_traceback(tmp_path: Path) -> None:
+    (tmp_path / "bad.yaml").write_text("description: x\ngrpo: {lrr: 0.1}\n")
+    plain = _cli("run", "--recipe", "bad.yaml", cwd=tmp_path)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and "grpo.lrr" in plain.stderr
+    debug = _cli("--debug", "run", "--recipe", "bad.yaml", cwd=tmp_path)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_cli_help_at_each_level(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, fragments in [
+        (["--help"], ["run", "recipes", "analyze"]),
+        (["run", "--help"], ["--resume", "key=value", "--recipe"]),
+        (["recipes", "--help"], ["list", "show"]),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 0
+        out = capsys.readouterr().out
+        assert all(f in out for f in fragments), (args, out)
+    with pytest.raises(SystemExit):
+        lightning_main(["run", "--help"])
+    assert "lightning run --recipe" in capsys.readouterr().out
+
+
+def test_recipes_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _main(capsys, "recipes", "list")
+    assert code == 0 and "tiny" in out
+    code, out, _ = _main(capsys, "recipes", "show", "tiny", "trainer.steps=3")
+    assert code == 0 and "steps: 3" in out and "warmup:" in out

@@ -1,0 +1,266 @@
+"""Answer extraction and verification (tclightning.tasks.rewards) on real GSM8K / MATH-500
+rows, malformed and adversarial text, and the time limit from main and worker threads."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tclightning.tasks.rewards import (
+    extract_answer_is,
+    extract_boxed,
+    extract_gsm8k_answer,
+    gsm8k_completion_answer,
+    last_number,
+    normalize_math_answer,
+    numbers_equal,
+    simple_math_equal,
+    verify_gsm8k,
+    verify_math,
+)
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+PATHOLOGICAL = r"The answer is $\boxed{9^{9^{9^{9}}}}$."  # sympy grinds on this for minutes
+
+
+def _rows(path: Path, lines: list[int]) -> list[dict]:
+    if not path.exists():
+        pytest.skip(f"shared data not found: {path}")
+    with path.open() as handle:
+        all_rows = [json.loads(line) for line in handle]
+    return [all_rows[i] for i in lines]
+
+
+def _math500_gold(row: dict) -> str:
+    return row["answer"].rsplit("The answer is:", 1)[1].strip()
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so $\boxed{42}$.", "42"),
+        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\fbox{7}", "7"),
+        (r"\boxed {  x+1 }", "x+1"),
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped set braces do not close the box
+        (r"\boxed{\boxed{3}}", r"\boxed{3}"),  # the outermost box wins
+        (r"stray } brace \boxed{5}", "5"),
+        ("no box at all 12", None),
+        (r"\boxed{\frac{1}{2}", None),  # unclosed
+        (r"\boxed{3} and later \boxed{4", None),  # the final answer is truncated
+        (r"\boxed", None),
+        ("", None),
+    ],
+)
+def test_extract_boxed(text: str, expected: str | None) -> None:
+    assert extract_boxed(text) == expected
+
+
+def test_extract_boxed_is_linear_on_huge_adversarial_text() -> None:
+    text = "\\boxed{" * 100_000 + "{" * 100_000 + "}" * 50_000
+    start = time.monotonic()
+    assert extract_boxed(text) is None
+    assert extract_boxed("x" * 2_000_000 + r"\boxed{9}") == "9"
+    assert time.monotonic() - start < 3.0
+
+
+def test_number_extractors() -> None:
+    assert last_number("1 then 2,500.75 and -3 apples") == "-3"
+    assert last_number("costs $1,234.5 total") == "1234.5"
+    assert last_number("none here") is None
+    assert extract_gsm8k_answer("work\n#### $1,000\n") == "1000"
+    assert extract_gsm8k_answer("#### 3\n#### -4 apples") == "-4"
+    assert extract_gsm8k_answer("#### nothing") is None
+    assert extract_gsm8k_answer("no marker 5") is None
+    assert extract_answer_is("So the Answer is: $72. Then 5 more.") == "72"
+    assert extract_answer_is("the answer is that we need many words before any number 9") is None
+    # priority: boxed > #### > "The answer is" > last number
+    assert gsm8k_completion_answer(r"The answer is 3. #### 4 \boxed{5} 6") == "5"
+    assert gsm8k_completion_answer("The answer is 3. #### 4 then 6") == "4"
+    assert gsm8k_completion_answer("The answer is 3. then 6") == "3"
+    assert gsm8k_completion_answer("3 then 6") == "6"
+
+
+def test_numbers_equal() -> None:
+    assert numbers_equal("18.00", "18")
+    assert numbers_equal("1,000", "1000")
+    assert numbers_equal("$5.", "5")
+    assert not numbers_equal("18.01", "18")
+    assert not numbers_equal("abc", "abc")
+    assert not numbers_equal(None, "1")
+    assert not numbers_equal("nan", "nan")
+
+
+def test_normalize_and_simple_equal() -> None:
+    assert normalize_math_answer(r"$\left( 3, \dfrac{\pi}{2} \right)$.") == r"(3,\frac{\pi}{2})"
+    assert normalize_math_answer(r"\text{(C)}") == "(C)"
+    assert simple_math_equal(r"\frac{1}{2}", "0.5")
+    assert simple_math_equal("-1/4", r"-\frac{1}{4}")
+    assert simple_math_equal(r"90^\circ", "90")
+    assert not simple_math_equal(r"\frac{1}{3}", "0.33")
+    assert not simple_math_equal("x+1", "x-1")
+
+
+# --------------------------------------------------------------------------- GSM8K
+
+
+def test_gsm8k_rewards_on_real_rows() -> None:
+    rows = _rows(DATA / "gsm8k" / "test.jsonl", [0, 1, 2, 3, 4, 50, 500, 1000])
+    for row in rows:
+        gold = extract_gsm8k_answer(row["answer"])
+        assert gold is not None and gold.lstrip("-").isdigit()
+        wrong = str(int(gold) + 1)
+        for good in (
+            f"Some reasoning.\nThe answer is {gold}.",
+            f"so the total is $\\boxed{{{gold}}}$",
+            row["answer"],  # the dataset's own solution, #### line and all
+            f"We get {int(gold):,} in the end",  # last number, thousands separator
+        ):
+            assert verify_gsm8k(good, gold) == 1.0, (good, gold)
+        for bad in (
+            f"The answer is {wrong}.",
+            f"First {gold}, but after correcting, {wrong}",  # the final number counts
+            f"\\boxed{{{wrong}}} (not {gold})",
+            "I do not know.",
+            "",
+        ):
+            assert verify_gsm8k(bad, gold) == 0.0, (bad, gold)
+
+
+# --------------------------------------------------------------------------- MATH
+
+
+def test_math_rewards_on_real_rows() -> None:
+    rows = _rows(DATA / "math500" / "test.jsonl", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 100, 250])
+    wrong = r"\boxed{\sqrt{7}+1234}"
+    for row in rows:
+        gold = _math500_gold(row)
+        solution = row["answer"].rsplit("The answer is:", 1)[0]
+        assert verify_math(solution, gold) == 1.0, gold
+        assert verify_math(f"Thus the answer is $\\boxed{{{gold}}}$.", gold) == 1.0, gold
+        assert verify_math(f"Final: {wrong}", gold) == 0.0, gold
+
+
+@pytest.mark.parametrize(
+    ("pred", "gold"),
+    [
+        (r"\boxed{\sqrt{8}}", r"2\sqrt{2}"),
+        (r"\boxed{(x+1)^2}", "x^2+2x+1"),
+        (r"\boxed{(3, \pi/2)}", r"\left( 3, \frac{\pi}{2} \right)"),
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        ("no box, but the result is $\\frac{14}{3}$", r"\frac{14}{3}"),
+    ],
+)
+def test_math_equivalent_forms(pred: str, gold: str) -> None:
+    assert verify_math(pred, gold) == 1.0
+
+
+def test_math_equivalence_needs_math_verify() -> None:
+    # These pairs are beyond the cheap string/number check, so a 1.0 proves math-verify ran.
+    assert not simple_math_equal(r"\sqrt{8}", r"2\sqrt{2}")
+    assert verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}") == 1.0
+    assert verify_math(r"\boxed{\sqrt{8}}", r"3\sqrt{2}") == 0.0
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "",
+        "   ",
+        r"\boxed{",
+        r"}}}{{{\boxed{}}",
+        r"\boxed{}",
+        "\\boxed{" * 10_000,
+        "x" * 1_000_000,
+        "9" * 100_000,
+        r"\boxed{" + "(" * 300 + "}",
+        r"\boxed{\frac{1}{0}}",
+        r"\boxed{\frac{1}{2}" + "}" * 50,
+        r"\boxed{" + "x^" * 2000 + "2}",
+        "\x00\ud800 \\boxed{\x00}",
+        None,
+        12,
+        b"\\boxed{2}",
+    ],
+)
+def test_malformed_completions_score_zero(completion: object) -> None:
+    start = time.monotonic()
+    assert verify_math(completion, "2", timeout_s=1.0) == 0.0  # type: ignore[arg-type]
+    assert verify_gsm8k(completion, "3") == 0.0  # type: ignore[arg-type]
+    assert time.monotonic() - start < 3.0
+
+
+def test_bad_gold_scores_zero() -> None:
+    assert verify_math(r"\boxed{2}", "") == 0.0
+    assert verify_math(r"\boxed{2}", None) == 0.0  # type: ignore[arg-type]
+    assert verify_gsm8k("2", "not a number") == 0.0
+
+
+# --------------------------------------------------------------------------- time limit
+
+
+def test_timeout_bounds_a_pathological_answer() -> None:
+    handler = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    assert verify_math(PATHOLOGICAL, "1", timeout_s=0.3) == 0.0
+    elapsed = time.monotonic() - start
+    # It ran until the limit (so the input really is pathological) and not much longer.
+    assert 0.25 <= elapsed < 1.5, elapsed
+    assert signal.getsignal(signal.SIGALRM) is handler
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+def test_timeout_nests_with_an_outer_alarm() -> None:
+    fired: list[float] = []
+
+    def outer(signum: int, frame: object) -> None:
+        fired.append(time.monotonic())
+
+    previous = signal.signal(signal.SIGALRM, outer)
+    try:
+        # An outer timer longer than ours survives, re-armed with its remaining time.
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        assert verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) == 1.0
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 20.0 < remaining < 30.0
+        assert signal.getsignal(signal.SIGALRM) is outer and not fired
+        # An outer timer shorter than ours cuts the verification short, then still fires.
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        start = time.monotonic()
+        assert verify_math(PATHOLOGICAL, "1", timeout_s=10.0) == 0.0
+        assert time.monotonic() - start < 2.0
+        deadline = time.monotonic() + 2.0
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_verify_math_from_a_worker_thread() -> None:
+    results: dict[str, float] = {}
+    times: dict[str, float] = {}
+
+    def work() -> None:
+        results["warm"] = verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=2.0)
+        start = time.monotonic()
+        results["wrong"] = verify_math(r"\boxed{\sqrt{8}}", r"3\sqrt{2}", timeout_s=2.0)
+        results["hang"] = verify_math(PATHOLOGICAL, "1", timeout_s=0.5)
+        times["after_warm"] = time.monotonic() - start
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    # 1.0 for a sympy-only equivalence: math-verify really ran (in a worker process).
+    assert results == {"warm": 1.0, "wrong": 0.0, "hang": 0.0}
+    assert times["after_warm"] < 0.5 + 1.0 + 1.5  # limit + kill grace + slack

@@ -1,0 +1,327 @@
+"""Tasks (tclightning.tasks): config, registry, arithmetic, GSM8K / MATH loading from the
+shared data and from local files, and the Task.reward contract."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
+
+from tclightning.errors import TclightningError
+from tclightning.tasks import Example, Task, TaskConfig, build_task, shared_data_dir
+from tclightning.tasks.arithmetic import ALPHABET
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"shared data not found: {DATA}")
+
+
+def _prompts(examples: Sequence[Example]) -> set[str]:
+    return {e.prompt for e in examples}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def _gsm8k_rows(n: int, offset: int = 0) -> list[dict]:
+    return [
+        {
+            "question": f"Tom has {i} apples and gets 2 more. How many?",
+            "answer": f"{i}+2=<<{i}+2={i + 2}>>{i + 2}\n#### {i + 2}",
+        }
+        for i in range(offset, offset + n)
+    ]
+
+
+# --------------------------------------------------------------------------- config, registry
+
+
+def test_task_config_is_an_omegaconf_structured_config() -> None:
+    base = OmegaConf.structured(TaskConfig)
+    assert base.name == "arithmetic" and base.path is None and base.eval_size == 64
+    merged = OmegaConf.merge(
+        base,
+        OmegaConf.create(
+            {"name": "gsm8k", "hf_name": "openai/gsm8k", "hf_config": "main", "train_size": 10}
+        ),
+    )
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, TaskConfig)
+    assert (cfg.name, cfg.hf_config, cfg.train_size) == ("gsm8k", "main", 10)
+    with pytest.raises(ValidationError):  # typed: a string where an int belongs is rejected
+        OmegaConf.merge(base, OmegaConf.create({"eval_size": "many"}))
+
+
+def test_build_task_unknown_name_lists_known_tasks() -> None:
+    with pytest.raises(TclightningError) as info:
+        build_task(TaskConfig(name="gsm9k"))
+    message = str(info.value)
+    assert "gsm9k" in message
+    assert all(name in message for name in ("arithmetic", "gsm8k", "math"))
+
+
+def test_build_task_accepts_an_omegaconf_node() -> None:
+    node = OmegaConf.merge(OmegaConf.structured(TaskConfig), {"num_train": 10, "eval_size": 4})
+    task = build_task(node)  # type: ignore[arg-type]
+    assert task.name == "arithmetic" and len(task.train_examples()) == 10
+
+
+def test_prompt_template_must_name_the_question() -> None:
+    with pytest.raises(TclightningError, match="question"):
+        build_task(TaskConfig(name="gsm8k", prompt_template="Solve this."))
+
+
+def test_shared_data_dir_honours_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("TCLIGHTNING_DATA", raising=False)
+    assert shared_data_dir() == DATA
+    monkeypatch.setenv("TCLIGHTNING_DATA", str(tmp_path))
+    assert shared_data_dir() == tmp_path
+
+
+# --------------------------------------------------------------------------- Task contract
+
+
+class _Broken(Task):
+    name = "broken"
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def train_examples(self) -> Sequence[Example]:
+        return ()
+
+    def eval_examples(self) -> Sequence[Example]:
+        return ()
+
+    def score(self, completion: str, example: Example) -> float:
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value  # type: ignore[return-value]
+
+
+def test_reward_never_raises_and_stays_in_unit_interval() -> None:
+    ex = Example("t/0", "p", "1", "1")
+    assert _Broken(RuntimeError("verifier bug")).reward("x", ex) == 0.0
+    assert _Broken(math.nan).reward("x", ex) == 0.0
+    assert _Broken(5.0).reward("x", ex) == 1.0
+    assert _Broken(-2.0).reward("x", ex) == 0.0
+    assert _Broken(0.5).reward("x", ex) == 0.5
+    assert _Broken(0.5).reward(None, ex) == 0.0  # type: ignore[arg-type]
+    assert _Broken(0.5).rewards(["a", "b"], [ex, ex]) == [0.5, 0.5]
+    with pytest.raises(ValueError):
+        _Broken(0.5).rewards(["a"], [ex, ex])
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def test_arithmetic_is_deterministic_disjoint_and_correct() -> None:
+    cfg = TaskConfig(name="arithmetic", num_train=500, eval_size=50, operations="+-*")
+    task = build_task(cfg)
+    train, evals = task.train_examples(), task.eval_examples()
+    assert (len(train), len(evals)) == (500, 50)
+    assert list(train) == list(build_task(cfg).train_examples())  # same config, same data
+    assert list(evals) == list(build_task(cfg).eval_examples())
+    assert not _prompts(train) & _prompts(evals)
+    assert len(_prompts(train)) == 500  # no repeats within train either
+    assert len({e.uid for e in [*train, *evals]}) == 550
+    seen_ops = set()
+    for e in [*train, *evals]:
+        assert set(e.prompt) <= ALPHABET, e.prompt
+        assert e.prompt.endswith("=")
+        a, op, b = next((e.prompt[:-1].partition(op)) for op in "+-*" if op in e.prompt)
+        seen_ops.add(op)
+        assert 0 <= int(a) < 100 and 0 <= int(b) < 100
+        assert (
+            int(e.answer) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        )
+        assert int(e.answer) >= 0 and e.solution == e.answer
+    assert seen_ops == {"+", "-", "*"}
+    other_seed = build_task(
+        TaskConfig(name="arithmetic", num_train=500, eval_size=50, operations="+-*", seed=1)
+    )
+    assert list(other_seed.train_examples()) != list(train)
+
+
+def test_arithmetic_eval_set_does_not_move_with_train_size() -> None:
+    small = build_task(TaskConfig(num_train=10, eval_size=20))
+    large = build_task(TaskConfig(num_train=2000, eval_size=20))
+    assert list(small.eval_examples()) == list(large.eval_examples())
+    assert list(small.train_examples()) == list(large.train_examples())[:10]
+
+
+def test_arithmetic_large_space_uses_sampling() -> None:
+    task = build_task(TaskConfig(digits=4, operations="*", num_train=300, eval_size=30))
+    train, evals = task.train_examples(), task.eval_examples()
+    assert len(train) == 300 and not _prompts(train) & _prompts(evals)
+    assert list(train) == list(
+        build_task(
+            TaskConfig(digits=4, operations="*", num_train=300, eval_size=30)
+        ).train_examples()
+    )
+    assert max(len(e.prompt) for e in train) > 6  # 4-digit operands do appear
+
+
+def test_arithmetic_small_space_is_capped_or_rejected() -> None:
+    task = build_task(TaskConfig(digits=1, operations="+", num_train=5000, eval_size=64))
+    assert len(task.train_examples()) == 100 - 64  # all distinct 1-digit sums, none reused
+    with pytest.raises(TclightningError, match="distinct problems"):
+        build_task(TaskConfig(digits=1, operations="+", eval_size=100)).train_examples()
+    with pytest.raises(TclightningError, match="operations"):
+        build_task(TaskConfig(operations="+/"))
+    with pytest.raises(TclightningError, match="digits"):
+        build_task(TaskConfig(digits=0))
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("85", 1.0),
+        ("  85\n", 1.0),
+        ("85 is it", 1.0),
+        ("085", 1.0),
+        ("it is 85", 1.0),
+        ("8 5", 0.0),
+        ("-85", 0.0),
+        ("84", 0.0),
+        ("86 not 85", 0.0),
+        ("", 0.0),
+        ("abc", 0.0),
+        ("9" * 100_000, 0.0),
+        ("\x00", 0.0),
+    ],
+)
+def test_arithmetic_reward(completion: str, reward: float) -> None:
+    task = build_task(TaskConfig())
+    ex = Example("arithmetic/x/0", "37+48=", "85", "85")
+    assert task.reward(completion, ex) == reward
+
+
+# --------------------------------------------------------------------------- shared data
+
+
+@needs_data
+def test_gsm8k_from_the_shared_copy() -> None:
+    task = build_task(TaskConfig(name="gsm8k", eval_size=16, system_prompt="Be brief."))
+    train, evals = task.train_examples(), task.eval_examples()
+    assert len(train) == 7473 and len(evals) == 16
+    assert all(e.uid.startswith("gsm8k/train/") for e in train)
+    assert all(e.uid.startswith("gsm8k/test/") for e in evals)  # held out = the test split
+    assert not _prompts(train) & _prompts(evals)
+    assert task.system_prompt == "Be brief."
+    first = train[0]
+    assert first.answer == "72" and first.prompt.startswith("Natalia sold clips")
+    assert "The answer is N." in first.prompt
+    assert "<<" not in first.solution and first.solution.endswith("The answer is 72.")
+    sample = [*train[:50], *evals]
+    assert task.rewards([e.solution for e in sample], sample) == [1.0] * len(sample)
+    assert task.reward("The answer is 73.", first) == 0.0
+
+
+@needs_data
+def test_math500_carves_a_deterministic_held_out_set() -> None:
+    cfg = TaskConfig(name="math", eval_size=50, seed=3)
+    task = build_task(cfg)
+    train, evals = task.train_examples(), task.eval_examples()
+    assert (len(train), len(evals)) == (450, 50)  # MATH-500 has only "test": cut from it
+    assert not {e.uid for e in train} & {e.uid for e in evals}
+    assert not _prompts(train) & _prompts(evals)
+    assert [e.uid for e in evals] == [e.uid for e in build_task(cfg).eval_examples()]
+    assert [e.uid for e in evals] != [
+        e.uid for e in build_task(TaskConfig(name="math", eval_size=50)).eval_examples()
+    ]
+    assert all("\\boxed{}" in e.prompt for e in train)
+    assert all(e.answer and "The answer is:" not in e.solution for e in [*train, *evals])
+    sample = [*train[:40], *evals[:10]]
+    assert task.rewards([e.solution for e in sample], sample) == [1.0] * len(sample)
+    assert task.rewards([r"\boxed{\sqrt{7}+1234}"] * 5, list(evals[:5])) == [0.0] * 5
+
+
+# --------------------------------------------------------------------------- local files
+
+
+def test_gsm8k_from_a_local_directory_with_two_splits(tmp_path: Path) -> None:
+    _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(30))
+    _write_jsonl(tmp_path / "test.jsonl", _gsm8k_rows(10, offset=100))
+    cfg = TaskConfig(
+        name="gsm8k",
+        path=str(tmp_path),
+        eval_size=4,
+        train_size=20,
+        prompt_template="Q: {question} (use \\boxed{})",
+        instruction="",
+    )
+    task = build_task(cfg)
+    train, evals = task.train_examples(), task.eval_examples()
+    assert len(train) == 20 and len(evals) == 4
+    assert train[0].prompt == "Q: Tom has 0 apples and gets 2 more. How many? (use \\boxed{})"
+    assert train[0].answer == "2" and evals[0].uid.startswith("gsm8k/test/")
+    assert all(int(e.answer) >= 102 for e in evals)
+
+
+def test_single_file_is_cut_into_train_and_eval(tmp_path: Path) -> None:
+    rows = _gsm8k_rows(40) + [{"question": "broken row"}]  # index 40: no answer, skipped
+    rows += [{"question": "Tom has 0 apples and gets 2 more. How many?", "answer": "#### 2"}]
+    _write_jsonl(tmp_path / "mine.jsonl", rows)
+    # seed 3 holds out row 0 but not its duplicate, row 41: the duplicate must leave train.
+    task = build_task(
+        TaskConfig(name="gsm8k", path=str(tmp_path / "mine.jsonl"), eval_size=10, seed=3)
+    )
+    train, evals = task.train_examples(), task.eval_examples()
+    assert "gsm8k/mine/0" in {e.uid for e in evals}
+    assert (len(train), len(evals)) == (30, 10)
+    assert "gsm8k/mine/41" not in {e.uid for e in train}
+    assert not _prompts(train) & _prompts(evals)
+
+
+def test_missing_data_and_splits_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TclightningError, match="not found"):
+        build_task(TaskConfig(name="gsm8k", path=str(tmp_path / "nope"))).train_examples()
+    _write_jsonl(tmp_path / "train.jsonl", _gsm8k_rows(5))
+    _write_jsonl(tmp_path / "test.jsonl", _gsm8k_rows(5))
+    with pytest.raises(TclightningError, match="available"):
+        build_task(
+            TaskConfig(name="gsm8k", path=str(tmp_path), split="validation")
+        ).train_examples()
+    with pytest.raises(TclightningError, match="eval_split"):
+        build_task(TaskConfig(name="gsm8k", path=str(tmp_path), eval_split="dev")).train_examples()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "train.jsonl").write_text('{"question": "x"\n')
+    with pytest.raises(TclightningError, match="train.jsonl:1"):
+        build_task(TaskConfig(name="gsm8k", path=str(tmp_path / "bad"))).train_examples()
+
+
+def test_math_from_parquet_through_datasets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    datasets = pytest.importorskip("datasets")
+    # The same datasets.load_dataset call the hub path makes; keep its cache in tmp_path.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    rows = [  # the three row shapes: HF MATH-500 / Big-Math, Hendrycks MATH
+        {
+            "problem": f"What is {i}/2?",
+            "solution": f"Halve it: $\\boxed{{\\frac{{{i}}}{{2}}}}$",
+            "answer": f"\\frac{{{i}}}{{2}}",
+        }
+        for i in range(1, 9)
+    ] + [{"problem": "Compute 1+1.", "solution": "It is $\\boxed{2}$.", "answer": None}]
+    data = tmp_path / "data"
+    data.mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(data / "test.parquet"))
+    task = build_task(TaskConfig(name="math", path=str(data), eval_size=3))
+    train, evals = task.train_examples(), task.eval_examples()
+    assert (len(train), len(evals)) == (6, 3)
+    by_question = {e.prompt.split("\n")[0]: e for e in [*train, *evals]}
+    assert by_question["What is 3/2?"].answer == "\\frac{3}{2}"
+    assert by_question["Compute 1+1."].answer == "2"
+    ex = by_question["What is 3/2?"]
+    assert task.reward("so it is \\boxed{1.5}", ex) == 1.0
+    assert task.reward("so it is \\boxed{3}", ex) == 0.0
