@@ -11,12 +11,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from tclightning.health.detector import HealthDetector  # noqa: E402
-from tclightning.health.rules import HealthState  # noqa: E402
-from tclightning.health.traces import Trace, late_length_collapse, stale_anchor_ratchet  # noqa: E402
+from tclightning.health.detector import HealthDetector
+from tclightning.health.rules import HealthState
+from tclightning.health.traces import Trace, late_length_collapse, stale_anchor_ratchet
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "img"
 

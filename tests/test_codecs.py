@@ -83,6 +83,14 @@ def test_different_step_cut_seed_or_token_give_different_indices() -> None:
     assert len({tuple(row.tolist()) for row in flat}) == flat.shape[0]
 
 
+def test_prf_indices_are_pinned() -> None:
+    """Changing the construction changes what every run/checkpoint agreed on: do it on purpose."""
+    first = PRFIndexer(1536, 77).indices(CodecKey(seed=0, step=1, cut=6), 1, 2)[0, :, :8]
+    assert first.tolist() == [[95, 1138, 1113, 1240, 1284, 1511, 195, 153], [1508, 417, 861, 660, 941, 914, 729, 1143]]
+    small = PRFIndexer(64, 8).indices(CodecKey(seed=5, step=2, cut=1, row_offset=3), 2, 1)[:, 0]
+    assert small.tolist() == [[33, 11, 34, 41, 45, 16, 12, 44], [31, 12, 58, 35, 48, 10, 22, 18]]
+
+
 def test_same_key_gives_same_indices_in_another_process() -> None:
     key = {"seed": 123456789012, "step": 7, "cut": 13, "row_offset": 5}
     script = (

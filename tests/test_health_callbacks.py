@@ -209,7 +209,8 @@ def test_rollback_gives_up_after_max_rollbacks(tmp_path):
         warnings.simplefilter("ignore", HealthWarning)
         t.fit(TinyModule(schedule), loader())
     assert monitor.rollbacks == 2 and t.should_stop and rl_step(t) < 60
-    assert "gave up after 2 rollbacks" in [e for e in monitor.detector.events if e.kind == "stopped"][0].message
+    stopped = next(e for e in monitor.detector.events if e.kind == "stopped")
+    assert "gave up after 2 rollbacks" in stopped.message
 
 
 def test_state_survives_checkpoint_and_resume(tmp_path):

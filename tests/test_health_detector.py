@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,13 +24,10 @@ from tclightning.health.traces import COLLAPSE_TRACES, agentic_gap, stable
 
 
 def test_detector_module_has_no_lightning_import():
-    import tclightning.health.detector as detector
-    import tclightning.health.history as history
-    import tclightning.health.rules as rules
-    import tclightning.health.traces as traces
+    from tclightning.health import detector, history, rules, traces
 
     for module in (detector, history, rules, traces):
-        source = open(module.__file__).read()
+        source = Path(module.__file__).read_text()
         assert "lightning" not in source.replace("tclightning", ""), module.__name__
 
 

@@ -19,6 +19,7 @@ from tclightning.pipeline import (
     PipelineStrategy,
     WireMeter,
     even_split_cuts,
+    hook_free_copy,
     resolve_layout,
 )
 
@@ -175,10 +176,33 @@ def test_bytes_counted_equal_the_formula_for_real_tokens(batch: tuple) -> None:
     assert torch.equal(bypassed, token_logps(model, ids, mask))
 
 
+def test_gradient_checkpointing_keeps_gradients_and_counts_once(batch: tuple) -> None:
+    ids, mask = batch
+    model = tiny_llama().train()
+
+    def grads_and_bytes() -> tuple[list[torch.Tensor], float]:
+        model.zero_grad(set_to_none=True)
+        with CutSet(model, PipelineConfig(layout="all", k=8)) as cuts:
+            token_logps(model, ids, mask).sum().backward()
+            return [p.grad.clone() for p in model.parameters()], cuts.metrics()["wire/bytes_fwd"]
+
+    plain, plain_bytes = grads_and_bytes()
+    # transformers 5 renamed it; older releases only have gradient_checkpointing_enable
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    assert model.is_gradient_checkpointing
+    checkpointed, checkpointed_bytes = grads_and_bytes()
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+    assert plain_bytes == checkpointed_bytes
+
+
 def test_remove_leaves_the_model_hook_free(batch: tuple) -> None:
     model = tiny_llama()
     cuts = CutSet(model, PipelineConfig(layout="all"))
     assert any(layer._forward_hooks for layer in model.model.layers)
+    copied = hook_free_copy(model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in copied.modules())
+    assert any(layer._forward_hooks for layer in model.model.layers)  # the original keeps its cuts
     cuts.remove()
     cuts.remove()
     modules = list(model.modules())

@@ -325,3 +325,18 @@ def test_math_from_parquet_through_datasets(
     ex = by_question["What is 3/2?"]
     assert task.reward("so it is \\boxed{1.5}", ex) == 1.0
     assert task.reward("so it is \\boxed{3}", ex) == 0.0
+
+
+def test_arithmetic_reverse_answer_keeps_leading_zeros() -> None:
+    from tclightning.tasks import TaskConfig, build_task
+
+    task = build_task(TaskConfig(name="arithmetic", reverse_answer=True, eval_size=8, num_train=200))
+    examples = list(task.train_examples()) + list(task.eval_examples())
+    for example in examples:
+        a, b = example.prompt.rstrip("=").split("+")
+        assert example.answer == str(int(a) + int(b))[::-1] == example.solution
+        assert task.reward(example.answer, example) == 1.0
+        assert task.reward(example.answer[::-1] + "9", example) == 0.0 or example.answer[::-1] == example.answer
+    forty_sixty = next((e for e in examples if e.answer.startswith("0")), None)
+    if forty_sixty is not None:  # "0..." answers must match as strings, not integers
+        assert task.reward(forty_sixty.answer.lstrip("0") or "1", forty_sixty) == 0.0

@@ -1,0 +1,22 @@
+"""Lightning callbacks: monitoring (length feedback, gap, collapse), checkpoints, progress.
+
+Each monitoring callback works in any Lightning project that logs the canonical metric names
+(or maps its own names in the constructor); see ``docs/health.md``.
+"""
+
+from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
+from tclightning.callbacks.collapse import CollapseDetector
+from tclightning.callbacks.gap_monitor import GapMonitor
+from tclightning.callbacks.health_actions import HealthMonitor, HealthWarning, rl_step
+from tclightning.callbacks.length_feedback import LengthFeedbackMonitor
+
+__all__ = [
+    "CollapseDetector",
+    "GapMonitor",
+    "GracefulStop",
+    "HealthMonitor",
+    "HealthWarning",
+    "LengthFeedbackMonitor",
+    "StepCheckpoint",
+    "rl_step",
+]

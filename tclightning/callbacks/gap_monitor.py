@@ -6,7 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from tclightning.callbacks.health_actions import HealthMonitor
-from tclightning.health.rules import GapLevelRule, GapTrendRule, LengthGapCouplingRule, NonFiniteRule, Rule
+from tclightning.health.rules import (
+    GapLevelRule,
+    GapTrendRule,
+    LengthGapCouplingRule,
+    NonFiniteRule,
+    Rule,
+)
 
 
 class GapMonitor(HealthMonitor):

@@ -32,7 +32,7 @@ class LengthFeedbackMonitor(HealthMonitor):
     def __init__(
         self,
         window: int = 20,
-        growth_warn: float = 0.15,
+        growth_warn: float = 0.12,
         drift_growth_warn: float = 0.2,
         truncation_rise_warn: float = 0.05,
         truncation_collapse: float = 0.5,

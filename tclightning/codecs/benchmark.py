@@ -1,8 +1,9 @@
 """Timing of the PRF codec against a plain copy of the boundary tensor (``tclightning bench codec``).
 
 The reference is ``x.clone()`` of the [tokens, d] activation: a decoder has to write the d-vector
-anyway, so one copy is the floor for encode + decode. Index generation is included on *both*
-sides (the receiver regenerates the indices from the key; nothing is cached between them).
+anyway, so one copy is the floor for encode + decode. Encode always includes index generation.
+Decode is timed twice: as it runs in one process (in-graph, reusing the indices encode just
+generated) and as a separate receiver runs it (regenerating the indices from the key).
 """
 
 from __future__ import annotations
@@ -45,13 +46,15 @@ def bench_codec(
     threads: int | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Median milliseconds over ``repeats`` rounds (after ``warmup``) of ``clone``, PRF ``encode``
-    and PRF ``decode`` (zero fill) on a [tokens, d] activation; the three are interleaved within
-    each round so that noise from other processes hits them alike.
+    """Median milliseconds over ``repeats`` rounds (after ``warmup``) on a [tokens, d] activation;
+    all steps are interleaved within each round so that noise from other processes hits them alike.
 
-    Returns ``clone_ms``, ``encode_ms``, ``decode_ms``, ``encode_over_clone``,
-    ``roundtrip_over_clone`` ((encode + decode) / clone), ``payload_bytes_per_token`` (k x element
-    size), ``dense_bytes_per_token`` (d x element size), ``compression`` (dense / payload) and the
+    Returns ``clone_ms`` (``x.clone()``), ``encode_ms`` (index generation + gather), ``decode_ms``
+    (zero fill + scatter with the indices encode generated: the one-process path),
+    ``receiver_decode_ms`` (decode regenerating the indices: a separate receiver), ``index_ms``
+    (index generation alone), ``encode_over_clone``, ``roundtrip_over_clone`` ((encode + decode) /
+    clone), ``receiver_roundtrip_over_clone``, ``payload_bytes_per_token`` (k x element size),
+    ``dense_bytes_per_token`` (d x element size), ``compression`` (dense / payload) and the
     settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
@@ -70,26 +73,43 @@ def bench_codec(
         codec.clear_cache()
         return codec.encode(x, key)
 
-    def decode() -> Any:
+    def decode_in_process() -> Any:  # indices cached by the encode that produced the payload
+        return codec.decode(payload, key)
+
+    def decode_at_receiver() -> Any:
         codec.clear_cache()
         return codec.decode(payload, key)
 
-    samples: dict[str, list[float]] = {"clone": [], "encode": [], "decode": []}
+    def indices() -> Any:
+        return codec.indexer.indices(key, 1, tokens, target)
+
+    steps = {
+        "clone": x.clone,
+        "index": indices,
+        "encode": encode,
+        "decode": decode_in_process,
+        "receiver_decode": decode_at_receiver,
+    }
+    samples: dict[str, list[float]] = {name: [] for name in steps}
     with torch.no_grad():
         for round_index in range(warmup + repeats):
-            times = {"clone": timed(x.clone), "encode": timed(encode), "decode": timed(decode)}
+            times = {name: timed(fn) for name, fn in steps.items()}
             if round_index >= warmup:
                 for name, value in times.items():
                     samples[name].append(value)
-    clone_ms, encode_ms, decode_ms = (statistics.median(samples[name]) for name in ("clone", "encode", "decode"))
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    clone_ms, encode_ms, decode_ms = median["clone"], median["encode"], median["decode"]
     payload_bytes = codec.payload_bytes_per_token(torch_dtype)
     dense = dim * torch_dtype.itemsize
     return {
         "clone_ms": round(clone_ms, 3),
         "encode_ms": round(encode_ms, 3),
         "decode_ms": round(decode_ms, 3),
+        "index_ms": round(median["index"], 3),
+        "receiver_decode_ms": round(median["receiver_decode"], 3),
         "encode_over_clone": round(encode_ms / clone_ms, 3),
         "roundtrip_over_clone": round((encode_ms + decode_ms) / clone_ms, 3),
+        "receiver_roundtrip_over_clone": round((encode_ms + median["receiver_decode"]) / clone_ms, 3),
         "payload_bytes_per_token": int(payload_bytes),
         "dense_bytes_per_token": dense,
         "compression": round(dense / payload_bytes, 2),

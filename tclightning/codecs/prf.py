@@ -95,13 +95,14 @@ class PRFIndexer:
         self._units = torch.tensor(units, dtype=torch.int64)
         self._progressions: dict[torch.device, Tensor] = {}
         self._perms: dict[tuple[int, int, torch.device], Tensor] = {}
+        self._workspaces: dict[torch.device, Tensor] = {}
 
     def _progression(self, device: torch.device) -> Tensor:
         """[phi(d), k] table of ``b * j mod d`` for every invertible stride b."""
         table = self._progressions.get(device)
         if table is None:
             j = torch.arange(self.k, dtype=torch.int64)
-            table = ((self._units[:, None] * j[None, :]) % self.dim).to(device)
+            table = ((self._units[:, None] * j[None, :]) % self.dim).to(device, torch.int32)
             self._progressions[device] = table
         return table
 
@@ -126,9 +127,75 @@ class PRFIndexer:
         token_hash = mix32((row_hash[:, None] + _mul32(positions, _GOLDEN)[None, :]) & MASK32)
         offset = mix32(token_hash ^ _SALT_OFFSET) % self.dim
         stride_slot = mix32(token_hash ^ _SALT_STRIDE) % self._units.numel()
-        positions_in_perm = self._progression(device)[stride_slot]  # [B, L, k] = b*j mod d (a fresh tensor)
-        positions_in_perm += offset[..., None]  # in place: one T*k pass fewer
-        return self._doubled_perm(key.seed, key.cut, device)[positions_in_perm]
+        # [T, k] positions in perm: (b*j mod d) + a, in int32 in a reused workspace (a fresh multi-MB
+        # tensor per call costs page faults comparable to the work); index_select beats advanced
+        # indexing and take several times on CPU
+        steps = self._workspace(batch * length, device)
+        torch.index_select(self._progression(device), 0, stride_slot.reshape(-1), out=steps)
+        steps += offset.reshape(-1, 1).to(torch.int32)
+        perm2 = self._doubled_perm(key.seed, key.cut, device)
+        return perm2.index_select(0, steps.view(-1)).view(batch, length, self.k)  # fresh: autograd may keep it
+
+    def _workspace(self, tokens: int, device: torch.device) -> Tensor:
+        buffer = self._workspaces.get(device)
+        if buffer is None or buffer.shape[0] < tokens:
+            buffer = torch.empty(tokens, self.k, dtype=torch.int32, device=device)
+            self._workspaces[device] = buffer
+        return buffer[:tokens]
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(t: Tensor) -> Tensor:
+    """Same-width integer view on CPU (bit-exact moves): torch's CPU scatter for bf16/f16 is ~9x
+    slower than for int16, and integer gather/scatter is never slower."""
+    if t.device.type == "cpu" and t.is_floating_point() and t.element_size() in _SAME_WIDTH_INT:
+        return t.view(_SAME_WIDTH_INT[t.element_size()])
+    return t
+
+
+def gather_rows(x: Tensor, idx: Tensor) -> Tensor:
+    """``x.gather(-1, idx)`` without autograd, through :func:`_as_bits`."""
+    return _as_bits(x).gather(-1, idx).view(x.dtype)
+
+
+def scatter_rows_(out: Tensor, idx: Tensor, values: Tensor) -> Tensor:
+    """``out.scatter_(-1, idx, values)`` without autograd, through :func:`_as_bits`; returns ``out``."""
+    _as_bits(out).scatter_(-1, idx, _as_bits(values.to(out.dtype)))
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """Encode: ``v = x[idx]``; backward scatters ``dv`` into zeros (the sender's gradient lives on the
+    kept coordinates only)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, idx: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(idx)
+        ctx.shape = x.shape
+        return gather_rows(x, idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        return scatter_rows_(grad.new_zeros(ctx.shape), idx, grad), None
+
+
+class _ScatterOnto(torch.autograd.Function):
+    """Decode: ``out = base; out[idx] = src`` for a fresh ``base`` (zeros, or the fill broadcast);
+    backward: ``dsrc = dout[idx]`` (``base`` is receiver state, not differentiated)."""
+
+    @staticmethod
+    def forward(ctx: Any, src: Tensor, idx: Tensor, base: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(idx)
+        ctx.mark_dirty(base)
+        return scatter_rows_(base, idx, src)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        return gather_rows(grad, idx), None, None
 
 
 class PRFCodec(Codec):
@@ -187,7 +254,7 @@ class PRFCodec(Codec):
         rows = as_rows(x)
         self._check_dim(rows)
         idx = self.indices(key, rows.shape[0], rows.shape[1], rows.device)
-        values = rows.gather(-1, idx)
+        values = _Gather.apply(rows, idx)
         return values if x.dim() == 3 else values.squeeze(0)
 
     def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
@@ -198,7 +265,7 @@ class PRFCodec(Codec):
         idx = self.indices(key, batch, length, values.device)
         if self.fill == "zero":
             src = values * self.scale if self.rescale else values
-            out = values.new_zeros(batch, length, self.dim).scatter_(-1, idx, src)
+            out = _ScatterOnto.apply(src, idx, values.new_zeros(batch, length, self.dim))
         else:
             fill = self._fill_vector(values)
             out = fill.expand(batch, length, self.dim).clone()
@@ -206,7 +273,7 @@ class PRFCodec(Codec):
             if self.rescale:
                 kept_fill = fill[idx]
                 src = kept_fill + self.scale * (values - kept_fill)
-            out.scatter_(-1, idx, src)
+            out = _ScatterOnto.apply(src, idx, out)
             self._observe(idx, values, token_mask)
         return out if payload.dim() == 3 else out.squeeze(0)
 

@@ -85,6 +85,7 @@ class GRPOModule(L.LightningModule):
         self.val_length = MeanMetric()
         self.warmup_stats: dict[str, float] = {}
         self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
+        self._pending_cut_state: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -96,6 +97,7 @@ class GRPOModule(L.LightningModule):
                 [e.prompt for e in self.train_examples],
                 [e.solution for e in self.train_examples],
                 self.model_cfg.warmup,
+                progress=self.trainer is not None and self.trainer.progress_bar_callback is not None,
             )
         if self.cfg.kl_coef > 0 and self.reference is None:
             import copy
@@ -160,6 +162,12 @@ class GRPOModule(L.LightningModule):
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)
         sampled = time.perf_counter()
 
+        cuts = self.cuts
+        if cuts is not None:
+            # One PRF key per RL step: the "old" log-probs and every tick of the update see the
+            # same coordinates, so the PPO ratio compares weights, not index draws.
+            cuts.set_step(batch.step)
+            cuts.reset_stats()
         rows = torch.arange(rollouts.num_sequences)
         if cfg.drop_zero_variance_groups:
             keep_groups = ~zero_variance_groups(shaped, G)
@@ -169,6 +177,8 @@ class GRPOModule(L.LightningModule):
         metrics = self._rollout_metrics(rewards, rollouts)
         metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step))
         trained = time.perf_counter()
+        if cuts is not None:
+            metrics.update(cuts.metrics())
 
         tokens = float(rollouts.completion_mask.sum())
         metrics.update(
@@ -203,8 +213,6 @@ class GRPOModule(L.LightningModule):
         single_tick = cfg.epochs * cfg.minibatches == 1
         stats: dict[str, list[float]] = {}
         cuts = self.cuts
-        if cuts is not None:
-            cuts.set_step(self.trainer.global_step)
 
         # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and
         # the trainer side of the gap. With a single tick they come from the update's forward.
@@ -224,8 +232,6 @@ class GRPOModule(L.LightningModule):
             for chunk in torch.tensor_split(order, cfg.minibatches):
                 if len(chunk) == 0:
                     continue
-                if cuts is not None:
-                    cuts.set_step(self.trainer.global_step)
                 part = rollouts.select(chunk.to(rollouts.completion_ids.device))
                 width = part.completion_ids.shape[1]
                 logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
@@ -279,12 +285,16 @@ class GRPOModule(L.LightningModule):
         return metrics
 
     # ----------------------------------------------------------------------------- validation
-    def validation_step(self, batch: list[int], batch_idx: int) -> None:
-        examples = [self.eval_examples[i] for i in batch]
+    def evaluate_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy completions for held-out examples: (rewards, lengths)."""
+        examples = [self.eval_examples[i] for i in indices]
         rollouts = self.sample(examples, seed=self.seed, greedy=True, group_size=1)
-        rewards = self.score(rollouts, examples)
+        return self.score(rollouts, examples), rollouts.lengths.float().cpu()
+
+    def validation_step(self, batch: list[int], batch_idx: int) -> None:
+        rewards, lengths = self.evaluate_batch(batch)
         self.val_accuracy.update(rewards)
-        self.val_length.update(rollouts.lengths.float())
+        self.val_length.update(lengths)
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
@@ -309,6 +319,7 @@ class GRPOModule(L.LightningModule):
             # Sampling is seeded per step from this, so it is the whole sampler state.
             "sampler": {"seed": self.sampler_cfg.seed + self.seed, "backend": self.sampler_cfg.backend},
             "warmup": self.warmup_stats,
+            "cuts": self.cuts.state_dict() if self.cuts is not None else None,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -322,6 +333,24 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         self.warmup_stats = state.get("warmup", {})
         self._resume_step = int(state.get("rl_step", 0))
+        # Cuts are installed by the strategy after checkpoint restore; applied in on_train_start.
+        self._pending_cut_state = state.get("cuts")
+
+    def on_train_start(self) -> None:
+        if self._pending_cut_state is not None and self.cuts is not None:
+            self.cuts.load_state_dict(self._pending_cut_state)
+        self._pending_cut_state = None
+        if self._resume_step == 0 and self.trainer.limit_val_batches:
+            self._log_start_accuracy()
+
+    def _log_start_accuracy(self) -> None:
+        """``val/accuracy`` before the first update, at step 0 (after any warm-up)."""
+        results = [self.evaluate_batch(b) for b in EvalBatches(len(self.eval_examples), self.val_batch_size)]
+        rewards = torch.cat([r for r, _ in results])
+        lengths = torch.cat([n for _, n in results])
+        metrics = {"val/accuracy": float(rewards.mean()), "val/length_mean": float(lengths.mean())}
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=0)
 
 
 def _to_device(rollouts: Rollouts, device: torch.device) -> Rollouts:

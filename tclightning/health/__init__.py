@@ -5,7 +5,13 @@
 ``tclightning analyze health`` are thin layers over it. See ``docs/health.md``.
 """
 
-from tclightning.health.detector import HealthDetector, HealthEvent, ReplayResult, Verdict, replay
+from tclightning.health.detector import (
+    HealthDetector,
+    HealthEvent,
+    ReplayResult,
+    Verdict,
+    replay,
+)
 from tclightning.health.history import MetricHistory
 from tclightning.health.rules import (
     EntropyRule,

@@ -89,7 +89,7 @@ class Rule:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - stateless default
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -139,10 +139,12 @@ class LengthFeedbackRule(Rule):
     * collapsing: ``growth >= growth_collapse`` and ``z <= -reward_fall_z``.
 
     Defaults: ``window=20`` because the hub's 16k run fell from its peak to below its start
-    within 20 steps, so a longer window would see it too late; ``growth_warn=0.15`` is about
-    six standard errors of the half-window medians for per-step length noise of ~4% (a batch of
-    a few hundred completions), far above the slow healthy drift of RLVR lengths (a few % per 20
-    steps) and below one stale-anchor ratchet notch; ``tail_growth_warn=0.25`` because the
+    within 20 steps, so a longer window would see it too late; ``growth_warn=0.12`` is about
+    five standard errors of the difference of half-window medians for per-step length noise of
+    ~4% (a batch of a few hundred completions), far above the slow healthy drift of RLVR lengths
+    (a few % per 20 steps) and well below one stale-anchor ratchet notch (~20%, which a notch
+    straddling the two halves only partly shows: 0.15 missed the first notch in 1% of the
+    synthetic ratchet runs); ``tail_growth_warn=0.25`` because the
     maximum is a noisier statistic; ``reward_rise_z=2.0`` accepts growth that comes with a
     two-standard-error reward gain (healthy "longer reasoning pays" growth);
     ``growth_collapse=0.5`` and ``reward_fall_z=3.0``: length up by half within 20 steps while
@@ -154,7 +156,7 @@ class LengthFeedbackRule(Rule):
     def __init__(
         self,
         window: int = 20,
-        growth_warn: float = 0.15,
+        growth_warn: float = 0.12,
         tail_growth_warn: float = 0.25,
         reward_rise_z: float = 2.0,
         growth_collapse: float = 0.5,
@@ -428,7 +430,7 @@ class RewardDropRule(Rule):
         collapse_sigmas: float = 6.0,
         min_drop: float = 0.02,
         noise_floor: float = 0.012,
-    ) -> "RewardDropRule":
+    ) -> RewardDropRule:
         """The same rule for held-out accuracy, logged every few steps.
 
         ``smooth=2`` evaluations; ``noise_floor=0.012`` is the standard error of the mean of two

@@ -36,6 +36,9 @@ class WarmupConfig:
     batch_size: int = 64
     lr: float = 3.0e-3
     seed: int = 0
+    # Share of targets replaced by another example's solution: imperfect demonstrations, which
+    # leave the policy unsure between right and wrong answers for RL to sort out.
+    label_noise: float = 0.0
 
 
 @dataclass

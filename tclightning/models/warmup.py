@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -36,8 +36,12 @@ def supervised_warmup(
     prompts: Sequence[str],
     solutions: Sequence[str],
     cfg: WarmupConfig,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Train ``model`` in place for ``cfg.steps`` AdamW steps on random (prompt, solution) pairs.
+
+    With ``cfg.label_noise = q`` each target is, with probability q, the solution of another
+    random example (a wrong demonstration in the task's own format).
 
     Returns ``{"warmup/loss_first", "warmup/loss_last", "warmup/seconds"}``. Deterministic for a
     given ``cfg.seed`` (its own generator; the global RNG is left untouched).
@@ -51,9 +55,16 @@ def supervised_warmup(
     was_training = model.training
     model.train()
     started, losses = time.perf_counter(), []
-    for _ in range(cfg.steps):
+    steps: Iterable[int] = range(cfg.steps)
+    if progress:
+        from rich.progress import track
+
+        steps = track(steps, description="supervised warm-up", transient=True)
+    for _ in steps:
         picks = torch.randint(len(prompts), (cfg.batch_size,), generator=gen).tolist()
-        batch = sft_batch(formatter, [prompts[i] for i in picks], [solutions[i] for i in picks])
+        noisy = torch.rand(cfg.batch_size, generator=gen) < cfg.label_noise
+        targets = torch.where(noisy, torch.randint(len(prompts), (cfg.batch_size,), generator=gen), torch.tensor(picks))
+        batch = sft_batch(formatter, [prompts[i] for i in picks], [solutions[i] for i in targets.tolist()])
         loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
 from tclightning.pipeline.config import LAYOUTS, PipelineConfig
-from tclightning.pipeline.cuts import CutSet, find_decoder_layers, install_cuts
+from tclightning.pipeline.cuts import CutSet, find_decoder_layers, hook_free_copy, install_cuts, strip_cut_hooks
 from tclightning.pipeline.layout import CutSpec, even_split_cuts, resolve_layout
 from tclightning.pipeline.strategy import STRATEGY_NAME, PipelineStrategy, register
 
@@ -30,7 +30,9 @@ __all__ = [
     "WireMeter",
     "even_split_cuts",
     "find_decoder_layers",
+    "hook_free_copy",
     "install_cuts",
     "register",
     "resolve_layout",
+    "strip_cut_hooks",
 ]

@@ -14,6 +14,7 @@ of the same shape; with neither, every token counts.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,10 +96,13 @@ class CutSet:
         self._forward_mask: Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if self.boundaries:
-            self._handles.append(body.register_forward_pre_hook(self._capture_mask, with_kwargs=True))
-            self._handles.append(body.register_forward_hook(self._release_mask, always_call=True))
+            capture = _tagged(lambda module, args, kwargs: self._capture_mask(module, args, kwargs))
+            release = _tagged(lambda module, args, output: self._release_mask(module, args, output))
+            self._handles.append(body.register_forward_pre_hook(capture, with_kwargs=True))
+            self._handles.append(body.register_forward_hook(release, always_call=True))
             for boundary, spec in zip(self.boundaries, self.specs):
-                self._handles.append(layers[spec.layer].register_forward_hook(self._cut_hook(boundary, spec)))
+                hook = _tagged(self._cut_hook(boundary, spec))
+                self._handles.append(layers[spec.layer].register_forward_hook(hook))
 
     # -- construction ------------------------------------------------------------------------
 
@@ -231,6 +235,36 @@ class CutSet:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+_CUT_HOOK_TAG = "_tclightning_cut"
+
+
+def _tagged(hook: Any) -> Any:
+    """Mark a hook as a cut hook, so :func:`strip_cut_hooks` can find it on a copied model."""
+    setattr(hook, _CUT_HOOK_TAG, True)
+    return hook
+
+
+def strip_cut_hooks(model: nn.Module) -> nn.Module:
+    """Remove every cut hook from ``model`` in place and return it.
+
+    ``copy.deepcopy`` of a model with installed cuts copies the hooks too (they would still
+    compress the copy); use this, or :func:`hook_free_copy`, for dense clones such as the anchor."""
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for hook_id, hook in list(hooks.items()):
+                if getattr(hook, _CUT_HOOK_TAG, False):
+                    del hooks[hook_id]
+                    module._forward_hooks_with_kwargs.pop(hook_id, None)
+                    module._forward_hooks_always_called.pop(hook_id, None)
+                    module._forward_pre_hooks_with_kwargs.pop(hook_id, None)
+    return model
+
+
+def hook_free_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` without cut hooks (the original keeps its cuts)."""
+    return strip_cut_hooks(copy.deepcopy(model))
 
 
 def install_cuts(model: nn.Module, config: PipelineConfig, *, wire: Wire | None = None) -> CutSet:

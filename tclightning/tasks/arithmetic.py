@@ -9,6 +9,9 @@ Determinism and disjointness: the problems form one seeded stream of *distinct* 
 the first ``eval_size`` are the held-out set and the next ones the training set. The
 stream depends only on (seed, digits, operations), so the eval set does not move when
 ``num_train`` / ``train_size`` change.
+
+``reverse_answer`` writes answers least-significant digit first (``"37+48="`` -> ``"58"``):
+the order carries are computed in, which a tiny transformer learns far faster.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ OPERATIONS: dict[str, Callable[[int, int], int]] = {
 _ENUMERATE_LIMIT = 200_000
 _MAX_DIGITS = 9
 _FIRST_INTEGER = re.compile(r"-?\d+")
+_FIRST_DIGITS = re.compile(r"\s*(\d+)")
+# Widest result of each operation for operands of `digits` digits (fixed_width answers).
+_RESULT_WIDTH: dict[str, Callable[[int], int]] = {"+": lambda d: d + 1, "-": lambda d: d, "*": lambda d: 2 * d}
 
 
 def first_integer(text: str) -> int | None:
@@ -98,7 +104,14 @@ class ArithmeticTask(Task):
 
     def _example(self, split: str, index: int, a: int, op: str, b: int) -> Example:
         answer = str(OPERATIONS[op](a, b))
-        prompt = build_prompt(f"{a}{op}{b}=", self.cfg.prompt_template, self.instruction)
+        question = f"{a}{op}{b}="
+        if self.cfg.fixed_width:
+            width = self.cfg.digits
+            question = f"{a:0{width}d}{op}{b:0{width}d}="
+            answer = answer.zfill(_RESULT_WIDTH[op](width))
+        if self.cfg.reverse_answer:
+            answer = answer[::-1]
+        prompt = build_prompt(question, self.cfg.prompt_template, self.instruction)
         return Example(f"arithmetic/{split}/{index}", prompt, answer, answer)
 
     def _load(self) -> tuple[tuple[Example, ...], tuple[Example, ...]]:
@@ -126,5 +139,8 @@ class ArithmeticTask(Task):
         return self._load()[1]
 
     def score(self, completion: str, example: Example) -> float:
+        if self.cfg.reverse_answer or self.cfg.fixed_width:  # digit strings: keep leading zeros
+            match = _FIRST_DIGITS.match(completion)
+            return 1.0 if match is not None and match.group(1) == example.answer else 0.0
         value = first_integer(completion)
         return 1.0 if value is not None and str(value) == example.answer else 0.0

@@ -60,3 +60,9 @@ class TaskConfig:
     operations: str = "+"
     # arithmetic: number of training problems (capped by the number of distinct problems).
     num_train: int = 5000
+    # arithmetic: write answers least-significant digit first ("37+48=" -> "58"), the order
+    # in which carries are computed; tiny models learn it in hundreds of steps, not thousands.
+    reverse_answer: bool = False
+    # arithmetic: zero-pad operands to `digits` and answers to the widest result ("07+48=" ->
+    # "055"), so every problem has the same character layout (positions carry meaning).
+    fixed_width: bool = False

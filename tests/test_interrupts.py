@@ -1,0 +1,75 @@
+"""Real processes: Ctrl-C stops cleanly with a checkpoint; SIGKILL loses at most the steps since
+the last checkpoint, and a resume continues with the same numbering and no duplicated rows."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.conftest import FAST
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, *args],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.csv"
+    if not path.is_file():
+        return []
+    with path.open() as handle:
+        return [int(row["step"]) for row in csv.DictReader(handle) if row.get("reward/mean")]
+
+
+def _wait_for(predicate, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    _wait_for(lambda: any((tmp_path / "runs" / "tiny").glob("*/recipe.yaml")))
+    return next((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "trainer.steps=500")
+    run_dir = _run_dir(tmp_path)
+    _wait_for(lambda: len(_steps(run_dir)) >= 2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-2000:]
+    assert "Traceback" not in output
+    steps = _steps(run_dir)
+    assert steps == list(range(len(steps))) and len(steps) < 500
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["tclightning"]["rl_step"] == len(steps)  # the checkpoint holds every logged step
+
+
+def test_sigkill_then_resume_keeps_numbering(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "trainer.steps=12", "trainer.checkpoint_every=3")
+    run_dir = _run_dir(tmp_path)
+    _wait_for(lambda: (run_dir / "checkpoints" / "step-000006.ckpt").exists() and len(_steps(run_dir)) >= 7)
+    proc.kill()
+    proc.wait(timeout=60)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=12",
+         "trainer.checkpoint_every=3", "--resume", "last"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _steps(run_dir) == list(range(12))
