@@ -147,6 +147,7 @@ def run(
 
     from tclightning.grpo.summary import summarize
 
+    quiet_lightning()
     if recipe.trainer.num_threads:
         torch.set_num_threads(recipe.trainer.num_threads)
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
@@ -165,6 +166,17 @@ def run(
 
         print_summary(summary)
     return summary
+
+
+def quiet_lightning() -> None:
+    """Keep the console for the progress bar and the summary: no hardware banners, tips, or
+    deprecation notices Lightning raises against newer torch."""
+    import logging
+    import warnings
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    warnings.filterwarnings("ignore", message=r".*`weights_only` was not set.*")
 
 
 def resolved_yaml(recipe_ref: str, overrides: Sequence[str] = ()) -> str:

@@ -7,7 +7,8 @@ Each monitoring callback works in any Lightning project that logs the canonical 
 from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
 from tclightning.callbacks.collapse import CollapseDetector
 from tclightning.callbacks.gap_monitor import GapMonitor
-from tclightning.callbacks.health_actions import HealthMonitor, HealthWarning, rl_step
+from tclightning.callbacks.health_actions import HealthMonitor, HealthWarning
+from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.callbacks.length_feedback import LengthFeedbackMonitor
 
 __all__ = [
@@ -18,5 +19,6 @@ __all__ = [
     "HealthWarning",
     "LengthFeedbackMonitor",
     "StepCheckpoint",
+    "completed_steps",
     "rl_step",
 ]

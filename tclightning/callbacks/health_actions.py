@@ -39,6 +39,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
+from tclightning.callbacks.steps import rl_step
 from tclightning.errors import TclightningError
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
 from tclightning.health.rules import HealthState, Rule
@@ -48,12 +49,6 @@ ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
 
 class HealthWarning(UserWarning):
     """Console warning raised by the health monitors (filter it with the ``warnings`` module)."""
-
-
-def rl_step(trainer: pl.Trainer) -> int:
-    """The RL step: batches that stepped the optimizer(s), as loggers number their rows."""
-    loop = trainer.fit_loop.epoch_loop
-    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
 
 def _scalar(value: Any) -> float | None:

@@ -12,3 +12,8 @@ def completed_steps(trainer: L.Trainer) -> int:
     step; the batch counter is the unit users set in recipes and see in TensorBoard.
     """
     return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+
+def rl_step(trainer: L.Trainer) -> int:
+    """The RL step being logged now: the row number loggers give the current step's metrics."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)

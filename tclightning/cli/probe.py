@@ -1,10 +1,204 @@
-"""`tclightning probe ...` (subcommands are added by the features that own them)."""
+"""`tclightning probe ...`: diagnostic probes on a recipe's model.
+
+* ``probe cuts`` -- price each pipeline cut: the sampler-trainer gap and the forward bytes per
+  token when one cut, the shallowest n, or all cuts are compressed, on one fixed sampled batch
+  (:func:`tclightning.probes.cuts.price_cuts`). Writes ``cuts.csv``, ``cuts.md``, ``cuts.png``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+from tclightning.errors import TclightningError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("probe", help="probe tools")
-    parser.add_subparsers(dest="probe_command", metavar="TOOL")
+    tools = parser.add_subparsers(dest="probe_command", metavar="TOOL")
+    cuts = tools.add_parser(
+        "cuts",
+        help="price each pipeline cut: gap and bytes per token, solo / shallow-first / all",
+        description=(
+            "Sample one fixed batch with the dense policy, then re-score it with the recipe's pipeline cuts "
+            "compressed one at a time (solo:i), shallow-first (first:n) and all together; report the gap/* "
+            "metrics and the forward bytes per token of each. The recipe's model, task, sampler and pipeline "
+            "sections are used (pipeline.layout is ignored: the probe sweeps it)."
+        ),
+    )
+    cuts.add_argument("--recipe", required=True, help="recipe name or path (its pipeline section gives cuts and codec)")
+    cuts.add_argument("--prompts", type=int, default=2, help="task prompts in the batch (default 2)")
+    cuts.add_argument("--group-size", type=int, default=None,
+                      help="completions per prompt (default: the recipe's sampler.group_size)")
+    cuts.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-cuts/)")
+    cuts.add_argument("--step", type=int, default=0, help="PRF key step used for every configuration (default 0)")
+    cuts.add_argument("--threads", type=int, default=None,
+                      help="torch.set_num_threads (default: the recipe's trainer.num_threads, else torch's)")
+    cuts.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.rate=0.1")
+    cuts.set_defaults(func=run_cuts)
+
+
+def run_cuts(args: argparse.Namespace) -> int:
+    """Handler of ``probe cuts``: writes the three files, prints the table; exit code 0."""
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+
+    if args.prompts < 1:
+        raise TclightningError(f"--prompts must be >= 1, got {args.prompts}")
+    if args.group_size is not None and args.group_size < 1:
+        raise TclightningError(f"--group-size must be >= 1, got {args.group_size}")
+    recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
+    out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts"
+
+    import torch
+
+    from tclightning.models.loading import load_model
+    from tclightning.pipeline.cuts import find_decoder_layers
+    from tclightning.probes.cuts import price_cuts
+    from tclightning.sampling import PromptFormatter, build_sampler
+    from tclightning.sampling.base import sequence_seed
+    from tclightning.tasks import build_task
+
+    threads = args.threads or recipe.trainer.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model, tokenizer = load_model(recipe.model, seed=recipe.trainer.seed)
+    if recipe.model.warmup.steps > 0:
+        # The probe prices the model as loaded; a tiny recipe's supervised warm-up is not run.
+        print(f"note: model.warmup.steps={recipe.model.warmup.steps} is ignored (the probe does not train)")
+    task = build_task(recipe.task)
+    examples = list(task.train_examples())[: args.prompts]
+    if len(examples) < args.prompts:
+        raise TclightningError(f"--prompts {args.prompts}: the task has only {len(examples)} training prompts")
+    formatter = PromptFormatter(tokenizer, task.system_prompt, recipe.model.chat_template)
+    sampler = build_sampler(recipe.sampler, formatter)
+    group_size = args.group_size or recipe.sampler.group_size
+    loaded = time.perf_counter()
+    # Seeded like the trainer's step 0, so the batch is the one a run would start from.
+    rollouts = sampler.generate(
+        model,
+        [e.prompt for e in examples],
+        group_size=group_size,
+        seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 0),
+    )
+    sampled = time.perf_counter()
+    rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step)
+    scored = time.perf_counter()
+
+    meta = {
+        "recipe": recipe.name,
+        "model": recipe.model.gguf_file or recipe.model.name or f"tiny {recipe.model.tiny.architecture}",
+        "layers": len(find_decoder_layers(model)[1]),
+        "d": int(model.config.hidden_size),
+        "codec": recipe.pipeline.codec,
+        "fill": recipe.pipeline.fill,
+        "k": rows[0]["k"],
+        "cut_layers": [r["compressed_layers"][0] for r in rows if r["kind"] == "solo"],
+        "sequences": rollouts.num_sequences,
+        "completion_tokens": rows[0]["completion_tokens"],
+        "tokens": rows[0]["tokens"],
+        "dtype": recipe.model.dtype,
+        "temperature": recipe.sampler.temperature,
+        "step": args.step,
+        "timing": f"load {loaded - started:.0f} s, sample {sampled - loaded:.0f} s, score {scored - sampled:.0f} s",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "cuts.csv")
+    table = markdown_table(rows)
+    (out / "cuts.md").write_text(markdown_header(meta) + "\n" + table)
+    plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}, fill {meta['fill']}")
+    print(markdown_header(meta))
+    print(table)
+    print(f"wrote {out / 'cuts.csv'}, {out / 'cuts.md'}, {out / 'cuts.png'}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ outputs
+CSV_COLUMNS = (
+    "config", "kind", "compressed_layers", "n_compressed", "depth",
+    "gap/abs_mean", "gap/k3", "gap/max", "gap/outside_5x_frac", "gap/logp_corr", "gap/prob_abs_mean",
+    "bytes_fwd_per_token", "dense_bytes_fwd_per_token", "wire/ratio",
+    "codec", "k", "tokens", "completion_tokens",
+)  # fmt: skip
+
+
+def _cell(value: Any) -> Any:
+    return " ".join(str(v) for v in value) if isinstance(value, list) else value
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """One row per configuration; list columns are space-separated layer indices."""
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: _cell(row[key]) for key in CSV_COLUMNS})
+
+
+def markdown_header(meta: dict[str, Any]) -> str:
+    return (
+        f"Cut pricing, recipe `{meta['recipe']}` ({meta['model']}; {meta['layers']} layers, d={meta['d']}, "
+        f"{meta['dtype']}): `{meta['codec']}` k={meta['k']}, fill `{meta['fill']}`, cuts after layers "
+        f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
+        f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
+        f"temperature {meta['temperature']}, PRF step {meta['step']}. {meta['timing']}.\n"
+    )
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The table of ``docs/cut-pricing.md``: gap/* and forward bytes per token per configuration."""
+    head = (
+        "| config | compressed after layers | gap/abs_mean | gap/k3 | gap/max | gap/outside_5x_frac "
+        "| gap/logp_corr | gap/prob_abs_mean | B/token fwd | dense B/token | ratio |\n"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = []
+    for r in rows:
+        layers = ", ".join(map(str, r["compressed_layers"])) or "none"
+        lines.append(
+            f"| {r['config']} | {layers} | {r['gap/abs_mean']:.4g} | {r['gap/k3']:.4g} | {r['gap/max']:.4g} "
+            f"| {r['gap/outside_5x_frac']:.3f} | {r['gap/logp_corr']:.3f} | {r['gap/prob_abs_mean']:.4g} "
+            f"| {r['bytes_fwd_per_token']:g} | {r['dense_bytes_fwd_per_token']:g} | {r['wire/ratio']:.2f} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """gap/abs_mean and gap/k3 against the depth of the compressed cut: solo points, the
+    cumulative shallow-first curve (x = deepest compressed cut) and the dense level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tclightning.probes.cuts import cumulative_series
+
+    solo = [r for r in rows if r["kind"] == "solo"]
+    cumulative = cumulative_series(rows)
+    if cumulative and cumulative[0]["n_compressed"] != 1:  # no first:1 row when there is one cut
+        cumulative = [*solo[:1], *cumulative]
+    dense = next(r for r in rows if r["kind"] == "dense")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for ax, key in zip(axes, ("gap/abs_mean", "gap/k3")):
+        ax.plot([r["depth"] for r in solo], [r[key] for r in solo], "o-", label="solo: only this cut compressed")
+        ax.plot(
+            [r["depth"] for r in cumulative], [r[key] for r in cumulative], "s--",
+            label="cumulative: all cuts up to this depth",
+        )
+        ax.axhline(dense[key], color="grey", linestyle=":", label=f"dense ({dense[key]:.2g})")
+        for r in cumulative:
+            ax.annotate(str(r["n_compressed"]), (r["depth"], r[key]), textcoords="offset points", xytext=(4, -12),
+                        fontsize=8, color="tab:orange")
+        ax.set_xlabel("layer the compressed cut follows (cumulative: the deepest)")
+        ax.set_ylabel(key + (" (nats)" if key == "gap/abs_mean" else ""))
+        ax.set_xticks([r["depth"] for r in solo])
+        ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

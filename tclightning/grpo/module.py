@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric
 
-from tclightning.callbacks.steps import completed_steps
+from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
@@ -89,6 +89,7 @@ class GRPOModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
+        self.policy.train()  # from_pretrained returns eval mode; Lightning expects train mode
         fresh = self.trainer is None or self.trainer.ckpt_path is None
         if stage == "fit" and fresh and self.model_cfg.warmup.steps > 0:
             self.warmup_stats = supervised_warmup(
@@ -98,12 +99,19 @@ class GRPOModule(L.LightningModule):
                 [e.solution for e in self.train_examples],
                 self.model_cfg.warmup,
                 progress=self.trainer is not None and self.trainer.progress_bar_callback is not None,
+                accuracy=self._warmup_accuracy,
             )
         if self.cfg.kl_coef > 0 and self.reference is None:
             import copy
 
             # On resume this copy is overwritten by the checkpoint's reference weights.
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    def _warmup_accuracy(self) -> float:
+        """Greedy accuracy on the first ``check_examples`` training prompts (never the eval split)."""
+        examples = self.train_examples[: self.model_cfg.warmup.check_examples]
+        rollouts = self.sample(examples, seed=self.seed, greedy=True, group_size=1)
+        return float(self.score(rollouts, examples).mean())
 
     def train_dataloader(self) -> PromptStream:
         return PromptStream(
@@ -149,7 +157,7 @@ class GRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------- the step
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         cfg, G = self.cfg, self.sampler_cfg.group_size
-        logged_step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        logged_step = rl_step(self.trainer)
         if batch.step != logged_step:  # would misalign metrics.csv/TensorBoard after a resume
             raise RuntimeError(f"prompt stream at step {batch.step} but Lightning logs step {logged_step}")
         started = time.perf_counter()

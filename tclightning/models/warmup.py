@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -37,30 +37,34 @@ def supervised_warmup(
     solutions: Sequence[str],
     cfg: WarmupConfig,
     progress: bool = False,
+    accuracy: Callable[[], float] | None = None,
 ) -> dict[str, float]:
     """Train ``model`` in place for ``cfg.steps`` AdamW steps on random (prompt, solution) pairs.
 
     With ``cfg.label_noise = q`` each target is, with probability q, the solution of another
     random example (a wrong demonstration in the task's own format).
 
-    Returns ``{"warmup/loss_first", "warmup/loss_last", "warmup/seconds"}``. Deterministic for a
-    given ``cfg.seed`` (its own generator; the global RNG is left untouched).
+    With ``cfg.target_accuracy > 0`` and an ``accuracy`` callback (greedy accuracy of the model
+    as it stands), training stops at the first check (every ``cfg.check_every`` steps) that
+    reaches the target. Returns ``warmup/loss_first``, ``warmup/loss_last``, ``warmup/seconds``,
+    ``warmup/steps`` and, when checked, ``warmup/accuracy``. Deterministic for a given
+    ``cfg.seed`` (its own generator; the global RNG is left untouched).
     """
     if cfg.steps <= 0:
         return {}
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 20) * (1 - t / cfg.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / 20))
     was_training = model.training
     model.train()
-    started, losses = time.perf_counter(), []
+    started, losses, stats = time.perf_counter(), [], {}
     steps: Iterable[int] = range(cfg.steps)
     if progress:
         from rich.progress import track
 
         steps = track(steps, description="supervised warm-up", transient=True)
-    for _ in steps:
+    for step in steps:
         picks = torch.randint(len(prompts), (cfg.batch_size,), generator=gen).tolist()
         noisy = torch.rand(cfg.batch_size, generator=gen) < cfg.label_noise
         targets = torch.where(noisy, torch.randint(len(prompts), (cfg.batch_size,), generator=gen), torch.tensor(picks))
@@ -72,9 +76,16 @@ def supervised_warmup(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if accuracy is not None and cfg.target_accuracy > 0 and (step + 1) % cfg.check_every == 0:
+            stats["warmup/accuracy"] = accuracy()
+            model.train()
+            if stats["warmup/accuracy"] >= cfg.target_accuracy:
+                break
     model.train(was_training)
     tail = max(1, len(losses) // 10)
     return {
+        **stats,
+        "warmup/steps": float(len(losses)),
         "warmup/loss_first": sum(losses[:tail]) / tail,
         "warmup/loss_last": sum(losses[-tail:]) / tail,
         "warmup/seconds": time.perf_counter() - started,
