@@ -48,7 +48,8 @@ class ResumableCSVLogger(CSVLogger):
     ``step < resume_step`` and continues with the same header."""
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
-        super().__init__(save_dir=str(run_dir), name="", version="")
+        # Flushed every step (a row is tiny), so a killed run keeps every row it logged.
+        super().__init__(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=1)
         path = Path(run_dir) / "metrics.csv"
         header: list[str] = []
         rows: list[dict[str, str]] = []

@@ -174,9 +174,17 @@ def quiet_lightning() -> None:
     import logging
     import warnings
 
+    from tclightning.callbacks.health_actions import HealthWarning
+
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    warnings.filterwarnings("ignore", message=r".*`weights_only` was not set.*")
+    plain = warnings.formatwarning
+
+    def health_first(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
+        # Health warnings are for the person watching the run: the message alone, no file:line.
+        return f"health: {message}\n" if issubclass(category, HealthWarning) else plain(message, category, *args, **kwargs)
+
+    warnings.formatwarning = health_first
 
 
 def resolved_yaml(recipe_ref: str, overrides: Sequence[str] = ()) -> str:

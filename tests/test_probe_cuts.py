@@ -13,7 +13,12 @@ from tclightning.errors import TclightningError
 from tclightning.models.config import ModelConfig, TinyModelConfig
 from tclightning.models.loading import load_model
 from tclightning.pipeline import PipelineConfig
-from tclightning.probes.cuts import GAP_KEYS, cumulative_series, price_cuts, probe_configurations
+from tclightning.probes.cuts import (
+    GAP_KEYS,
+    cumulative_series,
+    price_cuts,
+    probe_configurations,
+)
 from tclightning.sampling import PromptFormatter, build_sampler
 from tclightning.sampling.config import SamplerConfig
 

@@ -6,7 +6,13 @@ Pure logic, no Lightning: :mod:`~tclightning.anchor.circuit` (schedule and pendi
 :class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
 """
 
-from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, Stage, cpu_snapshot
+from tclightning.anchor.circuit import (
+    AnchorCircuit,
+    AnchorJob,
+    AnchorSchedule,
+    Stage,
+    cpu_snapshot,
+)
 from tclightning.anchor.mergers import (
     MERGERS,
     DenseMerger,

@@ -17,16 +17,17 @@ Per tick the caller does, in this order::
     for job in circuit.due(tick): ...                  # compute M(job), hand it over
 
 **Memory bound.** A job is pending from its record tick ``t0`` until ``due(t0 + K)``. With a fixed
-schedule, records are ``C`` ticks apart, so between ``maybe_record`` and ``due`` of one tick at
-most ``ceil(K / C) + 1`` jobs (snapshots + payloads) are held, and at most ``ceil(K / C)`` after
-``due``; 5/5 and 20/20 hold 2 snapshots. Under ``la_warmup`` the bound is the largest
-``ceil(K_j / C_j) + 1`` over the stages (``memory_bound()``), because ``K`` and ``C`` only grow.
+schedule, records are ``C`` ticks apart, so between ``maybe_record`` and ``due`` of one tick the
+pending jobs are those with ``t0`` in ``[t - K, t]``: at most ``floor(K / C) + 1`` (snapshots +
+payloads; ``<= ceil(K / C) + 1``), and at most ``ceil(K / C)`` after ``due``. 5/5 and 20/20 hold
+2 snapshots, 7/3 holds 3, K=0 holds 1 (delivered on its own tick). Under ``la_warmup`` the bound is
+the largest ``floor(K_j / C_j) + 1`` over the stages (``memory_bound()``): ``K`` and ``C`` only grow,
+so a job of an earlier stage is due no later than the jobs recorded after it.
 Nothing else is kept: a delivered job is forgotten by the circuit.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -126,8 +127,8 @@ class AnchorSchedule:
         return self.at(tick)[1]
 
     def memory_bound(self) -> int:
-        """Most jobs ever pending: ``max_j ceil(K_j / C_j) + 1`` over the stages."""
-        return max(math.ceil(s.latency / s.cadence) + 1 for s in self.stages())
+        """Most jobs ever pending: ``max_j floor(K_j / C_j) + 1`` over the stages (module doc)."""
+        return max(s.latency // s.cadence + 1 for s in self.stages())
 
 
 @dataclass
@@ -237,4 +238,4 @@ class AnchorCircuit:
         self.delivered = int(state.get("delivered", 0))
 
 
-__all__ = ["AnchorCircuit", "AnchorJob", "AnchorSchedule", "Stage", "cpu_snapshot", "WARMUPS"]
+__all__ = ["WARMUPS", "AnchorCircuit", "AnchorJob", "AnchorSchedule", "Stage", "cpu_snapshot"]

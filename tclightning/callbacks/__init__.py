@@ -4,14 +4,17 @@ Each monitoring callback works in any Lightning project that logs the canonical 
 (or maps its own names in the constructor); see ``docs/health.md``.
 """
 
+from tclightning.callbacks.anchor_merge import AnchorMerge
 from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
 from tclightning.callbacks.collapse import CollapseDetector
 from tclightning.callbacks.gap_monitor import GapMonitor
 from tclightning.callbacks.health_actions import HealthMonitor, HealthWarning
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.callbacks.length_feedback import LengthFeedbackMonitor
+from tclightning.callbacks.trajectory import TrajectoryRecorder
 
 __all__ = [
+    "AnchorMerge",
     "CollapseDetector",
     "GapMonitor",
     "GracefulStop",
@@ -19,6 +22,7 @@ __all__ = [
     "HealthWarning",
     "LengthFeedbackMonitor",
     "StepCheckpoint",
+    "TrajectoryRecorder",
     "completed_steps",
     "rl_step",
 ]

@@ -145,7 +145,7 @@ class AnchorMerge(Callback):
                     f"pop_anchor_gradient returned {len(grads)} tensors for {len(params)} anchor parameters"
                 )
             self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick)
-            self.merger.to(self._device)  # M may have been computed elsewhere (a CPU clone)
+            self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
             self.anchors += 1
 
         index = [i for i, p in enumerate(params) if p.grad is not None]

@@ -37,8 +37,12 @@ class StepCheckpoint(L.Callback):
         if step == self.saved_step:
             return self.last_path
         self.dirpath.mkdir(parents=True, exist_ok=True)
+        # Metrics logged up to this step must be on disk before a checkpoint claims the step:
+        # a kill after the save then loses nothing a resume will not redo.
+        for logger in trainer.loggers:
+            logger.save()
         tmp = self.dirpath / ".last.ckpt.tmp"
-        trainer.save_checkpoint(tmp)
+        trainer.save_checkpoint(tmp, weights_only=False)
         if self.every_n_steps and self.keep > 0:
             periodic = self.dirpath / f"step-{step:06d}.ckpt"
             os.link(tmp, periodic) if not periodic.exists() else None

@@ -259,7 +259,7 @@ class HealthMonitor(Callback):
     def _save_healthy(self, trainer: pl.Trainer, step: int) -> None:
         path = self._checkpoint_path(trainer)
         self.last_healthy_path, self.last_healthy_step = path, step
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
 
     def _stop(self, trainer: pl.Trainer, verdict: Verdict, step: int, why: str) -> None:
         if not trainer.should_stop:

@@ -1,5 +1,7 @@
 """`tclightning analyze ...`: offline analysis tools. ``analyze health PATH`` replays a run's metrics
-through the health detector and prints the verdict timeline (``--json`` for machines)."""
+through the health detector and prints the verdict timeline (``--json`` for machines).
+``analyze trajectory RUN_DIR`` runs the rank-1 analysis of the run's saved weight trajectory
+(docs/trajectory.md) and writes JSON, markdown and a PNG."""
 
 from __future__ import annotations
 
@@ -31,6 +33,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "e.g. --name reward/mean=train/reward")
     health.add_argument("--all-events", action="store_true", help="also list 'cleared' and 'recovered' events")
     health.set_defaults(func=run_health)
+
+    trajectory = tools.add_parser(
+        "trajectory",
+        help="rank-1 analysis of a run's saved weight trajectory",
+        description=(
+            "Rank-1 analysis of the weight trajectory a run saved with the TrajectoryRecorder callback "
+            "(RUN_DIR/trajectory/point-*.pt): EVR1, share of the move off the top line, |cos| of early vs late "
+            "top directions, per-step update alignment and forward linear projectability (op ratio). Writes "
+            "trajectory.json, trajectory.md and trajectory.png to --out (default RUN_DIR/analysis) and prints "
+            "the markdown table (the JSON with --json). See docs/trajectory.md."
+        ),
+    )
+    trajectory.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or a folder of point-*.pt files)")
+    trajectory.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    trajectory.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/analysis)")
+    trajectory.set_defaults(func=run_trajectory)
+
+
+def run_trajectory(args: argparse.Namespace) -> int:
+    """Handler of ``analyze trajectory``: writes the three outputs, prints the table or JSON."""
+    from tclightning.probes.trajectory import to_markdown, write_report
+
+    report, paths = write_report(args.run_dir, args.out)
+    if args.json:
+        print(json.dumps(report, allow_nan=False))
+        return 0
+    print(to_markdown(report), end="")
+    print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+    return 0
 
 
 def _names(pairs: list[str]) -> dict[str, str]:

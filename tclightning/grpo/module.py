@@ -10,6 +10,7 @@ Manual optimisation: ``trainer.global_step`` counts optimizer ticks, while the l
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import time
 from dataclasses import asdict
@@ -102,9 +103,8 @@ class GRPOModule(L.LightningModule):
                 accuracy=self._warmup_accuracy,
             )
         if self.cfg.kl_coef > 0 and self.reference is None:
-            import copy
-
-            # On resume this copy is overwritten by the checkpoint's reference weights.
+            # Taken before the strategy installs cuts, so the reference forward is dense. On
+            # resume this copy is overwritten by the checkpoint's reference weights.
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
 
     def _warmup_accuracy(self) -> float:

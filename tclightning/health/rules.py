@@ -146,7 +146,9 @@ class LengthFeedbackRule(Rule):
     straddling the two halves only partly shows: 0.15 missed the first notch in 1% of the
     synthetic ratchet runs); ``tail_growth_warn=0.25`` because the
     maximum is a noisier statistic; ``reward_rise_z=2.0`` accepts growth that comes with a
-    two-standard-error reward gain (healthy "longer reasoning pays" growth);
+    two-standard-error reward gain (healthy "longer reasoning pays" growth); ``min_tokens=8``:
+    growth must also be at least 8 tokens, because on short answers one token is a large
+    relative change, while the loops that matter add hundreds;
     ``growth_collapse=0.5`` and ``reward_fall_z=3.0``: length up by half within 20 steps while
     reward clearly falls is the loop itself.
     """
@@ -162,9 +164,11 @@ class LengthFeedbackRule(Rule):
         growth_collapse: float = 0.5,
         reward_fall_z: float = 3.0,
         noise_points: int = 100,
+        min_tokens: float = 8.0,
     ) -> None:
         if window < 4:
             raise ValueError("window must be >= 4")
+        self.min_tokens = min_tokens
         self.window = window
         self.growth_warn = growth_warn
         self.tail_growth_warn = tail_growth_warn
@@ -179,11 +183,14 @@ class LengthFeedbackRule(Rule):
         if lengths.size < self.window:
             return []
         before, after = halves(lengths)
-        growth = relative_change(before, after)
+        # Growth counts only past `min_tokens` absolute: one token is +25% on a 4-token answer.
+        growth = relative_change(before, after) if after - before >= self.min_tokens else 0.0
         tail_growth = 0.0
         tail = history.values("response/length_max", self.window)
         if tail.size == self.window:
-            tail_growth = relative_change(*halves(tail))
+            tail_before, tail_after = halves(tail)
+            if tail_after - tail_before >= self.min_tokens:
+                tail_growth = relative_change(tail_before, tail_after)
         if growth < self.growth_warn and tail_growth < self.tail_growth_warn:
             return []
         reward_name, reward_z = self._reward_trend(history, step)
@@ -269,7 +276,8 @@ class LengthDriftRule(Rule):
     Defaults: ``growth_warn=0.2``: healthy runs do lengthen their answers, but when they do the
     reward rises with them; 20% longer for no reward is one notch of the ratchet (0.3 let 1% of
     the synthetic ratchet runs through to their second notch). ``reward_gain_z=3.0``,
-    ``baseline_points=20``, ``window=10``, ``noise_floor=0.005``.
+    ``baseline_points=20``, ``window=10``, ``noise_floor=0.005``; ``min_tokens=8`` as in
+    :class:`LengthFeedbackRule` (short answers move by whole tokens).
     """
 
     name = "length.drift"
@@ -281,7 +289,9 @@ class LengthDriftRule(Rule):
         growth_warn: float = 0.2,
         reward_gain_z: float = 3.0,
         noise_floor: float = 0.005,
+        min_tokens: float = 8.0,
     ) -> None:
+        self.min_tokens = min_tokens
         self.window = window
         self.baseline_points = baseline_points
         self.growth_warn = growth_warn
@@ -296,7 +306,7 @@ class LengthDriftRule(Rule):
         start = float(np.median(history.head(metric, self.baseline_points)))
         current = float(np.median(history.values(metric, self.window)))
         growth = relative_change(start, current)
-        if growth < self.growth_warn:
+        if growth < self.growth_warn or current - start < self.min_tokens:
             return []
         if history.count("reward/mean") < 2 * self.baseline_points:
             return []

@@ -1,0 +1,162 @@
+"""``TrajectoryRecorder``: save a light-weight point of the weight trajectory every N steps.
+
+Each point is the flattened trainable parameters (in ``named_parameters`` order) mapped to ``dim``
+numbers by a fixed, seeded count sketch (a sparse random projection): coordinate ``i`` is added
+with sign ``s(i)`` into bucket ``h(i)``, where ``h`` and ``s`` are seeded multiply-mod hashes of
+``i``. It is computed chunk by chunk on the parameters' device, never building a ``d x dim``
+matrix, costs ``O(d)`` per point, and preserves inner products in expectation
+(``E[<Sx, Sy>] = <x, y>``), so the trajectory geometry (EVR₁, cosines, ratios) of the sketch
+approximates that of the full weights. When the model has at most ``dim`` parameters the point is
+the exact flattened weights (``method: exact``).
+
+Files: ``<run_dir>/trajectory/point-<step:08d>.pt`` (a dict: ``step``, ``unit``, ``point`` (float32,
+CPU), ``method``, ``dim``, ``seed``, ``num_params``), one per point, so a resumed run simply
+rewrites the points it recomputes. Point ``k`` holds the weights after ``k`` RL steps (``unit="step"``,
+the default, recorded from ``on_train_batch_end``; point 0 from ``on_train_start``) or after ``k``
+optimizer ticks (``unit="tick"``, recorded from ``on_before_optimizer_step``, before the update
+of tick ``k``). Written on global rank 0 only (parameters replicated across ranks; sharded models
+are not supported). Analyse with ``tclightning analyze trajectory RUN_DIR`` (docs/trajectory.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from tclightning.callbacks.steps import completed_steps
+from tclightning.errors import TclightningError
+
+_P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
+_CHUNK = 1 << 20
+
+
+def _hash_params(seed: int) -> tuple[int, int, int, int]:
+    g = torch.Generator().manual_seed(int(seed))
+    a, b, c, e = (int(v) for v in torch.randint(1, _P - 1, (4,), generator=g))
+    return a, b, c, e
+
+
+def sketch(tensors: Iterable[Tensor], dim: int = 4096, seed: int = 0) -> Tensor:
+    """Count sketch of the concatenation of ``tensors`` flattened: a float32 CPU vector of ``dim``.
+
+    ``out[h(i)] += s(i) x_i`` with ``h(i) = ((a i' + b) mod P) mod dim``,
+    ``s(i) = 1 - 2 (((c i' + e) mod P) >> 16 & 1)``, ``i' = i mod P``, ``P = 2^31 - 1`` and
+    ``(a, b, c, e)`` drawn from ``seed``.
+    """
+    a, b, c, e = _hash_params(seed)
+    out: Tensor | None = None
+    offset = 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        if out is None:
+            out = torch.zeros(dim, dtype=torch.float32, device=flat.device)
+        for start in range(0, flat.numel(), _CHUNK):
+            values = flat[start : start + _CHUNK].float().to(out.device)
+            idx = torch.arange(offset + start, offset + start + values.numel(), device=out.device, dtype=torch.int64)
+            idx = idx % _P
+            bucket = ((idx * a + b) % _P) % dim
+            sign = 1.0 - 2.0 * (((idx * c + e) % _P) >> 16 & 1).float()
+            out.index_add_(0, bucket, values * sign)
+        offset += flat.numel()
+    if out is None:
+        raise TclightningError("sketch: no parameters to record")
+    return out.cpu()
+
+
+def trajectory_point(tensors: Iterable[Tensor], dim: int = 4096, seed: int = 0) -> tuple[Tensor, str, int]:
+    """``(point, method, num_params)``: exact flattened weights when they fit in ``dim``, else the sketch."""
+    tensors = [t.detach() for t in tensors]
+    num = sum(t.numel() for t in tensors)
+    if num <= dim:
+        return torch.cat([t.reshape(-1).float().cpu() for t in tensors]), "exact", num
+    return sketch(tensors, dim, seed), "count_sketch", num
+
+
+class TrajectoryRecorder(Callback):
+    """Save a trajectory point of the weights every ``every`` RL steps (or optimizer ticks).
+
+    Args:
+        every: points are recorded when the step (or tick) count is a multiple of ``every``.
+        unit: ``"step"`` (RL steps, default) or ``"tick"`` (optimizer steps).
+        dim: size of a point (4096); the model's own size if smaller (exact points).
+        seed: seed of the sketch's hashes (keep it fixed within a run).
+        dirpath: where the points go (default ``<trainer.default_root_dir>/trajectory``).
+        parameters: names (prefixes) of the parameters to record; default every trainable one.
+    """
+
+    def __init__(
+        self, every: int = 1, unit: str = "step", dim: int = 4096, seed: int = 0,
+        dirpath: str | os.PathLike[str] | None = None, parameters: list[str] | None = None,
+    ) -> None:
+        if every < 1:
+            raise TclightningError(f"TrajectoryRecorder: every must be >= 1, got {every}")
+        if unit not in ("step", "tick"):
+            raise TclightningError(f"TrajectoryRecorder: unit must be 'step' or 'tick', got {unit!r}")
+        if dim < 2:
+            raise TclightningError(f"TrajectoryRecorder: dim must be >= 2, got {dim}")
+        self.every, self.unit, self.dim, self.seed = int(every), unit, int(dim), int(seed)
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        self.parameters = parameters
+
+    def directory(self, trainer: pl.Trainer) -> Path:
+        return self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "trajectory"
+
+    def _tensors(self, pl_module: pl.LightningModule) -> list[Tensor]:
+        chosen: list[Tensor] = [
+            p for name, p in pl_module.named_parameters()
+            if p.requires_grad and (self.parameters is None or any(name.startswith(x) for x in self.parameters))
+        ]
+        if not chosen:
+            raise TclightningError(f"TrajectoryRecorder: no trainable parameter matches {self.parameters}")
+        return chosen
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, index: int) -> Path | None:
+        """Write point ``index`` now (rank 0); returns its path."""
+        if not trainer.is_global_zero:
+            return None
+        with torch.no_grad():
+            point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
+        folder = self.directory(trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"point-{index:08d}.pt"
+        tmp = path.with_suffix(".pt.tmp")
+        record: dict[str, Any] = {
+            "step": int(index), "unit": self.unit, "point": point, "method": method,
+            "dim": int(point.numel()), "seed": self.seed, "num_params": int(num),
+        }
+        torch.save(record, tmp)
+        os.replace(tmp, path)  # a killed run never leaves a half-written point
+        return path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        index = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
+        if index == 0:
+            self.save(trainer, pl_module, 0)  # the start of the trajectory
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.unit != "step":
+            return
+        step = completed_steps(trainer)
+        if step % self.every == 0:
+            self.save(trainer, pl_module, step)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        tick = int(trainer.global_step)
+        if self.unit == "tick" and tick > 0 and tick % self.every == 0:
+            self.save(trainer, pl_module, tick)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tick = int(trainer.global_step)  # the weights after the last tick: no later hook sees them
+        if self.unit == "tick" and tick > 0 and tick % self.every == 0:
+            self.save(trainer, pl_module, tick)

