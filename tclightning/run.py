@@ -65,9 +65,23 @@ def checkpoint_step(path: Path) -> int:
     return int(state["rl_step"])
 
 
+def require_hardware(recipe: RecipeConfig) -> None:
+    """Refuse, before anything is written, a GPU-scale recipe on a machine without CUDA."""
+    import torch
+
+    wants_gpu = recipe.trainer.accelerator in ("gpu", "cuda") or recipe.sampler.backend == "vllm"
+    if wants_gpu and not torch.cuda.is_available():
+        raise TclightningError(
+            f"recipe '{recipe.name}' needs a CUDA GPU (trainer.accelerator={recipe.trainer.accelerator}, "
+            f"sampler.backend={recipe.sampler.backend}) and none is visible; on a CPU run 'tiny', "
+            "'shallow-compressed' or 'gsm8k-shallow' instead"
+        )
+
+
 def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
     import lightning as L
 
+    from tclightning.callbacks.anchor_merge import AnchorMerge
     from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
     from tclightning.callbacks.progress import GRPORichProgressBar, GRPOTQDMProgressBar
     from tclightning.logging import ResumableCSVLogger, build_tensorboard
@@ -83,6 +97,11 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
         GracefulStop(),
         *user_callbacks,
     ]
+    a = recipe.anchor
+    if a.merger == "signed_ema" and not any(isinstance(c, AnchorMerge) for c in callbacks):
+        options = {"gamma": a.projector_gamma, **({"window": a.projector_window} if a.projector == "rank1" else {})}
+        callbacks.append(AnchorMerge(a.merger, a.alpha, a.beta, a.projector,
+                                     options if a.projector != "none" else None))
     progress = {"rich": GRPORichProgressBar, "tqdm": GRPOTQDMProgressBar}.get(recipe.logging.progress)
     if progress is not None:
         callbacks.append(progress())
@@ -100,7 +119,7 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
         precision=t.precision,
         logger=loggers or False,
         callbacks=callbacks,
-        enable_checkpointing=False,  # StepCheckpoint counts RL steps, not optimizer ticks
+        enable_checkpointing=True,  # with StepCheckpoint (RL steps) in place of ModelCheckpoint (ticks)
         enable_progress_bar=progress is not None,
         enable_model_summary=False,
         log_every_n_steps=1,
@@ -120,6 +139,7 @@ def build_module(recipe: RecipeConfig) -> Any:
         task=recipe.task,
         sampler=recipe.sampler,
         grpo=recipe.grpo,
+        anchor=recipe.anchor,
         total_steps=recipe.trainer.steps,
         seed=recipe.trainer.seed,
         val_batch_size=recipe.trainer.val_batch_size,
@@ -140,6 +160,7 @@ def run(
     cfg: DictConfig = load_recipe(recipe_ref, overrides)
     recipe = to_dataclass(cfg)
     user_callbacks = [*instantiate_callbacks(cfg), *extra_callbacks]
+    require_hardware(recipe)
     plan = plan_run(recipe, resume)
 
     import lightning as L

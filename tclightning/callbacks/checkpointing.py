@@ -8,18 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 
 
-class StepCheckpoint(L.Callback):
+class StepCheckpoint(Checkpoint):
     """Writes ``step-{S:06d}.ckpt`` every ``every_n_steps`` RL steps (keeping the newest
     ``keep``), and ``last.ckpt`` whenever it saves, at the end of training, and when a run stops
     early at a step boundary. A checkpoint holds everything to continue: weights, optimizer,
     scheduler, loop counters, callback states and the module's RNG/sampler state.
 
-    ``last.ckpt`` is replaced atomically, so a kill during a save never leaves it broken.
+    ``last.ckpt`` is replaced atomically, so a kill during a save never leaves it broken. As a
+    ``Checkpoint`` subclass Lightning runs it after every other callback, so the states it saves
+    include what they did at the end of the step.
     """
 
     def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 0, keep: int = 2) -> None:

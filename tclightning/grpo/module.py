@@ -21,6 +21,9 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric
 
+from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot
+from tclightning.anchor.config import AnchorConfig
+from tclightning.callbacks.anchor_merge import AnchorDelivery
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
@@ -44,6 +47,11 @@ class GRPOModule(L.LightningModule):
     The HF model is ``self.policy``; a pipeline Strategy may install codecs at its cuts (the
     sampler always runs dense, under ``cuts.bypassed()``). With ``grpo.kl_coef > 0`` a frozen
     copy of the initial policy is kept as ``self.reference`` (and checkpointed).
+
+    With ``anchor.merger: signed_ema`` the module is an ``AnchorSource`` for the ``AnchorMerge``
+    callback: every C ticks it records the weights that sampled the step and the step's rollouts,
+    and K ticks later computes the dense gradient ``M`` of the same loss at those weights on those
+    rollouts (paired replay) with a hook-free clone of the policy.
     """
 
     def __init__(
@@ -52,6 +60,7 @@ class GRPOModule(L.LightningModule):
         task: TaskConfig | None = None,
         sampler: SamplerConfig | None = None,
         grpo: GRPOConfig | None = None,
+        anchor: AnchorConfig | None = None,
         total_steps: int = 100,
         seed: int = 0,
         val_batch_size: int = 32,
@@ -62,6 +71,7 @@ class GRPOModule(L.LightningModule):
         self.task_cfg = task or TaskConfig()
         self.sampler_cfg = sampler or SamplerConfig()
         self.cfg = grpo or GRPOConfig()
+        self.anchor_cfg = anchor or AnchorConfig()
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size
@@ -71,6 +81,7 @@ class GRPOModule(L.LightningModule):
                 "task": asdict(self.task_cfg),
                 "sampler": asdict(self.sampler_cfg),
                 "grpo": asdict(self.cfg),
+                "anchor": asdict(self.anchor_cfg),
                 "total_steps": total_steps,
                 "seed": seed,
             }
@@ -87,6 +98,17 @@ class GRPOModule(L.LightningModule):
         self.warmup_stats: dict[str, float] = {}
         self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
         self._pending_cut_state: dict[str, Any] | None = None
+        # The anchor circuit (signed_ema only): snapshots + paired rollouts, delivered K ticks late.
+        self.circuit: AnchorCircuit | None = None
+        if self.anchor_cfg.merger == "signed_ema":
+            a = self.anchor_cfg
+            schedule = AnchorSchedule(a.latency, a.cadence, a.warmup, a.warmup_ticks, a.warmup_shape, a.warmup_stages)
+            self.circuit = AnchorCircuit(schedule)
+        self._anchor_new: AnchorDelivery | None = None
+        # The dense clone that computes M; in a plain dict so it is not a submodule (not
+        # checkpointed: the job's snapshot is what defines its weights).
+        self._anchor_workspace: dict[str, torch.nn.Module] = {}
+        self._anchor_step: dict[str, float] = {}
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -235,11 +257,16 @@ class GRPOModule(L.LightningModule):
                 ref_logp, _ = completion_logps(self.reference, rollouts, temperature)
 
         gen = torch.Generator().manual_seed(sequence_seed(self.seed, step, salt=1))
+        first_tick = True
+        self._anchor_step = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
         for _ in range(cfg.epochs):
             order = rows[torch.randperm(len(rows), generator=gen)] if cfg.minibatches > 1 else rows
             for chunk in torch.tensor_split(order, cfg.minibatches):
                 if len(chunk) == 0:
                     continue
+                if self.circuit is not None:
+                    self._anchor_tick(rollouts, advantages, rows, first_tick=first_tick)
+                    first_tick = False
                 part = rollouts.select(chunk.to(rollouts.completion_ids.device))
                 width = part.completion_ids.shape[1]
                 logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
@@ -292,6 +319,62 @@ class GRPOModule(L.LightningModule):
         metrics["policy/kept_frac"] = len(rows) / rollouts.num_sequences
         return metrics
 
+    # ----------------------------------------------------------------------------- anchor circuit
+    def _anchor_tick(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, first_tick: bool) -> None:
+        """Record this step's job (on its first tick: only then do the weights equal the ones
+        that sampled) and compute ``M`` for every job due now."""
+        assert self.circuit is not None
+        tick = self.trainer.global_step
+        if first_tick:
+            payload = {"rollouts": _to_device(copy.copy(rollouts), torch.device("cpu")),
+                       "advantages": advantages.cpu(), "rows": rows.cpu()}
+            self.circuit.maybe_record(tick, lambda: cpu_snapshot(self.anchor_parameters()), payload)
+        for job in self.circuit.due(tick):
+            started = time.perf_counter()
+            self._anchor_new = AnchorDelivery(self._anchor_gradient(job), snapshot_tick=job.tick)
+            self._anchor_step["time/anchor_s"] += time.perf_counter() - started
+
+    def _anchor_gradient(self, job: AnchorJob) -> list[torch.Tensor]:
+        """Dense ``M``: the GRPO loss's gradient at the job's weights on the job's rollouts."""
+        if "clone" not in self._anchor_workspace:
+            from tclightning.pipeline.cuts import hook_free_copy
+
+            self._anchor_workspace["clone"] = hook_free_copy(self.policy).train()
+        clone = self._anchor_workspace["clone"]
+        params = [p for p in clone.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for param, weight in zip(params, job.snapshot, strict=True):
+                param.copy_(weight)
+        rows = job.payload["rows"]
+        part = _to_device(job.payload["rollouts"].select(rows), self.device)
+        clone.zero_grad(set_to_none=True)
+        logp, _ = completion_logps(clone, part, self.sampler_cfg.temperature)
+        # On-policy at the snapshot (these weights sampled these rollouts): ratio 1, no clipping.
+        out = policy_loss(logp, logp.detach(), job.payload["advantages"][rows].to(self.device), part.completion_mask,
+                          aggregation=self.cfg.loss_aggregation, norm_length=self.sampler_cfg.max_new_tokens)
+        out.loss.backward()
+        cuts = self.cuts
+        if cuts is not None:  # dense boundary traffic, forward and backward, across every cut
+            element = next(clone.parameters()).element_size()
+            self._anchor_step["anchor/bytes"] += 2 * float(part.completion_mask.sum() + part.prompt_mask.sum()) * (
+                cuts.dim * element * len(cuts.specs))
+        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    def anchor_parameters(self) -> list[torch.nn.Parameter]:
+        """``AnchorSource``: the parameters ``G_comp`` and ``M`` cover (fixed order)."""
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    def pop_anchor_gradient(self) -> AnchorDelivery | None:
+        """``AnchorSource``: the ``M`` delivered at this tick, once."""
+        delivered, self._anchor_new = self._anchor_new, None
+        return delivered
+
+    def anchor_metrics(self) -> dict[str, float]:
+        """Logged by ``AnchorMerge`` once per RL step."""
+        if self.circuit is None:
+            return {}
+        return {**self.circuit.metrics(self.trainer.global_step), **self._anchor_step}
+
     # ----------------------------------------------------------------------------- validation
     def evaluate_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy completions for held-out examples: (rewards, lengths)."""
@@ -328,6 +411,10 @@ class GRPOModule(L.LightningModule):
             "sampler": {"seed": self.sampler_cfg.seed + self.seed, "backend": self.sampler_cfg.backend},
             "warmup": self.warmup_stats,
             "cuts": self.cuts.state_dict() if self.cuts is not None else None,
+            "anchor": None if self.circuit is None else {
+                "circuit": self.circuit.state_dict(),
+                "new": None if self._anchor_new is None else (list(self._anchor_new.gradient), self._anchor_new.snapshot_tick),
+            },
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -343,6 +430,10 @@ class GRPOModule(L.LightningModule):
         self._resume_step = int(state.get("rl_step", 0))
         # Cuts are installed by the strategy after checkpoint restore; applied in on_train_start.
         self._pending_cut_state = state.get("cuts")
+        anchor = state.get("anchor")
+        if anchor and self.circuit is not None:
+            self.circuit.load_state_dict(anchor["circuit"])
+            self._anchor_new = None if anchor["new"] is None else AnchorDelivery(*anchor["new"])
 
     def on_train_start(self) -> None:
         if self._pending_cut_state is not None and self.cuts is not None:

@@ -5,8 +5,7 @@ Attributes load lazily so that reading a recipe (``models.config``) does not imp
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tclightning._lazy import lazy_attributes
 
 _EXPORTS = {
     "ModelConfig": "tclightning.models.config",
@@ -16,11 +15,5 @@ _EXPORTS = {
     "load_model": "tclightning.models.loading",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'tclightning.models' has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

@@ -203,6 +203,8 @@ CHOICES = {
     "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed"),
     "logging.progress": ("rich", "tqdm", "none"),
     "anchor.merger": ("none", "signed_ema", "dense"),
+    "anchor.projector": ("none", "damped_linear", "rank1"),
+    "anchor.warmup": ("none", "la_warmup"),
 }
 POSITIVE = ("trainer.steps", "sampler.group_size", "sampler.max_new_tokens", "sampler.batch_size",
             "grpo.prompts_per_step", "grpo.epochs", "grpo.minibatches")
@@ -219,9 +221,10 @@ def validate(cfg: DictConfig, source: str) -> None:
             raise RecipeError(f"expected a positive integer, got {OmegaConf.select(cfg, key)}", file=source, key=key)
     if cfg.sampler.group_size < 2:
         raise RecipeError("GRPO needs at least 2 completions per prompt", file=source, key="sampler.group_size")
-    if cfg.anchor.merger != "none":
+    if cfg.anchor.merger == "signed_ema" and cfg.trainer.strategy != "pipeline":
         raise RecipeError(
-            f"merger '{cfg.anchor.merger}' needs the anchor circuit, which this version does not ship yet",
+            "signed_ema merges a compressed trainer's gradient with the dense anchor's: set "
+            "trainer.strategy: pipeline with a compressed pipeline.layout",
             file=source, key="anchor.merger",
         )
     for i, spec in enumerate(cfg.callbacks):

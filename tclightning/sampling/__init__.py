@@ -5,8 +5,7 @@ Attributes load lazily so that reading a recipe (``sampling.config``) does not i
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tclightning._lazy import lazy_attributes
 
 _EXPORTS = {
     "PromptFormatter": "tclightning.sampling.base",
@@ -17,11 +16,5 @@ _EXPORTS = {
     "build_sampler": "tclightning.sampling.factory",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'tclightning.sampling' has no attribute {name!r}")
-
-
+__getattr__ = lazy_attributes(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)
