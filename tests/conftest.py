@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,17 @@ FAST = [
     "task.num_train=64",
     "logging.progress=none",
 ]
+
+
+def require_shared_data(path: Path) -> None:
+    """Tests on the real GSM8K/MATH-500 files need ``../shared/data`` (or ``$TCLIGHTNING_DATA``).
+    Outside CI a missing copy skips them; in CI (``CI`` set) it fails, so CI never skips them."""
+    if path.exists():
+        return
+    message = f"shared data not found: {path} (set TCLIGHTNING_DATA or place shared/ beside the repo)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)

@@ -24,13 +24,15 @@ from tclightning.tasks.rewards import (
     verify_math,
 )
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tclightning.tasks import shared_data_dir
+from tests.conftest import require_shared_data
+
+DATA = shared_data_dir()
 PATHOLOGICAL = r"The answer is $\boxed{9^{9^{9^{9}}}}$."  # sympy grinds on this for minutes
 
 
 def _rows(path: Path, lines: list[int]) -> list[dict]:
-    if not path.exists():
-        pytest.skip(f"shared data not found: {path}")
+    require_shared_data(path)
     with path.open() as handle:
         all_rows = [json.loads(line) for line in handle]
     return [all_rows[i] for i in lines]

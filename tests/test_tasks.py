@@ -15,9 +15,15 @@ from omegaconf.errors import ValidationError
 from tclightning.errors import TclightningError
 from tclightning.tasks import Example, Task, TaskConfig, build_task, shared_data_dir
 from tclightning.tasks.arithmetic import ALPHABET
+from tests.conftest import require_shared_data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.exists(), reason=f"shared data not found: {DATA}")
+DATA = shared_data_dir()
+@pytest.fixture()
+def needs_data_fixture() -> None:
+    require_shared_data(DATA)
+
+
+needs_data = pytest.mark.usefixtures("needs_data_fixture")
 
 
 def _prompts(examples: Sequence[Example]) -> set[str]:
@@ -80,7 +86,7 @@ def test_shared_data_dir_honours_the_environment(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("TCLIGHTNING_DATA", raising=False)
-    assert shared_data_dir() == DATA
+    assert shared_data_dir() == Path(__file__).resolve().parents[2] / "shared" / "data"
     monkeypatch.setenv("TCLIGHTNING_DATA", str(tmp_path))
     assert shared_data_dir() == tmp_path
 
