@@ -73,8 +73,8 @@ def require_hardware(recipe: RecipeConfig) -> None:
     if wants_gpu and not torch.cuda.is_available():
         raise TclightningError(
             f"recipe '{recipe.name}' needs a CUDA GPU (trainer.accelerator={recipe.trainer.accelerator}, "
-            f"sampler.backend={recipe.sampler.backend}) and none is visible; on a CPU run 'tiny', "
-            "'shallow-compressed' or 'gsm8k-shallow' instead"
+            f"sampler.backend={recipe.sampler.backend}) and none is visible; on a CPU run 'tiny' "
+            "or 'gsm8k-shallow' instead"
         )
 
 

@@ -202,9 +202,9 @@ class GRPOModule(L.LightningModule):
         if cfg.drop_zero_variance_groups:
             keep_groups = ~zero_variance_groups(shaped, G)
             rows = rows[keep_groups.repeat_interleave(G)]
+        metrics = self._rollout_metrics(rewards, rollouts)  # lengths as sampled, before any masking
         if cfg.overlong == "mask":
             rollouts.completion_mask = rollouts.completion_mask * (~rollouts.truncated).float().unsqueeze(-1)
-        metrics = self._rollout_metrics(rewards, rollouts)
         metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step))
         trained = time.perf_counter()
         if cuts is not None:
