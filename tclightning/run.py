@@ -200,11 +200,14 @@ def quiet_lightning() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     plain = warnings.formatwarning
+    if getattr(plain, "tclightning", False):  # installed by an earlier run in this process
+        return
 
     def health_first(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
         # Health warnings are for the person watching the run: the message alone, no file:line.
         return f"health: {message}\n" if issubclass(category, HealthWarning) else plain(message, category, *args, **kwargs)
 
+    health_first.tclightning = True  # type: ignore[attr-defined]
     warnings.formatwarning = health_first
 
 
