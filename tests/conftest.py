@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -47,3 +48,14 @@ def run_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Runs write under a temporary directory (cwd-relative `runs/` in recipes)."""
     monkeypatch.chdir(tmp_path)
     return tmp_path / "runs"
+
+
+class CrashAt(L.Callback):
+    """Raises inside training at a given RL step, like a crash mid-run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == self.step:
+            raise RuntimeError("simulated crash")

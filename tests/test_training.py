@@ -5,13 +5,12 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
 from tclightning.grpo.summary import read_metrics
 from tclightning.run import run
-from tests.conftest import FAST
+from tests.conftest import FAST, CrashAt
 
 CANONICAL_DENSE_TAGS = {
     "reward/mean", "reward/std", "response/length_mean", "response/length_max", "response/truncated_frac",
@@ -19,17 +18,6 @@ CANONICAL_DENSE_TAGS = {
     "gap/abs_mean", "gap/k3", "gap/max", "gap/outside_5x_frac", "gap/logp_corr", "gap/prob_abs_mean",
     "time/sample_s", "time/train_s", "throughput/tokens_per_s", "val/accuracy",
 }
-
-
-class CrashAt(L.Callback):
-    """Raises inside training at a given RL step, like a crash mid-run."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
-        if batch.step == self.step:
-            raise RuntimeError("simulated crash")
 
 
 def _run_dir(summary: dict) -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from tclightning.grpo.summary import read_metrics
 from tclightning.run import run
-from tests.conftest import FAST
+from tests.conftest import FAST, CrashAt
 
 TWO_CIRCUITS = [*FAST, "pipeline.stages=2", "anchor.latency=2", "anchor.cadence=3", "trainer.steps=10",
                 "model.warmup.steps=60", "model.warmup.lr=3e-3", "grpo.lr=1e-3", "task.digits=1"]
@@ -81,15 +81,6 @@ def test_signed_ema_needs_the_pipeline_strategy(run_root: Path) -> None:
 
     with pytest.raises(RecipeError, match="anchor.merger"):
         run("tiny", [*FAST, "anchor.merger=signed_ema"], quiet=True)
-
-
-class CrashAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if batch.step == self.step:
-            raise RuntimeError("simulated crash")
 
 
 def test_resume_with_pending_anchor_work_matches_uninterrupted(run_root: Path) -> None:

@@ -242,7 +242,6 @@ class GRPOModule(L.LightningModule):
         temperature = self.sampler_cfg.temperature
         single_tick = cfg.epochs * cfg.minibatches == 1
         stats: dict[str, list[float]] = {}
-        cuts = self.cuts
 
         # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and
         # the trainer side of the gap. With a single tick they come from the update's forward.
