@@ -1,0 +1,83 @@
+"""Where the two-circuit collapse on the embedded task comes from: the merger with and without compression.
+
+    python benchmarks/anchor_ablation.py                  # about 10 minutes on the 2-core CI machine
+    python benchmarks/anchor_ablation.py --steps 100 --only dense-layout-5-5
+
+Every run starts from the same supervised warm-up (the `tiny` recipe's, run once, one thread, as in
+`benchmarks/two_circuits.py`) and trains `--steps` RL steps of the `shallow-compressed` recipe with one
+change each. The rows with `pipeline.layout=dense` keep the signed_ema merger and its anchor but
+compress nothing, so `G_comp` *is* the fresh dense gradient: whatever they lose is the merger's, not
+the codec's. Prints one JSON line per run and a markdown table; `--out FILE` writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from two_circuits import bytes_sent, warm_start
+
+from tclightning.grpo.summary import read_metrics
+from tclightning.run import run
+
+# (label, recipe, overrides)
+ABLATION: list[tuple[str, str, list[str]]] = [
+    ("dense (control)", "dense", []),
+    ("shallow-compressed 5/5", "shallow-compressed", []),
+    ("dense-layout-5-5", "shallow-compressed", ["pipeline.layout=dense"]),
+    ("dense-layout K=5 C=1", "shallow-compressed", ["pipeline.layout=dense", "anchor.latency=5", "anchor.cadence=1"]),
+    ("dense-layout K=0 C=5", "shallow-compressed", ["pipeline.layout=dense", "anchor.latency=0", "anchor.cadence=5"]),
+    ("dense-layout K=1 C=1", "shallow-compressed", ["pipeline.layout=dense", "anchor.latency=1", "anchor.cadence=1"]),
+    ("shallow beta=0.5", "shallow-compressed", ["anchor.beta=0.5"]),
+    ("shallow P=64", "shallow-compressed", ["grpo.prompts_per_step=64"]),
+    ("dense P=64", "dense", ["grpo.prompts_per_step=64"]),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="+", help="labels to run (default: all)")
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one thread: results do not depend on the machine's load
+
+    lines = ["| run | overrides | reward first 10% | last 10% | gain | lowest 10-step mean | sign agreement | bytes vs dense |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = Path(tmp) / "warm"
+        print("warm-up:", warm_start(start, 200, args.seed), flush=True)
+        for label, recipe, overrides in ABLATION:
+            if args.only and label not in args.only:
+                continue
+            summary = run(recipe, ["model.source=hf", f"model.name={start}", "model.warmup.steps=0",
+                                   f"trainer.steps={args.steps}", f"trainer.seed={args.seed}", "trainer.num_threads=1",
+                                   "trainer.val_every=0", "trainer.checkpoint_every=0", "logging.progress=none",
+                                   f"logging.root={tmp}/runs", *overrides], quiet=True)
+            rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
+            curve = [r["reward/mean"] for _, r in sorted(rows.items())]
+            tenth = max(1, len(curve) // 10)
+            lowest = min(statistics.mean(curve[i:i + tenth]) for i in range(len(curve) - tenth + 1))
+            agreement = [r["anchor/sign_agreement"] for r in rows.values() if "anchor/sign_agreement" in r]
+            fast, anchor, dense = bytes_sent(rows)
+            result = {"run": label, "overrides": overrides, "first": summary["reward_first_10pct"],
+                      "last": summary["reward_last_10pct"], "gain": summary["reward_gain"], "lowest": lowest,
+                      "agreement": statistics.mean(agreement) if agreement else None,
+                      "bytes": (fast + anchor) / dense if dense else 1.0}
+            print(json.dumps(result), flush=True)
+            agree = f"{result['agreement']:.3f}" if agreement else "-"
+            lines.append(f"| {label} | `{' '.join(overrides) or recipe}` | {result['first']:.3f} | {result['last']:.3f} | "
+                         f"{result['gain']:+.3f} | {lowest:.3f} | {agree} | {result['bytes']:.0%} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
