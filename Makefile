@@ -6,7 +6,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.tclightning-setup
 
-.PHONY: setup run test test-slow smollm2 bench clean
+.PHONY: setup run test test-slow smollm2 bench bench-peers docs clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) "torch==$(TORCH_VERSION)"
-	$(PIP) -e ".[dev,gguf]"
+	$(PIP) -e ".[dev,gguf,docs]"
 	touch $@
 
 run: setup
@@ -33,6 +33,17 @@ smollm2: setup
 
 bench: setup
 	$(PY) benchmarks/grpo_step.py
+
+# TRL's GRPOTrainer against the dense and shallow-compressed recipes (benchmarks/README.md,
+# "Against TRL"). trl is installed for this benchmark only, not a dependency of the package.
+bench-peers: setup
+	$(PY) -c "import trl" 2>/dev/null || $(PIP) "trl>=1.16,<2"
+	$(PY) benchmarks/vs_trl.py
+
+# The documentation site (mkdocs.yml): strict, so a broken link or a page missing from the nav
+# fails; the reference pages are generated from the code at build time.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

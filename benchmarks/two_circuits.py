@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from tclightning.grpo.summary import read_metrics
@@ -25,9 +26,9 @@ RECIPES = ["dense", "fast-only", "shallow-compressed", "all-compressed", "anchor
 REPO = Path(__file__).resolve().parents[1]
 
 
-def warm_start(directory: Path, steps: int, seed: int) -> dict[str, float]:
-    """The `tiny` recipe's warm-up, once, saved as a Hugging Face directory."""
-    recipe = to_dataclass(load_recipe("tiny", [f"trainer.steps={steps}", f"trainer.seed={seed}"]))
+def warm_start(directory: Path, steps: int, seed: int, overrides: Sequence[str] = ()) -> dict[str, float]:
+    """The `tiny` recipe's warm-up (``overrides`` applied), once, saved as a Hugging Face directory."""
+    recipe = to_dataclass(load_recipe("tiny", [f"trainer.steps={steps}", f"trainer.seed={seed}", *overrides]))
     module = build_module(recipe)
     stats = supervised_warmup(
         module.policy, module.formatter, [e.prompt for e in module.train_examples],

@@ -6,6 +6,7 @@ before the run directory is created.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 from tclightning.errors import TclightningError
 from tclightning.recipes.loader import instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RecipeConfig
+
+RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
+"""Multi-process runs: the run directory every rank uses (set by rank 0 before Lightning launches
+the others; set it yourself on every node for torchrun / SLURM launches)."""
 
 
 @dataclass
@@ -78,6 +83,17 @@ def require_hardware(recipe: RecipeConfig) -> None:
         )
 
 
+def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
+    """More than one process means one pipeline stage per process: refuse anything else early."""
+    t = recipe.trainer
+    processes = t.devices * t.num_nodes
+    if processes > 1 and t.strategy != "pipeline":
+        raise TclightningError(
+            f"trainer.devices x trainer.num_nodes = {processes} needs trainer.strategy=pipeline "
+            f"(one pipeline stage per process, pipeline.stages={processes}); there is no data-parallel mode"
+        )
+
+
 def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
     import lightning as L
 
@@ -106,7 +122,11 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
     if progress is not None:
         callbacks.append(progress())
     strategy: Any = t.strategy
-    if t.strategy == "pipeline":
+    if t.strategy == "pipeline" and t.devices * t.num_nodes > 1:
+        from tclightning.pipeline.multiprocess import MultiProcessPipelineStrategy
+
+        strategy = MultiProcessPipelineStrategy(config=recipe.pipeline)
+    elif t.strategy == "pipeline":
         from tclightning.pipeline import PipelineStrategy
 
         strategy = PipelineStrategy(config=recipe.pipeline)
@@ -115,6 +135,7 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
         max_steps=-1,
         accelerator=t.accelerator,
         devices=t.devices,
+        num_nodes=t.num_nodes,
         strategy=strategy,
         precision=t.precision,
         logger=loggers or False,
@@ -161,7 +182,11 @@ def run(
     recipe = to_dataclass(cfg)
     user_callbacks = [*instantiate_callbacks(cfg), *extra_callbacks]
     require_hardware(recipe)
+    require_pipeline_for_processes(recipe)
     plan = plan_run(recipe, resume)
+    multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
+    if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
+        plan = RunPlan(Path(os.environ[RUN_DIR_ENV]), plan.ckpt_path, plan.resume_step)
 
     import lightning as L
     import torch
@@ -177,10 +202,19 @@ def run(
     started = time.perf_counter()
     module = build_module(recipe)
     trainer = build_trainer(recipe, plan, user_callbacks)
-    # Our own checkpoints carry RNG states (numpy arrays), so they are not weights-only.
-    trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=False)
+    launched_here = multiprocess and RUN_DIR_ENV not in os.environ
+    if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
+        os.environ[RUN_DIR_ENV] = str(plan.run_dir)
+    try:
+        # Our own checkpoints carry RNG states (numpy arrays), so they are not weights-only.
+        trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=False)
+    finally:
+        if launched_here:
+            os.environ.pop(RUN_DIR_ENV, None)
     for logger in trainer.loggers:
         logger.finalize("success")
+    if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
+        return {}
     summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats)
     if not quiet:
         from tclightning.grpo.summary import print_summary

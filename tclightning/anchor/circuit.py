@@ -238,4 +238,24 @@ class AnchorCircuit:
         self.delivered = int(state.get("delivered", 0))
 
 
-__all__ = ["WARMUPS", "AnchorCircuit", "AnchorJob", "AnchorSchedule", "Stage", "cpu_snapshot"]
+def rank_share(state: Any, rank: int, world_size: int) -> Any:
+    """This rank's part of a checkpointed anchor state (circuit or merger).
+
+    With one pipeline stage per process each rank keeps the anchor state of its own stage, and
+    the checkpoint holds ``{"per_rank": [state of rank 0, rank 1, ...]}``; one process keeps the
+    plain state. The two do not convert into each other (their tensors cover different
+    parameters), so a mismatch is refused, naming what to change."""
+    shares = state.get("per_rank") if isinstance(state, dict) else None
+    if shares is None and world_size == 1:
+        return state
+    saved = 1 if shares is None else len(shares)
+    if saved != world_size:
+        raise TclightningError(
+            f"the checkpoint's anchor state was saved by {saved} process(es) but this run has {world_size}: "
+            f"resume with trainer.devices x trainer.num_nodes = {saved} (each rank holds its own stage's "
+            "anchor snapshots and M_bar)"
+        )
+    return shares[rank]
+
+
+__all__ = ["WARMUPS", "AnchorCircuit", "AnchorJob", "AnchorSchedule", "Stage", "cpu_snapshot", "rank_share"]

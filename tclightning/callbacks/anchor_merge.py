@@ -33,6 +33,11 @@ before the first ``M`` arrives. If the module has ``anchor_metrics() -> Mapping[
 
 State (``M_bar``, the projector's state, the pending per-step average) is in
 ``state_dict()``/``load_state_dict()``, which Lightning saves in checkpoints and restores on resume.
+
+Across processes (one pipeline stage per rank, ``docs/distributed.md``) each rank merges its own
+stage's parameters with its own ``M_bar`` (the merge is per coordinate: no communication), the
+checkpoint holds every rank's state, and ``anchor/sign_agreement`` is weighted over the ranks'
+coordinates (a tied embedding, held by the first and the last rank, counts twice).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
+from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.mergers import Merger, make_merger
 from tclightning.errors import TclightningError
 
@@ -107,7 +113,9 @@ class AnchorMerge(Callback):
         self.ticks = 0  # optimizer ticks merged (all time)
         self.anchors = 0  # anchor gradients received (all time)
         self._agreement: list[float] = []  # this RL step's per-tick sign agreement
+        self._coordinates: list[int] = []  # ... and over how many coordinates each was measured
         self._device: torch.device | None = None  # where the merger's state lives
+        self._trainer: pl.Trainer | None = None  # for the rank (per-rank state across processes)
 
     @property
     def state_key(self) -> str:
@@ -115,6 +123,7 @@ class AnchorMerge(Callback):
 
     # ----------------------------------------------------------------------------- hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
         if not isinstance(pl_module, AnchorSource):
             raise TclightningError(
                 f"AnchorMerge needs the LightningModule to implement anchor_parameters() and "
@@ -156,6 +165,7 @@ class AnchorMerge(Callback):
             agreement = self.merger.sign_agreement(g_comp, index=index)
             if agreement is not None:
                 self._agreement.append(agreement)
+                self._coordinates.append(sum(g.numel() for g in g_comp))
             self.merger.merge_(g_comp, tick=tick, index=index)
         self.ticks += 1
 
@@ -166,14 +176,29 @@ class AnchorMerge(Callback):
             self._agreement.clear()
             return
         metrics: dict[str, float] = {}
-        if self._agreement:
-            metrics["anchor/sign_agreement"] = sum(self._agreement) / len(self._agreement)
+        agreement = self._step_agreement(trainer)
+        if agreement is not None:
+            metrics["anchor/sign_agreement"] = agreement
         extra = getattr(pl_module, "anchor_metrics", None)
         if callable(extra):
             metrics.update({k: float(v) for k, v in extra().items()})
         self._agreement.clear()
+        self._coordinates.clear()
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    def _step_agreement(self, trainer: pl.Trainer) -> float | None:
+        """Mean over the step's ticks of the tick's agreement. With several processes each rank
+        measured its own parameters (one pipeline stage each): a tick's agreement is then the
+        coordinate-weighted mean over ranks (one all-reduce; every rank calls this)."""
+        if trainer.world_size == 1:
+            return sum(self._agreement) / len(self._agreement) if self._agreement else None
+        counts = torch.tensor([[a * n, n] for a, n in zip(self._agreement, self._coordinates)],
+                              dtype=torch.float64).reshape(-1, 2)
+        counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        if counts.numel() == 0:
+            return None
+        return float((counts[:, 0] / counts[:, 1].clamp(min=1)).mean())
 
     def _place(self, device: torch.device) -> None:
         if self._device != device:
@@ -182,18 +207,27 @@ class AnchorMerge(Callback):
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """With one pipeline stage per process (a strategy with ``gather_per_rank``), every rank's
+        state (its stage's ``M_bar``) gathered: ``{"per_rank": [...]}`` (collective)."""
+        state = {
             "merger": _to_cpu(self.merger.state_dict()),
             "ticks": self.ticks,
             "anchors": self.anchors,
             "agreement": list(self._agreement),
+            "coordinates": list(self._coordinates),
         }
+        gather = getattr(self._trainer.strategy, "gather_per_rank", None) if self._trainer is not None else None
+        return state if gather is None else gather(state, "gathering the anchor merger states")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        trainer = self._trainer
+        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        state_dict = rank_share(state_dict, rank, world_size)
         self.merger.load_state_dict(state_dict["merger"])
         self.ticks = int(state_dict.get("ticks", 0))
         self.anchors = int(state_dict.get("anchors", 0))
         self._agreement = [float(a) for a in state_dict.get("agreement", [])]
+        self._coordinates = [int(n) for n in state_dict.get("coordinates", [1] * len(self._agreement))]
         self._device = None  # the state is on CPU now; moved to the parameters' device at the next tick
 
 

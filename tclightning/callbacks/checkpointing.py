@@ -45,11 +45,22 @@ class StepCheckpoint(Checkpoint):
         for logger in trainer.loggers:
             logger.save()
         tmp = self.dirpath / ".last.ckpt.tmp"
-        trainer.save_checkpoint(tmp, weights_only=False)
+        trainer.save_checkpoint(tmp, weights_only=False)  # every rank takes part; rank 0 writes
+        if not trainer.is_global_zero:
+            self.saved_step = step
+            return self.last_path
         if self.every_n_steps and self.keep > 0:
+            # A resumed run replaces the step files its earlier run wrote past the resume point:
+            # `step-S` is always the newest state for step S (what metrics.csv now shows).
             periodic = self.dirpath / f"step-{step:06d}.ckpt"
-            os.link(tmp, periodic) if not periodic.exists() else None
-            for old in sorted(self.dirpath.glob("step-*.ckpt"))[: -self.keep]:
+            link = self.dirpath / ".step.ckpt.tmp"
+            link.unlink(missing_ok=True)
+            os.link(tmp, link)
+            os.replace(link, periodic)
+            # Prune among steps up to this one: files further on (from before a resume) are
+            # replaced when the run gets there, and must not push out the one just written.
+            done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name]
+            for old in done[: -self.keep]:
                 old.unlink()
         os.replace(tmp, self.last_path)
         self.saved_step = step

@@ -2,6 +2,9 @@
 
 * ``bench codec`` -- PRF encode/decode time against ``clone()`` and bytes per token
   (``tclightning.codecs.benchmark.bench_codec``; ``benchmarks/codec.py`` runs the same).
+* ``bench link`` -- 2 pipeline stages in their own processes over a tc-shaped link (network
+  namespace), step time and bytes for dense / shallow / all-compressed layouts
+  (``tclightning.pipeline.link_bench``; ``benchmarks/slow_link.py`` runs the same).
 """
 
 from __future__ import annotations
@@ -68,12 +71,44 @@ def run_codec(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``bench link`` (shared with ``benchmarks/slow_link.py``)."""
+    layouts = ("dense", "shallow", "all")
+    parser.add_argument("--bandwidth", type=float, nargs="+", default=[200.0], metavar="MBIT",
+                        help="link rates in Mbit/s (default 200; the README table uses 50 200 1000)")
+    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=layouts)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2)")
+    parser.add_argument("--link", default="auto", choices=("auto", "netns", "paced"),
+                        help="tc-shaped network namespace, software pacing, or netns where possible (default)")
+    parser.add_argument("--rows", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--length", type=int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--dim", type=int, default=1536, help="boundary width d (default 1536)")
+    parser.add_argument("--k", type=int, default=77, help="PRF values per token (default 77 = 5%% of 1536)")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per layout (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run_link(args: argparse.Namespace) -> int:
+    """Handler of ``bench link``: the slow-link table (``benchmarks/slow_link.py`` runs the same)."""
+    from tclightning.pipeline.link_bench import run_cli
+
+    return run_cli(args)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="bench tools")
     tools = parser.add_subparsers(dest="bench_command", metavar="TOOL")
     codec = tools.add_parser("codec", help="time the PRF codec against clone() and report bytes per token")
     add_codec_arguments(codec)
     codec.set_defaults(func=run_codec)
+    link = tools.add_parser(
+        "link", help="pipelined steps of 2 stage processes over a tc-shaped slow link: dense vs compressed layouts"
+    )
+    add_link_arguments(link)
+    link.set_defaults(func=run_link)
 
 
 def main_codec(argv: Sequence[str] | None = None) -> int:
@@ -81,3 +116,10 @@ def main_codec(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="PRF codec benchmark (same as `tclightning bench codec`)")
     add_codec_arguments(parser)
     return run_codec(parser.parse_args(argv))
+
+
+def main_link(argv: Sequence[str] | None = None) -> int:
+    """``benchmarks/slow_link.py`` entry point: the same options and output as ``tclightning bench link``."""
+    parser = argparse.ArgumentParser(description="Slow-link pipeline benchmark (same as `tclightning bench link`)")
+    add_link_arguments(parser)
+    return run_link(parser.parse_args(argv))

@@ -3,12 +3,17 @@
 * ``probe cuts`` -- price each pipeline cut: the sampler-trainer gap and the forward bytes per
   token when one cut, the shallowest n, or all cuts are compressed, on one fixed sampled batch
   (:func:`tclightning.probes.cuts.price_cuts`). Writes ``cuts.csv``, ``cuts.md``, ``cuts.png``.
+* ``probe inference`` -- apply a codec at the cuts while a frozen model generates, per budget:
+  accuracy, reference log-likelihood, continuations of a shared prompt
+  (:func:`tclightning.probes.inference.inference_sweep`). Writes ``inference.csv``,
+  ``inference.md``, ``inference.png``, ``generations.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="torch.set_num_threads (default: the recipe's trainer.num_threads, else torch's)")
     cuts.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.rate=0.1")
     cuts.set_defaults(func=run_cuts)
+    register_inference(tools)
 
 
 def run_cuts(args: argparse.Namespace) -> int:
@@ -52,24 +58,14 @@ def run_cuts(args: argparse.Namespace) -> int:
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts"
 
-    import torch
 
-    from tclightning.models.loading import load_model
     from tclightning.pipeline.cuts import find_decoder_layers
     from tclightning.probes.cuts import price_cuts
     from tclightning.sampling import PromptFormatter, build_sampler
     from tclightning.sampling.base import sequence_seed
-    from tclightning.tasks import build_task
 
-    threads = args.threads or recipe.trainer.num_threads
-    if threads:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
-    model, tokenizer = load_model(recipe.model, seed=recipe.trainer.seed)
-    if recipe.model.warmup.steps > 0:
-        # The probe prices the model as loaded; a tiny recipe's supervised warm-up is not run.
-        print(f"note: model.warmup.steps={recipe.model.warmup.steps} is ignored (the probe does not train)")
-    task = build_task(recipe.task)
+    model, tokenizer, task = load_for_probe(recipe, args.threads)
     examples = list(task.train_examples())[: args.prompts]
     if len(examples) < args.prompts:
         raise TclightningError(f"--prompts {args.prompts}: the task has only {len(examples)} training prompts")
@@ -116,6 +112,23 @@ def run_cuts(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_for_probe(recipe: Any, threads: int | None) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, task)`` of a recipe, with torch's thread count set first."""
+    import torch
+
+    from tclightning.models.loading import load_model
+    from tclightning.tasks import build_task
+
+    threads = threads or recipe.trainer.num_threads
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(recipe.model, seed=recipe.trainer.seed)
+    if recipe.model.warmup.steps > 0:
+        # A probe measures the model as loaded; a tiny recipe's supervised warm-up is not run.
+        print(f"note: model.warmup.steps={recipe.model.warmup.steps} is ignored (the probe does not train)")
+    return model, tokenizer, build_task(recipe.task)
+
+
 # ------------------------------------------------------------------------------------ outputs
 CSV_COLUMNS = (
     "config", "kind", "compressed_layers", "n_compressed", "depth",
@@ -129,13 +142,13 @@ def _cell(value: Any) -> Any:
     return " ".join(str(v) for v in value) if isinstance(value, list) else value
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+def write_csv(rows: list[dict[str, Any]], path: Path, columns: tuple[str, ...] = CSV_COLUMNS) -> None:
     """One row per configuration; list columns are space-separated layer indices."""
     with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({key: _cell(row[key]) for key in CSV_COLUMNS})
+            writer.writerow({key: _cell(row[key]) for key in columns})
 
 
 def markdown_header(meta: dict[str, Any]) -> str:
@@ -196,6 +209,183 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.set_ylabel(key + (" (nats)" if key == "gap/abs_mean" else ""))
         ax.set_xticks([r["depth"] for r in solo])
         ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------- probe inference
+INFERENCE_RECIPE = "smollm2-cut-pricing"
+
+
+def register_inference(tools: argparse._SubParsersAction) -> None:
+    inference = tools.add_parser(
+        "inference",
+        help="inference-time compression sweep: accuracy and log-likelihood per codec and budget",
+        description=(
+            "Generate greedily with a frozen model while a codec compresses the pipeline cuts, at several "
+            "budgets; report accuracy on a task split, the log-likelihood of the reference solutions, "
+            "agreement with the dense generations and the continuation of a shared prompt. Cut positions, "
+            f"fill and PRF seed come from the recipe's pipeline section (default recipe: {INFERENCE_RECIPE})."
+        ),
+    )
+    inference.add_argument("--model", default=None,
+                           help="model to probe: 'tiny', a .gguf path or package:file.gguf, or a HF name / local "
+                                "directory (default: the recipe's model)")
+    inference.add_argument("--codec", default="prf,svd", help="prf, svd or both comma-separated (default prf,svd)")
+    inference.add_argument("--rates", default="1.0,0.5,0.25,0.1,0.05",
+                           help="budgets as shares of d, comma-separated (default 1.0,0.5,0.25,0.1,0.05)")
+    inference.add_argument("--recipe", default=INFERENCE_RECIPE, help=f"recipe name or path (default {INFERENCE_RECIPE})")
+    inference.add_argument("--task", default=None, help="task name overriding the recipe's (gsm8k, math, bigmath, arithmetic)")
+    inference.add_argument("--split", choices=("eval", "train"), default="eval", help="problems to evaluate (default eval)")
+    inference.add_argument("--limit", type=int, default=16, help="problems evaluated (default 16)")
+    inference.add_argument("--max-new-tokens", type=int, default=128, help="generation limit (default 128)")
+    inference.add_argument("--layout", default="all",
+                           help="which cuts are compressed: all, shallow, solo:i (default all)")
+    inference.add_argument("--calibration", type=int, default=16,
+                           help="training-split solutions whose activations fit the svd bases (default 16)")
+    inference.add_argument("--batch-size", type=int, default=None, help="sequences per generate call (default: recipe's)")
+    inference.add_argument("--step", type=int, default=0, help="PRF key step (default 0)")
+    inference.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: recipe's)")
+    inference.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-inference/)")
+    inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.fill=mean")
+    inference.set_defaults(func=run_inference)
+
+
+def model_override(spec: str) -> dict[str, Any]:
+    """``--model`` as ModelConfig fields: ``tiny``, a GGUF file (``.gguf`` path or ``package:file.gguf``),
+    else a Hugging Face name or local directory."""
+    if spec == "tiny":
+        return {"source": "tiny"}
+    if spec.endswith(".gguf"):
+        return {"source": "gguf", "gguf_file": spec}
+    return {"source": "hf", "name": spec}
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise TclightningError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+
+
+def run_inference(args: argparse.Namespace) -> int:
+    """Handler of ``probe inference``: runs the sweep, writes four files, prints the table; exit code 0."""
+    import dataclasses
+
+    from tclightning.probes.inference import sweep_points
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+
+    points = sweep_points([c.strip() for c in args.codec.split(",") if c.strip()], _floats(args.rates, "--rates"))
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise TclightningError(f"{flag} must be >= 1, got {value}")
+    recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
+    if args.model:
+        recipe.model = dataclasses.replace(recipe.model, **model_override(args.model))
+    if args.task:
+        recipe.task = dataclasses.replace(recipe.task, name=args.task)
+    dataclasses.replace(recipe.pipeline, layout=args.layout).validate()
+    out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-inference"
+
+
+    from tclightning.probes.inference import (
+        inference_sweep,
+        markdown_continuations,
+        markdown_table,
+    )
+    from tclightning.sampling import PromptFormatter
+
+    started = time.perf_counter()
+    model, tokenizer, task = load_for_probe(recipe, args.threads)
+    pool = task.eval_examples() if args.split == "eval" else task.train_examples()
+    examples = list(pool)[: args.limit]
+    calibration = list(task.train_examples())[-args.calibration :] if args.calibration > 0 else []
+    if args.split == "train":  # never fit the svd bases on the problems being evaluated
+        calibration = [e for e in calibration if e not in examples]
+    formatter = PromptFormatter(tokenizer, task.system_prompt, recipe.model.chat_template)
+    loaded = time.perf_counter()
+    result = inference_sweep(
+        model, formatter, task, examples, recipe.pipeline, points,
+        calibration_examples=calibration, layout=args.layout, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size or recipe.sampler.batch_size, step=args.step, on_point=print_point,
+    )  # fmt: skip
+    finished = time.perf_counter()
+    meta = {
+        **result.meta,
+        "recipe": recipe.name,
+        "model": recipe.model.gguf_file or recipe.model.name or f"tiny {recipe.model.tiny.architecture}",
+        "task": task.name,
+        "split": args.split,
+        "dtype": recipe.model.dtype,
+        "timing": f"load {loaded - started:.0f} s, sweep {finished - loaded:.0f} s",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(result.rows, out / "inference.csv", INFERENCE_COLUMNS)
+    with (out / "generations.jsonl").open("w") as handle:
+        for row in result.rows:
+            rewards = task.rewards(row["texts"], examples)
+            for example, text, reward in zip(examples, row["texts"], rewards):
+                handle.write(json.dumps({"point": row["point"], "uid": example.uid, "reward": reward, "text": text}) + "\n")
+    header = inference_header(meta)
+    table = markdown_table(result.rows)
+    (out / "inference.md").write_text(header + "\n" + table + "\n" + markdown_continuations(result))
+    plot_inference(result.rows, out / "inference.png", title=f"{meta['model']}: {meta['task']}, layout {meta['layout']}")
+    print(header)
+    print(table)
+    print(f"wrote {out / 'inference.csv'}, {out / 'inference.md'}, {out / 'inference.png'}, {out / 'generations.jsonl'}")
+    return 0
+
+
+def print_point(row: dict[str, Any]) -> None:
+    print(f"{row['point']:>10}: accuracy {row['accuracy']:.3f}, ref log-lik {row['ref_loglik']:.3f}, "
+          f"same as dense {row['exact_match']:.2f} ({row['seconds']:.0f} s)", flush=True)
+
+
+INFERENCE_COLUMNS = (
+    "point", "codec", "rate", "k", "compressed_layers", "wire/ratio", "accuracy", "correct", "n",
+    "ref_loglik", "ref_loglik_seq", "exact_match", "prefix_agree", "length_mean", "truncated_frac",
+    "energy_kept", "seconds",
+)  # fmt: skip
+
+
+def inference_header(meta: dict[str, Any]) -> str:
+    calibration = (
+        f"; svd bases fitted on {meta['calibration_examples']} training solutions ({meta['calibration_tokens']} tokens)"
+        if meta["calibration_examples"] else ""
+    )
+    return (
+        f"Inference-time compression sweep, `{meta['model']}` ({meta['layers']} layers, d={meta['d']}, {meta['dtype']}): "
+        f"cuts after layers {', '.join(map(str, meta['cut_layers']))}, layout `{meta['layout']}`, fill `{meta['fill']}`; "
+        f"task `{meta['task']}` ({meta['split']} split, first {meta['n']} problems, {meta['reference_tokens']} "
+        f"reference tokens), greedy, up to {meta['max_new_tokens']} new tokens{calibration}. {meta['timing']}.\n"
+    )
+
+
+def plot_inference(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Accuracy, reference log-likelihood and dense-prefix agreement against the budget (log x), one
+    line per codec, the dense level dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = next(r for r in rows if r["codec"] == "dense")
+    panels = (("accuracy", "accuracy"), ("ref_loglik", "reference log-lik (nats/token)"),
+              ("prefix_agree", "share of dense completion kept"))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), constrained_layout=True)
+    for ax, (key, label) in zip(axes, panels):
+        for codec, marker in (("prf", "o-"), ("svd", "s--")):
+            points = sorted((r["rate"], r[key]) for r in rows if r["codec"] == codec)
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker, label=codec)
+        ax.axhline(dense[key], color="grey", linestyle=":", label=f"dense ({dense[key]:.3g})")
+        ax.set_xscale("log")
+        ax.set_xlabel("budget (share of d kept per token)")
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="best")
     if title:

@@ -3,6 +3,10 @@
 sample (dense) -> reward -> advantages -> trainer log-probs (through whatever cuts the strategy
 installed) and the gap -> ``epochs x minibatches`` optimizer ticks of the clipped surrogate.
 
+Agentic tasks (``tclightning.agentic``) change only the first stage: ``collect`` plays
+multi-turn conversations and returns one row per interaction, each row pointing at its
+trajectory; rewards and advantages are per trajectory and broadcast to its rows.
+
 Manual optimisation: ``trainer.global_step`` counts optimizer ticks, while the logged ``step``
 (TensorBoard, ``metrics.csv``) is the RL step, Lightning's batch counter.
 """
@@ -21,7 +25,9 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric
 
-from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot
+from tclightning.agentic import build_agentic_task, is_agentic
+from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout, gap_by_turn
+from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot, rank_share
 from tclightning.anchor.config import AnchorConfig
 from tclightning.callbacks.anchor_merge import AnchorDelivery
 from tclightning.callbacks.steps import completed_steps, rl_step
@@ -51,7 +57,9 @@ class GRPOModule(L.LightningModule):
     With ``anchor.merger: signed_ema`` the module is an ``AnchorSource`` for the ``AnchorMerge``
     callback: every C ticks it records the weights that sampled the step and the step's rollouts,
     and K ticks later computes the dense gradient ``M`` of the same loss at those weights on those
-    rollouts (paired replay) with a hook-free clone of the policy.
+    rollouts (paired replay) with a hook-free clone of the policy. With one pipeline stage per
+    process the strategy does this per rank: each rank snapshots and merges its own stage, and
+    ``M`` comes from a pipelined pass over the dense boundary (docs/distributed.md).
     """
 
     def __init__(
@@ -87,11 +95,15 @@ class GRPOModule(L.LightningModule):
             }
         )
         self.policy, self.tokenizer = load_model(self.model_cfg, seed=seed)
-        self.task = build_task(self.task_cfg)
+        agentic = is_agentic(self.task_cfg.name)
+        self.task = build_agentic_task(self.task_cfg) if agentic else build_task(self.task_cfg)
         self.train_examples: list[Example] = list(self.task.train_examples())
         self.eval_examples: list[Example] = list(self.task.eval_examples())
-        self.formatter = PromptFormatter(self.tokenizer, self.task.system_prompt, self.model_cfg.chat_template)
+        # Agentic prompts are conversations (the history so far), rendered by the same chat template.
+        formatter = ConversationFormatter if agentic else PromptFormatter
+        self.formatter = formatter(self.tokenizer, self.task.system_prompt, self.model_cfg.chat_template)
         self.sampler = build_sampler(self.sampler_cfg, self.formatter)
+        self.multi_turn = MultiTurnRollout(self.task, self.sampler, self.tokenizer.pad_token_id) if agentic else None
         self.reference: torch.nn.Module | None = None
         self.val_accuracy = MeanMetric()
         self.val_length = MeanMetric()
@@ -115,11 +127,14 @@ class GRPOModule(L.LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; Lightning expects train mode
         fresh = self.trainer is None or self.trainer.ckpt_path is None
         if stage == "fit" and fresh and self.model_cfg.warmup.steps > 0:
+            # Agentic: one (history, expert action) pair per interaction of each expert conversation.
+            prompts, solutions = (self.multi_turn.demonstrations(self.train_examples) if self.multi_turn is not None
+                                  else ([e.prompt for e in self.train_examples], [e.solution for e in self.train_examples]))
             self.warmup_stats = supervised_warmup(
                 self.policy,
                 self.formatter,
-                [e.prompt for e in self.train_examples],
-                [e.solution for e in self.train_examples],
+                prompts,
+                solutions,
                 self.model_cfg.warmup,
                 progress=self.trainer is not None and self.trainer.progress_bar_callback is not None,
                 accuracy=self._warmup_accuracy,
@@ -132,8 +147,8 @@ class GRPOModule(L.LightningModule):
     def _warmup_accuracy(self) -> float:
         """Greedy accuracy on the first ``check_examples`` training prompts (never the eval split)."""
         examples = self.train_examples[: self.model_cfg.warmup.check_examples]
-        rollouts = self.sample(examples, seed=self.seed, greedy=True, group_size=1)
-        return float(self.score(rollouts, examples).mean())
+        _, rewards, _, _ = self.collect(examples, seed=self.seed, greedy=True, group_size=1)
+        return float(rewards.mean())
 
     def train_dataloader(self) -> PromptStream:
         return PromptStream(
@@ -158,11 +173,14 @@ class GRPOModule(L.LightningModule):
         """The pipeline Strategy's cuts (``None`` when training dense in one piece)."""
         return getattr(self.trainer.strategy, "cuts", None) if self._trainer else None
 
+    def _dense(self) -> contextlib.AbstractContextManager:
+        """Codecs (if any) bypassed, as on a real inference engine."""
+        cuts = self.cuts
+        return cuts.bypassed() if cuts is not None else contextlib.nullcontext()
+
     def sample(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None) -> Rollouts:
         """Dense sampling: codecs (if any) are bypassed, as on a real inference engine."""
-        cuts = self.cuts
-        context = cuts.bypassed() if cuts is not None else contextlib.nullcontext()
-        with context:
+        with self._dense():
             return self.sampler.generate(
                 self.policy,
                 [e.prompt for e in examples],
@@ -176,6 +194,19 @@ class GRPOModule(L.LightningModule):
         expanded = [e for e in examples for _ in range(rollouts.group_size)]
         return torch.tensor(self.task.rewards(rollouts.texts, expanded), dtype=torch.float32)
 
+    def collect(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None
+                ) -> tuple[Rollouts, torch.Tensor, torch.Tensor, Episodes | None]:
+        """``(rows, rewards [P*G], trajectory of each row, episodes)``. Single-turn: a row is a
+        trajectory. Agentic: a row is one interaction and ``episodes`` carries the conversations."""
+        G = group_size or self.sampler_cfg.group_size
+        if self.multi_turn is None:
+            rollouts = self.sample(examples, seed, greedy=greedy, group_size=G)
+            return rollouts, self.score(rollouts, examples), torch.arange(rollouts.num_sequences), None
+        with self._dense():
+            episodes = self.multi_turn.play(self.policy, examples, group_size=G, seed=seed, greedy=greedy,
+                                            max_new_tokens=self.sampler_cfg.eval_max_new_tokens if greedy else None)
+        return episodes.rows, episodes.rewards, episodes.trajectory, episodes
+
     # ----------------------------------------------------------------------------- the step
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
         cfg, G = self.cfg, self.sampler_cfg.group_size
@@ -184,12 +215,17 @@ class GRPOModule(L.LightningModule):
             raise RuntimeError(f"prompt stream at step {batch.step} but Lightning logs step {logged_step}")
         started = time.perf_counter()
         examples = [self.train_examples[i] for i in batch.indices]
-        rollouts = self.sample(examples, sequence_seed(self.sampler_cfg.seed + self.seed, batch.step))
+        seed = sequence_seed(self.sampler_cfg.seed + self.seed, batch.step)
+        share = getattr(self.trainer.strategy, "share_rollouts", None)
+        if share is None:
+            rollouts, rewards, owner, episodes = self.collect(examples, seed)
+        else:  # pipeline across processes: rank 0 samples and scores, every stage receives the result
+            rollouts, rewards, owner, episodes = share(lambda: self.collect(examples, seed))
         rollouts = _to_device(rollouts, self.device)
-        rewards = self.score(rollouts, examples)
-        truncated = rollouts.truncated.cpu()
+        # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
+        truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
         shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong == "penalty" else rewards
-        advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)
+        advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         sampled = time.perf_counter()
 
         cuts = self.cuts
@@ -201,11 +237,14 @@ class GRPOModule(L.LightningModule):
         rows = torch.arange(rollouts.num_sequences)
         if cfg.drop_zero_variance_groups:
             keep_groups = ~zero_variance_groups(shaped, G)
-            rows = rows[keep_groups.repeat_interleave(G)]
+            rows = rows[keep_groups.repeat_interleave(G)[owner]]
         metrics = self._rollout_metrics(rewards, rollouts)  # lengths as sampled, before any masking
+        if episodes is not None:
+            metrics.update(episodes.metrics())
         if cfg.overlong == "mask":
             rollouts.completion_mask = rollouts.completion_mask * (~rollouts.truncated).float().unsqueeze(-1)
-        metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step))
+        turns = None if episodes is None else episodes.turn
+        metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step, turns))
         trained = time.perf_counter()
         if cuts is not None:
             metrics.update(cuts.metrics())
@@ -235,8 +274,14 @@ class GRPOModule(L.LightningModule):
             "response/truncated_frac": float(rollouts.truncated.float().mean()),
         }
 
-    def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, step: int) -> dict[str, float]:
-        """``epochs x minibatches`` optimizer ticks; returns losses, gap and health metrics."""
+    def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, step: int,
+                turns: torch.Tensor | None = None) -> dict[str, float]:
+        """``epochs x minibatches`` optimizer ticks; returns losses, gap and health metrics (with
+        ``turns``, the interaction index of each row, also the gap per interaction index)."""
+        self._anchor_step = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
+        pipelined = getattr(self.trainer.strategy, "pipelined_update", None)
+        if pipelined is not None:  # one stage per process: the same ticks over the pipeline
+            return pipelined(self, rollouts, advantages, rows, step)
         cfg = self.cfg
         optimizer, schedule = self.optimizers(), self.lr_schedulers()
         temperature = self.sampler_cfg.temperature
@@ -257,7 +302,6 @@ class GRPOModule(L.LightningModule):
 
         gen = torch.Generator().manual_seed(sequence_seed(self.seed, step, salt=1))
         first_tick = True
-        self._anchor_step = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
         for _ in range(cfg.epochs):
             order = rows[torch.randperm(len(rows), generator=gen)] if cfg.minibatches > 1 else rows
             for chunk in torch.tensor_split(order, cfg.minibatches):
@@ -313,6 +357,9 @@ class GRPOModule(L.LightningModule):
             sel_rows = rows if single_tick else slice(None)
             sel_mask = mask[sel_rows, : old_logp.shape[1]]
             metrics.update(gap_metrics(old_logp, rollouts.logp_sampler[sel_rows, : old_logp.shape[1]], sel_mask))
+            if turns is not None:
+                metrics.update(gap_by_turn(old_logp, rollouts.logp_sampler[sel_rows, : old_logp.shape[1]], sel_mask,
+                                           turns[sel_rows]))
             if entropy is not None:
                 metrics["policy/entropy"] = float((entropy * sel_mask).sum() / sel_mask.sum().clamp(min=1))
         metrics["policy/kept_frac"] = len(rows) / rollouts.num_sequences
@@ -335,6 +382,11 @@ class GRPOModule(L.LightningModule):
 
     def _anchor_gradient(self, job: AnchorJob) -> list[torch.Tensor]:
         """Dense ``M``: the GRPO loss's gradient at the job's weights on the job's rollouts."""
+        distributed = getattr(self.trainer.strategy, "anchor_gradient", None)
+        if distributed is not None:  # one stage per process: this rank's M, over the dense pipeline
+            grads, sent = distributed(self, job)
+            self._anchor_step["anchor/bytes"] += sent
+            return grads
         if "clone" not in self._anchor_workspace:
             from tclightning.pipeline.cuts import hook_free_copy
 
@@ -360,7 +412,11 @@ class GRPOModule(L.LightningModule):
         return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
 
     def anchor_parameters(self) -> list[torch.nn.Parameter]:
-        """``AnchorSource``: the parameters ``G_comp`` and ``M`` cover (fixed order)."""
+        """``AnchorSource``: the parameters ``G_comp`` and ``M`` cover (fixed order); with one
+        pipeline stage per process, this rank's stage's."""
+        owned = getattr(self.trainer.strategy, "owned_parameters", None) if self._trainer else None
+        if owned is not None:
+            return owned()
         return [p for p in self.policy.parameters() if p.requires_grad]
 
     def pop_anchor_gradient(self) -> AnchorDelivery | None:
@@ -378,8 +434,9 @@ class GRPOModule(L.LightningModule):
     def evaluate_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy completions for held-out examples: (rewards, lengths)."""
         examples = [self.eval_examples[i] for i in indices]
-        rollouts = self.sample(examples, seed=self.seed, greedy=True, group_size=1)
-        return self.score(rollouts, examples), rollouts.lengths.float().cpu()
+        rollouts, rewards, owner, _ = self.collect(examples, seed=self.seed, greedy=True, group_size=1)
+        # Generated tokens per trajectory (agentic: summed over its interactions).
+        return rewards, torch.zeros(len(rewards)).index_add_(0, owner, rollouts.lengths.float().cpu())
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
         rewards, lengths = self.evaluate_batch(batch)
@@ -410,11 +467,19 @@ class GRPOModule(L.LightningModule):
             "sampler": {"seed": self.sampler_cfg.seed + self.seed, "backend": self.sampler_cfg.backend},
             "warmup": self.warmup_stats,
             "cuts": self.cuts.state_dict() if self.cuts is not None else None,
-            "anchor": None if self.circuit is None else {
-                "circuit": self.circuit.state_dict(),
-                "new": None if self._anchor_new is None else (list(self._anchor_new.gradient), self._anchor_new.snapshot_tick),
-            },
+            "anchor": None if self.circuit is None else self._anchor_state(),
         }
+
+    def _anchor_state(self) -> dict[str, Any] | None:
+        """The circuit's pending snapshots + replay and an undelivered ``M``; across processes
+        every rank's (its own stage's snapshots), gathered (collective)."""
+        assert self.circuit is not None
+        state = {
+            "circuit": self.circuit.state_dict(),
+            "new": None if self._anchor_new is None else (list(self._anchor_new.gradient), self._anchor_new.snapshot_tick),
+        }
+        gather = getattr(self.trainer.strategy, "gather_per_rank", None)
+        return state if gather is None else gather(state, "gathering the anchor circuits")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("tclightning", {})
@@ -427,10 +492,17 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         self.warmup_stats = state.get("warmup", {})
         self._resume_step = int(state.get("rl_step", 0))
+        # A checkpoint saved at a run's last step records that the prompt stream ended there;
+        # restored as is, Lightning ends the resumed run before its first step. Where the stream
+        # ends is this run's `trainer.steps` (the PromptStream built from it tells the fetcher).
+        progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+        if progress is not None:
+            progress["is_last_batch"] = False
         # Cuts are installed by the strategy after checkpoint restore; applied in on_train_start.
         self._pending_cut_state = state.get("cuts")
         anchor = state.get("anchor")
         if anchor and self.circuit is not None:
+            anchor = rank_share(anchor, self.trainer.global_rank, self.trainer.world_size)
             self.circuit.load_state_dict(anchor["circuit"])
             self._anchor_new = None if anchor["new"] is None else AnchorDelivery(*anchor["new"])
 

@@ -33,15 +33,15 @@ class WarmupConfig:
     """
 
     steps: int = 0  # most steps; 0 disables the warm-up
-    batch_size: int = 64
+    batch_size: int = 64  # demonstrations per warm-up step
     lr: float = 3.0e-3  # after a 20-step ramp, constant (the stopping point is not known ahead)
-    seed: int = 0
+    seed: int = 0  # which demonstrations each step draws, and which get noisy labels
     # Stop early once greedy accuracy on `check_examples` training prompts reaches this (checked
     # every `check_every` steps; 0 = always run `steps`). Small models learn arithmetic in a
     # sudden jump whose timing varies with the seed: a target makes the start of RL comparable.
     target_accuracy: float = 0.0
-    check_every: int = 100
-    check_examples: int = 64
+    check_every: int = 100  # warm-up steps between accuracy checks
+    check_examples: int = 64  # training prompts the check decodes greedily
     # Share of targets replaced by another example's solution: imperfect demonstrations, which
     # leave the policy unsure between right and wrong answers for RL to sort out.
     label_noise: float = 0.0
@@ -60,11 +60,11 @@ class ModelConfig:
         transformers de-quantises it to ``dtype``.
     """
 
-    source: str = "tiny"
-    name: Optional[str] = None
-    gguf_file: Optional[str] = None
+    source: str = "tiny"  # tiny | hf | gguf (see above)
+    name: Optional[str] = None  # hf: hub name or local directory
+    gguf_file: Optional[str] = None  # gguf: a path, or package:file
     dtype: str = "float32"  # float32 | bfloat16 | float16
     chat_template: bool = True  # format prompts with the tokenizer's chat template when it has one
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # passed to from_pretrained (hf models with custom code)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)

@@ -72,6 +72,17 @@ class PipelineConfig:
     seed: int = 0
     """PRF key seed shared by sender and receiver (never sent)."""
 
+    microbatches: int = 4
+    """Multi-process mode (``trainer.devices`` x ``num_nodes`` > 1): micro-batches per pipelined
+    forward/backward (capped at the batch's rows)."""
+
+    schedule: str = "gpipe"
+    """Multi-process mode: ``gpipe`` (all forwards, then all backwards) | ``1f1b``."""
+
+    timeout_s: float = 300.0
+    """Multi-process mode: seconds a rank waits for a peer before stopping with an error naming it
+    (the process group's timeout)."""
+
     def validate(self) -> None:
         """Check names and ranges that do not depend on the model; raises ``TclightningError``."""
         layout = self.layout
@@ -107,5 +118,11 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.k must be >= 1, got {self.k}")
         if self.rank is not None and self.rank < 1:
             raise TclightningError(f"pipeline.rank must be >= 1, got {self.rank}")
+        if self.microbatches < 1:
+            raise TclightningError(f"pipeline.microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise TclightningError(f"pipeline.schedule '{self.schedule}' is not one of gpipe, 1f1b")
+        if self.timeout_s <= 0:
+            raise TclightningError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")

@@ -2,9 +2,10 @@
 
 One process (this module): every stage lives in this process and each cut's codec runs in-graph
 exactly as it would on the wire (the numerics reference); bytes are counted per cut and direction.
-The multi-process version (one stage per rank over ``torch.distributed.pipelining``) keeps the
-same :class:`~tclightning.pipeline.cuts.CutSet` / :class:`~tclightning.pipeline.boundary.Wire`
-seam: the codec math and byte accounting stay, the loopback wire is replaced by real sends.
+The multi-process version (one stage per rank over ``torch.distributed.pipelining``) is
+:class:`~tclightning.pipeline.multiprocess.MultiProcessPipelineStrategy` (``run.py`` picks it when
+``trainer.devices x num_nodes > 1``; docs/distributed.md): the same codecs and byte accounting,
+with real sends between stage processes instead of hooks in one graph.
 
 Inference stays dense: the sampler (and any dense probe) must run under ``strategy.cuts.bypassed()``.
 """

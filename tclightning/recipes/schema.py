@@ -23,14 +23,15 @@ class TrainerConfig:
     """How long and where to train (maps onto ``lightning.Trainer``)."""
 
     steps: int = 100  # RL steps (one = P prompts x G completions, then the update)
-    seed: int = 0
+    seed: int = 0  # seeds Lightning (python, numpy, torch), sampling and the prompt order
     precision: str = "32-true"  # 32-true | bf16-mixed | bf16-true
     accelerator: str = "auto"  # auto | cpu | gpu
-    devices: int = 1
+    devices: int = 1  # processes per node; > 1 with strategy pipeline: one pipeline stage per process
+    num_nodes: int = 1  # machines (torchrun / SLURM set the ranks; see docs/distributed.md)
     strategy: str = "auto"  # auto | pipeline (cuts from the `pipeline` section)
     num_threads: Optional[int] = None  # torch.set_num_threads; None keeps torch's default
     val_every: int = 0  # validate on the held-out split every N RL steps; 0 = never
-    val_batch_size: int = 32
+    val_batch_size: int = 32  # held-out prompts per greedy generate call
     checkpoint_every: int = 0  # RL steps between checkpoints; 0 = only at the end / on Ctrl-C
     keep_checkpoints: int = 2  # periodic step-*.ckpt files kept (last.ckpt is always kept)
 
@@ -41,7 +42,7 @@ class LoggingConfig:
 
     root: str = "runs"  # run directories are <root>/<name>/<timestamp>/
     name: Optional[str] = None  # default: the recipe's name
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard events in <run_dir>/tb, with a Custom Scalars layout
     csv: bool = True  # metrics.csv in the run directory (columns = metric names, plus `step`)
     progress: str = "rich"  # rich | tqdm | none
 
@@ -50,8 +51,8 @@ class LoggingConfig:
 class CallbackSpec:
     """A Lightning callback as LightningCLI writes it: import path plus constructor arguments."""
 
-    class_path: str = "???"
-    init_args: dict[str, Any] = field(default_factory=dict)
+    class_path: str = "???"  # import path of a lightning Callback subclass (required)
+    init_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of its constructor
 
 
 @dataclass
@@ -60,10 +61,10 @@ class RecipeConfig:
     order); ``callback_presets`` names YAML files in the top-level ``callbacks/`` folder whose
     callbacks come before the recipe's own ``callbacks``."""
 
-    name: str = ""
-    description: str = ""
-    defaults: list[str] = field(default_factory=list)
-    callback_presets: list[str] = field(default_factory=list)
+    name: str = ""  # what `--recipe NAME` finds; also the default run directory name
+    description: str = ""  # one line for `tclightning recipes list`
+    defaults: list[str] = field(default_factory=list)  # recipes merged underneath, in order
+    callback_presets: list[str] = field(default_factory=list)  # callbacks/<name>.yaml lists, before `callbacks`
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)

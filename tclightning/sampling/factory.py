@@ -14,5 +14,8 @@ def build_sampler(cfg: SamplerConfig, formatter: PromptFormatter) -> Sampler:
 
         return HFSampler(cfg, formatter)
     if cfg.backend == "vllm":
-        raise TclightningError("sampler.backend: 'vllm' is not available yet in this version; use 'hf'")
+        # vllm itself is imported by the sampler, which fails with one clear line without CUDA or vllm
+        from tclightning.sampling.vllm import VLLMSampler
+
+        return VLLMSampler(cfg, formatter)
     raise TclightningError(f"sampler.backend: unknown backend '{cfg.backend}', expected hf | vllm")

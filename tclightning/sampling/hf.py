@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.sampling.base import PromptFormatter, Rollouts
 from tclightning.sampling.config import SamplerConfig
@@ -75,33 +75,46 @@ class HFSampler:
         return self._assemble(chunks, group_size, max_new)
 
     def _assemble(self, chunks, group_size: int, max_new: int) -> Rollouts:
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id
-        prompt_width = max(c[0].shape[1] for c in chunks)
-        completion_width = max(c[2].shape[1] for c in chunks)
-        prompt_ids, prompt_mask, completion_ids, logps = [], [], [], []
-        for ids, mask, completion, logp in chunks:
-            left = prompt_width - ids.shape[1]
-            prompt_ids.append(F.pad(ids, (left, 0), value=pad))
-            prompt_mask.append(F.pad(mask, (left, 0), value=0))
-            right = completion_width - completion.shape[1]
-            completion_ids.append(F.pad(completion, (0, right), value=pad))
-            logps.append(F.pad(logp, (0, right), value=0.0))
-        completion = torch.cat(completion_ids)
-        is_eos = completion.eq(eos)
-        # Real tokens: everything up to and including the first eos (pad may equal eos).
-        before_eos = is_eos.long().cumsum(-1) - is_eos.long()
-        completion_mask = before_eos.eq(0).float()
-        truncated = ~is_eos.any(-1) & completion_mask.sum(-1).ge(max_new)
-        texts = self.tokenizer.batch_decode(completion * completion_mask.long() + pad * (1 - completion_mask.long()),
-                                            skip_special_tokens=True)
-        return Rollouts(
-            prompt_ids=torch.cat(prompt_ids),
-            prompt_mask=torch.cat(prompt_mask),
-            completion_ids=completion,
-            completion_mask=completion_mask,
-            logp_sampler=torch.cat(logps) * completion_mask,
-            texts=texts,
-            truncated=truncated,
-            group_size=group_size,
-        )
+        return assemble_rollouts(self.tokenizer, chunks, group_size, max_new)
+
+
+def assemble_rollouts(
+    tokenizer: PreTrainedTokenizerBase,
+    chunks: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    group_size: int,
+    max_new: int,
+) -> Rollouts:
+    """Micro-batches ``(prompt ids, prompt mask, completion ids, per-token logp)`` -> one :class:`Rollouts`.
+
+    Prompts are left padded and completions right padded to the widest chunk; the completion mask
+    covers every token up to and including the first eos (shared by every backend)."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    prompt_width = max(c[0].shape[1] for c in chunks)
+    completion_width = max(c[2].shape[1] for c in chunks)
+    prompt_ids, prompt_mask, completion_ids, logps = [], [], [], []
+    for ids, mask, completion, logp in chunks:
+        left = prompt_width - ids.shape[1]
+        prompt_ids.append(F.pad(ids, (left, 0), value=pad))
+        prompt_mask.append(F.pad(mask, (left, 0), value=0))
+        right = completion_width - completion.shape[1]
+        completion_ids.append(F.pad(completion, (0, right), value=pad))
+        logps.append(F.pad(logp, (0, right), value=0.0))
+    completion = torch.cat(completion_ids)
+    is_eos = completion.eq(eos)
+    # Real tokens: everything up to and including the first eos (pad may equal eos).
+    before_eos = is_eos.long().cumsum(-1) - is_eos.long()
+    completion_mask = before_eos.eq(0).float()
+    truncated = ~is_eos.any(-1) & completion_mask.sum(-1).ge(max_new)
+    texts = tokenizer.batch_decode(completion * completion_mask.long() + pad * (1 - completion_mask.long()),
+                                   skip_special_tokens=True)
+    return Rollouts(
+        prompt_ids=torch.cat(prompt_ids),
+        prompt_mask=torch.cat(prompt_mask),
+        completion_ids=completion,
+        completion_mask=completion_mask,
+        logp_sampler=torch.cat(logps) * completion_mask,
+        texts=texts,
+        truncated=truncated,
+        group_size=group_size,
+    )

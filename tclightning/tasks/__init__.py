@@ -1,4 +1,4 @@
-"""Tasks: prompts plus verifiable rewards (arithmetic, GSM8K, MATH).
+"""Tasks: prompts plus verifiable rewards (arithmetic, GSM8K, MATH, Big-Math).
 
 ``build_task(TaskConfig(name=...))`` is the one entry point the trainer needs; see
 ``base.Task`` for the contract and ``rewards`` for the verifiers. Pure logic: no torch.
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from tclightning.errors import TclightningError
 from tclightning.tasks.arithmetic import ArithmeticTask
 from tclightning.tasks.base import Example, Task
+from tclightning.tasks.bigmath import BigMathTask
 from tclightning.tasks.config import TaskConfig
 from tclightning.tasks.data import shared_data_dir
 from tclightning.tasks.gsm8k import GSM8KTask
@@ -18,6 +19,7 @@ from tclightning.tasks.math import MathTask
 
 TASKS: dict[str, Callable[[TaskConfig], Task]] = {
     "arithmetic": ArithmeticTask,
+    "bigmath": BigMathTask,
     "gsm8k": GSM8KTask,
     "math": MathTask,
 }

@@ -7,7 +7,7 @@ that is the spelling every OmegaConf version accepts.
 
 # ruff: noqa: UP045
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -19,7 +19,8 @@ class TaskConfig:
     (``$TCLIGHTNING_DATA`` or ``<repo>/../shared/data``). ``arithmetic`` needs no data.
     """
 
-    # Task name: "arithmetic" (synthetic, no files), "gsm8k" or "math" (MATH-500 / MATH-style).
+    # Task name: "arithmetic" (synthetic, no files), "gsm8k" or "math" (MATH-500 / MATH-style);
+    # agentic (multi-turn, tclightning.agentic): "calculator".
     name: str = "arithmetic"
     # Local data: a .jsonl / .json / .parquet / .csv file, or a directory holding
     # "<split>.<ext>" files (e.g. train.jsonl, test.jsonl). A single file, or a directory with
@@ -66,3 +67,16 @@ class TaskConfig:
     # arithmetic: zero-pad operands to `digits` and answers to the widest result ("07+48=" ->
     # "055"), so every problem has the same character layout (positions carry meaning).
     fixed_width: bool = False
+    # agentic tasks (calculator): most interactions (model replies) per trajectory; a
+    # conversation still going after this many is cut off unfinished, with no reward.
+    max_turns: int = 4
+    # calculator: binary operations per problem ("(12+34)*56" has 2); the tool does one per call.
+    # It also reads `digits`, `operations`, `num_train`, `eval_size` and `seed` as arithmetic does.
+    chain: int = 2
+    # bigmath: keep problems whose `llama8b_solve_rate` (share of Llama-3.1-8B samples that solved
+    # them) lies in [min_solve_rate, max_solve_rate]; None = no bound. With a bound set, rows
+    # without a solve rate are dropped.
+    min_solve_rate: Optional[float] = None
+    max_solve_rate: Optional[float] = None
+    # bigmath: keep only these `source` values (e.g. ["olympiads", "MATH"]); None = all sources.
+    sources: Optional[List[str]] = None

@@ -179,6 +179,10 @@ class DatasetTask(Task):
         self.instruction = self.default_instruction if cfg.instruction is None else cfg.instruction
         self._examples: tuple[tuple[Example, ...], tuple[Example, ...]] | None = None
 
+    def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rows kept before the train / held-out cut (a task's filters); all rows by default."""
+        return rows
+
     @abstractmethod
     def parse_row(self, row: Row) -> tuple[str, str, str] | None:
         """(question, answer, solution) of a dataset row, or None to skip an unusable row."""
@@ -202,7 +206,7 @@ class DatasetTask(Task):
         cfg = self.cfg
         source = DataSource.from_config(cfg, self.default_subdir)
         train_split, eval_split = resolve_splits(cfg, source.splits())
-        train_rows = source.rows(train_split)
+        train_rows = self.select_rows(source.rows(train_split))
         if eval_split is None:
             if cfg.eval_size >= len(train_rows):
                 raise TclightningError(
@@ -214,7 +218,7 @@ class DatasetTask(Task):
             train_idx = [i for i in range(len(train_rows)) if i not in held]
             evals = self._to_examples(train_rows, train_split, eval_idx)
         else:
-            eval_rows = source.rows(eval_split)
+            eval_rows = self.select_rows(source.rows(eval_split))
             eval_idx = held_out_indices(len(eval_rows), cfg.eval_size, cfg.seed)
             train_idx = list(range(len(train_rows)))
             evals = self._to_examples(eval_rows, eval_split, eval_idx)

@@ -1,0 +1,539 @@
+"""The multi-process pipeline: 2 gloo ranks (one stage each) against the one-process reference.
+
+Each test spawns its ranks once (imports dominate the time) and checks several layouts inside.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tclightning.errors import TclightningError
+from tclightning.grpo.logprobs import completion_logps
+from tclightning.grpo.loss import policy_loss
+from tclightning.pipeline import CutSet, PipelineConfig
+from tclightning.pipeline.launch import run_ranks
+from tclightning.pipeline.stage import StageModule, pack, unpack
+from tclightning.sampling.base import Rollouts
+
+DIM, LAYERS, VOCAB, STEP = 64, 4, 97, 7
+DIM_TINY = 128  # the `tiny` recipe's hidden size
+REPO = Path(__file__).resolve().parents[1]
+LOSS_CFG = SimpleNamespace(
+    clip_low=0.2, clip_high=0.28, loss_aggregation="token-mean", tis_cap=0.0, mask_ratio_low=0.0,
+    mask_ratio_high=0.0, kl_coef=0.0,
+)
+CASES = {
+    "dense-gpipe": {"layout": "dense", "schedule": "gpipe"},
+    "prf-1f1b": {"layout": "all", "k": 5, "schedule": "1f1b"},
+    "prf-mean-fill": {"layout": "all", "k": 5, "fill": "mean"},
+}
+
+
+def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=DIM, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def rollouts() -> Rollouts:
+    """6 rows: left-padded prompts, right-padded completions of varied length (so micro-batches
+    carry different token counts)."""
+    gen = torch.Generator().manual_seed(3)
+    prompt_mask = torch.ones(6, 5, dtype=torch.long)
+    prompt_mask[0, :2] = prompt_mask[3, :1] = prompt_mask[5, :3] = 0
+    completion_mask = torch.ones(6, 4)
+    completion_mask[1, 2:] = completion_mask[2, 1:] = completion_mask[4, 3:] = 0
+    return Rollouts(
+        prompt_ids=torch.randint(1, VOCAB, (6, 5), generator=gen) * prompt_mask,
+        prompt_mask=prompt_mask,
+        completion_ids=(torch.randint(1, VOCAB, (6, 4), generator=gen) * completion_mask).long(),
+        completion_mask=completion_mask,
+        logp_sampler=-torch.rand(6, 4, generator=gen) * completion_mask,
+        texts=[""] * 6,
+        truncated=torch.zeros(6, dtype=torch.bool),
+        group_size=3,
+    )
+
+
+ADVANTAGES = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.3, -1.0])
+
+
+def config_for(case: str) -> PipelineConfig:
+    return PipelineConfig(stages=2, microbatches=3, timeout_s=20, **CASES[case])
+
+
+def reference(case: str) -> dict[str, Any]:
+    """One process: cuts as hooks, the GRPO loss of the whole batch, grads by parameter name."""
+    model = tiny_llama()
+    batch = rollouts()
+    with CutSet(model, config_for(case)) as cuts:
+        cuts.set_step(STEP)
+        logp, _ = completion_logps(model, batch)
+        out = policy_loss(logp, logp.detach() - 0.1, ADVANTAGES, batch.completion_mask)
+        out.loss.backward()
+        metrics = cuts.metrics()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"loss": float(out.loss.detach()), "grads": grads, "logp": logp.detach(), "wire": metrics}
+
+
+def stage_worker(rank: int, world_size: int, cases: list[str]) -> dict[str, Any]:
+    """Every case in one spawn (start-up dominates): the equality cases, then the anchor circuit."""
+    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
+    from tclightning.pipeline.grpo_step import MicrobatchLoss, _no_loss
+
+    results: dict[str, Any] = {"anchor": anchor_worker(rank)}
+    for case in cases:
+        model = tiny_llama()
+        names = {id(p): name for name, p in model.named_parameters()}
+        engine = PipelineEngine(model, config_for(case))
+        engine.set_step(STEP)
+        batch = rollouts()
+        loss_fn = None
+        if engine.is_last:
+            # the reference's old log-probs (its own logp - 0.1, so ratios are not 1), in this process
+            shadow = tiny_llama()
+            with CutSet(shadow, config_for(case)) as cuts, torch.no_grad():
+                cuts.set_step(STEP)
+                old_logp = completion_logps(shadow, batch)[0] - 0.1
+            loss_fn = MicrobatchLoss(
+                old_logp=old_logp, advantages=ADVANTAGES, mask=batch.completion_mask,
+                logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4,
+            )
+        logp, _ = engine.run(StageInputs.from_rollouts(batch), loss_fn or _no_loss)
+        engine.reduce_tied_gradients()
+        grads = {names[id(p)]: p.grad.clone() for p in engine.owned_parameters() if p.grad is not None}
+        results[case] = {
+            "grads": grads,
+            "loss": loss_fn.stats["loss/policy"] if loss_fn is not None else None,
+            "logp": logp,
+            "wire": engine.metrics(),
+        }
+    return results
+
+
+# -- the anchor circuit (signed_ema, K=1, C=2) over TICKS optimizer ticks ------------------------
+
+TICKS, ANCHOR_LR = 4, 0.05
+ANCHOR_CASE = "prf-1f1b"
+
+
+def anchor_ticks(owned: list[torch.nn.Parameter], names: dict[int, str], g_comp: Any, anchor_m: Any) -> dict[str, Any]:
+    """The circuit as ``GRPOModule`` + ``AnchorMerge`` run it, over ``owned`` parameters:
+    per tick record (every C) / deliver (K late) / fold ``M`` into ``M_bar`` / merge into ``G_comp``
+    / SGD step. ``g_comp()`` fills the ``.grad``s, ``anchor_m(job)`` returns ``(M, bytes)``.
+    Returns the merged gradient of every tick by parameter name and the anchor bytes."""
+    from tclightning.anchor import (
+        AnchorCircuit,
+        AnchorSchedule,
+        cpu_snapshot,
+        make_merger,
+    )
+
+    circuit = AnchorCircuit(AnchorSchedule(latency=1, cadence=2))
+    merger = make_merger("signed_ema", alpha=0.25, beta=0.5)
+    payload = {"rollouts": rollouts(), "advantages": ADVANTAGES, "rows": torch.tensor([0, 2, 3, 4, 5])}
+    merged, changed, sent = [], [], 0.0
+    for tick in range(TICKS):
+        circuit.maybe_record(tick, lambda: cpu_snapshot(owned), payload)
+        for job in circuit.due(tick):
+            m, nbytes = anchor_m(job)
+            merger.observe(m, snapshot_tick=job.tick, tick=tick)
+            sent += nbytes
+        for p in owned:
+            p.grad = None
+        g_comp()
+        index = [i for i, p in enumerate(owned) if p.grad is not None]
+        with torch.no_grad():
+            before = [owned[i].grad.clone() for i in index]
+            merger.merge_([owned[i].grad for i in index], tick=tick, index=index)
+            changed.append(any(not torch.equal(b, owned[i].grad) for b, i in zip(before, index)))
+            merged.append({names[id(owned[i])]: owned[i].grad.clone() for i in index})
+            for i in index:
+                owned[i].sub_(ANCHOR_LR * owned[i].grad)
+    return {"merged": merged, "changed": changed, "bytes": sent, "delivered": circuit.delivered}
+
+
+def anchor_worker(rank: int) -> dict[str, Any]:
+    """One rank of the 2-process circuit: its stage's snapshots, ``M`` over the dense pipeline."""
+    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
+    from tclightning.pipeline.grpo_step import (
+        MicrobatchLoss,
+        _no_loss,
+        pipelined_anchor_gradient,
+    )
+
+    model = tiny_llama()
+    names = {id(p): name for name, p in model.named_parameters()}
+    engine = PipelineEngine(model, config_for(ANCHOR_CASE))
+    engine.set_step(STEP)
+    batch = rollouts()
+
+    def g_comp() -> None:
+        loss_fn = None
+        if engine.is_last:
+            loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
+                                     logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+        engine.run(StageInputs.from_rollouts(batch), loss_fn or _no_loss)
+        engine.reduce_tied_gradients()
+
+    def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
+        return pipelined_anchor_gradient(engine, job, aggregation="token-mean", norm_length=4)
+
+    return anchor_ticks(engine.owned_parameters(), names, g_comp, anchor_m)
+
+
+def anchor_reference() -> dict[str, Any]:
+    """One process: the model with cuts, ``M`` from ``GRPOModule._anchor_gradient`` itself."""
+    from tclightning.grpo.module import GRPOModule
+
+    model, batch = tiny_llama(), rollouts()
+    names = {id(p): name for name, p in model.named_parameters()}
+    with CutSet(model, config_for(ANCHOR_CASE)) as cuts:
+        cuts.set_step(STEP)
+        host = SimpleNamespace(  # the attributes _anchor_gradient reads (no trainer needed)
+            policy=model, device=torch.device("cpu"), cuts=cuts, trainer=SimpleNamespace(strategy=None),
+            sampler_cfg=SimpleNamespace(temperature=1.0, max_new_tokens=4), cfg=SimpleNamespace(loss_aggregation="token-mean"),
+            _anchor_workspace={}, _anchor_step={"anchor/bytes": 0.0},
+        )
+
+        def g_comp() -> None:
+            logp, _ = completion_logps(model, batch)
+            policy_loss(logp, logp.detach(), ADVANTAGES, batch.completion_mask, norm_length=4).loss.backward()
+
+        def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
+            before = host._anchor_step["anchor/bytes"]
+            return GRPOModule._anchor_gradient(host, job), host._anchor_step["anchor/bytes"] - before
+
+        owned = [p for p in model.parameters() if p.requires_grad]
+        return anchor_ticks(owned, names, g_comp, anchor_m)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> tuple[dict[str, Any], dict[str, Any]]:
+    """One spawn of 2 gloo ranks running every case; (rank 0's results, rank 1's)."""
+    outcomes = run_ranks(stage_worker, 2, list(CASES), timeout_s=30)
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.trace
+    return outcomes[0].value, outcomes[1].value
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_match_one_process_loss_gradients_and_bytes(two_ranks: Any, case: str) -> None:
+    first, last = two_ranks
+    ref = reference(case)
+    assert last[case]["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-7), case
+    torch.testing.assert_close(last[case]["logp"], ref["logp"], rtol=1e-5, atol=1e-6)
+    got = {**first[case]["grads"], **last[case]["grads"]}
+    assert set(got) == set(ref["grads"]), case
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{case} {name}")
+    # the tied embedding: both ranks hold the summed gradient
+    torch.testing.assert_close(first[case]["grads"]["model.embed_tokens.weight"],
+                               last[case]["grads"]["model.embed_tokens.weight"])
+    # bytes from the actual sends == the one-process meter, per cut and direction, on every rank
+    for rank_result in (first, last):
+        wire = rank_result[case]["wire"]
+        for key, value in ref["wire"].items():
+            assert wire[key] == value, (case, key, wire[key], value)
+    tokens = int(rollouts().attention_mask.sum())
+    per_token = 5 * 4 if case.startswith("prf") else DIM * 4
+    assert ref["wire"]["wire/bytes_fwd"] == ref["wire"]["wire/bytes_bwd"] == tokens * per_token
+
+
+def test_the_anchor_circuit_across_two_ranks_merges_as_one_process(two_ranks: Any) -> None:
+    """signed_ema, K=1/C=2, PRF cut, 4 ticks: every rank snapshots its own stage, gets its stage's
+    ``M`` from a dense pipelined pass at the snapshot and merges locally; the merged gradients of
+    every tick equal the one-process circuit's, and the anchor bytes (actual sends) its count."""
+    first, last = (result["anchor"] for result in two_ranks)
+    ref = anchor_reference()
+    assert ref["delivered"] == first["delivered"] == last["delivered"] == 2  # ticks 0 and 2, due at 1 and 3
+    for tick, expected in enumerate(ref["merged"]):
+        got = {**first["merged"][tick], **last["merged"][tick]}
+        assert set(got) == set(expected)
+        for name, grad in expected.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"tick {tick} {name}")
+    # no M before tick 1; from then on the merge changes G_comp, on both ranks
+    assert ref["changed"] == first["changed"] == last["changed"] == [False, True, True, True]
+    # dense boundary, both directions, one cut, the 5 kept rows' real tokens: 2 jobs
+    kept_tokens = int(rollouts().select(torch.tensor([0, 2, 3, 4, 5])).attention_mask.sum())
+    assert ref["bytes"] == first["bytes"] == last["bytes"] == 2 * (2 * kept_tokens * DIM * 4)
+
+
+def test_anchor_state_is_per_rank_and_a_process_count_change_is_refused() -> None:
+    from tclightning.anchor.circuit import rank_share
+
+    assert rank_share({"circuit": 1}, 0, 1) == {"circuit": 1}
+    assert rank_share({"per_rank": ["a", "b"]}, 1, 2) == "b"
+    with pytest.raises(TclightningError, match="saved by 2 process.*trainer.devices x trainer.num_nodes = 2"):
+        rank_share({"per_rank": ["a", "b"]}, 0, 1)
+    with pytest.raises(TclightningError, match="saved by 1 process"):
+        rank_share({"circuit": 1}, 0, 2)
+
+
+def test_a_stage_chain_in_one_process_equals_the_model_with_cuts() -> None:
+    """Without any process group: stage modules called in order reproduce the hooked model."""
+    from tclightning.codecs import make_codec
+    from tclightning.pipeline.layout import resolve_layout
+
+    model, batch = tiny_llama(), rollouts()
+    config = PipelineConfig(stages=4, layout="shallow", k=6, fill="zero")
+    specs = resolve_layout(config, LAYERS, DIM)
+    codecs = [make_codec(s.codec, DIM, k=s.k) for s in specs]
+    stages = [
+        StageModule(model, i, specs, send_codec=codecs[i] if i < 3 else None,
+                    recv_codec=codecs[i - 1] if i else None, seed=config.seed)
+        for i in range(4)
+    ]
+    kwargs = {"attention_mask": batch.attention_mask, "position_ids": batch.position_ids, "rows": torch.arange(6),
+              "completion_ids": batch.completion_ids, "completion_mask": batch.completion_mask}
+    x = batch.input_ids
+    with torch.no_grad():
+        for stage in stages:
+            x = stage(x, **kwargs)
+            if not stage.is_last:
+                assert x.shape == (int(batch.attention_mask.sum()), specs[stage.index].k if specs[stage.index].compressed else DIM)
+        with CutSet(model, config):
+            expected, _ = completion_logps(model, batch)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    mask = batch.attention_mask
+    values = torch.randn(*mask.shape, 3)
+    assert torch.equal(unpack(pack(values, mask), mask), values * mask[..., None])
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+def fault_worker(rank: int, world_size: int, fault: str) -> str:
+    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
+    from tclightning.pipeline.grpo_step import _no_loss
+
+    model = tiny_llama()
+    engine = PipelineEngine(model, PipelineConfig(stages=2, microbatches=2, timeout_s=3, layout="all", k=5))
+    batch = StageInputs.from_rollouts(rollouts())
+
+    def loss_fn(logp: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return logp.sum()
+
+    for step in range(3):
+        if rank == 1 and step == 1:
+            if fault == "dies":
+                os._exit(3)
+            time.sleep(60)  # hangs
+        engine.set_step(step)
+        engine.run(batch, loss_fn if engine.is_last else _no_loss)
+    return "finished"
+
+
+@pytest.mark.parametrize("fault", ["dies", pytest.param("hangs", marks=pytest.mark.slow)])
+def test_a_dead_or_hung_stage_stops_the_other_within_the_timeout(fault: str) -> None:
+    outcomes = run_ranks(fault_worker, 2, fault, timeout_s=3, join_timeout_s=90)
+    survivor = outcomes[0]
+    assert survivor.error is not None and survivor.error.startswith("StageFailure"), survivor
+    assert "pipeline rank 1 " in survivor.error and "3 s" in survivor.error
+    assert survivor.seconds < 3 + 15  # start-up + one step + the 3 s timeout, never the 60 s hang
+    if fault == "dies":
+        assert outcomes[1].exitcode == 3
+
+
+def test_layouts_the_processes_cannot_run_are_refused_by_name() -> None:
+    from tclightning.pipeline.distributed import check_distributed_layout
+    from tclightning.pipeline.layout import resolve_layout
+
+    config = PipelineConfig(stages=4)
+    with pytest.raises(TclightningError, match="pipeline.stages=2"):
+        check_distributed_layout(config, resolve_layout(config, LAYERS, DIM), 2)
+    config = PipelineConfig(stages=2, layout="all", codec="svd")
+    with pytest.raises(TclightningError, match="'svd'"):
+        check_distributed_layout(config, resolve_layout(config, LAYERS, DIM), 2)
+
+
+def test_several_processes_need_the_pipeline_strategy(run_root: Any) -> None:
+    from tclightning.run import run
+
+    with pytest.raises(TclightningError, match="trainer.strategy=pipeline"):
+        run("tiny", ["trainer.devices=2"], quiet=True)
+    assert not run_root.exists()  # refused before anything was written
+
+
+@pytest.mark.slow
+def test_lightning_launches_two_stage_processes_and_resumes(tmp_path: Any) -> None:
+    """``tclightning run ... trainer.devices=2``: Lightning starts rank 1; one run directory, the
+    boundary bytes of a PRF cut, and a resume that continues the step numbering."""
+    import subprocess
+    import sys
+
+    from tclightning.grpo.summary import read_metrics
+
+    args = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--quiet", "trainer.strategy=pipeline",
+            "trainer.devices=2", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
+            "pipeline.k=8", "pipeline.fill=mean", "trainer.val_every=0", "trainer.checkpoint_every=1",
+            "model.warmup.steps=0", "logging.progress=none", "trainer.num_threads=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.run([*args, "trainer.steps=2"], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    # resume from the step-1 checkpoint as if the run had died after it
+    ckpt = run_dir / "checkpoints" / "step-000001.ckpt"
+    second = subprocess.run([*args[:6], "--resume", str(ckpt), *args[6:], "trainer.steps=3"], check=False, cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "runs" / "tiny").iterdir()] == [run_dir.name]
+    rows = read_metrics(run_dir / "metrics.csv")
+    assert sorted(rows) == [0, 1, 2]
+    for values in rows.values():
+        assert values["wire/cut0/ratio"] == pytest.approx(DIM_TINY / 8)
+        assert values["wire/sync_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_a_two_process_signed_ema_run_resumes_and_matches_one_process(tmp_path: Any) -> None:
+    """``anchor.merger=signed_ema`` K=1/C=2 (one tick per step: snapshots at steps 0 and 2, their
+    ``M`` at steps 1 and 3), ``beta=0.5``: 2 processes, resumed from step 1 (a snapshot + replay
+    pending on each rank) and again from step 2 (each rank's ``M_bar`` restored), against one
+    uninterrupted process with the same cuts. Same anchor bytes every step, same losses and
+    gradient norms (which depend on every earlier merged update), same final weights."""
+    import subprocess
+    import sys
+
+    from tclightning.grpo.summary import read_metrics
+
+    base = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--quiet"]
+    common = ["trainer.strategy=pipeline", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
+              "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1", "model.warmup.steps=0",
+              "logging.progress=none", "trainer.num_threads=1", "grpo.prompts_per_step=4",
+              "grpo.overlong=penalty",  # rewards vary (truncated or not) without a warm-up
+              "anchor.merger=signed_ema", "anchor.latency=1", "anchor.cadence=2", "anchor.beta=0.5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def launch(where: Path, extra: list[str], resume: Path | None = None) -> None:
+        where.mkdir(exist_ok=True)
+        args = [*base, *(["--resume", str(resume)] if resume else []), *common, *extra]
+        done = subprocess.run(args, check=False, cwd=where, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    import shutil
+
+    split, single = tmp_path / "split", tmp_path / "single"
+    launch(split, ["trainer.devices=2", "trainer.steps=3", "trainer.keep_checkpoints=3"])
+    (run_dir,) = (split / "runs" / "tiny").iterdir()
+    again = tmp_path / "again"
+    shutil.copytree(split, again)
+    (again_dir,) = (again / "runs" / "tiny").iterdir()
+    launch(split, ["trainer.devices=2", "trainer.steps=4"], run_dir / "checkpoints" / "step-000001.ckpt")
+    launch(again, ["trainer.devices=2", "trainer.steps=4"], again_dir / "checkpoints" / "step-000002.ckpt")
+    launch(single, ["trainer.devices=1", "trainer.steps=4"])
+    (one_dir,) = (single / "runs" / "tiny").iterdir()
+
+    want = read_metrics(one_dir / "metrics.csv")
+    one_weights = torch.load(one_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert want[1]["anchor/sign_agreement"] < 1.0  # gradients are not all zero
+    for resumed in (run_dir, again_dir):
+        check_same_run(read_metrics(resumed / "metrics.csv"), want)
+        split_weights = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+        for name, weight in one_weights.items():
+            torch.testing.assert_close(split_weights[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def check_same_run(got: dict[int, dict[str, float]], want: dict[int, dict[str, float]], steps: int = 4) -> None:
+    assert sorted(got) == sorted(want) == list(range(steps))
+    for step in want:
+        assert got[step]["anchor/bytes"] == want[step]["anchor/bytes"], step
+        for key in ("loss/policy", "policy/grad_norm", "reward/mean"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
+        if step:  # the tied embedding is counted on both of its ranks: close, not equal
+            assert got[step]["anchor/sign_agreement"] == pytest.approx(want[step]["anchor/sign_agreement"], abs=0.01)
+    # M is computed (dense bytes sent) at odd steps only (snapshots at even ones, delivered a step late)
+    assert all((want[step]["anchor/bytes"] > 0) == (step % 2 == 1) for step in want)
+
+
+# -- resume chains: a run resumed from a checkpoint that a resumed run wrote ---------------------
+
+
+def test_a_run_resumed_from_a_resumed_runs_last_step_keeps_training(run_root: Any) -> None:
+    """One process, in-process (the cause is not per process count): a checkpoint saved at a run's
+    last step (``is_last_batch`` recorded by Lightning) continues when resumed with more steps,
+    and step files from before a resume are replaced by the resumed run's."""
+    from tclightning.grpo.summary import read_metrics
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    settings = [*FAST, "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10", "trainer.val_every=0"]
+    run_dir = Path(run("tiny", [*settings, "trainer.steps=2"], quiet=True)["run_dir"])
+    ckpts = run_dir / "checkpoints"
+    run("tiny", [*settings, "trainer.steps=3"], resume=str(ckpts / "step-000001.ckpt"), quiet=True)
+    run("tiny", [*settings, "trainer.steps=4"], resume="last", quiet=True)  # the resumed run's last step
+    steps = [int(row["step"]) for row in csv_rows(run_dir / "metrics.csv")]
+    assert steps == [0, 1, 2, 3]
+    # step 2 was first written by the 2-step run, then by the 3-step run resumed from step 1
+    total = {p.name: torch.load(p, weights_only=False)["hyper_parameters"]["total_steps"] for p in ckpts.glob("step-*")}
+    assert total == {"step-000001.ckpt": 2, "step-000002.ckpt": 3, "step-000003.ckpt": 3, "step-000004.ckpt": 4}
+    reference = Path(run("tiny", [*settings, "trainer.steps=4", "logging.name=reference"], quiet=True)["run_dir"])
+    want, got = read_metrics(reference / "metrics.csv"), read_metrics(run_dir / "metrics.csv")
+    for step in range(4):
+        for key in ("reward/mean", "loss/policy", "policy/grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open(newline="") as handle:
+        return [row for row in csv.DictReader(handle) if row.get("reward/mean")]
+
+
+@pytest.mark.slow
+def test_a_two_process_run_crashed_resumed_ended_and_resumed_again_matches_one_process(tmp_path: Any) -> None:
+    """2 processes, signed_ema (K=1/C=2): crash at step 3 (the step-2 snapshot pending), resume to
+    the end of a 5-step run, then resume that resumed run's last checkpoint with 6 steps. Every
+    step is logged exactly once and the run equals one uninterrupted process."""
+    import subprocess
+    import sys
+
+    from tclightning.grpo.summary import read_metrics
+    from tests.conftest import FAST
+
+    base = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--quiet"]
+    common = [*FAST, "trainer.strategy=pipeline", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
+              "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1", "grpo.overlong=penalty",
+              "anchor.merger=signed_ema", "anchor.latency=1", "anchor.cadence=2", "anchor.beta=0.5"]
+    crash = "callbacks=[{class_path: tests.conftest.CrashAt, init_args: {step: 3}}]"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def launch(where: Path, extra: list[str], resume: Path | None = None) -> int:
+        where.mkdir(exist_ok=True)
+        args = [*base, *(["--resume", str(resume)] if resume else []), *common, *extra]
+        return subprocess.run(args, check=False, cwd=where, env=env, capture_output=True, text=True, timeout=600).returncode
+
+    split, single = tmp_path / "split", tmp_path / "single"
+    assert launch(split, ["trainer.devices=2", "trainer.steps=6", crash]) != 0
+    (run_dir,) = (split / "runs" / "tiny").iterdir()
+    assert [int(row["step"]) for row in csv_rows(run_dir / "metrics.csv")] == [0, 1, 2]
+    assert launch(split, ["trainer.devices=2", "trainer.steps=5"], run_dir) == 0
+    assert launch(split, ["trainer.devices=2", "trainer.steps=6"], run_dir) == 0
+    assert launch(single, ["trainer.devices=1", "trainer.steps=6"]) == 0
+    (one_dir,) = (single / "runs" / "tiny").iterdir()
+
+    assert [int(row["step"]) for row in csv_rows(run_dir / "metrics.csv")] == list(range(6))
+    check_same_run(read_metrics(run_dir / "metrics.csv"), read_metrics(one_dir / "metrics.csv"), steps=6)
+    one = torch.load(one_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    split_ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert split_ckpt["tclightning"]["rl_step"] == one["tclightning"]["rl_step"] == 6
+    for name, weight in one["state_dict"].items():
+        torch.testing.assert_close(split_ckpt["state_dict"][name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    # each stage's Adam state as its owner left it (not a rank's stale copy from the last resume)
+    want_opt, got_opt = one["optimizer_states"][0]["state"], split_ckpt["optimizer_states"][0]["state"]
+    assert sorted(got_opt) == sorted(want_opt)
+    for index, state in want_opt.items():
+        for key, value in state.items():
+            torch.testing.assert_close(got_opt[index][key], value, rtol=1e-4, atol=1e-8, msg=f"{index} {key}")
