@@ -68,3 +68,18 @@ class EvalBatches:
 
     def __len__(self) -> int:
         return len(self.batches)
+
+
+def minibatch_chunks(rows: torch.Tensor, epochs: int, minibatches: int, seed: int) -> Iterator[torch.Tensor]:
+    """The optimizer ticks of one RL step, as the row indices each tick trains on.
+
+    ``epochs`` passes over ``rows``; with ``minibatches > 1`` each pass is a seeded shuffle split
+    into ``minibatches`` near-equal chunks (empty chunks, when there are fewer rows than
+    minibatches, are skipped). One generator seeded with ``seed`` drives every pass, so the one-
+    and multi-process trainers tick through the same chunks."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        order = rows[torch.randperm(len(rows), generator=generator)] if minibatches > 1 else rows
+        for chunk in torch.tensor_split(order, minibatches):
+            if len(chunk):
+                yield chunk

@@ -33,7 +33,7 @@ from tclightning.callbacks.anchor_merge import AnchorDelivery
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
-from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
+from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream, minibatch_chunks
 from tclightning.grpo.logprobs import completion_logps
 from tclightning.grpo.loss import gap_metrics, policy_loss
 from tclightning.models.config import ModelConfig
@@ -300,54 +300,48 @@ class GRPOModule(L.LightningModule):
             with torch.no_grad():
                 ref_logp, _ = completion_logps(self.reference, rollouts, temperature)
 
-        gen = torch.Generator().manual_seed(sequence_seed(self.seed, step, salt=1))
-        first_tick = True
-        for _ in range(cfg.epochs):
-            order = rows[torch.randperm(len(rows), generator=gen)] if cfg.minibatches > 1 else rows
-            for chunk in torch.tensor_split(order, cfg.minibatches):
-                if len(chunk) == 0:
-                    continue
-                if self.circuit is not None:
-                    self._anchor_tick(rollouts, advantages, rows, first_tick=first_tick)
-                    first_tick = False
-                part = rollouts.select(chunk.to(rollouts.completion_ids.device))
-                width = part.completion_ids.shape[1]
-                logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
-                if single_tick:
-                    old_logp_part = logp.detach()
-                    old_logp, entropy = old_logp_part, tick_entropy
-                else:
-                    old_logp_part = old_logp[chunk, :width]
-                out = policy_loss(
-                    logp,
-                    old_logp_part,
-                    advantages[chunk],
-                    part.completion_mask,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    aggregation=cfg.loss_aggregation,
-                    norm_length=self.sampler_cfg.max_new_tokens,
-                    ref_logp=None if ref_logp is None else ref_logp[chunk, :width],
-                    kl_coef=cfg.kl_coef,
-                    logp_sampler=part.logp_sampler,
-                    tis_cap=cfg.tis_cap,
-                    mask_ratio=(cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None,
-                )
-                optimizer.zero_grad(set_to_none=True)
-                self.manual_backward(out.loss)
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
-                optimizer.step()
-                schedule.step()
-                for key, value in (
-                    ("loss/policy", out.policy_loss),
-                    ("loss/kl", out.kl),
-                    ("policy/clip_frac", out.clip_frac),
-                    ("policy/grad_norm", grad_norm),
-                    ("policy/tis_clipped_frac", out.tis_frac),
-                    ("policy/masked_frac", out.masked_frac),
-                ):
-                    stats.setdefault(key, []).append(float(value))
+        ticks = minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(self.seed, step, salt=1))
+        for tick, chunk in enumerate(ticks):
+            if self.circuit is not None:
+                self._anchor_tick(rollouts, advantages, rows, first_tick=tick == 0)
+            part = rollouts.select(chunk.to(rollouts.completion_ids.device))
+            width = part.completion_ids.shape[1]
+            logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
+            if single_tick:
+                old_logp_part = logp.detach()
+                old_logp, entropy = old_logp_part, tick_entropy
+            else:
+                old_logp_part = old_logp[chunk, :width]
+            out = policy_loss(
+                logp,
+                old_logp_part,
+                advantages[chunk],
+                part.completion_mask,
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                aggregation=cfg.loss_aggregation,
+                norm_length=self.sampler_cfg.max_new_tokens,
+                ref_logp=None if ref_logp is None else ref_logp[chunk, :width],
+                kl_coef=cfg.kl_coef,
+                logp_sampler=part.logp_sampler,
+                tis_cap=cfg.tis_cap,
+                mask_ratio=(cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None,
+            )
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(out.loss)
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
+            optimizer.step()
+            schedule.step()
+            for key, value in (
+                ("loss/policy", out.policy_loss),
+                ("loss/kl", out.kl),
+                ("policy/clip_frac", out.clip_frac),
+                ("policy/grad_norm", grad_norm),
+                ("policy/tis_clipped_frac", out.tis_frac),
+                ("policy/masked_frac", out.masked_frac),
+            ):
+                stats.setdefault(key, []).append(float(value))
 
         metrics = {key: sum(values) / len(values) for key, values in stats.items()}
         if not stats:  # every group dropped: nothing to learn from this step

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tclightning.grpo.data import minibatch_chunks
 from tclightning.grpo.loss import aggregate, gap_metrics, k3_kl, policy_loss
 from tclightning.pipeline.distributed import PipelineEngine, StageInputs
 
@@ -114,44 +115,38 @@ def pipelined_update(
     if needs_old:
         old_logp, entropy = engine.run(StageInputs.from_rollouts(rollouts), with_entropy=True)
 
-    gen = torch.Generator().manual_seed(sequence_seed(module.seed, step, salt=1))
-    first_tick = True
-    for _ in range(cfg.epochs):
-        order = rows[torch.randperm(len(rows), generator=gen)] if cfg.minibatches > 1 else rows
-        for chunk in torch.tensor_split(order, cfg.minibatches):
-            if len(chunk) == 0:
-                continue
-            if getattr(module, "circuit", None) is not None:  # as in one process: record / deliver M first
-                module._anchor_tick(rollouts, advantages, rows, first_tick=first_tick)
-                first_tick = False
-            part = rollouts.select(chunk.to(rollouts.completion_ids.device))
-            width = part.completion_ids.shape[1]
-            loss_fn = None
-            if engine.is_last:
-                loss_fn = MicrobatchLoss(
-                    old_logp=None if old_logp is None else old_logp[chunk, :width].to(engine.device),
-                    advantages=advantages[chunk].to(engine.device),
-                    mask=part.completion_mask.to(engine.device),
-                    logp_sampler=part.logp_sampler.to(engine.device),
-                    ref_logp=None if ref_logp is None else ref_logp[chunk, :width].to(engine.device),
-                    cfg=cfg,
-                    norm_length=module.sampler_cfg.max_new_tokens,
-                )
-            optimizer.zero_grad(set_to_none=True)
-            logp, tick_entropy = engine.run(
-                StageInputs.from_rollouts(part), loss_fn or _no_loss, with_entropy=single_tick and not needs_old
+    ticks = minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(module.seed, step, salt=1))
+    for tick, chunk in enumerate(ticks):
+        if getattr(module, "circuit", None) is not None:  # as in one process: record / deliver M first
+            module._anchor_tick(rollouts, advantages, rows, first_tick=tick == 0)
+        part = rollouts.select(chunk.to(rollouts.completion_ids.device))
+        width = part.completion_ids.shape[1]
+        loss_fn = None
+        if engine.is_last:
+            loss_fn = MicrobatchLoss(
+                old_logp=None if old_logp is None else old_logp[chunk, :width].to(engine.device),
+                advantages=advantages[chunk].to(engine.device),
+                mask=part.completion_mask.to(engine.device),
+                logp_sampler=part.logp_sampler.to(engine.device),
+                ref_logp=None if ref_logp is None else ref_logp[chunk, :width].to(engine.device),
+                cfg=cfg,
+                norm_length=module.sampler_cfg.max_new_tokens,
             )
-            if single_tick and not needs_old and engine.is_last:
-                old_logp, entropy = logp, tick_entropy
-            engine.reduce_tied_gradients()
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = engine.clip_gradients(max_norm)
-            optimizer.step()
-            schedule.step()
-            tick = dict(loss_fn.stats) if loss_fn is not None else {}
-            tick["policy/grad_norm"] = float(grad_norm)
-            for key, value in tick.items():
-                stats.setdefault(key, []).append(value)
+        optimizer.zero_grad(set_to_none=True)
+        logp, tick_entropy = engine.run(
+            StageInputs.from_rollouts(part), loss_fn or _no_loss, with_entropy=single_tick and not needs_old
+        )
+        if single_tick and not needs_old and engine.is_last:
+            old_logp, entropy = logp, tick_entropy
+        engine.reduce_tied_gradients()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = engine.clip_gradients(max_norm)
+        optimizer.step()
+        schedule.step()
+        tick = dict(loss_fn.stats) if loss_fn is not None else {}
+        tick["policy/grad_norm"] = float(grad_norm)
+        for key, value in tick.items():
+            stats.setdefault(key, []).append(value)
 
     metrics: dict[str, float] = {key: sum(values) / len(values) for key, values in stats.items()}
     if engine.is_last:
