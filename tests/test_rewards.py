@@ -196,8 +196,10 @@ def test_math_equivalence_needs_math_verify() -> None:
 def test_malformed_completions_score_zero(completion: object) -> None:
     start = time.monotonic()
     assert verify_math(completion, "2", timeout_s=1.0) == 0.0  # type: ignore[arg-type]
+    # bounded by the 1 s limit (+ the worker's 1 s grace), not by the input: generous slack for a
+    # loaded CI machine, still far below what an unbounded parse of these inputs takes
+    assert time.monotonic() - start < 5.0
     assert verify_gsm8k(completion, "3") == 0.0  # type: ignore[arg-type]
-    assert time.monotonic() - start < 3.0
 
 
 def test_bad_gold_scores_zero() -> None:
