@@ -179,6 +179,17 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _save_figure(fig: Any, axes: Any, path: Path, title: str) -> None:
+    """Legend on the first panel, optional title, PNG at 120 dpi, figure closed."""
+    import matplotlib.pyplot as plt
+
+    axes[0].legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
     """gap/abs_mean and gap/k3 against the depth of the compressed cut: solo points, the
     cumulative shallow-first curve (x = deepest compressed cut) and the dense level."""
@@ -210,11 +221,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str = "") -> None:
         ax.set_xticks([r["depth"] for r in solo])
         ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="best")
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_figure(fig, axes, path, title)
 
 
 # ---------------------------------------------------------------------------------- probe inference
@@ -387,8 +394,4 @@ def plot_inference(rows: list[dict[str, Any]], path: Path, title: str = "") -> N
         ax.set_xlabel("budget (share of d kept per token)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="best")
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save_figure(fig, axes, path, title)
