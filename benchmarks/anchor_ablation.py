@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from two_circuits import bytes_sent, warm_start
+from two_circuits import bytes_sent, from_warm_start, warm_start
 
 from tclightning.grpo.summary import read_metrics
 from tclightning.run import run
@@ -55,10 +55,8 @@ def main() -> None:
         for label, recipe, overrides in ABLATION:
             if args.only and label not in args.only:
                 continue
-            summary = run(recipe, ["model.source=hf", f"model.name={start}", "model.warmup.steps=0",
-                                   f"trainer.steps={args.steps}", f"trainer.seed={args.seed}", "trainer.num_threads=1",
-                                   "trainer.val_every=0", "trainer.checkpoint_every=0", "logging.progress=none",
-                                   f"logging.root={tmp}/runs", *overrides], quiet=True)
+            summary = run(recipe, from_warm_start(start, args.steps, args.seed, f"{tmp}/runs", "trainer.num_threads=1",
+                                                  *overrides), quiet=True)
             rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
             curve = [r["reward/mean"] for _, r in sorted(rows.items())]
             tenth = max(1, len(curve) // 10)

@@ -39,6 +39,14 @@ def warm_start(directory: Path, steps: int, seed: int, overrides: Sequence[str] 
     return stats
 
 
+def from_warm_start(model_dir: Path, steps: int, seed: int, root: str | Path, *extra: str) -> list[str]:
+    """Recipe overrides that train from a saved warm start: no warm-up, no validation or checkpoints,
+    no progress bar, runs under ``root``; ``extra`` overrides last."""
+    return ["model.source=hf", f"model.name={model_dir}", "model.warmup.steps=0", f"trainer.steps={steps}",
+            f"trainer.seed={seed}", "trainer.val_every=0", "trainer.checkpoint_every=0", "logging.progress=none",
+            f"logging.root={root}", *extra]
+
+
 def bytes_sent(rows: dict[int, dict[str, float]]) -> tuple[float, float, float]:
     """(fast-circuit bytes, anchor bytes, dense-equivalent bytes) summed over the run."""
     fast = sum(r.get("wire/bytes_fwd", 0.0) + r.get("wire/bytes_bwd", 0.0) for r in rows.values())
@@ -61,10 +69,7 @@ def main() -> None:
         stats = warm_start(start, args.steps, args.seed)
         print(f"warm-up: {stats}")
         for name in args.recipes:
-            summary = run(name, [f"model.source=hf", f"model.name={start}", "model.warmup.steps=0",
-                                 f"trainer.steps={args.steps}", f"trainer.seed={args.seed}", "trainer.val_every=0",
-                                 "trainer.checkpoint_every=0", "logging.progress=none", f"logging.root={tmp}/runs"],
-                          quiet=True)
+            summary = run(name, from_warm_start(start, args.steps, args.seed, f"{tmp}/runs"), quiet=True)
             rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
             fast, anchor, dense = bytes_sent(rows)
             results.append({"recipe": name, "gain": summary["reward_gain"], "first": summary["reward_first_10pct"],

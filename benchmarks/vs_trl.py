@@ -69,6 +69,8 @@ def intervals(ends: list[float], start: float) -> list[float]:
 def run_tclightning(recipe: str, model_dir: str, steps: int, seed: int, threads: int) -> dict[str, Any]:
     import lightning as L
 
+    from two_circuits import from_warm_start  # this script's folder: sys.path[0]
+
     from tclightning.grpo.summary import read_metrics
     from tclightning.run import run
 
@@ -84,10 +86,7 @@ def run_tclightning(recipe: str, model_dir: str, steps: int, seed: int, threads:
 
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(recipe, ["model.source=hf", f"model.name={model_dir}", "model.warmup.steps=0",
-                               f"trainer.steps={steps}", f"trainer.seed={seed}", "trainer.val_every=0",
-                               "trainer.checkpoint_every=0", "logging.progress=none", f"logging.root={tmp}",
-                               f"trainer.num_threads={threads}"],
+        summary = run(recipe, from_warm_start(model_dir, steps, seed, tmp, f"trainer.num_threads={threads}"),
                       quiet=True, extra_callbacks=[clock])
         rows = [r for _, r in sorted(read_metrics(Path(summary["run_dir"]) / "metrics.csv").items())]
     # Completion tokens of a step = throughput x (sample + train) seconds, as the module logged it.
