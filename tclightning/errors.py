@@ -10,10 +10,20 @@ class TclightningError(Exception):
 
 
 class RecipeError(TclightningError):
-    """A recipe that cannot be loaded or validated. The message names the file and the key."""
+    """A recipe that cannot be loaded or validated. The message names the file (or the command-line
+    override) and the key: ``recipes/x.yaml: key 'grpo.lr': ...`` or ``command line: override
+    'grpo.lr=-1': ...`` (the key is repeated only when it is not the one the override sets)."""
 
-    def __init__(self, message: str, *, file: str | None = None, key: str | None = None) -> None:
+    def __init__(self, message: str, *, file: str | None = None, key: str | None = None,
+                 override: str | None = None) -> None:
         self.file = file
         self.key = key
-        where = ": ".join(part for part in (file, f"key '{key}'" if key else None) if part)
+        self.override = override
+        overridden = override.partition("=")[0].strip() if override is not None else None
+        parts = (
+            file,
+            f"override '{override}'" if override is not None else None,
+            f"key '{key}'" if key and key != overridden else None,
+        )
+        where = ": ".join(part for part in parts if part)
         super().__init__(f"{where}: {message}" if where else message)

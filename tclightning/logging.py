@@ -7,10 +7,12 @@ before the kill) are dropped, so the continued run leaves no duplicated or missi
 from __future__ import annotations
 
 import csv
-import warnings
+import os
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names.
 SCALAR_LAYOUT: dict[str, dict[str, list]] = {
@@ -43,9 +45,38 @@ SCALAR_LAYOUT: dict[str, dict[str, list]] = {
 }
 
 
+def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
+    """Replace ``path`` by a CSV of ``rows`` in one atomic rename: a kill at any moment leaves
+    either the old file or the new one, never a file cut short."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # every rank of a run may rewrite it
+    with tmp.open("w", newline="") as handle:
+        out = csv.DictWriter(handle, fieldnames=fieldnames)
+        out.writeheader()
+        out.writerows(rows)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+class AtomicExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer (appends each step's rows), except that it never deletes an
+    existing ``metrics.csv`` (the logger decides what a resumed run keeps) and rewrites the file
+    atomically when a new column appears (Lightning truncates it in place first)."""
+
+    def _check_log_dir_exists(self) -> None:
+        pass
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        path = Path(self.metrics_file_path)
+        with path.open(newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        write_csv_atomically(path, fieldnames, rows)
+
+
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` writing ``<run_dir>/metrics.csv``; on resume keeps only rows with
-    ``step < resume_step`` and continues with the same header."""
+    ``step < resume_step`` and continues with the same header. Every rewrite of the file is an
+    atomic replace, so a kill never loses rows already on disk."""
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
         # Flushed every step (a row is tiny), so a killed run keeps every row it logged.
@@ -58,17 +89,22 @@ class ResumableCSVLogger(CSVLogger):
                 reader = csv.DictReader(handle)
                 header = list(reader.fieldnames or [])
                 rows = [row for row in reader if row.get("step") and int(float(row["step"])) < resume_step]
-        # Lightning's writer deletes an existing metrics.csv when it is created (and warns that
-        # it will, since the run directory already holds recipe.yaml); write the kept rows back.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Experiment logs directory")
-            writer = self.experiment
         if header:
-            with path.open("w", newline="") as handle:
-                out = csv.DictWriter(handle, fieldnames=header)
-                out.writeheader()
-                out.writerows(rows)
+            write_csv_atomically(path, header, rows)
+        elif path.is_file():  # a fresh run in a directory of ours that already has one (RUN_DIR_ENV)
+            path.unlink()
+        writer = self.experiment
+        if header:
             writer.metrics_keys = sorted(header)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        """The :class:`AtomicExperimentWriter` (created on first use, global rank 0 only)."""
+        if self._experiment is None:
+            os.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = AtomicExperimentWriter(log_dir=self.log_dir)
+        return self._experiment
 
 
 def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> TensorBoardLogger:

@@ -7,6 +7,7 @@ before the run directory is created.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,12 +18,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import TclightningError
-from tclightning.recipes.loader import instantiate_callbacks, load_recipe, to_dataclass, to_yaml
+from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RecipeConfig
 
 RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
 """Multi-process runs: the run directory every rank uses (set by rank 0 before Lightning launches
 the others; set it yourself on every node for torchrun / SLURM launches)."""
+
+
+RUN_MARKER = ".tclightning-run"
+"""A file in every run directory tclightning creates. A resume writes only into a directory that
+holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
 @dataclass
@@ -32,42 +38,128 @@ class RunPlan:
     run_dir: Path
     ckpt_path: Path | None
     resume_step: int | None
+    notices: tuple[str, ...] = ()  # one line each for the user, printed before training
+    new_dir: bool = True  # run_dir is created by this run (not an earlier run's, resumed in place)
 
 
 def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
-    root = Path(recipe.logging.root) / (recipe.logging.name or recipe.name)
+    """Decide where the run writes and which checkpoint it continues from; reads, never writes.
+
+    ``resume``: ``None`` (a fresh run), ``"last"`` (the run directory under
+    ``<logging.root>/<name>`` with the newest checkpoint), a run directory, or a checkpoint file.
+    The checkpoint is ``last.ckpt`` or, when that is unreadable, the newest readable
+    ``step-*.ckpt`` beside it that ``metrics.csv`` reaches (with a notice). The run continues in
+    place only when the checkpoint is ``<run_dir>/checkpoints/<file>`` and ``run_dir`` holds
+    :data:`RUN_MARKER`; any other checkpoint starts a new run directory under ``logging.root``
+    that continues from it, and nothing beside the checkpoint is touched. Raises
+    ``TclightningError`` for a missing, unreadable or refused checkpoint.
+    """
+    root = Path(recipe.logging.root).expanduser() / (recipe.logging.name or recipe.name)
     if resume is None:
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        run_dir, n = root / stamp, 1
-        while run_dir.exists():
-            run_dir, n = root / f"{stamp}-{n}", n + 1
-        return RunPlan(run_dir, None, None)
+        return RunPlan(new_run_dir(root), None, None)
     if resume == "last":
-        candidates = sorted(root.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not candidates:
-            raise TclightningError(f"--resume last: no checkpoint under {root}/*/checkpoints/last.ckpt")
-        ckpt = candidates[-1]
+        files = [p for p in root.glob("*/checkpoints/*.ckpt") if p.is_file()]
+        if not files:
+            raise TclightningError(f"--resume last: no checkpoint under {root}/*/checkpoints/")
+        newest = max(files, key=lambda p: p.stat().st_mtime).parent
+        requested = newest / "last.ckpt"
     else:
-        ckpt = Path(resume).expanduser()
-        if ckpt.is_dir():
-            ckpt = ckpt / "checkpoints" / "last.ckpt"
-        if not ckpt.is_file():
-            raise TclightningError(f"--resume: no such checkpoint: {ckpt}")
-    return RunPlan(ckpt.resolve().parent.parent, ckpt.resolve(), checkpoint_step(ckpt))
+        requested = Path(resume).expanduser()
+        if requested.is_dir():
+            requested = requested / "checkpoints" / "last.ckpt"
+        if not requested.is_file() and not (requested.name == "last.ckpt" and requested.parent.is_dir()):
+            raise TclightningError(f"--resume: no such checkpoint: {requested}")
+    ckpt, step, notices = readable_checkpoint(requested.resolve())
+    run_dir = ckpt.parent.parent
+    if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file():
+        return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
+    fresh = new_run_dir(root)
+    note = (f"{ckpt} is not inside a run directory tclightning created; continuing from it in a new "
+            f"run directory {fresh} (nothing beside the checkpoint is touched)")
+    return RunPlan(fresh, ckpt, step, (*notices, note))
+
+
+def new_run_dir(root: Path) -> Path:
+    """``root/<timestamp>`` (suffixed ``-1``, ``-2``... when taken); not created here."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir, n = root / stamp, 1
+    while run_dir.exists():
+        run_dir, n = root / f"{stamp}-{n}", n + 1
+    return run_dir
+
+
+def readable_checkpoint(requested: Path) -> tuple[Path, int, tuple[str, ...]]:
+    """``(checkpoint, its RL step, notices)``: ``requested`` if it reads; for an unreadable
+    (missing, truncated, corrupted; not refused) ``last.ckpt``, the newest readable ``step-S.ckpt`` beside it
+    with ``S`` at most one past the last row of its run's ``metrics.csv`` (older runs' files past
+    a resume point hold another history). Raises ``TclightningError`` when there is none."""
+    from tclightning.callbacks.checkpointing import CheckpointRefused
+
+    try:
+        return requested, checkpoint_step(requested), ()
+    except CheckpointRefused:
+        raise  # a crafted file is a reason to stop, not to quietly resume from another one
+    except TclightningError as err:
+        if requested.name != "last.ckpt":
+            raise
+        failure = err
+    bound = _last_logged_step(requested.parent.parent / "metrics.csv")
+    steps = []
+    for path in requested.parent.glob("step-*.ckpt"):
+        try:
+            steps.append((int(path.stem.split("-", 1)[1]), path))
+        except ValueError:
+            continue
+    for step_in_name, path in sorted(steps, reverse=True):
+        if bound is not None and step_in_name > bound + 1:
+            continue
+        try:
+            step = checkpoint_step(path)
+        except CheckpointRefused:
+            raise
+        except TclightningError:
+            continue
+        why = "missing" if not requested.exists() else "unreadable"
+        return path, step, (f"{requested} is {why}; resuming from {path.name} (step {step}), the newest "
+                            "readable step checkpoint",)
+    raise TclightningError(f"{failure}; and no readable step-*.ckpt beside it to fall back to") from None
+
+
+def _last_logged_step(metrics: Path) -> int | None:
+    """The largest ``step`` in a ``metrics.csv`` (``None`` when there is no such file or row)."""
+    import csv
+
+    if not metrics.is_file():
+        return None
+    try:
+        with metrics.open(newline="") as handle:
+            steps = [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("step")]
+    except (OSError, ValueError, csv.Error, UnicodeDecodeError):
+        return None
+    return max(steps, default=None)
 
 
 def checkpoint_step(path: Path) -> int:
-    """The number of completed RL steps recorded in a tclightning checkpoint."""
-    import torch
+    """The number of completed RL steps recorded in a tclightning checkpoint, read as data only
+    (``load_checkpoint``); ``TclightningError`` for an unreadable, refused or foreign file."""
+    from tclightning.callbacks.checkpointing import load_checkpoint
 
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-        raise TclightningError(f"--resume: cannot read checkpoint {path}: {err}") from None
+        ckpt = load_checkpoint(path, mmap=True)
+    except TclightningError as err:
+        raise type(err)(f"--resume: {err}") from None
     state = ckpt.get("tclightning")
-    if not state:
-        raise TclightningError(f"--resume: {path} is not a tclightning checkpoint")
+    if not isinstance(state, dict) or not isinstance(state.get("rl_step"), int) or state["rl_step"] < 0:
+        raise TclightningError(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded)")
     return int(state["rl_step"])
+
+
+def mark_run_dir(run_dir: Path, recipe: RecipeConfig) -> None:
+    """Create ``run_dir`` with its :data:`RUN_MARKER` (kept if there already)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / RUN_MARKER
+    if not marker.exists():
+        marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
 
 
 def require_hardware(recipe: RecipeConfig) -> None:
@@ -81,6 +173,21 @@ def require_hardware(recipe: RecipeConfig) -> None:
             f"sampler.backend={recipe.sampler.backend}) and none is visible; on a CPU run 'tiny' "
             "or 'gsm8k-shallow' instead"
         )
+
+
+def require_writable_root(recipe: RecipeConfig) -> None:
+    """Refuse, before anything is written, a ``logging.root`` that is a file or cannot be written:
+    the nearest folder that exists on the way to ``<root>/<name>`` must be a writable directory."""
+    target = Path(recipe.logging.root).expanduser() / (recipe.logging.name or recipe.name)
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a dangling link: mkdir would fail on it
+            raise TclightningError(f"logging.root: {existing} is a broken symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TclightningError(f"logging.root: {existing} is a file, expected a directory for run folders")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TclightningError(f"logging.root: cannot create run folders in {existing} (not writable)")
 
 
 def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
@@ -180,24 +287,31 @@ def run(
     """
     cfg: DictConfig = load_recipe(recipe_ref, overrides)
     recipe = to_dataclass(cfg)
-    user_callbacks = [*instantiate_callbacks(cfg), *extra_callbacks]
+    user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref))), *extra_callbacks]
     require_hardware(recipe)
     require_pipeline_for_processes(recipe)
+    if resume is None:  # a resumed run writes into the checkpoint's run directory instead
+        require_writable_root(recipe)
     plan = plan_run(recipe, resume)
+    if resume is not None and plan.new_dir:  # a checkpoint outside a run directory: a new one
+        require_writable_root(recipe)
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
-        plan = RunPlan(Path(os.environ[RUN_DIR_ENV]), plan.ckpt_path, plan.resume_step)
+        plan = RunPlan(Path(os.environ[RUN_DIR_ENV]), plan.ckpt_path, plan.resume_step, new_dir=plan.new_dir)
 
     import lightning as L
     import torch
 
+    from tclightning.callbacks.checkpointing import checkpoint_allow_list
     from tclightning.grpo.summary import summarize
 
     quiet_lightning()
     if recipe.trainer.num_threads:
         torch.set_num_threads(recipe.trainer.num_threads)
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    for notice in plan.notices:
+        print(f"note: {notice}", file=sys.stderr, flush=True)
+    mark_run_dir(plan.run_dir, recipe)
     (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
     started = time.perf_counter()
     module = build_module(recipe)
@@ -206,8 +320,10 @@ def run(
     if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
         os.environ[RUN_DIR_ENV] = str(plan.run_dir)
     try:
-        # Our own checkpoints carry RNG states (numpy arrays), so they are not weights-only.
-        trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=False)
+        # Data only: Lightning's load sees the same allow-list as plan_run's (numpy RNG state,
+        # the anchor replay); anything else in the file is refused, never run.
+        with checkpoint_allow_list():
+            trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
     finally:
         if launched_here:
             os.environ.pop(RUN_DIR_ENV, None)

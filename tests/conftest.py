@@ -38,9 +38,19 @@ def require_shared_data(path: Path) -> None:
     pytest.skip(message)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _single_thread_session() -> None:
+    """One intra-op thread before any module fixture builds or trains a model: a count that
+    followed the machine's cores would change float reduction order from machine to machine."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _single_thread() -> None:
+    """Each test starts on one thread (a run may have set more) from the same global seed, so no
+    verdict depends on test order, `-k` selection or the machine's core count."""
     torch.set_num_threads(1)
+    torch.manual_seed(0)
 
 
 @pytest.fixture()

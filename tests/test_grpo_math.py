@@ -10,6 +10,10 @@ import torch
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.loss import aggregate, gap_metrics, k3_kl, policy_loss
 
+# float32 exp/log against float64 math: a few ulp, and vector kernels (SLEEF, SVML, plain libm)
+# round differently; 1e-5 absorbs that, while a wrong formula is off by far more.
+F32 = 1e-5
+
 
 def test_group_advantages_normalise_within_each_group() -> None:
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
@@ -47,7 +51,7 @@ def test_k3_kl_is_zero_at_equality_and_matches_formula() -> None:
     assert k3_kl(logp, logp).abs().max() == 0
     ref = torch.tensor([-1.5, -1.0])
     expected = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
-    assert k3_kl(logp, ref).tolist() == pytest.approx(expected)
+    assert k3_kl(logp, ref).tolist() == pytest.approx(expected, rel=F32)
 
 
 def test_clipped_surrogate_by_hand() -> None:
@@ -111,4 +115,4 @@ def test_gap_metrics_by_hand() -> None:
     assert gap["gap/outside_5x_frac"] == pytest.approx(0.5)
     assert gap["gap/prob_abs_mean"] == pytest.approx((0 + 0.18) / 2, rel=1e-4)
     same = gap_metrics(trainer, trainer, torch.ones(1, 3))
-    assert same["gap/abs_mean"] == 0 and same["gap/logp_corr"] == pytest.approx(1.0)
+    assert same["gap/abs_mean"] == 0 and same["gap/logp_corr"] == pytest.approx(1.0, rel=F32)

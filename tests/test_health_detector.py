@@ -61,6 +61,21 @@ def test_nonfinite_is_collapsing_at_once():
     json.dumps(d.summary(), allow_nan=False)  # the NaN/Inf value becomes null
 
 
+def test_nonfinite_guard_counters_collapse_and_a_skipped_step_is_one_finding():
+    from tclightning.health.rules import NonFiniteRule
+
+    d = HealthDetector([NonFiniteRule()])
+    assert d.update(0, {"policy/skipped_ticks": 0.0, "policy/skipped_step": 0.0}).state == HealthState.HEALTHY
+    v = d.update(1, {"policy/skipped_ticks": 2.0, "policy/skipped_step": 0.0})
+    assert v.state == HealthState.COLLAPSING and [f.metric for f in v.findings] == ["policy/skipped_ticks"]
+    # a step skipped whole logs NaN for what it did not measure: one finding, on the counter
+    skipped = {"policy/skipped_step": 1.0, "reward/mean": math.nan, "loss/policy": math.nan}
+    v = HealthDetector([NonFiniteRule()]).update(5, skipped)
+    assert [(f.metric, f.severity) for f in v.findings] == [("policy/skipped_step", HealthState.COLLAPSING)]
+    # a rule restricted to other metrics (the length and gap monitors) stays quiet on that step
+    assert HealthDetector([NonFiniteRule(["reward/mean"])]).update(5, skipped).state == HealthState.HEALTHY
+
+
 def test_length_growth_with_flat_reward_warns_but_paid_growth_does_not():
     rng = np.random.default_rng(1)
     rule = LengthFeedbackRule()

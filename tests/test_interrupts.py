@@ -1,5 +1,6 @@
-"""Real processes: Ctrl-C stops cleanly with a checkpoint; SIGKILL loses at most the steps since
-the last checkpoint, and a resume continues with the same numbering and no duplicated rows."""
+"""Real processes: Ctrl-C stops cleanly with a checkpoint and a resume continues it; SIGKILL loses
+at most the steps since the last checkpoint, and a resume continues with the same numbering and no
+duplicated rows. (tests/test_faults.py injects the faults at named points.)"""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
+from tclightning.callbacks.checkpointing import load_checkpoint
+from tclightning.grpo.summary import read_metrics
+from tclightning.run import run
 from tests.conftest import FAST
+from tests.test_faults import assert_same_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,8 +49,8 @@ def _run_dir(tmp_path: Path) -> Path:
     return next((tmp_path / "runs" / "tiny").iterdir())
 
 
-def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "trainer.steps=500")
+def test_ctrl_c_finishes_the_step_checkpoints_and_resume_continues(tmp_path: Path) -> None:
+    proc = _start(tmp_path, "trainer.steps=500", "trainer.val_every=0")  # no validation on the way out
     run_dir = _run_dir(tmp_path)
     _wait_for(lambda: len(_steps(run_dir)) >= 2)
     proc.send_signal(signal.SIGINT)
@@ -56,8 +59,14 @@ def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path: Path) -> None:
     assert "Traceback" not in output
     steps = _steps(run_dir)
     assert steps == list(range(len(steps))) and len(steps) < 500
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
     assert ckpt["tclightning"]["rl_step"] == len(steps)  # the checkpoint holds every logged step
+    # The interrupted run continues (here to two steps past the stop) and equals one that never stopped.
+    target = len(steps) + 2
+    settings = [*FAST, f"logging.root={tmp_path / 'runs'}", "trainer.val_every=0", f"trainer.steps={target}"]
+    assert Path(run("tiny", settings, resume="last", quiet=True)["run_dir"]) == run_dir
+    reference = Path(run("tiny", [*settings, "logging.name=reference"], quiet=True)["run_dir"])
+    assert_same_run(run_dir, read_metrics(reference / "metrics.csv"), range(target))
 
 
 def test_sigkill_then_resume_keeps_numbering(tmp_path: Path) -> None:

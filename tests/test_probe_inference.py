@@ -1,6 +1,11 @@
 """The inference-time compression sweep: rate 1.0 is the dense output exactly; accuracy and the
 reference log-likelihood fall as the budget shrinks (on a tiny model trained to answer); the model
-is left as found; the CLI writes its report."""
+is left as found; the CLI writes its report.
+
+The trained weights are not the same on every CPU: 250 AdamW steps amplify the last-bit
+differences of the float kernels (AVX-512, AVX2, plain C++, MKL paths) into a different model.
+Assertions on that model are therefore coarse, with margins measured over kernel variants and
+training seeds; exact assertions are kept for what holds by construction (rate 1.0 is dense)."""
 
 from __future__ import annotations
 
@@ -32,13 +37,14 @@ from tclightning.tasks import TaskConfig, build_task
 from tests.conftest import FAST
 
 BASE = PipelineConfig(stages=4, fill="zero")  # 4 layers: cuts after layers 0, 1, 2
-RATES = [1.0, 0.25, 0.05, 0.02]  # d = 64: k = 64, 16, 3, 1
+RATES = [1.0, 0.5, 0.25, 0.05, 0.02]  # d = 64: k = 64, 32, 16, 3, 1
 
 
 @pytest.fixture(scope="module")
 def trained():
-    """A tiny model taught single-digit sums (~5 s): the dense forward knows the answers, so
-    destroying boundary information must cost accuracy and likelihood."""
+    """A tiny model taught single-digit sums (~8 s): the dense forward knows the answers, so
+    destroying boundary information must cost accuracy and likelihood. Which model comes out
+    depends on the CPU's float kernels (see the module docstring)."""
     torch.set_num_threads(1)  # module fixtures run before the autouse single-thread one
     torch.manual_seed(0)
     model, tokenizer = load_model(ModelConfig(source="tiny", tiny=TinyModelConfig(hidden_size=64, num_layers=4,
@@ -88,20 +94,37 @@ def test_prf_at_full_budget_is_bitwise_dense(trained) -> None:
 
 
 def test_accuracy_and_loglik_fall_as_the_budget_shrinks(result) -> None:
+    """Monotone over a coarse grid (dense, 50 %, 25 %, <= 5 %), each step with a margin.
+
+    Margins: ``measured ...`` beside each bound is the smallest gap seen on 12 models: this fixture
+    under ATEN_CPU_CAPABILITY default/avx2/avx512 and MKL_CBWR=COMPATIBLE, and with 8 other
+    training seeds (bounds without the 50 % point also held for the fixture trained in float64).
+    Not asserted: the order of k = 3 and k = 1 (both leave the model next to nothing, and which is
+    worse follows the trained weights: -4.21 vs -3.95 nats on one CPU, -3.11 vs -3.72 on another)."""
     out, _ = result
     dense = out.rows[0]
-    assert dense["accuracy"] >= 0.4  # the model learned something to lose
-    prf = rows_of(out, "prf")
-    assert [r["rate"] for r in prf] == RATES
-    logliks = [r["ref_loglik"] for r in prf]
-    assert all(b < a for a, b in itertools.pairwise(logliks)), logliks  # strictly falling with k
-    assert logliks[-1] < dense["ref_loglik"] - 1.0
-    assert prf[-1]["accuracy"] <= dense["accuracy"] - 0.3 and prf[-1]["exact_match"] < 0.5
-    svd = rows_of(out, "svd")
-    assert svd[-1]["ref_loglik"] < svd[-2]["ref_loglik"] < dense["ref_loglik"]  # rank 1 < rank 3 < dense
-    assert svd[-1]["accuracy"] < dense["accuracy"]
-    assert all(r["energy_kept"] is not None and 0 < r["energy_kept"] <= 1 for r in svd if r["rate"] < 1)
-    assert [r["wire/ratio"] for r in prf] == pytest.approx([1.0, 4.0, 64 / 3, 64.0])
+    assert dense["accuracy"] >= 0.4  # the model learned something to lose (measured 0.56-0.94)
+    prf = {r["rate"]: r for r in rows_of(out, "prf")}
+    assert list(prf) == RATES
+    ll = {rate: row["ref_loglik"] for rate, row in prf.items()}
+    assert ll[1.0] == dense["ref_loglik"]  # full budget is the dense forward (exact, by construction)
+    assert ll[0.5] < dense["ref_loglik"], ll  # half the channels costs likelihood (measured >= 0.32 nats)
+    assert ll[0.25] < ll[0.5] - 0.5, ll  # a quarter costs clearly more than half (measured >= 1.2 nats)
+    assert ll[0.25] < dense["ref_loglik"] - 1.0, ll  # (measured >= 1.8 nats)
+    for rate in (0.05, 0.02):  # 5 % and 2 % cost clearly more than 50 % (measured >= 1.6 nats)
+        assert ll[rate] < ll[0.5] - 1.0, (rate, ll)
+    # greedy answers: almost none survive k = 1 (measured accuracy <= 0.07, exact match <= 0.07)
+    assert prf[0.02]["accuracy"] <= dense["accuracy"] - 0.3 and prf[0.02]["exact_match"] < 0.5
+    svd = {r["rate"]: r for r in rows_of(out, "svd")}
+    # rank 1 of 64 costs clearly more than rank 3 (measured >= 2.3 nats) and than dense (>= 2.5);
+    # rank 3 vs dense is not asserted: it keeps ~90 % of the energy and costs 0.1-1.7 nats
+    assert svd[0.02]["ref_loglik"] < svd[0.05]["ref_loglik"] - 1.0
+    assert svd[0.02]["ref_loglik"] < dense["ref_loglik"] - 1.5
+    assert svd[0.02]["accuracy"] < dense["accuracy"]  # (measured <= 0.07 against >= 0.56)
+    # a larger rank keeps more of the calibration energy: a theorem (nested top eigenvectors)
+    energy = [svd[rate]["energy_kept"] for rate in (0.02, 0.05, 0.25, 0.5)]
+    assert all(0 < a < b <= 1 for a, b in itertools.pairwise(energy)), energy
+    assert [r["wire/ratio"] for r in prf.values()] == pytest.approx([1.0, 2.0, 4.0, 64 / 3, 64.0])
 
 
 def test_model_left_as_found(trained, result) -> None:

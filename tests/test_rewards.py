@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 
 from tclightning.tasks.rewards import (
+    MAX_NUMERAL_EXPONENT,
     extract_answer_is,
     extract_boxed,
     extract_gsm8k_answer,
     gsm8k_completion_answer,
     last_number,
+    load_math_verify,
     normalize_math_answer,
     numbers_equal,
+    run_with_alarm,
     simple_math_equal,
     verify_gsm8k,
     verify_math,
@@ -29,6 +32,13 @@ from tests.conftest import require_shared_data
 
 DATA = shared_data_dir()
 PATHOLOGICAL = r"The answer is $\boxed{9^{9^{9^{9}}}}$."  # sympy grinds on this for minutes
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _math_verify_imported() -> None:
+    # Import once up front (outside every limit, as verify_math does on its first call), so
+    # the timings below measure the calls, not the one-time import.
+    assert load_math_verify()
 
 
 def _rows(path: Path, lines: list[int]) -> list[dict]:
@@ -99,6 +109,30 @@ def test_numbers_equal() -> None:
     assert not numbers_equal("abc", "abc")
     assert not numbers_equal(None, "1")
     assert not numbers_equal("nan", "nan")
+
+
+def test_numerals_past_the_caps_are_refused_before_any_arithmetic() -> None:
+    start = time.monotonic()
+    # Fraction(Decimal("1e99999999")) alone ran for minutes: these must not build anything.
+    for huge in ("1e99999999", "1e-99999999", "0e99999999", "9" * 5000, "1e" + "9" * 900):
+        assert not simple_math_equal(huge, "2")
+        assert not numbers_equal(huge, "2")
+    assert time.monotonic() - start < 2.0
+    # Inside the caps, exact comparison still works (and equal text is equal at any size).
+    at_cap, past_cap = f"1e{MAX_NUMERAL_EXPONENT}", f"1e{MAX_NUMERAL_EXPONENT + 1}"
+    assert simple_math_equal(at_cap, f"10e{MAX_NUMERAL_EXPONENT - 1}")
+    assert numbers_equal(at_cap, f"10e{MAX_NUMERAL_EXPONENT - 1}")
+    assert not simple_math_equal(past_cap, f"10e{MAX_NUMERAL_EXPONENT}")  # left to math-verify
+    assert simple_math_equal("1e99999999", "1e99999999")  # same text, no arithmetic needed
+
+
+def test_only_ascii_numerals_are_numbers() -> None:
+    # int() and Decimal() read every script's digits; an answer is ASCII digits only.
+    for other in ("\u0662", "\uff12", "\U0001d7d0"):
+        assert last_number(f"so {other}") is None
+        assert not numbers_equal(other, "2")
+        assert not simple_math_equal(other, "2")
+    assert not numbers_equal("NaN", "NaN") and not numbers_equal("1_0", "10")
 
 
 def test_normalize_and_simple_equal() -> None:
@@ -248,6 +282,39 @@ def test_timeout_nests_with_an_outer_alarm() -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_swallowed_timeout_is_raised_again() -> None:
+    # mpmath has bare "except:" blocks; a timeout they drop must not turn into no limit.
+    def stubborn() -> str:
+        deadline = time.monotonic() + 5.0
+        swallowed = 0
+        while time.monotonic() < deadline:
+            try:
+                while time.monotonic() < deadline:
+                    pass
+            except BaseException:  # noqa: BLE001 -- what a bare except does
+                swallowed += 1
+                if swallowed >= 3:
+                    raise
+        return "ran on past the limit"
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        run_with_alarm(stubborn, 0.2)
+    assert time.monotonic() - start < 3.0  # 0.2 s, then two repeats: far below the 5 s loop
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+def test_an_alarm_anywhere_leaves_only_a_timeout_error() -> None:
+    # Limits from tiny to short land at every point of the call, set-up and clean-up included.
+    for limit in (1e-6, 1e-5, 1e-4, 1e-3, 0.01):
+        for _ in range(20):
+            try:
+                run_with_alarm(lambda: sum(range(20_000)), limit)
+            except TimeoutError:
+                pass
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
 def test_verify_math_from_a_worker_thread() -> None:

@@ -202,6 +202,8 @@ def test_arithmetic_small_space_is_capped_or_rejected() -> None:
         ("abc", 0.0),
         ("9" * 100_000, 0.0),
         ("\x00", 0.0),
+        ("\u0668\u0665", 0.0),  # 85 in Arabic-Indic digits: int() reads them, the reward does not
+        ("\uff18\uff15", 0.0),  # fullwidth 85
     ],
 )
 def test_arithmetic_reward(completion: str, reward: float) -> None:

@@ -29,13 +29,17 @@ from tclightning.tasks.base import Example
 from tclightning.tasks.config import TaskConfig
 
 _INT = r"(-?\d{1,30})"  # bounded, so a runaway digit string cannot make the tool slow
-_CALL = re.compile(rf"calc:\s*{_INT}\s*([-+*])\s*{_INT}")
-_ANSWER = re.compile(rf"answer:\s*{_INT}")
+# ASCII digits only (re.ASCII): int() would also read other scripts' digits.
+_CALL = re.compile(rf"calc:\s*{_INT}\s*([-+*])\s*{_INT}", re.ASCII)
+_ANSWER = re.compile(rf"answer:\s*{_INT}", re.ASCII)
 INVALID = "invalid"
 
 
 def parse_action(action: str) -> tuple[str, int, str, int] | tuple[str, int] | None:
-    """``("calc", x, op, y)``, ``("answer", n)`` or None for a malformed action."""
+    """``("calc", x, op, y)``, ``("answer", n)`` or None for a malformed action (any text,
+    or a non-string). Operands are at most 30 digits, so the tool's arithmetic stays cheap."""
+    if not isinstance(action, str):
+        return None
     text = action.strip()
     if (call := _CALL.fullmatch(text)) is not None:
         return "calc", int(call.group(1)), call.group(2), int(call.group(3))

@@ -1,28 +1,152 @@
-"""Checkpoints every N RL steps, at the end, and on a clean stop (Ctrl-C, SIGTERM)."""
+"""Checkpoints every N RL steps, at the end, and on a clean stop (Ctrl-C, SIGTERM); and the one
+safe way to read them back (:func:`load_checkpoint`, :func:`checkpoint_allow_list`)."""
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import shutil
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
+from tclightning.errors import TclightningError
+
+
+def checkpoint_globals() -> list[Any]:
+    """The only non-builtin objects a tclightning checkpoint holds, allowed while unpickling:
+    numpy arrays and dtypes (the numpy RNG state) and ``Rollouts`` (the anchor circuit's replay).
+    Everything else (tensors, dicts, lists, numbers, strings) ``weights_only`` allows already."""
+    import numpy as np
+
+    from tclightning.sampling.base import Rollouts
+
+    try:  # numpy >= 2 pickles arrays through numpy._core, numpy 1 through numpy.core
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # pragma: no cover - numpy 1
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    uint32 = type(np.dtype(np.uint32))  # numpy >= 1.25 dtype classes (e.g. numpy.dtypes.UInt32DType)
+    return [np.ndarray, np.dtype, uint32, _reconstruct, Rollouts]
+
+
+@contextmanager
+def checkpoint_allow_list() -> Iterator[None]:
+    """Allow exactly :func:`checkpoint_globals` for ``torch.load(..., weights_only=True)`` inside
+    the block: wrap Lightning's own load (``trainer.fit(ckpt_path=..., weights_only=True)``)."""
+    with torch.serialization.safe_globals(checkpoint_globals()):
+        yield
+
+
+class CheckpointRefused(TclightningError):
+    """A checkpoint that asks to load something a tclightning checkpoint never holds: possibly
+    crafted, so it is never loaded and never silently replaced by another file."""
+
+
+def checkpoint_error(path: str | os.PathLike, err: BaseException) -> TclightningError:
+    """The one-line error for a checkpoint ``torch.load`` could not read (refused or broken)."""
+    text = " ".join(str(err).split())
+    # torch's message advises loading with weights_only=False, exactly what must not be done:
+    # keep only the part that says what is wrong with the file.
+    unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+    if unsafe:
+        return CheckpointRefused(f"checkpoint {path}: refused: it asks to load {unsafe.group(1)}, which a "
+                                "tclightning checkpoint never holds (loading it could run code); nothing was loaded")
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].split(" Check the documentation", 1)[0].strip()
+    elif isinstance(err, pickle.UnpicklingError) or "Weights only load failed" in text:
+        text = "not a torch checkpoint"
+    detail = text.split(". ", 1)[0][:160]  # the first sentence says it; the rest is torch's advice
+    return TclightningError(f"checkpoint {path}: cannot read it (truncated or corrupted?): {detail}")
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+    """Load a tclightning/Lightning checkpoint as data only (``weights_only=True`` with
+    :func:`checkpoint_allow_list`): a file that would run code when unpickled is refused.
+
+    Raises ``TclightningError`` (one line: the path and why) for a missing, unreadable,
+    truncated or corrupted file or one whose top level is not a dict, and its subclass
+    ``CheckpointRefused`` for one holding anything outside the allow-list. ``mmap=True`` maps the tensors instead of reading them (cheap to peek
+    at, but the file must then not be rewritten in place while they are in use).
+    """
+    try:
+        with checkpoint_allow_list():
+            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
+        raise checkpoint_error(path, err) from None
+    if not isinstance(ckpt, dict):
+        raise TclightningError(f"checkpoint {path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
+    return ckpt
+
+
+FAULT_ENV = "TCLIGHTNING_TEST_KILL"
+"""Test-only fault injection: ``POINT@STEP`` kills this process (SIGKILL) when the checkpoint
+code reaches ``POINT`` with ``STEP`` RL steps completed. Points, in order: ``step-start`` (the next
+step begins), ``written`` (checkpoint written to its temporary file, nothing committed),
+``half-written`` (the same, with the temporary file cut in half), ``step-file`` (``step-S.ckpt``
+committed, ``last.ckpt`` not yet), ``committed`` (both committed)."""
+
+
+def fault_point(point: str, step: int) -> None:
+    """Kill this process here if :data:`FAULT_ENV` asks for ``point`` at ``step`` (tests only)."""
+    if os.environ.get(FAULT_ENV) == f"{point}@{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reopen_finished_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Make a checkpoint saved at the end of training (Lightning counts the epoch, and the last
+    batch, as completed) look like one saved at the end of that step's batch, the form every
+    other checkpoint has: resumed with a larger ``trainer.steps`` it then continues instead of
+    ending at once. Returns whether it changed anything (checkpoints of other forms are left)."""
+    loops = checkpoint.get("loops", {}).get("fit_loop")
+    if not loops:
+        return False
+    batches, epochs = loops.get("epoch_loop.batch_progress"), loops.get("epoch_progress")
+    if not batches or not epochs or epochs["total"].get("completed", 0) < 1:
+        return False
+    if batches["total"]["completed"] != batches["total"]["processed"] or batches["total"]["processed"] < 1:
+        return False
+    for part in ("total", "current"):
+        batches[part]["completed"] = batches[part]["processed"] - 1
+        epochs[part]["completed"] = epochs[part]["processed"] = epochs[part]["started"] - 1
+    batches["is_last_batch"] = False
+    state = loops.setdefault("epoch_loop.state_dict", {})
+    # Lightning adds the step back when it restarts from a batch-end checkpoint.
+    state["_batches_that_stepped"] = max(int(state.get("_batches_that_stepped", 1)) - 1, 0)
+    checkpoint["epoch"] = max(int(checkpoint.get("epoch", 1)) - 1, 0)
+    return True
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class StepCheckpoint(Checkpoint):
     """Writes ``step-{S:06d}.ckpt`` every ``every_n_steps`` RL steps (keeping the newest
-    ``keep``), and ``last.ckpt`` whenever it saves, at the end of training, and when a run stops
-    early at a step boundary. A checkpoint holds everything to continue: weights, optimizer,
-    scheduler, loop counters, callback states and the module's RNG/sampler state.
+    ``keep``), and ``last.ckpt`` whenever it saves: every ``every_n_steps`` steps, after the
+    last step, and when a run stops early at a step boundary (Ctrl-C, SIGTERM, a health stop).
+    A checkpoint holds everything to continue: weights, optimizer, scheduler, loop counters,
+    callback states and the module's RNG/sampler state.
 
-    ``last.ckpt`` is replaced atomically, so a kill during a save never leaves it broken. As a
-    ``Checkpoint`` subclass Lightning runs it after every other callback, so the states it saves
-    include what they did at the end of the step.
+    Every checkpoint is taken at the end of its step's batch, so a resume (with the same or a
+    larger ``trainer.steps``) continues with the next step. It is written to a temporary file and
+    committed (renamed to ``step-S.ckpt``, then ``last.ckpt``) only once the step's metrics row is
+    on disk: a checkpoint never claims a step whose row a kill could still lose. ``step-S.ckpt``
+    and ``last.ckpt`` are separate files, each replaced atomically, so a kill during a save
+    leaves the previous ones whole. As a ``Checkpoint`` subclass Lightning runs it after every
+    other callback, so the states it saves include what they did at the end of the step.
     """
 
     def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 0, keep: int = 2) -> None:
@@ -30,53 +154,100 @@ class StepCheckpoint(Checkpoint):
         self.every_n_steps = every_n_steps
         self.keep = keep
         self.saved_step = -1
+        self._pending: int | None = None  # step written to the temporary file, not yet committed
 
     @property
     def last_path(self) -> Path:
         return self.dirpath / "last.ckpt"
 
+    @property
+    def _tmp_path(self) -> Path:
+        return self.dirpath / ".last.ckpt.tmp"
+
     def save(self, trainer: L.Trainer) -> Path:
+        """Write the state after the completed steps to the temporary file (every rank takes
+        part; rank 0 writes); :meth:`commit` publishes it once its metrics row is on disk."""
         step = completed_steps(trainer)
         if step == self.saved_step:
             return self.last_path
         self.dirpath.mkdir(parents=True, exist_ok=True)
-        # Metrics logged up to this step must be on disk before a checkpoint claims the step:
-        # a kill after the save then loses nothing a resume will not redo.
+        self.saved_step = step  # first: the checkpoint records that it holds this step
+        trainer.save_checkpoint(self._tmp_path, weights_only=False)
+        if trainer.is_global_zero:
+            self._pending = step
+            fault_point("written", step)
+            if os.environ.get(FAULT_ENV) == f"half-written@{step}":
+                os.truncate(self._tmp_path, self._tmp_path.stat().st_size // 2)
+                fault_point("half-written", step)
+        return self.last_path
+
+    def commit(self, trainer: L.Trainer) -> None:
+        """Publish the pending checkpoint: flush every logger (the step's row reaches the disk
+        first), then ``step-S.ckpt`` (a copy) and ``last.ckpt``, each by an atomic rename."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
         for logger in trainer.loggers:
             logger.save()
-        tmp = self.dirpath / ".last.ckpt.tmp"
-        trainer.save_checkpoint(tmp, weights_only=False)  # every rank takes part; rank 0 writes
-        if not trainer.is_global_zero:
-            self.saved_step = step
-            return self.last_path
+        tmp = self._tmp_path
+        _fsync(tmp)
         if self.every_n_steps and self.keep > 0:
             # A resumed run replaces the step files its earlier run wrote past the resume point:
             # `step-S` is always the newest state for step S (what metrics.csv now shows).
             periodic = self.dirpath / f"step-{step:06d}.ckpt"
-            link = self.dirpath / ".step.ckpt.tmp"
-            link.unlink(missing_ok=True)
-            os.link(tmp, link)
-            os.replace(link, periodic)
+            copy = self.dirpath / ".step.ckpt.tmp"
+            shutil.copyfile(tmp, copy)  # a copy, not a link: damage to one never reaches the other
+            _fsync(copy)
+            os.replace(copy, periodic)
             # Prune among steps up to this one: files further on (from before a resume) are
             # replaced when the run gets there, and must not push out the one just written.
             done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name]
             for old in done[: -self.keep]:
                 old.unlink()
+            fault_point("step-file", step)
         os.replace(tmp, self.last_path)
-        self.saved_step = step
-        return self.last_path
+        _fsync(self.dirpath)
+        fault_point("committed", step)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # The previous step's row was logged and flushed when its batch ended.
+        self.commit(trainer)
+        if trainer.is_global_zero:
+            fault_point("step-start", completed_steps(trainer))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.every_n_steps and completed_steps(trainer) % self.every_n_steps == 0:
+        step = completed_steps(trainer)
+        periodic = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch or step >= trainer.num_training_batches
+        # Saved here, not in on_train_end, also at the last step and on a stop: Lightning then
+        # records the step as the end of a batch, not the epoch as finished, so the checkpoint
+        # resumes (with a larger trainer.steps too) instead of ending the run at once.
+        if periodic or last or trainer.should_stop or trainer.received_sigterm:
             self.save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.save(trainer)
+        self.commit(trainer)
+        if self.saved_step != completed_steps(trainer):  # stopped by a hook that runs after this one
+            self.save(trainer)
+            self.commit(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A pending checkpoint is published only if its step's row reached the loggers (Lightning
+        # logs it right after counting the batch completed); otherwise it is dropped.
+        if self._pending is not None:
+            if trainer.fit_loop.epoch_loop.batch_progress.total.completed >= self._pending:
+                self.commit(trainer)
+            else:
+                self._pending = None
         # Lightning raises SIGTERMException only between steps, so the state is consistent.
         if isinstance(exception, SIGTERMException):
             self.save(trainer)
+            self.commit(trainer)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Runs before Lightning restores its loops: a checkpoint written at the end of training
+        # by an earlier version resumes like any other.
+        reopen_finished_epoch(checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_step": self.saved_step}

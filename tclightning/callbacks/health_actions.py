@@ -17,7 +17,11 @@ name), feeds the detector once per RL step, and carries out the configured actio
 * ``rollback``: at ``act_on``, restore the weights and optimizer states of the last healthy
   checkpoint (and this monitor's detector state from it), scale the learning rates by
   ``rollback_lr_scale``, continue; after ``max_rollbacks`` rollbacks (or with no healthy
-  checkpoint yet), stop instead. Implies ``checkpoint``.
+  checkpoint yet), stop instead. Implies ``checkpoint``. The checkpoint is read as data only
+  (:func:`~tclightning.callbacks.checkpointing.load_checkpoint`), and only from the run directory
+  (``trainer.default_root_dir``) or this monitor's ``checkpoint_dir``: its path comes back from
+  checkpointed state, so a path anywhere else, or a file that is not a plain checkpoint, stops
+  training with one warning and nothing loaded.
 
 Steps are RL steps: ``trainer.fit_loop.epoch_loop._batches_that_stepped`` (the ``step`` of
 metrics.csv and TensorBoard), not ``trainer.global_step``, which counts optimizer steps and runs
@@ -39,6 +43,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 
+from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.callbacks.steps import rl_step
 from tclightning.errors import TclightningError
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
@@ -243,6 +248,11 @@ class HealthMonitor(Callback):
             if not bad:
                 return
             if "rollback" in self.actions:
+                if self.rollbacks < self.max_rollbacks and self.last_healthy_path:
+                    refused = self._rollback_refusal(trainer, self.last_healthy_path)
+                    if refused is not None:
+                        self._stop(trainer, verdict, step, refused)
+                        return
                 if self.rollbacks < self.max_rollbacks and self.last_healthy_path and os.path.isfile(self.last_healthy_path):
                     self._rollback(trainer, pl_module, verdict, step)
                     return
@@ -255,6 +265,17 @@ class HealthMonitor(Callback):
     def _checkpoint_path(self, trainer: pl.Trainer) -> str:
         root = self.checkpoint_dir or os.path.join(trainer.log_dir or trainer.default_root_dir, "checkpoints")
         return os.path.join(root, f"{self.checkpoint_name}.ckpt")
+
+    def _rollback_refusal(self, trainer: pl.Trainer, path: str) -> str | None:
+        """Why ``path`` may not be rolled back to, or None. Allowed: inside the run directory
+        (``trainer.default_root_dir``) or the directory this monitor writes its checkpoint to."""
+        real = os.path.realpath(path)
+        roots = [trainer.default_root_dir, os.path.dirname(self._checkpoint_path(trainer))]
+        for root in (os.path.realpath(r) for r in roots):
+            if os.path.commonpath([real, root]) == root:
+                return None
+        return (f"refusing to roll back to {path}: it is outside the run directory {trainer.default_root_dir}; "
+                "nothing was loaded")
 
     def _save_healthy(self, trainer: pl.Trainer, step: int) -> None:
         path = self._checkpoint_path(trainer)
@@ -275,8 +296,14 @@ class HealthMonitor(Callback):
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict, step: int) -> None:
         """Restore weights + optimizer states (+ this monitor's detector) from the healthy checkpoint."""
         assert self.last_healthy_path is not None
-        ckpt = torch.load(self.last_healthy_path, map_location="cpu", weights_only=False)
-        pl_module.load_state_dict(ckpt["state_dict"])
+        try:
+            ckpt = load_checkpoint(self.last_healthy_path)  # data only: a crafted file runs no code
+            if not isinstance(ckpt.get("state_dict"), Mapping):
+                raise TclightningError(f"checkpoint {self.last_healthy_path}: holds no model weights (state_dict)")
+            pl_module.load_state_dict(ckpt["state_dict"])
+        except (TclightningError, RuntimeError) as err:  # RuntimeError: weights of another model
+            self._stop(trainer, verdict, step, f"cannot roll back: {err}")
+            return
         for optimizer, opt_state in zip(trainer.optimizers, ckpt.get("optimizer_states", [])):
             optimizer.load_state_dict(opt_state)
         saved = ckpt.get("callbacks", {}).get(self.state_key)

@@ -41,7 +41,8 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
     except TclightningError as err:
         if args.debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        # one line, whatever the message: a user error is never a wall of text
+        print("error: " + " ".join(line.strip() for line in str(err).splitlines() if line.strip()), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -3,6 +3,13 @@
 sample (dense) -> reward -> advantages -> trainer log-probs (through whatever cuts the strategy
 installed) and the gap -> ``epochs x minibatches`` optimizer ticks of the clipped surrogate.
 
+Non-finite guard (one process): a tick whose loss or gradient norm is NaN/Inf makes no optimizer
+step (``policy/skipped_ticks``); a policy whose weights or sampling logits are NaN/Inf is never
+sampled from: the step is skipped (``policy/skipped_step``). Either way the step's metrics say
+so, the health monitors see it and may roll back; when the next step is non-finite again (every
+tick skipped, or skipped whole), training ends with
+:class:`~tclightning.sampling.base.NonFiniteError` (one line, exit 3).
+
 Agentic tasks (``tclightning.agentic``) change only the first stage: ``collect`` plays
 multi-turn conversations and returns one row per interaction, each row pointing at its
 trajectory; rewards and advantages are per trajectory and broadcast to its rows.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import random
 import time
 from dataclasses import asdict
@@ -39,7 +47,7 @@ from tclightning.grpo.loss import gap_metrics, policy_loss
 from tclightning.models.config import ModelConfig
 from tclightning.models.loading import load_model
 from tclightning.models.warmup import supervised_warmup
-from tclightning.sampling.base import PromptFormatter, Rollouts, sequence_seed
+from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
 from tclightning.tasks import Example, TaskConfig, build_task
@@ -121,6 +129,12 @@ class GRPOModule(L.LightningModule):
         # checkpointed: the job's snapshot is what defines its weights).
         self._anchor_workspace: dict[str, torch.nn.Module] = {}
         self._anchor_step: dict[str, float] = {}
+        # The last RL step that was non-finite (skipped whole, or every tick skipped); cleared by
+        # the next clean step (after a rollback, say). Two in a row end training.
+        self._nonfinite_step: int | None = None
+        self._all_ticks_skipped = False
+        self._step_metric_names: tuple[str, ...] = ()
+        self._val_nonfinite = False  # this validation met a non-finite policy: its other batches are skipped
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:
@@ -199,6 +213,7 @@ class GRPOModule(L.LightningModule):
         """``(rows, rewards [P*G], trajectory of each row, episodes)``. Single-turn: a row is a
         trajectory. Agentic: a row is one interaction and ``episodes`` carries the conversations."""
         G = group_size or self.sampler_cfg.group_size
+        self.require_finite_weights()
         if self.multi_turn is None:
             rollouts = self.sample(examples, seed, greedy=greedy, group_size=G)
             return rollouts, self.score(rollouts, examples), torch.arange(rollouts.num_sequences), None
@@ -206,6 +221,13 @@ class GRPOModule(L.LightningModule):
             episodes = self.multi_turn.play(self.policy, examples, group_size=G, seed=seed, greedy=greedy,
                                             max_new_tokens=self.sampler_cfg.eval_max_new_tokens if greedy else None)
         return episodes.rows, episodes.rewards, episodes.trajectory, episodes
+
+    def require_finite_weights(self) -> None:
+        """Raise :class:`NonFiniteError` if any policy weight is NaN/Inf (nothing is sampled from it)."""
+        bad = nonfinite_parameters(self.policy)
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise NonFiniteError(f"the policy's weights hold NaN or Inf ({', '.join(bad[:3])}{more})")
 
     # ----------------------------------------------------------------------------- the step
     def training_step(self, batch: PromptBatch, batch_idx: int) -> None:
@@ -218,8 +240,17 @@ class GRPOModule(L.LightningModule):
         seed = sequence_seed(self.sampler_cfg.seed + self.seed, batch.step)
         share = getattr(self.trainer.strategy, "share_rollouts", None)
         if share is None:
-            rollouts, rewards, owner, episodes = self.collect(examples, seed)
+            try:
+                rollouts, rewards, owner, episodes = self.collect(examples, seed)
+            except NonFiniteError as err:
+                self._flag_nonfinite(batch.step, str(err))
+                # NaN for what this step did not measure: Lightning would repeat the last step's values
+                metrics = dict.fromkeys(self._step_metric_names, math.nan)
+                metrics.update({"policy/skipped_step": 1.0, "policy/lr": self.optimizers().param_groups[0]["lr"]})
+                self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+                return
         else:  # pipeline across processes: rank 0 samples and scores, every stage receives the result
+            # (no skip here: a NonFiniteError on rank 0 ends every rank through the dead-rank check)
             rollouts, rewards, owner, episodes = share(lambda: self.collect(examples, seed))
         rollouts = _to_device(rollouts, self.device)
         # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
@@ -246,6 +277,10 @@ class GRPOModule(L.LightningModule):
         turns = None if episodes is None else episodes.turn
         metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step, turns))
         trained = time.perf_counter()
+        if self._all_ticks_skipped:
+            self._flag_nonfinite(batch.step, "every optimizer tick had a NaN or Inf loss or gradient")
+        else:
+            self._nonfinite_step = None
         if cuts is not None:
             metrics.update(cuts.metrics())
 
@@ -256,13 +291,26 @@ class GRPOModule(L.LightningModule):
                 "time/train_s": trained - sampled,
                 "throughput/tokens_per_s": tokens / max(trained - started, 1e-9),
                 "policy/lr": self.optimizers().param_groups[0]["lr"],
+                "policy/skipped_step": 0.0,
             }
         )
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=rollouts.num_sequences)
+        self._step_metric_names = tuple(metrics)
         self.log_dict(
             {short: metrics[key] for key, short in PROGRESS_KEYS.items()},
             prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=rollouts.num_sequences,
         )
+
+    def _flag_nonfinite(self, step: int, why: str) -> None:
+        """Record a non-finite RL step (its metrics say so and the health monitors act on them);
+        raise :class:`NonFiniteError` if the previous step was one too: nothing restored the policy."""
+        if self._nonfinite_step is not None:
+            raise NonFiniteError(
+                f"training stopped at step {step}: {why}; it was non-finite at step {self._nonfinite_step} already and "
+                "nothing restored a healthy policy (lower grpo.lr; callback_presets: [collapse-guard] rolls back to "
+                "the last healthy checkpoint)"
+            )
+        self._nonfinite_step = step
 
     def _rollout_metrics(self, rewards: torch.Tensor, rollouts: Rollouts) -> dict[str, float]:
         lengths = rollouts.lengths.float().cpu()
@@ -287,6 +335,8 @@ class GRPOModule(L.LightningModule):
         temperature = self.sampler_cfg.temperature
         single_tick = cfg.epochs * cfg.minibatches == 1
         stats: dict[str, list[float]] = {}
+        skipped = 0
+        self._all_ticks_skipped = False
 
         # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and
         # the trainer side of the gap. With a single tick they come from the update's forward.
@@ -331,8 +381,14 @@ class GRPOModule(L.LightningModule):
             self.manual_backward(out.loss)
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
-            optimizer.step()
-            schedule.step()
+            # A NaN/Inf loss or gradient must not reach the weights or Adam's moments: no step
+            # (the LR schedule waits too). The values are still logged, so the detector sees them.
+            if bool(torch.isfinite(out.loss.detach()) & torch.isfinite(grad_norm)):
+                optimizer.step()
+                schedule.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
             for key, value in (
                 ("loss/policy", out.policy_loss),
                 ("loss/kl", out.kl),
@@ -357,6 +413,8 @@ class GRPOModule(L.LightningModule):
             if entropy is not None:
                 metrics["policy/entropy"] = float((entropy * sel_mask).sum() / sel_mask.sum().clamp(min=1))
         metrics["policy/kept_frac"] = len(rows) / rollouts.num_sequences
+        metrics["policy/skipped_ticks"] = float(skipped)
+        self._all_ticks_skipped = skipped > 0 and skipped == len(stats["loss/policy"])
         return metrics
 
     # ----------------------------------------------------------------------------- anchor circuit
@@ -433,7 +491,16 @@ class GRPOModule(L.LightningModule):
         return rewards, torch.zeros(len(rewards)).index_add_(0, owner, rollouts.lengths.float().cpu())
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
-        rewards, lengths = self.evaluate_batch(batch)
+        if self._val_nonfinite:
+            return
+        try:
+            rewards, lengths = self.evaluate_batch(batch)
+        except NonFiniteError as err:
+            # As in training: flagged (NaN val metrics, for the health monitors) unless the last
+            # step was non-finite already and nothing restored the policy since (then: stop).
+            self._flag_nonfinite(rl_step(self.trainer), f"in validation, {err}")
+            self._val_nonfinite = True
+            return
         self.val_accuracy.update(rewards)
         self.val_length.update(lengths)
 
@@ -442,10 +509,25 @@ class GRPOModule(L.LightningModule):
             self.val_accuracy.reset()
             self.val_length.reset()
             return
-        self.log("val/accuracy", self.val_accuracy.compute(), prog_bar=True)
-        self.log("val/length_mean", self.val_length.compute())
+        if self._val_nonfinite:
+            accuracy, length = torch.tensor(math.nan), torch.tensor(math.nan)
+        else:
+            accuracy, length = self.val_accuracy.compute(), self.val_length.compute()
+        self._val_nonfinite = False
+        self.log("val/accuracy", accuracy, prog_bar=True)
+        self.log("val/length_mean", length)
         self.val_accuracy.reset()
         self.val_length.reset()
+
+    def on_train_epoch_end(self) -> None:
+        # Training ends (its last step, or a health monitor's stop) on a non-finite step that
+        # nothing undid: end with the one-line error (exit 3), before the final checkpoint saves it.
+        if self._nonfinite_step is not None:
+            raise NonFiniteError(
+                f"training stopped at step {self._nonfinite_step}: the policy was non-finite there and nothing "
+                "restored a healthy one (lower grpo.lr; callback_presets: [collapse-guard] rolls back to the last "
+                "healthy checkpoint)"
+            )
 
     # ----------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -509,7 +591,10 @@ class GRPOModule(L.LightningModule):
 
     def _log_start_accuracy(self) -> None:
         """``val/accuracy`` before the first update, at step 0 (after any warm-up)."""
-        results = [self.evaluate_batch(b) for b in EvalBatches(len(self.eval_examples), self.val_batch_size)]
+        try:
+            results = [self.evaluate_batch(b) for b in EvalBatches(len(self.eval_examples), self.val_batch_size)]
+        except NonFiniteError as err:
+            raise NonFiniteError(f"training stopped before its first step: {err}") from None
         rewards = torch.cat([r for r, _ in results])
         lengths = torch.cat([n for _, n in results])
         metrics = {"val/accuracy": float(rewards.mean()), "val/length_mean": float(lengths.mean())}

@@ -22,7 +22,9 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
 
 
 def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else math.nan
+    """Mean of the finite values (a step skipped for NaN logs NaN for what it did not measure)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
 
 
 def summarize(run_dir: str | Path, wall_time_s: float | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:

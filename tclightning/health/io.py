@@ -26,9 +26,20 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
     (``{"train/reward": "reward/mean"}``); unmapped columns keep their names.
     """
     path = Path(path)
-    names = dict(names or {})
+    try:
+        return _read_metrics_csv(path, dict(names or {}))
+    except UnicodeDecodeError as err:
+        raise TclightningError(f"{path}: not a CSV text file (byte 0x{err.object[err.start]:02x} at offset "
+                               f"{err.start} is not UTF-8)") from None
+    except csv.Error as err:
+        raise TclightningError(f"{path}: not a readable CSV file ({err})") from None
+    except OSError as err:
+        raise TclightningError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
-    with path.open(newline="") as fh:
+    with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")
@@ -38,7 +49,7 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
                 continue
             try:
                 step = int(float(raw_step))
-            except ValueError as err:
+            except (ValueError, OverflowError) as err:  # "abc", "inf", "nan"
                 raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a number") from err
             row = merged.setdefault(step, {})
             for column, cell in record.items():
@@ -64,7 +75,10 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     merged: dict[int, dict[str, float]] = {}
     for file in files:
         acc = event_accumulator.EventAccumulator(str(file), size_guidance={event_accumulator.SCALARS: 0})
-        acc.Reload()
+        try:
+            acc.Reload()
+        except Exception as err:  # noqa: BLE001 - a corrupt event file is the user's input, not a bug
+            raise TclightningError(f"{file}: not a readable TensorBoard event file ({type(err).__name__})") from None
         for tag in acc.Tags().get("scalars", []):
             if tag in _SKIP_COLUMNS:
                 continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -157,6 +158,33 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
         signal.signal(signal.SIGTERM, previous)
 
 
+def check_options(*, bandwidths: Sequence[float], layouts: Sequence[str], stages: int, link: str, rows: int,
+                  length: int, dim: int, k: int, microbatches: int, schedule: str, steps: int, warmup: int) -> None:
+    """Refuse, before any process starts, options the benchmark cannot measure (``TclightningError``)."""
+    from tclightning.errors import TclightningError
+
+    bad = [b for b in bandwidths if not (math.isfinite(b) and b > 0)]
+    problems = [
+        (bool(bad) or not bandwidths,
+         f"--bandwidth: every rate must be a finite number of Mbit/s > 0, got {bad or '[]'}"),
+        (not layouts or any(layout not in LAYOUTS for layout in layouts),
+         f"--layouts: expected some of {', '.join(LAYOUTS)}, got {list(layouts)}"),
+        (stages < 2, f"--stages: a link needs at least 2 stages, got {stages}"),
+        (link not in ("auto", "netns", "paced"), f"--link: expected auto, netns or paced, got {link!r}"),
+        (rows < 1, f"--rows: expected >= 1, got {rows}"),
+        (length < 2, f"--length: expected >= 2 tokens (half prompt, half completion), got {length}"),
+        (dim < 1, f"--dim: expected >= 1, got {dim}"),
+        (not 1 <= k <= dim, f"--k: expected 1 <= k <= dim ({dim}), got {k}"),
+        (microbatches < 1, f"--microbatches: expected >= 1, got {microbatches}"),
+        (schedule not in ("gpipe", "1f1b"), f"--schedule: expected gpipe or 1f1b, got {schedule!r}"),
+        (steps < 1, f"--steps: expected >= 1, got {steps}"),
+        (warmup < 0, f"--warmup: expected >= 0, got {warmup}"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise TclightningError(f"bench link {message}")
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -178,7 +206,10 @@ def run_link_bench(
     echo: Any = print,
 ) -> dict[str, Any]:
     """Measure every (bandwidth, layout); ``link``: ``netns`` (tc-shaped namespace, or fail),
-    ``paced`` (software pacing), ``auto`` (netns where possible, else paced, saying why)."""
+    ``paced`` (software pacing), ``auto`` (netns where possible, else paced, saying why).
+    Options are checked first (:func:`check_options`), before any process starts."""
+    check_options(bandwidths=bandwidths, layouts=layouts, stages=stages, link=link, rows=rows, length=length, dim=dim,
+                  k=k, microbatches=microbatches, schedule=schedule, steps=steps, warmup=warmup)
     options = {"stages": stages, "layouts": list(layouts), "rows": rows, "length": length, "dim": dim, "k": k,
                "microbatches": microbatches, "schedule": schedule, "steps": steps, "warmup": warmup}
     method = link

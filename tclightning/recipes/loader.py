@@ -4,14 +4,19 @@ A recipe is a YAML file checked against :class:`RecipeConfig`. Composition order
 highest priority: schema defaults, each entry of ``defaults`` (recursively, in order), the file
 itself, then ``key=value`` overrides from the command line. ``callback_presets`` entries are YAML
 lists of ``class_path``/``init_args`` from the top-level ``callbacks/`` folder, placed before the
-recipe's own ``callbacks``. Every error names the file and the key (:class:`RecipeError`).
+recipe's own ``callbacks``. Every error names the file and the key (:class:`RecipeError`); an
+error in a command-line override names that override. Every value is checked against its range
+(:mod:`tclightning.recipes.ranges`) here, before a run creates anything.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tclightning.errors import RecipeError
+from tclightning.recipes.ranges import problems
 from tclightning.recipes.schema import RecipeConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -51,13 +57,20 @@ class RecipeInfo:
 
 
 def list_recipes() -> list[RecipeInfo]:
-    """Every recipe on the search path; earlier folders shadow later ones by file name."""
+    """Every recipe on the search path; earlier folders shadow later ones by file name.
+
+    A file that cannot be read is listed under its file stem with the reason as its description,
+    so one broken file never hides the others (loading it gives the full error)."""
     seen: dict[str, RecipeInfo] = {}
     for folder in recipe_dirs():
         for path in sorted(folder.glob("*.yaml")):
             if path.name in seen:
                 continue
-            data = _read_yaml(path)
+            try:
+                data = _read_yaml(path)
+            except RecipeError as err:
+                seen[path.name] = RecipeInfo(path.stem, path, f"(unreadable: {err})")
+                continue
             name = str(data.get("name") or path.stem) if isinstance(data, dict) else path.stem
             description = str(data.get("description", "")) if isinstance(data, dict) else ""
             seen[path.name] = RecipeInfo(name, path, " ".join(description.split()))
@@ -95,25 +108,59 @@ def find_preset(ref: str, relative_to: Path) -> Path:
     raise RecipeError(f"unknown callback preset '{ref}'; known presets: {', '.join(known)}", key="callback_presets")
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            continue  # construct_mapping reports unhashable keys itself
+        if key in first_line and key != "<<":
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key '{key}' (first given on line {first_line[key] + 1})", key_node.start_mark
+            )
+        first_line[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
 def _read_yaml(path: Path) -> Any:
+    """The YAML document in ``path`` (None for an empty file); one-line :class:`RecipeError` otherwise."""
     try:
-        return yaml.safe_load(path.read_text()) or {}
+        raw = path.read_bytes()
+    except OSError as err:
+        raise RecipeError(f"cannot read: {err.strerror or err}", file=str(path)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RecipeError(
+            f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8",
+            file=str(path),
+        ) from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise RecipeError(f"not valid YAML{where}: {getattr(err, 'problem', err)}", file=str(path)) from None
-    except OSError as err:
-        raise RecipeError(f"cannot read: {err.strerror}", file=str(path)) from None
+        problem = getattr(err, "problem", None) or str(err)
+        raise RecipeError(f"not valid YAML{where}: {' '.join(str(problem).split())}", file=str(path)) from None
 
 
 def _known_keys(node: Any) -> list[str]:
     return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
 
-def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> RecipeError:
+def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, override: str | None = None) -> RecipeError:
     """One line naming the source and the key, with a 'did you mean' for unknown keys."""
     key = str(getattr(err, "full_key", "") or "")
-    msg = str(getattr(err, "msg", err)).splitlines()[0]
+    msg = (str(getattr(err, "msg", None) or err).splitlines() or [type(err).__name__])[0]
     if isinstance(err, ConfigKeyError):
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(schema, parent_key) if parent_key else schema
@@ -121,17 +168,35 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str) -> Re
         close = difflib.get_close_matches(leaf, options, n=1)
         hint = f" (did you mean '{(parent_key + '.' if parent_key else '') + close[0]}'?)" if close else ""
         expected = f"; keys here: {', '.join(options)}" if options and not close else ""
-        return RecipeError(f"unknown key{hint}{expected}", file=source, key=key)
-    return RecipeError(msg, file=source, key=key or None)
+        return RecipeError(f"unknown key{hint}{expected}", file=source, key=key, override=override)
+    return RecipeError(msg, file=source, key=key or None, override=override)
 
 
-def _merge(base: DictConfig, data: Any, source: str) -> DictConfig:
+def _check_sections(schema: DictConfig, data: dict, prefix: str, source: str, override: str | None) -> None:
+    """A section (``trainer``, ``model.tiny``, ...) given anything but a mapping: name it and what came."""
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise RecipeError(f"keys must be names, got {key!r}", file=source, key=prefix.rstrip(".") or None,
+                              override=override)
+        if key not in schema:
+            continue  # the merge reports unknown keys, with a suggestion
+        node = schema._get_node(key)
+        if isinstance(node, DictConfig) and OmegaConf.get_type(node) not in (dict, None):
+            if not isinstance(value, dict):
+                shown = "nothing (an empty section needs {})" if value is None else f"{type(value).__name__} {value!r}"
+                raise RecipeError(f"expected a mapping of {key} settings, got {shown}", file=source,
+                                  key=prefix + key, override=override)
+            _check_sections(node, value, f"{prefix}{key}.", source, override)
+
+
+def _merge(base: DictConfig, data: Any, source: str, override: str | None = None) -> DictConfig:
     if not isinstance(data, dict):
         raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}", file=source)
+    _check_sections(base, data, "", source, override)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
-        raise _explain(err, base, source) from None
+        raise _explain(err, base, source, override) from None
 
 
 def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...]) -> DictConfig:
@@ -139,8 +204,12 @@ def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...]) -> DictConfi
         cycle = " -> ".join(p.name for p in (*chain, path))
         raise RecipeError(f"recipes include each other: {cycle}", file=str(path), key="defaults")
     data = _read_yaml(path)
+    if not data:
+        raise RecipeError("the file is empty: a recipe needs at least a description (and usually defaults)",
+                          file=str(path))
     if not isinstance(data, dict):
-        raise RecipeError("expected a mapping of sections at the top level", file=str(path))
+        raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}",
+                          file=str(path))
     includes = data.get("defaults", [])
     if not isinstance(includes, list):
         raise RecipeError("expected a list of recipe names or paths", file=str(path), key="defaults")
@@ -159,23 +228,47 @@ def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...]) -> DictConfi
     return merged
 
 
+COMMAND_LINE = "command line"
+
+
 def parse_overrides(overrides: Sequence[str]) -> DictConfig:
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise RecipeError(f"overrides must look like key=value, got '{bad[0]}'", file="command line")
+    """``key=value`` strings -> a config; each must be UTF-8 text with a ``=``."""
+    for override in overrides:
+        try:
+            override.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = override.encode("utf-8", "surrogateescape")
+            raise RecipeError(f"an override is not valid UTF-8: {raw!r}", file=COMMAND_LINE) from None
+        if "=" not in override:
+            raise RecipeError(f"overrides must look like key=value, got '{override}'", file=COMMAND_LINE)
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as err:
-        raise RecipeError(str(err).splitlines()[0], file="command line") from None
+        message = (str(err).splitlines() or [type(err).__name__])[0]
+        raise RecipeError(message, file=COMMAND_LINE, override=overrides[0] if len(overrides) == 1 else None) from None
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConfig, dict[str, str]]:
+    """Merge overrides one by one (so an error names the one at fault); returns the config and
+    ``{key: override}`` of the keys the command line set (the last override of a key wins)."""
+    credited: dict[str, str] = {}
+    for override in overrides:
+        data = OmegaConf.to_container(parse_overrides([override]))
+        cfg = _merge(cfg, data, COMMAND_LINE, override=override)
+        credited[override.partition("=")[0].strip()] = override
+    return cfg, credited
 
 
 def load_recipe(ref: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """The fully composed, validated recipe as a structured ``DictConfig``."""
+    """The fully composed, validated recipe as a structured ``DictConfig``.
+
+    Raises :class:`RecipeError` (one line naming the file or the override, and the key) for
+    anything outside the schema or a value's range; reads the recipe, its includes and presets,
+    imports the callback modules it names, and writes nothing."""
     path = find_recipe(ref)
     schema = OmegaConf.structured(RecipeConfig)
     cfg = _compose(path, schema, ())
-    if overrides:
-        cfg = _merge(cfg, OmegaConf.to_container(parse_overrides(overrides)), "command line")
+    cfg, credited = apply_overrides(cfg, overrides)
     presets: list[Any] = []
     for ref_preset in cfg.callback_presets:
         preset_path = find_preset(str(ref_preset), path.parent)
@@ -185,7 +278,7 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> DictConfig:
         presets.extend(entries)
     if presets:
         cfg = _merge(cfg, {"callbacks": presets + OmegaConf.to_container(cfg.callbacks)}, "callback_presets")
-    validate(cfg, str(path))
+    validate(cfg, str(path), credited)
     return cfg
 
 
@@ -194,68 +287,103 @@ def to_dataclass(cfg: DictConfig) -> RecipeConfig:
 
 
 # --------------------------------------------------------------------------------- semantics
-CHOICES = {
-    "model.source": ("tiny", "hf", "gguf"),
-    "sampler.backend": ("hf", "vllm"),
-    "grpo.loss_aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "grpo.scale_rewards": ("group", "none"),
-    "grpo.overlong": ("none", "mask", "penalty"),
-    "trainer.precision": ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed"),
-    "logging.progress": ("rich", "tqdm", "none"),
-    "anchor.merger": ("none", "signed_ema", "dense"),
-    "anchor.projector": ("none", "damped_linear", "rank1"),
-    "anchor.warmup": ("none", "la_warmup"),
-}
-POSITIVE = ("trainer.steps", "sampler.group_size", "sampler.max_new_tokens", "sampler.batch_size",
-            "grpo.prompts_per_step", "grpo.epochs", "grpo.minibatches")
+def _credit(keys: Sequence[str], credited: dict[str, str]) -> str | None:
+    """The command-line override that set one of ``keys`` (or a section holding it), if any."""
+    found = None
+    for key, override in credited.items():  # in command-line order: the last match wins
+        if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys):
+            found = override
+    return found
 
 
-def validate(cfg: DictConfig, source: str) -> None:
-    """Checks types cannot express: enumerations, positivity, importable callback classes."""
-    for key, options in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in options:
-            raise RecipeError(f"expected one of {', '.join(options)}, got '{value}'", file=source, key=key)
-    for key in POSITIVE:
-        if OmegaConf.select(cfg, key) < 1:
-            raise RecipeError(f"expected a positive integer, got {OmegaConf.select(cfg, key)}", file=source, key=key)
-    if cfg.sampler.group_size < 2:
-        raise RecipeError("GRPO needs at least 2 completions per prompt", file=source, key="sampler.group_size")
-    if cfg.anchor.merger == "signed_ema" and cfg.trainer.strategy != "pipeline":
-        raise RecipeError(
-            "signed_ema merges a compressed trainer's gradient with the dense anchor's: set "
-            "trainer.strategy: pipeline with a compressed pipeline.layout",
-            file=source, key="anchor.merger",
-        )
+def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = None) -> None:
+    """Every value in its range (:data:`tclightning.recipes.ranges.RANGES`), the cross checks, and
+    importable callback classes. The first problem raises :class:`RecipeError` naming the key and
+    ``source``, or the override from ``credited`` (``{key: "key=value"}``) that set it."""
+    credited = credited or {}
+    for problem in problems(cfg):
+        override = _credit(problem.keys, credited)
+        raise RecipeError(problem.message, file=COMMAND_LINE if override else source, key=problem.keys[0],
+                          override=override)
     for i, spec in enumerate(cfg.callbacks):
-        resolve_callback_class(spec.class_path, source, f"callbacks[{i}].class_path")
+        key = f"callbacks[{i}].class_path"
+        override = _credit(("callbacks",), credited)
+        try:
+            resolve_callback_class(spec.class_path, source, key)
+        except RecipeError as err:
+            if override is None:
+                raise
+            raise RecipeError(str(err).split(f"key '{key}': ", 1)[-1], file=COMMAND_LINE, key=key,
+                              override=override) from None
+
+
+def _find_module(name: str) -> bool:
+    """Whether module ``name`` exists, found without running code where possible: each level is
+    looked up in the folders of the package above, so no parent ``__init__`` is executed."""
+    if name in sys.modules:
+        return True
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])  # top level: a lookup, no import
+        for depth in range(2, len(parts) + 1):
+            if spec is None or spec.submodule_search_locations is None:
+                return False  # a plain module has no submodules
+            dotted = ".".join(parts[:depth])
+            if dotted in sys.modules:
+                spec = sys.modules[dotted].__spec__
+                continue
+            parent = ".".join(parts[: depth - 1])
+            found = importlib.machinery.PathFinder.find_spec(dotted, list(spec.submodule_search_locations))
+            if found is None and parent in sys.modules:  # a package with its own finder, already imported
+                found = importlib.util.find_spec(dotted)
+            spec = found
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
 
 
 def resolve_callback_class(class_path: str, source: str, key: str) -> type:
-    """Import ``class_path`` and check it is a Lightning ``Callback``."""
+    """The Lightning ``Callback`` subclass ``class_path`` names (``package.module.ClassName``).
+
+    The module must exist (checked without importing it or its parents); then only that module
+    is imported (its code runs: a recipe is as trusted as code), and the attribute must be a
+    ``Callback`` subclass. Nothing is instantiated here."""
     from lightning.pytorch import Callback
 
     module_name, _, attr = class_path.rpartition(".")
+    if not module_name or not all(part.isidentifier() for part in class_path.split(".")):
+        raise RecipeError(f"expected an import path like package.module.ClassName, got '{class_path}'",
+                          file=source, key=key)
+    if not _find_module(module_name):
+        raise RecipeError(f"cannot import callback class '{class_path}': no module '{module_name}'",
+                          file=source, key=key)
     try:
-        cls = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        cls = None
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - the module's own code failed: the recipe's error
+        reason = (str(err).splitlines() or [""])[0]
+        raise RecipeError(f"cannot import callback class '{class_path}': {type(err).__name__}: {reason}",
+                          file=source, key=key) from None
+    cls = getattr(module, attr, None)
     if cls is None:
-        raise RecipeError(f"cannot import callback class '{class_path}'", file=source, key=key)
+        raise RecipeError(f"cannot import callback class '{class_path}': module '{module_name}' has no '{attr}'",
+                          file=source, key=key)
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         raise RecipeError(f"'{class_path}' is not a lightning Callback", file=source, key=key)
     return cls
 
 
-def instantiate_callbacks(cfg: DictConfig) -> list[Any]:
+def instantiate_callbacks(cfg: DictConfig, source: str = "recipe") -> list[Any]:
+    """The recipe's callbacks, built; a constructor refusing its ``init_args`` (TypeError or
+    ValueError) is a :class:`RecipeError` naming ``callbacks[i].init_args`` in ``source``."""
     callbacks = []
     for i, spec in enumerate(cfg.callbacks):
-        cls = resolve_callback_class(spec.class_path, "recipe", f"callbacks[{i}].class_path")
+        cls = resolve_callback_class(spec.class_path, source, f"callbacks[{i}].class_path")
         init_args = OmegaConf.to_container(spec.init_args, resolve=True)
         try:
             callbacks.append(cls(**init_args))
-        except TypeError as err:
-            raise RecipeError(str(err), file="recipe", key=f"callbacks[{i}].init_args") from None
+        except (TypeError, ValueError) as err:
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            raise RecipeError(reason, file=source, key=f"callbacks[{i}].init_args") from None
     return callbacks
 
 
@@ -263,5 +391,5 @@ def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg)
 
 
-__all__ = ["RecipeInfo", "find_recipe", "instantiate_callbacks", "list_recipes", "load_recipe", "to_dataclass",
-           "to_yaml", "validate", "ListConfig"]
+__all__ = ["RecipeInfo", "apply_overrides", "find_recipe", "instantiate_callbacks", "list_recipes", "load_recipe",
+           "resolve_callback_class", "to_dataclass", "to_yaml", "validate", "ListConfig"]

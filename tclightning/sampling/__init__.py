@@ -8,6 +8,8 @@ from __future__ import annotations
 from tclightning._lazy import lazy_attributes
 
 _EXPORTS = {
+    "NonFiniteError": "tclightning.sampling.base",
+    "nonfinite_parameters": "tclightning.sampling.base",
     "PromptFormatter": "tclightning.sampling.base",
     "Rollouts": "tclightning.sampling.base",
     "Sampler": "tclightning.sampling.base",

@@ -9,6 +9,34 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tclightning.errors import TclightningError
+
+
+class NonFiniteError(TclightningError):
+    """The policy diverged: its weights, or the logits it gives, hold NaN or Inf.
+
+    Raised before anything is sampled from such a policy (never a traceback inside
+    ``generate``). The CLI prints it as one line and exits 3: a diverged run, not a bad input.
+    """
+
+    exit_code = 3
+
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters of ``model`` holding NaN or Inf (empty when all are finite).
+
+    One max-abs norm per parameter and a single host sync: cheap next to a forward pass, and a
+    max (unlike a sum of squares) does not overflow on large finite weights.
+    """
+    named = list(model.named_parameters())
+    if not named:
+        return []
+    norms = [torch.linalg.vector_norm(p.detach(), ord=float("inf")).float() for _, p in named]
+    finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms]))
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+
 
 @dataclass
 class Rollouts:

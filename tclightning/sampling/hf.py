@@ -6,10 +6,25 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel, PreTrainedTokenizerBase
 
-from tclightning.sampling.base import PromptFormatter, Rollouts
+from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts
 from tclightning.sampling.config import SamplerConfig
+
+
+class FiniteLogitsGuard(LogitsProcessor):
+    """Raises :class:`NonFiniteError` at the first decoding step whose logits are unusable.
+
+    A policy with large but finite weights can still overflow in its forward (the residual
+    stream's square in RMSNorm), and ``torch.multinomial`` then fails deep inside ``generate``.
+    Runs after the temperature and top-p processors, where ``-inf`` marks a filtered token, so a
+    row is unusable when its maximum is not finite (NaN, ``+inf``, or every token ``-inf``).
+    """
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if not bool(torch.isfinite(scores.max(dim=-1).values).all()):
+            raise NonFiniteError("the policy gives NaN or Inf logits while sampling: its weights have diverged")
+        return scores
 
 
 class HFSampler:
@@ -64,6 +79,7 @@ class HFSampler:
                         eos_token_id=self.tokenizer.eos_token_id,
                         output_logits=True,
                         return_dict_in_generate=True,
+                        logits_processor=LogitsProcessorList([FiniteLogitsGuard()]),
                     )
                     completion = out.sequences[:, ids.shape[1] :]
                     logits = torch.stack(out.logits, dim=1).float()  # [b, Lc, V], raw (pre-processor)

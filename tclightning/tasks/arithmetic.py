@@ -36,8 +36,10 @@ OPERATIONS: dict[str, Callable[[int, int], int]] = {
 # problems are drawn with rejection of repeats (the space is then too big to list).
 _ENUMERATE_LIMIT = 200_000
 _MAX_DIGITS = 9
-_FIRST_INTEGER = re.compile(r"-?\d+")
-_FIRST_DIGITS = re.compile(r"\s*(\d+)")
+# ASCII digits only: int() would also read other scripts' digits, which the answers never use.
+# Digit runs are capped before int() (first_integer), so no completion makes int() slow.
+_FIRST_INTEGER = re.compile(r"-?\d+", re.ASCII)
+_FIRST_DIGITS = re.compile(r"\s*(\d+)", re.ASCII)
 # Widest result of each operation for operands of `digits` digits (fixed_width answers).
 _RESULT_WIDTH: dict[str, Callable[[int], int]] = {"+": lambda d: d + 1, "-": lambda d: d, "*": lambda d: 2 * d}
 

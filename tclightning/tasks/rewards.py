@@ -14,9 +14,19 @@ call runs under a wall-clock limit:
 * any other thread (or no ``SIGALRM``): signals only reach the main thread, so the call
   runs in a small pool of spawned worker processes, which apply the timer themselves; a
   worker that still does not answer ``timeout_s + 1 s`` later is killed (this also bounds
-  C-level work a signal cannot interrupt). The first call in a thread pays the spawn (~1-3 s).
+  C-level work a signal cannot interrupt). The first call in a thread pays the spawn (~2-4 s,
+  the worker imports math-verify before it takes work).
 * if no worker can be started (e.g. inside a daemonic process), the verdict falls back to
   normalised string / exact number comparison, which needs no time limit.
+
+Two things stay outside every limit, on purpose:
+
+* the exact-number shortcut (``simple_math_equal``, ``numbers_equal``): its cost is bounded by
+  caps checked before any ``Decimal``/``Fraction``/``int`` is built (``MAX_ANSWER_CHARS``,
+  ``MAX_NUMERAL_EXPONENT``), not by a timer -- a timer cannot interrupt one big C-level
+  integer operation such as ``Fraction(Decimal("1e99999999"))``;
+* the import of math-verify and sympy (``load_math_verify``), done once before any timer is
+  armed: an import cut short by an alarm would leave half-built modules behind.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import multiprocessing
 import re
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +46,13 @@ T = TypeVar("T")
 
 # A final answer longer than this is not an answer: never hand it to sympy.
 MAX_ANSWER_CHARS = 1000
+# Largest |exponent| of a numeral the exact-number checks accept ("1e1000"). Building a
+# Fraction from a Decimal costs ~|exponent| digits of integer arithmetic in one C call, which
+# no alarm can interrupt ("1e99999999" ran for minutes). A numeral past the cap takes more
+# than MAX_ANSWER_CHARS digits to write out, which is already more than any answer we accept;
+# and the shortcut that refuses it only ever says "equal": math-verify, under the time
+# limit, still judges it. So the cap moves work under the limit and changes no verdict.
+MAX_NUMERAL_EXPONENT = 1000
 # Without a \boxed{}, math-verify looks for the answer in this many trailing characters only
 # (its regexes and sympy are not cheap on a 100k-char ramble; the answer is at the end).
 MAX_TAIL_CHARS = 4000
@@ -45,7 +63,9 @@ MAX_TAIL_CHARS = 4000
 # (\{ \} \\ ... : skipped, so LaTeX set braces do not count), or a bare brace. finditer
 # jumps over everything else in C, so a megabyte of text costs milliseconds.
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+# ASCII digits only (re.ASCII): the answers are ASCII, and Python's int()/Decimal() would
+# otherwise also read digits of every other script ("\u0667\u0662" as 72).
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?", re.ASCII)
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
 
 
@@ -137,15 +157,25 @@ def gsm8k_completion_answer(text: str) -> str | None:
 # --------------------------------------------------------------------------- comparison
 
 
+# A plain ASCII numeral: what Decimal() may see (it would also take "NaN", "1_0", other
+# scripts' digits and exponents of any size).
+_NUMERAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
 def _to_decimal(text: str) -> Decimal | None:
+    """``text`` as an exact Decimal, or None unless it is a plain numeral within the caps
+    (at most ``MAX_ANSWER_CHARS`` characters, |exponent| at most ``MAX_NUMERAL_EXPONENT``)."""
     cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
-    if not cleaned or len(cleaned) > MAX_ANSWER_CHARS:
+    if not cleaned or len(cleaned) > MAX_ANSWER_CHARS or not _NUMERAL.fullmatch(cleaned):
         return None
     try:
         value = Decimal(cleaned)
     except (InvalidOperation, ValueError):
         return None
-    return value if value.is_finite() else None
+    exponent = value.as_tuple().exponent
+    if not isinstance(exponent, int) or abs(exponent) > MAX_NUMERAL_EXPONENT:
+        return None
+    return value
 
 
 def numbers_equal(a: str | None, b: str | None) -> bool:
@@ -166,7 +196,7 @@ def verify_gsm8k(completion: str, gold: str) -> float:
 
 _LATEX_NOISE = re.compile(r"\\left|\\right|\\[!,;:> ]|\\displaystyle|\^\{?\\circ\}?|\\%|%|\s+")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
-_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$|^(-?\d+)/(-?\d+)$")
+_FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$|^(-?\d+)/(-?\d+)$", re.ASCII)
 
 
 def normalize_math_answer(text: str) -> str:
@@ -185,7 +215,9 @@ def normalize_math_answer(text: str) -> str:
 
 def _as_fraction(text: str) -> Fraction | None:
     s = normalize_math_answer(text)
-    if len(s) > 64:  # Fraction/Decimal of a giant literal is pointless work
+    # Fraction/Decimal of a giant literal is pointless work; 64 characters also keep every
+    # int() below far under Python's int-from-str digit limit.
+    if len(s) > 64:
         return None
     m = _FRAC.match(s)
     try:
@@ -218,50 +250,148 @@ class _Timeout(BaseException):
     ``except Exception`` blocks cannot swallow it and carry on past the limit."""
 
 
-def _raise_timeout(signum: int, frame: Any) -> None:
-    raise _Timeout()
-
-
 def _can_use_alarm() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+# After the first expiry the alarm repeats this often until the call has unwound: a timeout
+# swallowed by a bare ``except:`` (mpmath has some) is raised again instead of lost.
+_ALARM_REPEAT_S = 0.1
 
 
 def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     """Run ``fn()`` (main thread only) under a SIGALRM interval timer; ``TimeoutError`` past it.
 
-    Nests with a timer armed by someone else: ours never outlives theirs, and theirs is
-    re-armed afterwards with its remaining time (so it still fires, just after us).
+    Only ``TimeoutError`` (or what ``fn`` itself raises) leaves this function, wherever the
+    alarm lands. The timer repeats every ``_ALARM_REPEAT_S`` past the limit until ``fn`` has
+    unwound, so code that catches and drops the first timeout is interrupted again. Nests with
+    a timer armed by someone else: ours never outlives theirs, and theirs is re-armed
+    afterwards with its remaining time (so it still fires, just after us). A signal cannot
+    interrupt one long C-level operation: callers keep those out by capping inputs.
     """
-    previous_handler = signal.signal(signal.SIGALRM, _raise_timeout)
-    outer_delay, outer_interval = signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    if 0 < outer_delay < timeout_s:
-        signal.setitimer(signal.ITIMER_REAL, outer_delay)
+    armed = [True]  # cleared before disarming, so a late repeat raises nothing
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _Timeout()
+
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     started = time.monotonic()
     try:
         try:
+            # Both inside the try: an (outer) alarm landing between them is caught below.
+            signal.signal(signal.SIGALRM, on_alarm)
+            first = min(timeout_s, outer_delay) if outer_delay > 0 else timeout_s
+            signal.setitimer(signal.ITIMER_REAL, max(first, 1e-6), _ALARM_REPEAT_S)
             return fn()
         finally:
-            # First thing: if the alarm fires right here instead, it is one-shot and the
-            # outer handlers below still run.
+            # If the alarm lands before this line, the except below still catches it.
+            armed[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
     except _Timeout:
+        armed[0] = False
         raise TimeoutError(f"timed out after {timeout_s} s") from None
     finally:
-        signal.signal(signal.SIGALRM, previous_handler)
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if previous_handler is not None:  # None: set outside Python, cannot be restored
+            signal.signal(signal.SIGALRM, previous_handler)
         if outer_delay > 0:
             left = outer_delay - (time.monotonic() - started)
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
 
 
+# --------------------------------------------------------------------------- math-verify import
+
+# The packages behind math-verify. Only their modules are ever dropped from sys.modules.
+_MATH_VERIFY_PACKAGES = ("math_verify", "latex2sympy2_extended", "sympy", "mpmath", "antlr4")
+# Verifications that pull in sympy's lazily imported parts (integrals, units, set handlers,
+# combinatorics, antlr's analyser), so that they load here, with no limit armed.
+_WARM_UP = (
+    (r"\boxed{\sqrt{8}}", r"2\sqrt{2}"),
+    (r"\boxed{\int_0^1 x dx}", r"\frac{1}{2}"),
+    (r"\boxed{x \in [1, 2)}", "[1,2)"),
+    (r"\boxed{\{1,2\}}", r"\{2,1\}"),
+    (r"\boxed{10\%}", "0.1"),
+    (r"\boxed{\binom{5}{2}}", "10"),
+)
+_load_lock = threading.Lock()
+_load_state = "unloaded"  # -> "ready" | "missing"
+
+
+def _math_verify_modules() -> set[str]:
+    return {
+        name for name in list(sys.modules) if name.split(".", 1)[0] in _MATH_VERIFY_PACKAGES
+    }
+
+
+def _drop_orphaned_modules(before: set[str]) -> None:
+    """Forget the orphans an interrupted import left behind: math-verify's modules, imported
+    after ``before`` was taken, one of whose parent packages is gone from ``sys.modules``.
+
+    When an import is cut short, Python removes the modules whose code raised, but keeps their
+    finished submodules. Importing the package again would then reuse those, and the new
+    package object never gets them as attributes (``sympy.assumptions`` missing, math-verify
+    silently scoring 0.0). Dropping the orphans makes the next import start afresh; modules
+    that finished with their package are kept, as are all modules older than ``before``.
+    """
+    for name in _math_verify_modules() - before:
+        parts = name.split(".")
+        if any(".".join(parts[:i]) not in sys.modules for i in range(1, len(parts))):
+            sys.modules.pop(name, None)
+
+
+def load_math_verify() -> bool:
+    """Import math-verify (sympy, antlr) completely and warm its lazy imports; True if usable.
+
+    Call it with no time limit armed: ``math_verify_equal`` calls it before arming its own
+    (and a worker process before it reports ready). Idempotent and thread-safe; the first call
+    takes ~1-2 s. If anything interrupts the import (Ctrl-C, someone else's alarm), the
+    modules it orphaned are dropped before the exception propagates, so a later call imports
+    afresh rather than using half-built packages. Returns False (and keeps returning False)
+    when math-verify is not installed.
+    """
+    global _load_state
+    if _load_state != "unloaded":
+        return _load_state == "ready"
+    with _load_lock:
+        if _load_state != "unloaded":
+            return _load_state == "ready"
+        before = _math_verify_modules()
+        try:
+            import math_verify.grader
+            import math_verify.parser
+
+            # We pass timeout=None on purpose; silence math-verify's "timeout disabled" warning.
+            math_verify.parser.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
+            math_verify.grader.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
+        except ImportError:
+            _drop_orphaned_modules(before)
+            _load_state = "missing"
+            return False
+        except BaseException:
+            _drop_orphaned_modules(before)
+            raise
+        try:
+            for pred, gold in _WARM_UP:
+                _math_verify_equal(pred, gold)
+        except Exception:  # noqa: BLE001 -- best effort: a failed warm-up leaves those imports to later calls
+            pass
+        except BaseException:
+            _drop_orphaned_modules(before)
+            raise
+        _load_state = "ready"
+        return True
+
+
+# --------------------------------------------------------------------------- math-verify calls
+
+
 def _math_verify_equal(pred_text: str, gold: str) -> bool:
     """math-verify's verdict, with its own signal timeouts off (the caller bounds the time)."""
-    import math_verify.grader
-    import math_verify.parser
     from math_verify import parse, verify
 
-    # We pass timeout=None on purpose; silence math-verify's one-time "timeout disabled" warning.
-    math_verify.parser.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
-    math_verify.grader.TIMEOUT_WARNING_SHOWN = True  # type: ignore[attr-defined]
     gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)  # type: ignore[arg-type]
     pred_parsed = parse(pred_text, parsing_timeout=None)  # type: ignore[arg-type]
     if not gold_parsed or not pred_parsed:
@@ -269,14 +399,27 @@ def _math_verify_equal(pred_text: str, gold: str) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
 
 
-def _math_verify_local(pred_text: str, gold: str, timeout_s: float) -> bool:
-    """``_math_verify_equal`` under a SIGALRM limit; False on timeout or any error."""
+def _math_verify_local(pred_text: str, gold: str, timeout_s: float) -> bool | None:
+    """``_math_verify_equal`` under a SIGALRM limit; False on timeout or any error, None if
+    math-verify is not installed.
+
+    math-verify is imported first, with no limit armed. A lazy import that a timeout still
+    cuts short (some sympy parts load on first use) leaves no orphans behind (see
+    ``_drop_orphaned_modules``), so the next call imports afresh.
+    """
+    if not load_math_verify():
+        return None
+    before = _math_verify_modules()
     try:
         if timeout_s is None or timeout_s <= 0:
             return _math_verify_equal(pred_text, gold)
         return run_with_alarm(lambda: _math_verify_equal(pred_text, gold), timeout_s)
     except Exception:  # noqa: BLE001 -- includes TimeoutError
+        _drop_orphaned_modules(before)
         return False
+    except BaseException:  # Ctrl-C: leave no half-built module behind, then let it through
+        _drop_orphaned_modules(before)
+        raise
 
 
 # Worker processes for calls from non-main threads (see the module docstring).
@@ -291,8 +434,7 @@ _worker_slots = threading.BoundedSemaphore(_MAX_WORKERS)
 def _worker_main(conn: Any) -> None:
     # Ctrl-C belongs to the parent; it kills us on exit (we are a daemon).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import math_verify  # noqa: F401 -- warm the import before saying ready
-
+    load_math_verify()  # import and warm up before saying ready, with no limit armed
     conn.send("ready")
     while True:
         try:
@@ -337,9 +479,9 @@ def _math_verify_in_worker(pred_text: str, gold: str, timeout_s: float) -> bool 
             worker.conn.send((pred_text, gold, timeout_s))
             if not worker.conn.poll(timeout_s + _GRACE_S):
                 return False  # hung past its own alarm: the finally kills it
-            result = bool(worker.conn.recv())
+            result = worker.conn.recv()
             healthy = True
-            return result
+            return None if result is None else bool(result)
         except Exception:  # noqa: BLE001 -- a dead worker: report "could not verify"
             return None
         finally:
@@ -354,7 +496,11 @@ def math_verify_equal(pred_text: str, gold: str, timeout_s: float) -> bool | Non
     """math-verify's verdict on ``pred_text`` (any text; its answer is extracted) vs ``gold``
     (a bare answer), within ``timeout_s`` seconds from any thread.
 
-    Returns None only when math-verify could not run at all (non-main thread and no worker).
+    Returns None only when math-verify could not run at all (not installed, or a non-main
+    thread and no worker). Bound: ``timeout_s`` on the main thread; ``timeout_s`` + 1 s from
+    other threads, plus the start of a worker process when none is idle (once per worker,
+    independent of the input). The first call in a process also imports math-verify (~1-2 s,
+    see ``load_math_verify``).
     """
     if _can_use_alarm() or timeout_s is None or timeout_s <= 0:
         return _math_verify_local(pred_text, gold, timeout_s)

@@ -1,0 +1,348 @@
+"""Every bad input: one line on stderr naming the key or file, exit code 2, no traceback, nothing written.
+
+Table-driven through the real CLI entry point (``tclightning.cli.main.main``, in-process: the same
+argument parsing, handlers and error printing as the ``tclightning`` command, without a Python
+start per case). Each case runs in an empty temporary folder with ``logging.root`` inside it; after
+the error the folder must hold exactly the inputs the case wrote. Validation runs before any model
+is built, so each case costs a fraction of a second once the imports are warm.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tclightning.cli.main import main
+from tclightning.recipes.loader import find_recipe, list_recipes
+from tclightning.recipes.ranges import RANGES, leaf_keys
+from tclightning.recipes.schema import RecipeConfig
+
+NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class Case:
+    """A bad input: ``argv`` after ``tclightning`` ({tmp} is the case's folder), the ``files`` the case
+    writes there first (name -> bytes), and ``names``: text the one error line must contain."""
+
+    argv: tuple[str, ...]
+    names: tuple[str, ...]
+    files: dict[str, bytes] = field(default_factory=dict)
+
+
+def override(*overrides: str, names: tuple[str, ...] = ()) -> Case:
+    """``run --recipe tiny`` with overrides: the error is credited to the (last) override."""
+    return Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", *overrides),
+                names or (f"command line: override '{overrides[-1]}'",))
+
+
+def recipe(text: str | bytes, *names: str) -> Case:
+    """``run --recipe {tmp}/bad.yaml``: the error names the file (and the key, in ``names``)."""
+    data = text.encode() if isinstance(text, str) else text
+    return Case(("run", "--recipe", "{tmp}/bad.yaml"), ("bad.yaml", *names), {"bad.yaml": data})
+
+
+BASE = "defaults: [tiny]\ndescription: x\nlogging: {root: runs}\n"
+NO_PRESETS = BASE + "callback_presets: []\n"  # the recipe's own callbacks are callbacks[0], ...
+
+CASES: dict[str, Case] = {
+    # --- issue 14, point 8: tracebacks before
+    "lr-negative": override("grpo.lr=-1"),
+    "lr-nan": override("grpo.lr=nan"),
+    "temperature-zero": override("sampler.temperature=0"),
+    "num-threads-negative": override("trainer.num_threads=-1"),
+    "devices-zero": override("trainer.devices=0"),
+    "heads-do-not-divide": override("model.tiny.num_heads=3"),
+    "hidden-size-zero": override("model.tiny.hidden_size=0"),
+    "betas-one-value": override("grpo.betas=[0.9]"),
+    "seed-too-large": override("trainer.seed=99999999999"),
+    "recipe-not-utf8": recipe(b"description: caf\xe9\n", "not UTF-8"),
+    "override-not-utf8": override("grpo.lr=\udcff", names=("command line", "not valid UTF-8", "grpo.lr")),
+    "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
+                                {"afile": b"not a folder\n"}),
+    "analyze-health-binary": Case(("analyze", "health", "{tmp}/metrics.csv"), ("metrics.csv", "not a CSV text file"),
+                                  {"metrics.csv": bytes(range(256)) * 4}),
+    "bench-link-bandwidth-zero": Case(("bench", "link", "--bandwidth", "0"), ("--bandwidth",)),
+    # --- issue 14, point 8: trained without complaint before
+    "clip-low-negative": override("grpo.clip_low=-1"),
+    "kl-coef-negative": override("grpo.kl_coef=-1"),
+    "top-p-zero": override("sampler.top_p=0"),
+    "label-noise-above-one": override("model.warmup.label_noise=2.0"),
+    "eval-size-negative": override("task.eval_size=-1"),
+    "val-every-negative": override("trainer.val_every=-1"),
+    "checkpoint-every-negative": override("trainer.checkpoint_every=-5"),
+    "max-grad-norm-negative": override("grpo.max_grad_norm=-1"),
+    "steps-1e20": override("trainer.steps=1e20"),
+    "steps-huge": override("trainer.steps=100000000000000000000"),
+    "recipe-empty": recipe("", "empty"),
+    "recipe-only-comments": recipe("# nothing here\n", "empty"),
+    "duplicate-yaml-key": recipe(BASE + "grpo: {lr: 0.1}\ngrpo: {lr: 0.2}\n", "duplicate key 'grpo'", "line 4"),
+    "duplicate-nested-key": recipe(BASE + "grpo:\n  lr: 0.1\n  lr: 0.2\n", "duplicate key 'lr'"),
+    "max-new-tokens-1e11": override("sampler.max_new_tokens=1e11"),
+    "max-new-tokens-huge": override("sampler.max_new_tokens=100000000000"),
+    "max-new-tokens-beyond-positions": override("sampler.max_new_tokens=128", names=(
+        "command line: override 'sampler.max_new_tokens=128'", "max_positions")),
+    "section-not-a-mapping": recipe(BASE.replace("logging: {root: runs}\n", "") + "trainer: 5\n",
+                                    "key 'trainer'", "expected a mapping"),
+    "section-not-a-mapping-override": override("trainer=5", names=("command line: override 'trainer=5'", "mapping")),
+    # --- recipe-file values are credited to the file, not the command line
+    "file-lr-negative": recipe(BASE + "grpo: {lr: -1}\n", "key 'grpo.lr'"),
+    "file-seed-too-large": recipe(BASE + "trainer: {seed: 99999999999}\n", "key 'trainer.seed'"),
+    "file-heads": recipe(BASE + "model: {tiny: {num_heads: 3}}\n", "key 'model.tiny.num_heads'"),
+    "file-nan": recipe(BASE + "grpo: {lr: .nan}\n", "key 'grpo.lr'"),
+    # --- more of the same kind
+    "lr-inf": override("grpo.lr=inf"),
+    "beta-one": override("grpo.betas=[0.9,1.0]"),
+    "clip-low-above-one": override("grpo.clip_low=1.5"),
+    "eps-zero": override("grpo.eps=0"),
+    "group-size-one": override("sampler.group_size=1"),
+    "steps-fraction": override("trainer.steps=1.5"),
+    "steps-zero": override("trainer.steps=0"),
+    "kv-heads-do-not-divide": override("model.tiny.num_kv_heads=3"),
+    "odd-head-width": override("model.tiny.hidden_size=96", "model.tiny.num_heads=32",
+                               names=("command line", "model.tiny.num_heads", "even")),
+    "accelerator-unknown": override("trainer.accelerator=tpu"),
+    "strategy-unknown": override("trainer.strategy=ddp"),
+    "top-p-above-one": override("sampler.top_p=1.5"),
+    "task-unknown": override("task.name=nope"),
+    "task-digits-zero": override("task.digits=0"),
+    "task-digits-too-many": override("task.digits=12", names=("command line: override 'task.digits=12'", "digits")),
+    "task-operations": override("task.operations=/", names=("command line: override 'task.operations=/'",)),
+    "template-without-question": override("task.prompt_template=hello"),
+    "task-path-missing": override("task.name=gsm8k", "task.path={tmp}/nowhere.jsonl"),
+    "reward-timeout-zero": override("task.reward_timeout_s=0"),
+    "hf-without-name": override("model.source=hf", names=("command line: override 'model.source=hf'", "model.name")),
+    "gguf-file-missing": override("model.source=gguf", "model.gguf_file={tmp}/none.gguf"),
+    "mask-ratio-inverted": override("grpo.mask_ratio_low=2", "grpo.mask_ratio_high=1"),
+    "pipeline-layout-unknown": override("trainer.strategy=pipeline", "pipeline.layout=bogus"),
+    "pipeline-more-stages-than-layers": override("trainer.strategy=pipeline", "pipeline.stages=9",
+                                                 names=("command line: override 'pipeline.stages=9'", "layers")),
+    "run-name-escapes-root": override("logging.name=../elsewhere"),
+    "unknown-key": override("grpo.clip_hihg=0.3", names=("command line", "did you mean 'grpo.clip_high'")),
+    "override-without-equals": override("grpo.lr", names=("command line", "key=value")),
+    "recipe-binary": recipe(b"\x00\x01\x02 binary\n", "not valid YAML"),
+    "recipe-a-list": recipe("- 1\n- 2\n", "mapping"),
+    "recipe-bad-yaml": recipe("description: [unclosed\n", "not valid YAML", "line 2"),
+    "recipe-empty-section": recipe(BASE + "trainer:\n", "key 'trainer'", "empty section"),
+    "recipe-missing": Case(("run", "--recipe", "{tmp}/missing.yaml"), ("missing.yaml",)),
+    "recipe-unknown-name": Case(("run", "--recipe", "tinny"), ("did you mean 'tiny'",)),
+    "resume-last-without-runs": Case(("run", "--recipe", "tiny", "--resume", "last", "logging.root={tmp}/runs"),
+                                     ("resume",)),
+    "callback-module-missing": recipe(NO_PRESETS + "callbacks:\n  - class_path: no_such_pkg_tcl.mod.Cb\n",
+                                      "callbacks[0].class_path", "no module"),
+    "callback-not-a-callback": recipe(NO_PRESETS + "callbacks:\n  - class_path: collections.OrderedDict\n",
+                                      "callbacks[0].class_path", "not a lightning Callback"),
+    "callback-not-a-path": recipe(NO_PRESETS + "callbacks:\n  - class_path: 'not a path'\n", "callbacks[0].class_path"),
+    "callback-bad-init-args": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.collapse.CollapseDetector\n"
+        "    init_args: {no_such_argument: 1}\n", "callbacks[0].init_args"),
+    "analyze-health-inf-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "not a number"),
+                                    {"m.csv": b"step,reward/mean\ninf,1.0\n"}),
+    "analyze-health-missing": Case(("analyze", "health", "{tmp}/none.csv"), ("none.csv",)),
+    "bench-link-bandwidth-nan": Case(("bench", "link", "--bandwidth", "nan"), ("--bandwidth",)),
+    "bench-link-one-stage": Case(("bench", "link", "--stages", "1"), ("--stages",)),
+    "bench-codec-no-repeats": Case(("bench", "codec", "--repeats", "0"), ("--repeats",)),
+}
+
+
+def run_case(case: Case, folder: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    for name, data in case.files.items():
+        (folder / name).write_bytes(data)
+    argv = [arg.replace("{tmp}", str(folder)) for arg in case.argv]
+    capsys.readouterr()
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def check_refused(code: int, err: str, names: tuple[str, ...], folder: Path, inputs: set[str]) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    assert code == 2, lines[0]
+    assert {p.name for p in folder.iterdir()} == inputs, "nothing may be written before the input is refused"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_exit_2_nothing_written(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    case = CASES[name]
+    folder = tmp_path / "case"
+    folder.mkdir()
+    monkeypatch.chdir(folder)  # a recipe's relative `runs` lands here too
+    started = time.perf_counter()
+    code, err = run_case(case, folder, capsys)
+    names = tuple(n.replace("{tmp}", str(folder)) for n in case.names)
+    check_refused(code, err, names, folder, set(case.files))
+    # refused up front, not after a model or a benchmark started (generous bound for a loaded machine)
+    assert time.perf_counter() - started < 30
+
+
+def test_overrides_are_credited_to_the_command_line_and_file_values_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    # the file's width (96) is fine with 4 heads; 5 heads from the command line are not
+    (tmp_path / "mine.yaml").write_text(BASE + "model: {tiny: {hidden_size: 96}}\n")
+    code, err = run_case(Case(("run", "--recipe", "mine.yaml", "model.tiny.num_heads=5"), ()), tmp_path, capsys)
+    assert code == 2 and "command line: override 'model.tiny.num_heads=5'" in err and "mine.yaml" not in err
+    (tmp_path / "mine.yaml").write_text(BASE + "model: {tiny: {num_heads: 5}}\n")
+    code, err = run_case(Case(("run", "--recipe", "mine.yaml", "grpo.lr=0.1"), ()), tmp_path, capsys)
+    assert code == 2 and "mine.yaml: key 'model.tiny.num_heads'" in err and "command line" not in err
+
+
+def test_every_schema_key_has_a_range() -> None:
+    keys = leaf_keys(OmegaConf.structured(RecipeConfig))
+    assert set(keys) == set(RANGES), (set(keys) ^ set(RANGES))
+
+
+def test_shipped_recipes_and_edges_of_the_ranges_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    """The rules refuse the nonsensical, not the unusual: boundary values still load."""
+    edges = ["grpo.clip_low=0", "grpo.clip_low=1", "grpo.kl_coef=0", "sampler.top_p=1", "model.warmup.label_noise=1",
+             "task.eval_size=0", "trainer.val_every=0", "trainer.checkpoint_every=0", "grpo.max_grad_norm=0",
+             "trainer.seed=4294967295", "trainer.num_threads=null", "sampler.max_new_tokens=127",
+             "grpo.betas=[0,0.999]"]
+    code = main(["recipes", "show", "tiny", *edges])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "seed: 4294967295" in out.out
+
+
+def test_one_bad_file_on_the_search_path_breaks_no_other_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken.yaml").write_bytes(b"description: [unclosed\n")
+    (tmp_path / "latin1.yaml").write_bytes(b"description: caf\xe9\n")
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", str(tmp_path))
+    assert find_recipe("tiny").name == "tiny.yaml"
+    listed = {info.name: info for info in list_recipes()}
+    assert "tiny" in listed and "unreadable" in listed["broken"].description
+    assert main(["recipes", "list"]) == 0
+    capsys.readouterr()
+    code = main(["recipes", "show", "broken"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "broken.yaml" in err[0] and "not valid YAML" in err[0]
+
+
+def _as_nobody(argv: list[str]) -> tuple[int, str]:
+    """``main(argv)`` in a forked child that dropped root: root may write into read-only folders, an
+    ordinary user may not. Returns (exit code, stderr)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 99
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            sys.stderr = os.fdopen(write, "w")
+            code = main(argv)
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        err = fh.read()
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), err
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the unprivileged child did not finish")
+        time.sleep(0.05)
+
+
+def test_read_only_logging_root_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if os.geteuid() != 0:
+        folder = tmp_path / "readonly"
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            code, err = run_case(Case(("run", "--recipe", "tiny", f"logging.root={folder}/runs"), ()), tmp_path, capsys)
+        finally:
+            folder.chmod(0o755)
+    else:  # pytest's tmp_path is private to root: an unprivileged child needs a folder it can reach
+        folder = Path(tempfile.mkdtemp(prefix="tcl-readonly-"))
+        folder.chmod(0o555)
+        try:
+            code, err = _as_nobody(["run", "--recipe", "tiny", f"logging.root={folder}/runs"])
+        finally:
+            leftovers = list(folder.iterdir())
+            folder.chmod(0o755)
+            folder.rmdir()
+        assert not leftovers
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "logging.root" in lines[0] and "not writable" in lines[0]
+
+
+def _write_package(root: Path, marker: Path) -> None:
+    """A package whose ``__init__`` and classes leave ``marker`` behind when their code runs."""
+    package = root / "tcl_sidefx_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('package imported\\n')\n")
+    (package / "plain.py").write_text(
+        f"class NotACallback:\n    def __init__(self):\n        open({str(marker)!r}, 'a').write('built\\n')\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "class_path, fragment, imported",
+    [
+        ("tcl_sidefx_pkg.missing.Cb", "no module 'tcl_sidefx_pkg.missing'", False),
+        ("tcl_sidefx_pkg.plain.NotACallback", "not a lightning Callback", True),
+        ("tcl_sidefx_pkg.plain.Absent", "has no 'Absent'", True),
+    ],
+    ids=["missing-module", "not-a-callback", "missing-class"],
+)
+def test_callback_class_path_runs_nothing_it_does_not_need(
+    class_path: str, fragment: str, imported: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A missing module is refused without running its parent package's code; a class that is not a
+    Lightning Callback is refused without being built (importing the named module does run its code)."""
+    marker = tmp_path / "ran.txt"
+    _write_package(tmp_path, marker)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("tcl_sidefx_pkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    (tmp_path / "bad.yaml").write_text(NO_PRESETS + f"callbacks:\n  - class_path: {class_path}\n")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_case(Case(("run", "--recipe", "bad.yaml"), ()), tmp_path, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and fragment in err, err
+    ran = marker.read_text() if marker.exists() else ""
+    assert "built" not in ran
+    assert ("package imported" in ran) == imported
+    assert not (tmp_path / "runs").exists()
+
+
+def test_user_callback_by_import_path_is_accepted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning.recipes.loader import instantiate_callbacks, load_recipe
+
+    (tmp_path / "tcl_user_cb.py").write_text(
+        "import lightning as L\n\nclass Mine(L.Callback):\n    def __init__(self, every: int = 1):\n"
+        "        self.every = every\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "ok.yaml").write_text(
+        BASE + "callbacks:\n  - class_path: tcl_user_cb.Mine\n    init_args: {every: 3}\n"
+    )
+    callbacks = instantiate_callbacks(load_recipe(str(tmp_path / "ok.yaml")))
+    assert [type(c).__name__ for c in callbacks][-1] == "Mine" and callbacks[-1].every == 3
+
