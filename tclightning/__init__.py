@@ -14,6 +14,7 @@ Subpackages, one concept each:
 * ``callbacks``-- Lightning callbacks (monitoring, checkpoints, progress)
 * ``probes``   -- analysis tools (cut pricing, inference sweep, trajectories)
 * ``cli``      -- ``tclightning`` and ``lightning run``
+* ``bench``    -- measurement tooling behind ``tclightning bench``, the rank launcher (not used by training)
 """
 
 __version__ = "0.1.0"

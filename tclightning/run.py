@@ -204,7 +204,6 @@ def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
 def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
     import lightning as L
 
-    from tclightning.callbacks.anchor_merge import AnchorMerge
     from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
     from tclightning.callbacks.progress import GRPORichProgressBar, GRPOTQDMProgressBar
     from tclightning.logging import ResumableCSVLogger, build_tensorboard
@@ -220,11 +219,6 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
         GracefulStop(),
         *user_callbacks,
     ]
-    a = recipe.anchor
-    if a.merger == "signed_ema" and not any(isinstance(c, AnchorMerge) for c in callbacks):
-        options = {"gamma": a.projector_gamma, **({"window": a.projector_window} if a.projector == "rank1" else {})}
-        callbacks.append(AnchorMerge(a.merger, a.alpha, a.beta, a.projector,
-                                     options if a.projector != "none" else None))
     progress = {"rich": GRPORichProgressBar, "tqdm": GRPOTQDMProgressBar}.get(recipe.logging.progress)
     if progress is not None:
         callbacks.append(progress())

@@ -23,11 +23,11 @@ from tclightning.agentic.rollout import (
     ConversationFormatter,
     MultiTurnRollout,
     cat_rows,
-    gap_by_turn,
 )
 from tclightning.errors import TclightningError
 from tclightning.grpo.advantages import group_advantages
 from tclightning.grpo.logprobs import completion_logps
+from tclightning.grpo.loss import gap_by_turn
 from tclightning.grpo.module import GRPOModule
 from tclightning.grpo.summary import read_metrics
 from tclightning.models.char_tokenizer import build_char_tokenizer
@@ -314,3 +314,28 @@ def test_agentic_recipe_runs_end_to_end(run_root: Path, spy: list[dict], recipe:
     else:
         assert gap > 1e-4  # the compressed shallow cut opens the gap from the first interaction on
         assert rows[0]["wire/ratio"] > 1.0 and "anchor/sign_agreement" in logged
+
+
+def test_the_gap_per_interaction_is_logged_in_one_process_and_across_two(run_root: Path) -> None:
+    """The per-interaction gap (``agentic/gap_*_turn{i}``) comes from the one update loop, so an
+    agentic run logs it with one stage per process too, with the one-process values: the same
+    seed samples the same conversations on rank 0, and the last stage's log-probs equal the
+    one-process cuts' (tests/test_distributed.py)."""
+    import os
+    import subprocess
+    import sys
+
+    settings = [*AGENTIC_FAST, "trainer.steps=1", "trainer.val_every=0", "trainer.accelerator=cpu"]
+    one = read_metrics(Path(run("agentic-shallow", settings, quiet=True)["run_dir"]) / "metrics.csv")[0]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    args = [sys.executable, "-m", "tclightning", "run", "--recipe", "agentic-shallow", "--quiet", *settings,
+            "trainer.devices=2", "logging.name=two-processes"]
+    done = subprocess.run(args, check=False, cwd=run_root.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir,) = (run_root / "two-processes").iterdir()
+    two = read_metrics(run_dir / "metrics.csv")[0]
+    turns = sorted(k for k in one if k.startswith(("agentic/gap_kl_turn", "agentic/gap_abs_turn")))
+    assert "agentic/gap_kl_turn0" in turns and "agentic/gap_kl_turn1" in turns  # several interactions
+    assert sorted(k for k in two if k.startswith(("agentic/gap_kl_turn", "agentic/gap_abs_turn"))) == turns
+    for key in turns:
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key

@@ -371,6 +371,18 @@ def test_anchor_merge_requires_the_protocol(tmp_path: Path) -> None:
         _trainer(tmp_path, 1, [AnchorMerge()]).fit(NoAnchor(), _data())
 
 
+def test_anchor_merge_refuses_a_module_that_merges_its_own_anchor(tmp_path: Path) -> None:
+    from tclightning.anchor import Anchor
+
+    class OwnAnchor(PlainModule):  # as GRPOModule: its update loop merges self.anchor
+        def __init__(self) -> None:
+            super().__init__()
+            self.anchor = Anchor(make_merger("signed_ema"))
+
+    with pytest.raises(TclightningError, match="merges its own anchor.*remove the AnchorMerge callback"):
+        _trainer(tmp_path, 1, [AnchorMerge()]).fit(OwnAnchor(), _data())
+
+
 @pytest.mark.parametrize("projector", ["none", "damped_linear", "rank1"])
 def test_anchor_merge_resume_matches_uninterrupted(tmp_path: Path, projector: str) -> None:
     options = {"gamma": 0.5} if projector != "none" else {}
@@ -420,7 +432,7 @@ class AgreementSpy(pl.Callback):
         self.per_step: list[list[float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.per_step.append(list(self.merge._agreement))  # runs before AnchorMerge's own hook
+        self.per_step.append(list(self.merge.anchor.agreement))  # runs before AnchorMerge's own hook
 
 
 def test_sign_agreement_is_averaged_over_the_ticks_of_a_step(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from tclightning.errors import TclightningError
 from tclightning.grpo.logprobs import completion_logps
 from tclightning.grpo.loss import policy_loss
 from tclightning.pipeline import CutSet, PipelineConfig
-from tclightning.pipeline.launch import run_ranks
+from tclightning.bench.launch import run_ranks
 from tclightning.pipeline.stage import StageModule, pack, unpack
 from tclightning.sampling.base import Rollouts
 
@@ -88,11 +88,12 @@ def reference(case: str) -> dict[str, Any]:
 
 
 def stage_worker(rank: int, world_size: int, cases: list[str]) -> dict[str, Any]:
-    """Every case in one spawn (start-up dominates): the equality cases, then the anchor circuit."""
-    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
-    from tclightning.pipeline.grpo_step import MicrobatchLoss, _no_loss
+    """Every case in one spawn (start-up dominates): the equality cases, then the anchor circuit
+    and the whole update loop."""
+    from tclightning.grpo.update import MicrobatchLoss
+    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
-    results: dict[str, Any] = {"anchor": anchor_worker(rank)}
+    results: dict[str, Any] = {"anchor": anchor_worker(rank), "update": update_worker(rank)}
     for case in cases:
         model = tiny_llama()
         names = {id(p): name for name, p in model.named_parameters()}
@@ -110,7 +111,7 @@ def stage_worker(rank: int, world_size: int, cases: list[str]) -> dict[str, Any]
                 old_logp=old_logp, advantages=ADVANTAGES, mask=batch.completion_mask,
                 logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4,
             )
-        logp, _ = engine.run(StageInputs.from_rollouts(batch), loss_fn or _no_loss)
+        logp, _ = engine.run(StageInputs.from_rollouts(batch), loss_fn or no_loss)
         engine.reduce_tied_gradients()
         grads = {names[id(p)]: p.grad.clone() for p in engine.owned_parameters() if p.grad is not None}
         results[case] = {
@@ -129,7 +130,7 @@ ANCHOR_CASE = "prf-1f1b"
 
 
 def anchor_ticks(owned: list[torch.nn.Parameter], names: dict[int, str], g_comp: Any, anchor_m: Any) -> dict[str, Any]:
-    """The circuit as ``GRPOModule`` + ``AnchorMerge`` run it, over ``owned`` parameters:
+    """The circuit as the GRPO update's ``Anchor`` runs it, over ``owned`` parameters:
     per tick record (every C) / deliver (K late) / fold ``M`` into ``M_bar`` / merge into ``G_comp``
     / SGD step. ``g_comp()`` fills the ``.grad``s, ``anchor_m(job)`` returns ``(M, bytes)``.
     Returns the merged gradient of every tick by parameter name and the anchor bytes."""
@@ -165,18 +166,17 @@ def anchor_ticks(owned: list[torch.nn.Parameter], names: dict[int, str], g_comp:
 
 
 def anchor_worker(rank: int) -> dict[str, Any]:
-    """One rank of the 2-process circuit: its stage's snapshots, ``M`` over the dense pipeline."""
-    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
-    from tclightning.pipeline.grpo_step import (
-        MicrobatchLoss,
-        _no_loss,
-        pipelined_anchor_gradient,
-    )
+    """One rank of the 2-process circuit: its stage's snapshots, ``M`` from the update's
+    ``anchor_gradient`` through the pipeline backend (a dense pipelined pass)."""
+    from tclightning.grpo.update import MicrobatchLoss, anchor_gradient
+    from tclightning.pipeline.backends import PipelineBackend
+    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
     names = {id(p): name for name, p in model.named_parameters()}
     engine = PipelineEngine(model, config_for(ANCHOR_CASE))
     engine.set_step(STEP)
+    backend = PipelineBackend(backend_request(model), engine)
     batch = rollouts()
 
     def g_comp() -> None:
@@ -184,39 +184,89 @@ def anchor_worker(rank: int) -> dict[str, Any]:
         if engine.is_last:
             loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
                                      logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
-        engine.run(StageInputs.from_rollouts(batch), loss_fn or _no_loss)
+        engine.run(StageInputs.from_rollouts(batch), loss_fn or no_loss)
         engine.reduce_tied_gradients()
 
     def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
-        return pipelined_anchor_gradient(engine, job, aggregation="token-mean", norm_length=4)
+        return anchor_gradient(backend, job, aggregation="token-mean", norm_length=4)
 
-    return anchor_ticks(engine.owned_parameters(), names, g_comp, anchor_m)
+    from tclightning.backend import Backend
+
+    return {**anchor_ticks(backend.owned_parameters(), names, g_comp, anchor_m), "declared": isinstance(backend, Backend)}
+
+
+def backend_request(model: torch.nn.Module) -> Any:
+    from tclightning.backend import BackendRequest
+
+    return BackendRequest(model, 1.0, completion_logps, lambda loss: loss.backward())
 
 
 def anchor_reference() -> dict[str, Any]:
-    """One process: the model with cuts, ``M`` from ``GRPOModule._anchor_gradient`` itself."""
-    from tclightning.grpo.module import GRPOModule
+    """One process: the model with cuts, ``M`` from the same ``anchor_gradient`` through the
+    one-process backend (a hook-free dense clone)."""
+    from tclightning.grpo.update import anchor_gradient
+    from tclightning.pipeline.backends import LocalBackend
 
     model, batch = tiny_llama(), rollouts()
     names = {id(p): name for name, p in model.named_parameters()}
     with CutSet(model, config_for(ANCHOR_CASE)) as cuts:
-        cuts.set_step(STEP)
-        host = SimpleNamespace(  # the attributes _anchor_gradient reads (no trainer needed)
-            policy=model, device=torch.device("cpu"), cuts=cuts, trainer=SimpleNamespace(strategy=None),
-            sampler_cfg=SimpleNamespace(temperature=1.0, max_new_tokens=4), cfg=SimpleNamespace(loss_aggregation="token-mean"),
-            _anchor_workspace={}, _anchor_step={"anchor/bytes": 0.0},
-        )
+        backend = LocalBackend(backend_request(model), cuts)
+        backend.begin_step(STEP)
 
         def g_comp() -> None:
             logp, _ = completion_logps(model, batch)
             policy_loss(logp, logp.detach(), ADVANTAGES, batch.completion_mask, norm_length=4).loss.backward()
 
         def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
-            before = host._anchor_step["anchor/bytes"]
-            return GRPOModule._anchor_gradient(host, job), host._anchor_step["anchor/bytes"] - before
+            return anchor_gradient(backend, job, aggregation="token-mean", norm_length=4)
 
-        owned = [p for p in model.parameters() if p.requires_grad]
-        return anchor_ticks(owned, names, g_comp, anchor_m)
+        return anchor_ticks(backend.owned_parameters(), names, g_comp, anchor_m)
+
+
+# -- the one update loop on both backends ------------------------------------------------------
+
+TURNS = torch.tensor([0, 1, 0, 1, 2, 0])  # an agentic batch's interaction index per row
+
+
+def run_update(backend: Any, model: torch.nn.Module, advantages: torch.Tensor) -> dict[str, Any]:
+    """``grpo_update`` over 2 ticks (2 minibatches) with SGD on ``backend``'s parameters; the
+    metrics, the skipped ticks and the weights after, by parameter name."""
+    from tclightning.grpo.config import GRPOConfig
+    from tclightning.grpo.update import grpo_update
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    owned = backend.owned_parameters()
+    optimizer = torch.optim.SGD(owned, lr=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda tick: 1.0)
+    cfg = GRPOConfig(minibatches=2, max_grad_norm=1.0)
+    result = grpo_update(backend, optimizer, schedule, rollouts(), advantages, torch.arange(6), cfg=cfg,
+                         norm_length=4, seed=0, step=STEP, turns=TURNS)
+    return {"metrics": result.metrics, "skipped": result.skipped,
+            "weights": {names[id(p)]: p.detach().clone() for p in owned}}
+
+
+def update_worker(rank: int) -> dict[str, Any]:
+    """One rank: the update loop through the pipeline backend, then once more with NaN advantages."""
+    from tclightning.pipeline.backends import PipelineBackend
+    from tclightning.pipeline.engine import PipelineEngine
+
+    model = tiny_llama()
+    backend = PipelineBackend(backend_request(model), PipelineEngine(model, config_for(ANCHOR_CASE)))
+    backend.begin_step(STEP)
+    clean = run_update(backend, model, ADVANTAGES)
+    poisoned = run_update(backend, model, torch.full((6,), float("nan")))
+    return {"clean": clean, "poisoned": poisoned}
+
+
+def update_reference() -> dict[str, Any]:
+    """One process: the same loop through the one-process backend with the same cuts."""
+    from tclightning.pipeline.backends import LocalBackend
+
+    model = tiny_llama()
+    with CutSet(model, config_for(ANCHOR_CASE)) as cuts:
+        backend = LocalBackend(backend_request(model), cuts)
+        backend.begin_step(STEP)
+        return run_update(backend, model, ADVANTAGES)
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +304,11 @@ def test_two_ranks_match_one_process_loss_gradients_and_bytes(two_ranks: Any, ca
 def test_the_anchor_circuit_across_two_ranks_merges_as_one_process(two_ranks: Any) -> None:
     """signed_ema, K=1/C=2, PRF cut, 4 ticks: every rank snapshots its own stage, gets its stage's
     ``M`` from a dense pipelined pass at the snapshot and merges locally; the merged gradients of
-    every tick equal the one-process circuit's, and the anchor bytes (actual sends) its count."""
+    every tick equal the one-process circuit's, and the anchor bytes (actual sends) its count.
+    Both sides compute ``M`` with the same ``anchor_gradient``: only the backend differs."""
     first, last = (result["anchor"] for result in two_ranks)
     ref = anchor_reference()
+    assert first["declared"] and last["declared"]  # the multi-process backend satisfies the protocol, live
     assert ref["delivered"] == first["delivered"] == last["delivered"] == 2  # ticks 0 and 2, due at 1 and 3
     for tick, expected in enumerate(ref["merged"]):
         got = {**first["merged"][tick], **last["merged"][tick]}
@@ -268,6 +320,31 @@ def test_the_anchor_circuit_across_two_ranks_merges_as_one_process(two_ranks: An
     # dense boundary, both directions, one cut, the 5 kept rows' real tokens: 2 jobs
     kept_tokens = int(rollouts().select(torch.tensor([0, 2, 3, 4, 5])).attention_mask.sum())
     assert ref["bytes"] == first["bytes"] == last["bytes"] == 2 * (2 * kept_tokens * DIM * 4)
+
+
+def test_the_update_loop_on_two_ranks_matches_one_process_and_skips_together(two_ranks: Any) -> None:
+    """``grpo_update`` (2 ticks, clipping, SGD) through the pipeline backend: the same metrics on
+    every rank, equal to the one-process backend's (gap per interaction included), the same
+    weights after; a NaN loss on the last rank makes every rank skip every tick."""
+    first, last = (result["update"] for result in two_ranks)
+    ref = update_reference()
+    assert first["clean"]["metrics"] == last["clean"]["metrics"]  # the last rank's, shared
+    got = first["clean"]["metrics"]
+    assert set(got) == set(ref["metrics"])
+    assert {"agentic/gap_kl_turn0", "agentic/gap_kl_turn2", "gap/k3", "policy/entropy"} <= set(got)
+    for key, value in ref["metrics"].items():
+        assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    weights = {**first["clean"]["weights"], **last["clean"]["weights"]}
+    assert set(weights) == set(ref["weights"])
+    for name, weight in ref["weights"].items():
+        torch.testing.assert_close(weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    assert first["clean"]["skipped"] == last["clean"]["skipped"] == 0
+    # NaN advantages: the loss is NaN on the last rank; no rank steps, and the weights stay put
+    assert first["poisoned"]["skipped"] == last["poisoned"]["skipped"] == 2
+    assert first["poisoned"]["metrics"]["policy/skipped_ticks"] == 2.0
+    for result in (first, last):
+        for name, weight in result["poisoned"]["weights"].items():
+            assert torch.equal(weight, result["clean"]["weights"][name]), name
 
 
 def test_anchor_state_is_per_rank_and_a_process_count_change_is_refused() -> None:
@@ -315,8 +392,7 @@ def test_a_stage_chain_in_one_process_equals_the_model_with_cuts() -> None:
 
 
 def fault_worker(rank: int, world_size: int, fault: str) -> str:
-    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
-    from tclightning.pipeline.grpo_step import _no_loss
+    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
     engine = PipelineEngine(model, PipelineConfig(stages=2, microbatches=2, timeout_s=3, layout="all", k=5))
@@ -331,7 +407,7 @@ def fault_worker(rank: int, world_size: int, fault: str) -> str:
                 os._exit(3)
             time.sleep(60)  # hangs
         engine.set_step(step)
-        engine.run(batch, loss_fn if engine.is_last else _no_loss)
+        engine.run(batch, loss_fn if engine.is_last else no_loss)
     return "finished"
 
 
@@ -347,7 +423,7 @@ def test_a_dead_or_hung_stage_stops_the_other_within_the_timeout(fault: str) -> 
 
 
 def test_layouts_the_processes_cannot_run_are_refused_by_name() -> None:
-    from tclightning.pipeline.distributed import check_distributed_layout
+    from tclightning.pipeline.engine import check_distributed_layout
     from tclightning.pipeline.layout import resolve_layout
 
     config = PipelineConfig(stages=4)

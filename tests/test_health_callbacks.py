@@ -248,3 +248,19 @@ def test_bad_action_is_a_user_error():
 
     with pytest.raises(TclightningError, match="unknown action"):
         CollapseDetector(actions=["log", "explode"])
+
+
+def test_monitors_build_their_rules_from_the_families():
+    from tclightning.health.rules import default_rules, gap_rules, length_rules
+
+    def reprs(rules):
+        return [repr(r) for r in rules]
+
+    assert reprs(LengthFeedbackMonitor().detector.rules) == reprs(length_rules(nonfinite=True))
+    assert reprs(GapMonitor().detector.rules) == reprs(gap_rules(nonfinite=True, coupling=True))
+    assert reprs(CollapseDetector().detector.rules) == reprs(default_rules())
+    length = LengthFeedbackMonitor(window=12, growth_warn=0.1, drift_growth_warn=0.3, truncation_rise_warn=0.07,
+                                   truncation_collapse=0.4)
+    assert reprs(length.detector.rules) == reprs(length_rules(12, 0.1, 0.3, 0.07, 0.4, nonfinite=True))
+    gap = GapMonitor(abs_mean_band=0.3, k3_band=0.1, rise_warn=0.4, window=12)
+    assert reprs(gap.detector.rules) == reprs(gap_rules(0.3, 0.1, 0.4, 12, nonfinite=True, coupling=True))

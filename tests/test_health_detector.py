@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from pathlib import Path
@@ -30,6 +31,53 @@ def test_detector_module_has_no_lightning_import():
         source = Path(module.__file__).read_text()
         assert "lightning" not in source.replace("tclightning", ""), module.__name__
 
+
+
+def test_no_module_of_the_health_package_imports_lightning():
+    import tclightning.health
+
+    root = Path(tclightning.health.__file__).parent
+    sources = sorted(root.rglob("*.py"))
+    assert root / "rules" / "gap.py" in sources  # the rules package is walked too
+    for path in sources:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+        assert not imported & {"lightning", "pytorch_lightning", "lightning_utilities"}, path
+
+
+def test_families_take_thresholds_and_default_rules_holds_each_rule_once():
+    from tclightning.health.rules import (
+        GAP_METRICS,
+        LENGTH_METRICS,
+        NonFiniteRule,
+        default_rules,
+        gap_rules,
+        length_rules,
+        outcome_rules,
+    )
+
+    everything = [repr(r) for r in default_rules()]
+    assert everything == [repr(r) for r in (*outcome_rules(), *length_rules(), *gap_rules())]
+    assert len(set(everything)) == len(everything)
+    length = length_rules(12, 0.1, 0.3, 0.07, 0.4, nonfinite=True)
+    assert isinstance(length[0], NonFiniteRule) and length[0].metrics == LENGTH_METRICS
+    assert [r.name for r in length[1:]] == [r.name for r in length_rules()]
+    feedback, drift, truncation, coupling = length[1:]
+    assert (feedback.window, feedback.growth_warn, drift.growth_warn) == (12, 0.1, 0.3)
+    assert (truncation.rise_warn, truncation.level_collapse, coupling.window) == (0.07, 0.4, 12)
+    gap = gap_rules(0.3, 0.1, 0.4, 12, nonfinite=True, coupling=True)
+    assert isinstance(gap[0], NonFiniteRule) and gap[0].metrics == GAP_METRICS
+    assert [(r.name, r.inputs) for r in gap[1:]] == [
+        ("gap.level", ("gap/abs_mean",)),
+        ("gap.level", ("gap/k3",)),
+        ("gap.trend", ("gap/abs_mean",)),
+        ("length.gap_coupling", ("response/length_mean", "gap/abs_mean")),
+    ]
+    assert (gap[1].band, gap[2].band, gap[3].rise_warn, gap[3].window, gap[4].window) == (0.3, 0.1, 0.4, 12, 12)
 
 def test_history_merges_same_step_and_keeps_head():
     h = MetricHistory(max_points=8, head_points=3)

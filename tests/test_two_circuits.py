@@ -27,7 +27,8 @@ class Instrument(L.Callback):
         self.pending: list[int] = []
 
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
-        sample, anchor_gradient = pl_module.sample, pl_module._anchor_gradient
+        sample, anchor = pl_module.sample, pl_module.anchor
+        tick = anchor.tick
 
         def recording_sample(examples, seed, **kwargs):
             rollouts = sample(examples, seed, **kwargs)
@@ -35,18 +36,21 @@ class Instrument(L.Callback):
                 self.samples[trainer.global_step] = rollouts.completion_ids.clone()
             return rollouts
 
-        def recording_gradient(job):
-            self.jobs.append({"tick": job.tick, "delivered_at": trainer.global_step, "snapshot": job.snapshot,
-                              "completions": job.payload["rollouts"].completion_ids.clone()})
-            return anchor_gradient(job)
+        def recording_tick(now, *, gradient, **kwargs):
+            def recording_gradient(job):
+                self.jobs.append({"tick": job.tick, "delivered_at": trainer.global_step, "snapshot": job.snapshot,
+                                  "completions": job.payload["rollouts"].completion_ids.clone()})
+                return gradient(job)
 
-        pl_module.sample, pl_module._anchor_gradient = recording_sample, recording_gradient
+            return tick(now, gradient=recording_gradient, **kwargs)
+
+        pl_module.sample, anchor.tick = recording_sample, recording_tick
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
-        self.weights[trainer.global_step] = [p.detach().clone() for p in pl_module.anchor_parameters()]
+        self.weights[trainer.global_step] = [p.detach().clone() for p in pl_module.backend.owned_parameters()]
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, *args) -> None:
-        self.pending.append(len(pl_module.circuit.pending))
+        self.pending.append(len(pl_module.anchor.circuit.pending))
 
 
 def test_anchor_gradient_is_paired_replay_k_ticks_late(run_root: Path) -> None:

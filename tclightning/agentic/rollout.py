@@ -24,7 +24,6 @@ from tclightning.agentic.env import (
     Transcript,
     demonstration_pairs,
 )
-from tclightning.grpo.loss import gap_metrics
 from tclightning.sampling.base import PromptFormatter, Rollouts, Sampler, sequence_seed
 from tclightning.tasks.base import Example
 
@@ -108,20 +107,6 @@ class Episodes:
             "agentic/valid_frac": sum(bool(i.get("valid", True)) for i in infos) / max(len(infos), 1),
             "agentic/tool_calls_mean": sum(bool(i.get("tool", False)) for i in infos) / len(ts),
         }
-
-
-def gap_by_turn(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor,
-                turn: torch.Tensor) -> dict[str, float]:
-    """The sampler-trainer gap of each interaction index: ``agentic/gap_kl_turn{i}`` (k3 KL) and
-    ``agentic/gap_abs_turn{i}`` (mean |delta|) over the rows of turn ``i`` (``grpo.loss.gap_metrics``)."""
-    out: dict[str, float] = {}
-    turn = turn.to(mask.device)
-    for i in turn.unique().tolist():
-        gap = gap_metrics(logp_trainer, logp_sampler, mask * turn.eq(i).unsqueeze(-1).to(mask.dtype))
-        if gap:
-            out[f"agentic/gap_kl_turn{i}"] = gap["gap/k3"]
-            out[f"agentic/gap_abs_turn{i}"] = gap["gap/abs_mean"]
-    return out
 
 
 class MultiTurnRollout:

@@ -1,11 +1,13 @@
 """The anchor circuit (dense, late gradient ``M``), the mergers and the projectors (docs/anchor.md).
 
-Pure logic, no Lightning: :mod:`~tclightning.anchor.circuit` (schedule and pending jobs),
-:mod:`~tclightning.anchor.mergers` (``none``, ``dense``, ``signed_ema``) and
-:mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``). The Lightning side is
-:class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
+Pure logic, no Lightning: :mod:`~tclightning.anchor.anchor` (:class:`Anchor`, the feature in one
+object, built from the recipe by :func:`build_anchor`), :mod:`~tclightning.anchor.circuit`
+(schedule and pending jobs), :mod:`~tclightning.anchor.mergers` (``none``, ``dense``,
+``signed_ema``) and :mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``).
+The Lightning callback for any module is :class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
 """
 
+from tclightning.anchor.anchor import Anchor, AnchorDelivery, build_anchor
 from tclightning.anchor.circuit import (
     AnchorCircuit,
     AnchorJob,
@@ -23,6 +25,7 @@ from tclightning.anchor.mergers import (
     make_merger,
     sign_agreement,
     signed_ema_merge,
+    signed_ema_merge_,
 )
 from tclightning.anchor.projectors import (
     PROJECTORS,
@@ -37,7 +40,9 @@ from tclightning.anchor.projectors import (
 __all__ = [
     "MERGERS",
     "PROJECTORS",
+    "Anchor",
     "AnchorCircuit",
+    "AnchorDelivery",
     "AnchorJob",
     "AnchorSchedule",
     "DampedLinearProjector",
@@ -48,12 +53,14 @@ __all__ = [
     "Rank1Projector",
     "SignedEMAMerger",
     "Stage",
+    "build_anchor",
     "cpu_snapshot",
     "ema_update",
     "make_merger",
     "make_projector",
     "sign_agreement",
     "signed_ema_merge",
+    "signed_ema_merge_",
     "staleness_factor",
     "top_direction",
 ]

@@ -1,13 +1,14 @@
 """Mergers: fold the late dense anchor gradient ``M`` into the fast circuit's ``G_comp``.
 
 Pure logic over lists of gradient tensors (one tensor per parameter, same order and shapes as
-the parameters); no Lightning import. The Lightning side is
+the parameters); no Lightning import. A run's merger lives in :class:`tclightning.anchor.anchor.Anchor`
+(with the circuit that feeds it); the Lightning callback is
 :class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
 
 Each merger is a small stateful object with the same three calls:
 
 * ``observe(M)``: a new anchor gradient arrived (at most once per optimizer tick);
-* ``merge(G_comp) -> G`` (or the in-place ``merge_``): the gradient the optimizer steps with;
+* ``merge_(G_comp)`` (in place; ``merge`` on copies): the gradient the optimizer steps with;
 * ``state_dict() / load_state_dict()``: everything needed to resume exactly.
 
 Names (``MERGERS``):
@@ -51,13 +52,20 @@ def ema_update(m_bar: Sequence[Tensor] | None, m: Sequence[Tensor], beta: float)
     return [b.mul(beta).add_(x.detach().to(b.device, torch.float32), alpha=1.0 - beta) for b, x in zip(m_bar, m)]
 
 
+def signed_ema_merge_(grads: Sequence[Tensor], m_hat: Sequence[Tensor], alpha: float) -> None:
+    """In place: ``G = alpha * G_comp + (1 - alpha) * |G_comp| * sign(M_hat)`` per coordinate, with
+    ``grads`` holding ``G_comp`` (e.g. the parameters' ``.grad``). The merge formula, written once."""
+    _check_lengths(grads, m_hat, "G_comp", "M_hat")
+    for g, m in zip(grads, m_hat):
+        # alpha*g + (1-alpha)*|g|*s without a second parameter-sized temporary beyond |g|*s
+        corr = g.abs().mul_(torch.sign(m).to(g.device, g.dtype))
+        g.mul_(alpha).add_(corr, alpha=1.0 - alpha)
+
+
 def signed_ema_merge(g_comp: Sequence[Tensor], m_hat: Sequence[Tensor], alpha: float) -> list[Tensor]:
-    """``G = alpha * G_comp + (1 - alpha) * |G_comp| * sign(M_hat)`` per coordinate (new tensors)."""
-    _check_lengths(g_comp, m_hat, "G_comp", "M_hat")
-    out = []
-    for g, m in zip(g_comp, m_hat):
-        sign = torch.sign(m).to(g.device, g.dtype)
-        out.append(g * alpha + g.abs() * sign * (1.0 - alpha))
+    """:func:`signed_ema_merge_` on copies: ``G`` as new tensors, ``G_comp`` unchanged."""
+    out = [g.clone() for g in g_comp]
+    signed_ema_merge_(out, m_hat, alpha)
     return out
 
 
@@ -94,11 +102,13 @@ class Merger:
         """A new anchor gradient ``M`` (computed at the snapshot of ``snapshot_tick``) arrived at ``tick``."""
 
     def merge(self, g_comp: Sequence[Tensor], *, tick: int | None = None) -> list[Tensor]:
-        """The gradient to step with, as new tensors (``G_comp`` is not modified)."""
-        return [g.clone() for g in g_comp]
+        """The gradient to step with, as new tensors (``G_comp`` is not modified): :meth:`merge_` on copies."""
+        out = [g.clone() for g in g_comp]
+        self.merge_(out, tick=tick)
+        return out
 
     def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
-        """In-place ``merge``: overwrite ``grads`` (e.g. the ``.grad`` of the parameters) with ``G``.
+        """Overwrite ``grads`` (e.g. the ``.grad`` of the parameters) with ``G`` (here: ``G_comp``).
 
         ``index``: positions of ``grads`` in the full parameter list when some parameters have no
         gradient this tick (those are left alone: a missing gradient stays missing).
@@ -137,14 +147,6 @@ class DenseMerger(Merger):
     def observe(self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None) -> None:
         self._fresh = [x.detach().clone() for x in m]
 
-    def merge(self, g_comp: Sequence[Tensor], *, tick: int | None = None) -> list[Tensor]:
-        if self._fresh is None:
-            return [g.clone() for g in g_comp]
-        _check_lengths(g_comp, self._fresh, "G_comp", "M")
-        out = [m.to(g.device, g.dtype) for g, m in zip(g_comp, self._fresh)]
-        self._fresh = None  # M replaces G_comp only on the tick it arrived
-        return out
-
     def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
         if self._fresh is None:
             return
@@ -152,7 +154,7 @@ class DenseMerger(Merger):
         _check_lengths(grads, fresh, "G_comp", "M")
         for g, m in zip(grads, fresh):
             g.copy_(m)
-        self._fresh = None
+        self._fresh = None  # M replaces G_comp only on the tick it arrived
 
     def to(self, device: torch.device | str) -> Merger:
         if self._fresh is not None:
@@ -200,22 +202,10 @@ class SignedEMAMerger(Merger):
             return None
         return self.projector.project(self.m_bar, tick=tick)
 
-    def merge(self, g_comp: Sequence[Tensor], *, tick: int | None = None) -> list[Tensor]:
-        m_hat = self.m_hat(tick=tick)
-        if m_hat is None:
-            return [g.clone() for g in g_comp]
-        return signed_ema_merge(g_comp, m_hat, self.alpha)
-
     def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
         m_hat = self.m_hat(tick=tick)
-        if m_hat is None:
-            return
-        m_hat = _pick(m_hat, index)
-        _check_lengths(grads, m_hat, "G_comp", "M_hat")
-        for g, m in zip(grads, m_hat):
-            # alpha*g + (1-alpha)*|g|*s without a second parameter-sized temporary beyond |g|*s
-            corr = g.abs().mul_(torch.sign(m).to(g.device, g.dtype))
-            g.mul_(self.alpha).add_(corr, alpha=1.0 - self.alpha)
+        if m_hat is not None:
+            signed_ema_merge_(grads, _pick(m_hat, index), self.alpha)
 
     def sign_agreement(self, g_comp: Sequence[Tensor], index: Sequence[int] | None = None) -> float | None:
         return None if self.m_bar is None else sign_agreement(g_comp, _pick(self.m_bar, index))

@@ -1,7 +1,6 @@
 """``AnchorMerge``: fold the late dense anchor gradient into the parameter gradients before each step.
 
-Works with any LightningModule that implements :class:`AnchorSource` (the GRPO module does; a
-plain module can too, see ``docs/anchor.md``)::
+Works with any LightningModule that implements :class:`AnchorSource` (see ``docs/anchor.md``)::
 
     class MyModule(L.LightningModule):
         def anchor_parameters(self) -> list[nn.Parameter]:   # the parameters G_comp and M cover
@@ -34,16 +33,13 @@ before the first ``M`` arrives. If the module has ``anchor_metrics() -> Mapping[
 State (``M_bar``, the projector's state, the pending per-step average) is in
 ``state_dict()``/``load_state_dict()``, which Lightning saves in checkpoints and restores on resume.
 
-Across processes (one pipeline stage per rank, ``docs/distributed.md``) each rank merges its own
-stage's parameters with its own ``M_bar`` (the merge is per coordinate: no communication), the
-checkpoint holds every rank's state, and ``anchor/sign_agreement`` is weighted over the ranks'
-coordinates (a tied embedding, held by the first and the last rank, counts twice).
+The callback is glue over :class:`tclightning.anchor.anchor.Anchor` (the merge side of it). The
+``GRPOModule`` does not need it: its update loop merges its own ``Anchor`` before each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -51,18 +47,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from tclightning.anchor.circuit import rank_share
+from tclightning.anchor.anchor import Anchor, AnchorDelivery, Reduce
 from tclightning.anchor.mergers import Merger, make_merger
 from tclightning.errors import TclightningError
 
-
-@dataclass
-class AnchorDelivery:
-    """An anchor gradient with its timing: ``gradient`` (one tensor per anchor parameter) was
-    computed at the weight snapshot of tick ``snapshot_tick`` (the projectors' clock)."""
-
-    gradient: Sequence[Tensor]
-    snapshot_tick: int | None = None
+__all__ = ["AnchorDelivery", "AnchorMerge", "AnchorSource"]
 
 
 @runtime_checkable
@@ -106,24 +95,37 @@ class AnchorMerge(Callback):
         projector_options: Mapping[str, Any] | None = None,
         log: bool = True,
     ) -> None:
-        self.merger = merger if isinstance(merger, Merger) else make_merger(
+        merger = merger if isinstance(merger, Merger) else make_merger(
             merger, alpha=alpha, beta=beta, projector=projector, **dict(projector_options or {})
         )
+        self.anchor = Anchor(merger)  # the merge state; the module computes and delivers M
         self.log_metrics = log
-        self.ticks = 0  # optimizer ticks merged (all time)
-        self.anchors = 0  # anchor gradients received (all time)
-        self._agreement: list[float] = []  # this RL step's per-tick sign agreement
-        self._coordinates: list[int] = []  # ... and over how many coordinates each was measured
-        self._device: torch.device | None = None  # where the merger's state lives
-        self._trainer: pl.Trainer | None = None  # for the rank (per-rank state across processes)
 
     @property
     def state_key(self) -> str:
         return "AnchorMerge"
 
+    @property
+    def merger(self) -> Merger:
+        return self.anchor.merger
+
+    @property
+    def ticks(self) -> int:
+        """Optimizer ticks merged (all time)."""
+        return self.anchor.ticks
+
+    @property
+    def anchors(self) -> int:
+        """Anchor gradients received (all time)."""
+        return self.anchor.anchors
+
     # ----------------------------------------------------------------------------- hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer
+        if isinstance(getattr(pl_module, "anchor", None), Anchor):
+            raise TclightningError(
+                f"{type(pl_module).__name__} merges its own anchor (the recipe's anchor section); "
+                "remove the AnchorMerge callback"
+            )
         if not isinstance(pl_module, AnchorSource):
             raise TclightningError(
                 f"AnchorMerge needs the LightningModule to implement anchor_parameters() and "
@@ -136,107 +138,36 @@ class AnchorMerge(Callback):
     ) -> None:
         source: Any = pl_module
         params = list(source.anchor_parameters())
-        if not params:
-            return
-        tick = int(trainer.global_step)
-        self._place(params[0].device)
-        projector = getattr(self.merger, "projector", None)
-        if projector is not None:
-            projector.observe_weights([p.detach() for p in params], tick)
-
-        delivered = source.pop_anchor_gradient()
-        if delivered is not None:
-            grads, snapshot_tick = (
-                (delivered.gradient, delivered.snapshot_tick) if isinstance(delivered, AnchorDelivery) else (delivered, None)
-            )
-            if len(grads) != len(params):
-                raise TclightningError(
-                    f"pop_anchor_gradient returned {len(grads)} tensors for {len(params)} anchor parameters"
-                )
-            self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick)
-            self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
-            self.anchors += 1
-
-        index = [i for i, p in enumerate(params) if p.grad is not None]
-        if not index:
-            return
-        g_comp = [params[i].grad for i in index]
-        with torch.no_grad():
-            agreement = self.merger.sign_agreement(g_comp, index=index)
-            if agreement is not None:
-                self._agreement.append(agreement)
-                self._coordinates.append(sum(g.numel() for g in g_comp))
-            self.merger.merge_(g_comp, tick=tick, index=index)
-        self.ticks += 1
+        if params:
+            self.anchor.merge_(params, int(trainer.global_step), source.pop_anchor_gradient())
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self.log_metrics:
-            self._agreement.clear()
+            self.anchor.step_agreement()  # a fresh start for the next step
             return
         metrics: dict[str, float] = {}
-        agreement = self._step_agreement(trainer)
+        agreement = self.anchor.step_agreement(_reducer(trainer))
         if agreement is not None:
             metrics["anchor/sign_agreement"] = agreement
         extra = getattr(pl_module, "anchor_metrics", None)
         if callable(extra):
             metrics.update({k: float(v) for k, v in extra().items()})
-        self._agreement.clear()
-        self._coordinates.clear()
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
-    def _step_agreement(self, trainer: pl.Trainer) -> float | None:
-        """Mean over the step's ticks of the tick's agreement. With several processes each rank
-        measured its own parameters (one pipeline stage each): a tick's agreement is then the
-        coordinate-weighted mean over ranks (one all-reduce; every rank calls this)."""
-        if trainer.world_size == 1:
-            return sum(self._agreement) / len(self._agreement) if self._agreement else None
-        counts = torch.tensor([[a * n, n] for a, n in zip(self._agreement, self._coordinates)],
-                              dtype=torch.float64).reshape(-1, 2)
-        counts = trainer.strategy.reduce(counts.to(trainer.strategy.root_device), reduce_op="sum").cpu()
-        if counts.numel() == 0:
-            return None
-        return float((counts[:, 0] / counts[:, 1].clamp(min=1)).mean())
-
-    def _place(self, device: torch.device) -> None:
-        if self._device != device:
-            self._device = device
-            self.merger.to(device)
-
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """With one pipeline stage per process (a strategy with ``gather_per_rank``), every rank's
-        state (its stage's ``M_bar``) gathered: ``{"per_rank": [...]}`` (collective)."""
-        state = {
-            "merger": _to_cpu(self.merger.state_dict()),
-            "ticks": self.ticks,
-            "anchors": self.anchors,
-            "agreement": list(self._agreement),
-            "coordinates": list(self._coordinates),
-        }
-        gather = getattr(self._trainer.strategy, "gather_per_rank", None) if self._trainer is not None else None
-        return state if gather is None else gather(state, "gathering the anchor merger states")
+        return self.anchor.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        trainer = self._trainer
-        rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        state_dict = rank_share(state_dict, rank, world_size)
-        self.merger.load_state_dict(state_dict["merger"])
-        self.ticks = int(state_dict.get("ticks", 0))
-        self.anchors = int(state_dict.get("anchors", 0))
-        self._agreement = [float(a) for a in state_dict.get("agreement", [])]
-        self._coordinates = [int(n) for n in state_dict.get("coordinates", [1] * len(self._agreement))]
-        self._device = None  # the state is on CPU now; moved to the parameters' device at the next tick
+        self.anchor.load_state_dict(state_dict)
 
 
-def _to_cpu(value: Any) -> Any:
-    """Checkpoint tensors on CPU so that a run resumes on any device."""
-    if isinstance(value, Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
+def _reducer(trainer: pl.Trainer) -> Reduce | None:
+    """With several processes each rank measured its own parameters: sum over ranks."""
+    if trainer.world_size == 1:
+        return None
+    strategy = trainer.strategy
+    return lambda counts: strategy.reduce(counts.to(strategy.root_device), reduce_op="sum").cpu()

@@ -6,23 +6,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from tclightning.callbacks.health_actions import HealthMonitor
-from tclightning.health.rules import (
-    GapLevelRule,
-    GapTrendRule,
-    LengthGapCouplingRule,
-    NonFiniteRule,
-    Rule,
-)
+from tclightning.health.rules import Rule, gap_rules
 
 
 class GapMonitor(HealthMonitor):
     """Watches ``gap/abs_mean`` and ``gap/k3`` (SPEC.md "The gap"); logs ``health/gap``.
 
-    Rules: :class:`~tclightning.health.rules.GapLevelRule` on ``gap/abs_mean`` (``abs_mean_band``,
-    0.5 nats: the hub's agentic run died at 0.61, dense engines sit at 0.006) and on ``gap/k3``
-    (``k3_band``, 0.2), which also gives the "full size before the first update" warning at the
-    first step; :class:`~tclightning.health.rules.GapTrendRule` (``rise_warn``: +50% on the
-    start); :class:`~tclightning.health.rules.LengthGapCouplingRule`; NaN/Inf in the gap metrics.
+    Rules: the gap family, :func:`~tclightning.health.rules.gap_rules` with ``nonfinite=True,
+    coupling=True``: :class:`~tclightning.health.rules.GapLevelRule` on ``gap/abs_mean``
+    (``abs_mean_band``, 0.5 nats: the hub's agentic run died at 0.61, dense engines sit at 0.006)
+    and on ``gap/k3`` (``k3_band``, 0.2), which also gives the "full size before the first update"
+    warning at the first step; :class:`~tclightning.health.rules.GapTrendRule` (``rise_warn``:
+    +50% on the start); :class:`~tclightning.health.rules.LengthGapCouplingRule`; NaN/Inf in the
+    gap metrics.
     ``rules`` replaces the whole set. Other arguments:
     :class:`~tclightning.callbacks.health_actions.HealthMonitor`.
     """
@@ -38,11 +34,5 @@ class GapMonitor(HealthMonitor):
         **kwargs: Any,
     ) -> None:
         if rules is None:
-            rules = [
-                NonFiniteRule(["gap/abs_mean", "gap/k3", "gap/max", "gap/outside_5x_frac", "gap/prob_abs_mean"]),
-                GapLevelRule("gap/abs_mean", band=abs_mean_band),
-                GapLevelRule("gap/k3", band=k3_band),
-                GapTrendRule("gap/abs_mean", window=window, rise_warn=rise_warn),
-                LengthGapCouplingRule(window=window),
-            ]
+            rules = gap_rules(abs_mean_band, k3_band, rise_warn, window, nonfinite=True, coupling=True)
         super().__init__(rules=rules, name=name, **kwargs)

@@ -6,14 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tclightning.callbacks.health_actions import HealthMonitor
-from tclightning.health.rules import (
-    LengthDriftRule,
-    LengthFeedbackRule,
-    LengthGapCouplingRule,
-    NonFiniteRule,
-    Rule,
-    TruncationRule,
-)
+from tclightning.health.rules import Rule, length_rules
 
 
 class LengthFeedbackMonitor(HealthMonitor):
@@ -21,8 +14,9 @@ class LengthFeedbackMonitor(HealthMonitor):
 
     Reads ``response/length_mean``, ``response/length_max``, ``response/truncated_frac``,
     ``reward/mean`` (``val/accuracy`` as fallback) and ``gap/abs_mean``; logs ``health/length``.
-    Rules: :class:`~tclightning.health.rules.LengthFeedbackRule` (``window``, ``growth_warn``),
-    :class:`~tclightning.health.rules.LengthDriftRule` (``drift_growth_warn``),
+    Rules: the length family, :func:`~tclightning.health.rules.length_rules` with
+    ``nonfinite=True``: :class:`~tclightning.health.rules.LengthFeedbackRule` (``window``,
+    ``growth_warn``), :class:`~tclightning.health.rules.LengthDriftRule` (``drift_growth_warn``),
     :class:`~tclightning.health.rules.TruncationRule` (``truncation_rise_warn``,
     ``truncation_collapse``), :class:`~tclightning.health.rules.LengthGapCouplingRule`, and NaN/Inf
     in the length metrics. Threshold reasons are in those rules' docstrings; ``rules`` replaces
@@ -41,11 +35,7 @@ class LengthFeedbackMonitor(HealthMonitor):
         **kwargs: Any,
     ) -> None:
         if rules is None:
-            rules = [
-                NonFiniteRule(["response/length_mean", "response/length_max", "response/truncated_frac"]),
-                LengthFeedbackRule(window=window, growth_warn=growth_warn),
-                LengthDriftRule(growth_warn=drift_growth_warn),
-                TruncationRule(rise_warn=truncation_rise_warn, level_collapse=truncation_collapse),
-                LengthGapCouplingRule(window=window),
-            ]
+            rules = length_rules(
+                window, growth_warn, drift_growth_warn, truncation_rise_warn, truncation_collapse, nonfinite=True
+            )
         super().__init__(rules=rules, name=name, **kwargs)

@@ -1,10 +1,13 @@
 """`tclightning bench ...` (subcommands are added by the features that own them).
 
 * ``bench codec`` -- PRF encode/decode time against ``clone()`` and bytes per token
-  (``tclightning.codecs.benchmark.bench_codec``; ``benchmarks/codec.py`` runs the same).
+  (``tclightning.bench.codec.bench_codec``; ``benchmarks/codec.py`` runs the same).
 * ``bench link`` -- 2 pipeline stages in their own processes over a tc-shaped link (network
   namespace), step time and bytes for dense / shallow / all-compressed layouts
-  (``tclightning.pipeline.link_bench``; ``benchmarks/slow_link.py`` runs the same).
+  (``tclightning.bench.link.run_link_bench``; ``benchmarks/slow_link.py`` runs the same).
+
+The options and output live here; the measurements in ``tclightning/bench/`` (which does not
+import this module).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_codec(args: argparse.Namespace) -> int:
     """Handler of ``bench codec``: prints the result; exit code 0."""
-    from tclightning.codecs.benchmark import bench_codec
+    from tclightning.bench.codec import bench_codec
     from tclightning.errors import TclightningError
 
     if not 1 <= args.k <= args.dim or args.tokens < 1:
@@ -98,9 +101,15 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_link(args: argparse.Namespace) -> int:
     """Handler of ``bench link``: the slow-link table (``benchmarks/slow_link.py`` runs the same)."""
-    from tclightning.pipeline.link_bench import run_cli
+    from tclightning.bench.link import format_table, run_link_bench
 
-    return run_cli(args)
+    result = run_link_bench(
+        bandwidths=args.bandwidth, layouts=args.layouts, stages=args.stages, link=args.link, rows=args.rows,
+        length=args.length, dim=args.dim, k=args.k, microbatches=args.microbatches, schedule=args.schedule,
+        steps=args.steps, warmup=args.warmup,
+    )
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

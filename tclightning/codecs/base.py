@@ -103,8 +103,9 @@ class Codec(ABC):
     def commit_step(self) -> None:
         """Fold statistics gathered during the last step into receiver state (no-op by default).
 
-        Called once per optimizer tick, so state is constant within a step and every forward of a
-        step (old-logp recompute, loss forward) sees the same reconstruction."""
+        Called when the key's step changes (once per RL step in GRPO), so state is constant within
+        a step and every forward of a step (old-logp recompute, loss forward) sees the same
+        reconstruction."""
 
     def state_dict(self) -> dict[str, Any]:
         """Receiver-side state to checkpoint (empty for stateless codecs)."""

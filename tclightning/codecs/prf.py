@@ -199,7 +199,7 @@ class PRFCodec(Codec):
     with ``s = d/k`` when ``rescale`` else 1 (so without rescale the kept values are exact).
     Fills: ``zero``; ``mean`` -- a per-channel running mean of the *decoded* values only (receiver
     state, so it needs nothing extra on the wire), EMA with ``fill_momentum``, folded in by
-    :meth:`commit_step` once per tick and constant within a tick.
+    :meth:`commit_step` when the key's step changes and constant within a step.
     Bytes: ``k * element_size`` per token, exactly (no indices, no padding).
     """
 

@@ -128,3 +128,18 @@ def gap_metrics(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: to
         "gap/logp_corr": corr,
         "gap/prob_abs_mean": float((trainer.exp() - sampler.exp()).abs().mean()),
     }
+
+
+def gap_by_turn(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor, mask: torch.Tensor,
+                turn: torch.Tensor) -> dict[str, float]:
+    """The sampler-trainer gap of each interaction index of agentic rows (``turn[b]``: which
+    interaction row ``b`` is): ``agentic/gap_kl_turn{i}`` (k3 KL) and ``agentic/gap_abs_turn{i}``
+    (mean |delta|) over the rows of turn ``i`` (:func:`gap_metrics`)."""
+    out: dict[str, float] = {}
+    turn = turn.to(mask.device)
+    for i in turn.unique().tolist():
+        gap = gap_metrics(logp_trainer, logp_sampler, mask * turn.eq(i).unsqueeze(-1).to(mask.dtype))
+        if gap:
+            out[f"agentic/gap_kl_turn{i}"] = gap["gap/k3"]
+            out[f"agentic/gap_abs_turn{i}"] = gap["gap/abs_mean"]
+    return out

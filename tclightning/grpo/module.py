@@ -1,14 +1,20 @@
 """The GRPO LightningModule. One ``training_step`` is one RL step, and it reads top to bottom:
 
-sample (dense) -> reward -> advantages -> trainer log-probs (through whatever cuts the strategy
-installed) and the gap -> ``epochs x minibatches`` optimizer ticks of the clipped surrogate.
+sample (dense) -> reward -> advantages -> the update (:func:`tclightning.grpo.update.grpo_update`:
+``epochs x minibatches`` optimizer ticks of the clipped surrogate through the backend, with the
+anchor's merge before each step) -> the step's metrics.
 
-Non-finite guard (one process): a tick whose loss or gradient norm is NaN/Inf makes no optimizer
-step (``policy/skipped_ticks``); a policy whose weights or sampling logits are NaN/Inf is never
-sampled from: the step is skipped (``policy/skipped_step``). Either way the step's metrics say
-so, the health monitors see it and may roll back; when the next step is non-finite again (every
-tick skipped, or skipped whole), training ends with
-:class:`~tclightning.sampling.base.NonFiniteError` (one line, exit 3).
+Where the policy runs is the :class:`~tclightning.backend.Backend`: the strategy's when it is a
+:class:`~tclightning.backend.BackendProvider` (``trainer.strategy: pipeline``, one process or one
+stage per process), else the whole policy in this process. The module owns the PRF step key (the
+RL step, set once per step through the backend) and the codec state saved in checkpoints.
+
+Non-finite guard: a tick whose loss or gradient norm is NaN/Inf makes no optimizer step
+(``policy/skipped_ticks``); a policy whose weights or sampling logits are NaN/Inf is never
+sampled from: the step is skipped (``policy/skipped_step``; one process only: across processes a
+non-finite sampler ends every rank). Either way the step's metrics say so, the health monitors see
+it and may roll back; when the next step is non-finite again (every tick skipped, or skipped
+whole), training ends with :class:`~tclightning.sampling.base.NonFiniteError` (one line, exit 3).
 
 Agentic tasks (``tclightning.agentic``) change only the first stage: ``collect`` plays
 multi-turn conversations and returns one row per interaction, each row pointing at its
@@ -34,19 +40,21 @@ import torch
 from torchmetrics import MeanMetric
 
 from tclightning.agentic import build_agentic_task, is_agentic
-from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout, gap_by_turn
-from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot, rank_share
+from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout
+from tclightning.anchor.anchor import build_anchor
+from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.config import AnchorConfig
-from tclightning.callbacks.anchor_merge import AnchorDelivery
+from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
-from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream, minibatch_chunks
+from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.grpo.logprobs import completion_logps
-from tclightning.grpo.loss import gap_metrics, policy_loss
+from tclightning.grpo.update import grpo_update
 from tclightning.models.config import ModelConfig
 from tclightning.models.loading import load_model
 from tclightning.models.warmup import supervised_warmup
+from tclightning.pipeline.backends import LocalBackend
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
@@ -58,16 +66,16 @@ PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throug
 class GRPOModule(L.LightningModule):
     """GRPO on a causal LM with verifiable rewards.
 
-    The HF model is ``self.policy``; a pipeline Strategy may install codecs at its cuts (the
-    sampler always runs dense, under ``cuts.bypassed()``). With ``grpo.kl_coef > 0`` a frozen
-    copy of the initial policy is kept as ``self.reference`` (and checkpointed).
+    The HF model is ``self.policy``; the sampler always runs it dense (``backend.dense()``). With
+    ``grpo.kl_coef > 0`` a frozen copy of the initial policy is kept as ``self.reference`` (and
+    checkpointed).
 
-    With ``anchor.merger: signed_ema`` the module is an ``AnchorSource`` for the ``AnchorMerge``
-    callback: every C ticks it records the weights that sampled the step and the step's rollouts,
-    and K ticks later computes the dense gradient ``M`` of the same loss at those weights on those
-    rollouts (paired replay) with a hook-free clone of the policy. With one pipeline stage per
-    process the strategy does this per rank: each rank snapshots and merges its own stage, and
-    ``M`` comes from a pipelined pass over the dense boundary (docs/distributed.md).
+    With ``anchor.merger: signed_ema``, ``self.anchor`` (:class:`~tclightning.anchor.anchor.Anchor`)
+    is the anchor circuit and its merge state: every C ticks it records the weights that sampled
+    the step and the step's rollouts, K ticks later the update computes the dense gradient ``M``
+    of the same loss at those weights on those rollouts (paired replay) through the backend's
+    dense forward/backward, and merges it before each optimizer step. With one pipeline stage per
+    process each rank snapshots, computes ``M`` for and merges its own stage (docs/distributed.md).
     """
 
     def __init__(
@@ -118,17 +126,9 @@ class GRPOModule(L.LightningModule):
         self.warmup_stats: dict[str, float] = {}
         self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
         self._pending_cut_state: dict[str, Any] | None = None
-        # The anchor circuit (signed_ema only): snapshots + paired rollouts, delivered K ticks late.
-        self.circuit: AnchorCircuit | None = None
-        if self.anchor_cfg.merger == "signed_ema":
-            a = self.anchor_cfg
-            schedule = AnchorSchedule(a.latency, a.cadence, a.warmup, a.warmup_ticks, a.warmup_shape, a.warmup_stages)
-            self.circuit = AnchorCircuit(schedule)
-        self._anchor_new: AnchorDelivery | None = None
-        # The dense clone that computes M; in a plain dict so it is not a submodule (not
-        # checkpointed: the job's snapshot is what defines its weights).
-        self._anchor_workspace: dict[str, torch.nn.Module] = {}
-        self._anchor_step: dict[str, float] = {}
+        # The anchor (signed_ema only): circuit, replay, delivered M and merge state in one object.
+        self.anchor = build_anchor(self.anchor_cfg)
+        self._backend: Backend | None = None  # taken from the strategy once it is set up
         # The last RL step that was non-finite (skipped whole, or every tick skipped); cleared by
         # the next clean step (after a rollback, say). Two in a row end training.
         self._nonfinite_step: int | None = None
@@ -183,14 +183,23 @@ class GRPOModule(L.LightningModule):
 
     # ----------------------------------------------------------------------------- pieces
     @property
-    def cuts(self) -> Any:
-        """The pipeline Strategy's cuts (``None`` when training dense in one piece)."""
-        return getattr(self.trainer.strategy, "cuts", None) if self._trainer else None
+    def backend(self) -> Backend:
+        """Where the policy's forward/backward runs (see :meth:`take_backend`)."""
+        return self._backend if self._backend is not None else self.take_backend()
+
+    def take_backend(self) -> Backend:
+        """The strategy's backend when it is a ``BackendProvider`` (the pipeline strategies), else
+        the whole policy in this process; asked for once, after the strategy's setup."""
+        if self._backend is None:
+            request = BackendRequest(self.policy, self.sampler_cfg.temperature, completion_logps, self.manual_backward)
+            strategy = self.trainer.strategy
+            self._backend = strategy.backend(request) if isinstance(strategy, BackendProvider) else LocalBackend(request)
+        return self._backend
 
     def _dense(self) -> contextlib.AbstractContextManager:
-        """Codecs (if any) bypassed, as on a real inference engine."""
-        cuts = self.cuts
-        return cuts.bypassed() if cuts is not None else contextlib.nullcontext()
+        """Codecs (if any) bypassed, as on a real inference engine (before the strategy is set
+        up, as during the warm-up, nothing is installed yet)."""
+        return self._backend.dense() if self._backend is not None else contextlib.nullcontext()
 
     def sample(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None) -> Rollouts:
         """Dense sampling: codecs (if any) are bypassed, as on a real inference engine."""
@@ -238,33 +247,29 @@ class GRPOModule(L.LightningModule):
         started = time.perf_counter()
         examples = [self.train_examples[i] for i in batch.indices]
         seed = sequence_seed(self.sampler_cfg.seed + self.seed, batch.step)
-        share = getattr(self.trainer.strategy, "share_rollouts", None)
-        if share is None:
-            try:
-                rollouts, rewards, owner, episodes = self.collect(examples, seed)
-            except NonFiniteError as err:
-                self._flag_nonfinite(batch.step, str(err))
-                # NaN for what this step did not measure: Lightning would repeat the last step's values
-                metrics = dict.fromkeys(self._step_metric_names, math.nan)
-                metrics.update({"policy/skipped_step": 1.0, "policy/lr": self.optimizers().param_groups[0]["lr"]})
-                self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-                return
-        else:  # pipeline across processes: rank 0 samples and scores, every stage receives the result
-            # (no skip here: a NonFiniteError on rank 0 ends every rank through the dead-rank check)
-            rollouts, rewards, owner, episodes = share(lambda: self.collect(examples, seed))
-        rollouts = _to_device(rollouts, self.device)
+        backend = self.backend
+        try:  # across processes rank 0 samples and scores, and every stage receives the result
+            rollouts, rewards, owner, episodes = backend.share_from_sampler(
+                lambda: self.collect(examples, seed), "receiving the step's rollouts")
+        except NonFiniteError as err:
+            if backend.world_size > 1:  # the other ranks wait for these rollouts: every rank stops
+                raise
+            self._flag_nonfinite(batch.step, str(err))
+            # NaN for what this step did not measure: Lightning would repeat the last step's values
+            metrics = dict.fromkeys(self._step_metric_names, math.nan)
+            metrics.update({"policy/skipped_step": 1.0, "policy/lr": self.optimizers().param_groups[0]["lr"]})
+            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+            return
+        rollouts = rollouts.to(self.device)
         # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
         truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
         shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong == "penalty" else rewards
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         sampled = time.perf_counter()
 
-        cuts = self.cuts
-        if cuts is not None:
-            # One PRF key per RL step: the "old" log-probs and every tick of the update see the
-            # same coordinates, so the PPO ratio compares weights, not index draws.
-            cuts.set_step(batch.step)
-            cuts.reset_stats()
+        # One PRF key per RL step: the "old" log-probs and every tick of the update see the same
+        # coordinates, so the PPO ratio compares weights, not index draws.
+        backend.begin_step(batch.step)
         rows = torch.arange(rollouts.num_sequences)
         if cfg.drop_zero_variance_groups:
             keep_groups = ~zero_variance_groups(shaped, G)
@@ -281,8 +286,14 @@ class GRPOModule(L.LightningModule):
             self._flag_nonfinite(batch.step, "every optimizer tick had a NaN or Inf loss or gradient")
         else:
             self._nonfinite_step = None
-        if cuts is not None:
-            metrics.update(cuts.metrics())
+        metrics.update(backend.wire_metrics())
+        if self.anchor is not None:
+            reduce = None if backend.world_size == 1 else (
+                lambda counts: backend.reduce_sum(counts, "summing the anchor's sign agreement"))
+            agreement = self.anchor.step_agreement(reduce)
+            if agreement is not None:
+                metrics["anchor/sign_agreement"] = agreement
+            metrics.update(self.anchor.metrics(self.trainer.global_step))
 
         tokens = float(rollouts.completion_mask.sum())
         metrics.update(
@@ -324,163 +335,23 @@ class GRPOModule(L.LightningModule):
 
     def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, step: int,
                 turns: torch.Tensor | None = None) -> dict[str, float]:
-        """``epochs x minibatches`` optimizer ticks; returns losses, gap and health metrics (with
-        ``turns``, the interaction index of each row, also the gap per interaction index)."""
-        self._anchor_step = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
-        pipelined = getattr(self.trainer.strategy, "pipelined_update", None)
-        if pipelined is not None:  # one stage per process: the same ticks over the pipeline
-            return pipelined(self, rollouts, advantages, rows, step)
-        cfg = self.cfg
-        optimizer, schedule = self.optimizers(), self.lr_schedulers()
-        temperature = self.sampler_cfg.temperature
-        single_tick = cfg.epochs * cfg.minibatches == 1
-        stats: dict[str, list[float]] = {}
-        skipped = 0
-        self._all_ticks_skipped = False
-
-        # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and
-        # the trainer side of the gap. With a single tick they come from the update's forward.
-        if single_tick:
-            old_logp, entropy = None, None
-        else:
-            with torch.no_grad():
-                old_logp, entropy = completion_logps(self.policy, rollouts, temperature, with_entropy=True)
-        ref_logp = None
+        """``epochs x minibatches`` optimizer ticks (:func:`~tclightning.grpo.update.grpo_update`);
+        returns losses, gap and health metrics (with ``turns``, the interaction index of each row,
+        also the gap per interaction index)."""
+        reference = None
         if self.reference is not None:
-            with torch.no_grad():
-                ref_logp, _ = completion_logps(self.reference, rollouts, temperature)
-
-        ticks = minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(self.seed, step, salt=1))
-        for tick, chunk in enumerate(ticks):
-            if self.circuit is not None:
-                self._anchor_tick(rollouts, advantages, rows, first_tick=tick == 0)
-            part = rollouts.select(chunk.to(rollouts.completion_ids.device))
-            width = part.completion_ids.shape[1]
-            logp, tick_entropy = completion_logps(self.policy, part, temperature, with_entropy=single_tick)
-            if single_tick:
-                old_logp_part = logp.detach()
-                old_logp, entropy = old_logp_part, tick_entropy
-            else:
-                old_logp_part = old_logp[chunk, :width]
-            out = policy_loss(
-                logp,
-                old_logp_part,
-                advantages[chunk],
-                part.completion_mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                aggregation=cfg.loss_aggregation,
-                norm_length=self.sampler_cfg.max_new_tokens,
-                ref_logp=None if ref_logp is None else ref_logp[chunk, :width],
-                kl_coef=cfg.kl_coef,
-                logp_sampler=part.logp_sampler,
-                tis_cap=cfg.tis_cap,
-                mask_ratio=(cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None,
-            )
-            optimizer.zero_grad(set_to_none=True)
-            self.manual_backward(out.loss)
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm)
-            # A NaN/Inf loss or gradient must not reach the weights or Adam's moments: no step
-            # (the LR schedule waits too). The values are still logged, so the detector sees them.
-            if bool(torch.isfinite(out.loss.detach()) & torch.isfinite(grad_norm)):
-                optimizer.step()
-                schedule.step()
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                skipped += 1
-            for key, value in (
-                ("loss/policy", out.policy_loss),
-                ("loss/kl", out.kl),
-                ("policy/clip_frac", out.clip_frac),
-                ("policy/grad_norm", grad_norm),
-                ("policy/tis_clipped_frac", out.tis_frac),
-                ("policy/masked_frac", out.masked_frac),
-            ):
-                stats.setdefault(key, []).append(float(value))
-
-        metrics = {key: sum(values) / len(values) for key, values in stats.items()}
-        if not stats:  # every group dropped: nothing to learn from this step
-            metrics.update({"loss/policy": 0.0, "loss/kl": 0.0, "policy/clip_frac": 0.0, "policy/grad_norm": 0.0})
-        mask = rollouts.completion_mask
-        if old_logp is not None:
-            sel_rows = rows if single_tick else slice(None)
-            sel_mask = mask[sel_rows, : old_logp.shape[1]]
-            metrics.update(gap_metrics(old_logp, rollouts.logp_sampler[sel_rows, : old_logp.shape[1]], sel_mask))
-            if turns is not None:
-                metrics.update(gap_by_turn(old_logp, rollouts.logp_sampler[sel_rows, : old_logp.shape[1]], sel_mask,
-                                           turns[sel_rows]))
-            if entropy is not None:
-                metrics["policy/entropy"] = float((entropy * sel_mask).sum() / sel_mask.sum().clamp(min=1))
-        metrics["policy/kept_frac"] = len(rows) / rollouts.num_sequences
-        metrics["policy/skipped_ticks"] = float(skipped)
-        self._all_ticks_skipped = skipped > 0 and skipped == len(stats["loss/policy"])
-        return metrics
-
-    # ----------------------------------------------------------------------------- anchor circuit
-    def _anchor_tick(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, first_tick: bool) -> None:
-        """Record this step's job (on its first tick: only then do the weights equal the ones
-        that sampled) and compute ``M`` for every job due now."""
-        assert self.circuit is not None
-        tick = self.trainer.global_step
-        if first_tick:
-            payload = {"rollouts": _to_device(copy.copy(rollouts), torch.device("cpu")),
-                       "advantages": advantages.cpu(), "rows": rows.cpu()}
-            self.circuit.maybe_record(tick, lambda: cpu_snapshot(self.anchor_parameters()), payload)
-        for job in self.circuit.due(tick):
-            started = time.perf_counter()
-            self._anchor_new = AnchorDelivery(self._anchor_gradient(job), snapshot_tick=job.tick)
-            self._anchor_step["time/anchor_s"] += time.perf_counter() - started
-
-    def _anchor_gradient(self, job: AnchorJob) -> list[torch.Tensor]:
-        """Dense ``M``: the GRPO loss's gradient at the job's weights on the job's rollouts."""
-        distributed = getattr(self.trainer.strategy, "anchor_gradient", None)
-        if distributed is not None:  # one stage per process: this rank's M, over the dense pipeline
-            grads, sent = distributed(self, job)
-            self._anchor_step["anchor/bytes"] += sent
-            return grads
-        if "clone" not in self._anchor_workspace:
-            from tclightning.pipeline.cuts import hook_free_copy
-
-            self._anchor_workspace["clone"] = hook_free_copy(self.policy).train()
-        clone = self._anchor_workspace["clone"]
-        params = [p for p in clone.parameters() if p.requires_grad]
-        with torch.no_grad():
-            for param, weight in zip(params, job.snapshot, strict=True):
-                param.copy_(weight)
-        rows = job.payload["rows"]
-        part = _to_device(job.payload["rollouts"].select(rows), self.device)
-        clone.zero_grad(set_to_none=True)
-        logp, _ = completion_logps(clone, part, self.sampler_cfg.temperature)
-        # On-policy at the snapshot (these weights sampled these rollouts): ratio 1, no clipping.
-        out = policy_loss(logp, logp.detach(), job.payload["advantages"][rows].to(self.device), part.completion_mask,
-                          aggregation=self.cfg.loss_aggregation, norm_length=self.sampler_cfg.max_new_tokens)
-        out.loss.backward()
-        cuts = self.cuts
-        if cuts is not None:  # dense boundary traffic, forward and backward, across every cut
-            element = next(clone.parameters()).element_size()
-            self._anchor_step["anchor/bytes"] += 2 * float(part.completion_mask.sum() + part.prompt_mask.sum()) * (
-                cuts.dim * element * len(cuts.specs))
-        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
-
-    def anchor_parameters(self) -> list[torch.nn.Parameter]:
-        """``AnchorSource``: the parameters ``G_comp`` and ``M`` cover (fixed order); with one
-        pipeline stage per process, this rank's stage's."""
-        owned = getattr(self.trainer.strategy, "owned_parameters", None) if self._trainer else None
-        if owned is not None:
-            return owned()
-        return [p for p in self.policy.parameters() if p.requires_grad]
-
-    def pop_anchor_gradient(self) -> AnchorDelivery | None:
-        """``AnchorSource``: the ``M`` delivered at this tick, once."""
-        delivered, self._anchor_new = self._anchor_new, None
-        return delivered
-
-    def anchor_metrics(self) -> dict[str, float]:
-        """Logged by ``AnchorMerge`` once per RL step."""
-        if self.circuit is None:
-            return {}
-        return {**self.circuit.metrics(self.trainer.global_step), **self._anchor_step}
+            def reference() -> torch.Tensor:  # on the sampling rank, which holds the whole reference
+                with torch.no_grad():
+                    return completion_logps(self.reference, rollouts, self.sampler_cfg.temperature)[0]
+        if self.anchor is not None:
+            self.anchor.begin_step()
+        result = grpo_update(
+            self.backend, self.optimizers(), self.lr_schedulers(), rollouts, advantages, rows,
+            cfg=self.cfg, norm_length=self.sampler_cfg.max_new_tokens, seed=self.seed, step=step,
+            reference=reference, turns=turns, anchor=self.anchor, clock=lambda: self.trainer.global_step,
+        )
+        self._all_ticks_skipped = result.all_skipped
+        return result.metrics
 
     # ----------------------------------------------------------------------------- validation
     def evaluate_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -542,20 +413,12 @@ class GRPOModule(L.LightningModule):
             # Sampling is seeded per step from this, so it is the whole sampler state.
             "sampler": {"seed": self.sampler_cfg.seed + self.seed, "backend": self.sampler_cfg.backend},
             "warmup": self.warmup_stats,
-            "cuts": self.cuts.state_dict() if self.cuts is not None else None,
-            "anchor": None if self.circuit is None else self._anchor_state(),
+            # The backend owns the cuts: the PRF step and every cut's receiver codec state (collective).
+            "cuts": None if self._backend is None else self._backend.codec_state(),
+            # Snapshots + replay, an undelivered M, M_bar: across processes every rank's (collective).
+            "anchor": None if self.anchor is None else self.backend.gather_per_rank(
+                self.anchor.state_dict(), "gathering the anchor states"),
         }
-
-    def _anchor_state(self) -> dict[str, Any] | None:
-        """The circuit's pending snapshots + replay and an undelivered ``M``; across processes
-        every rank's (its own stage's snapshots), gathered (collective)."""
-        assert self.circuit is not None
-        state = {
-            "circuit": self.circuit.state_dict(),
-            "new": None if self._anchor_new is None else (list(self._anchor_new.gradient), self._anchor_new.snapshot_tick),
-        }
-        gather = getattr(self.trainer.strategy, "gather_per_rank", None)
-        return state if gather is None else gather(state, "gathering the anchor circuits")
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("tclightning", {})
@@ -577,14 +440,21 @@ class GRPOModule(L.LightningModule):
         # Cuts are installed by the strategy after checkpoint restore; applied in on_train_start.
         self._pending_cut_state = state.get("cuts")
         anchor = state.get("anchor")
-        if anchor and self.circuit is not None:
-            anchor = rank_share(anchor, self.trainer.global_rank, self.trainer.world_size)
-            self.circuit.load_state_dict(anchor["circuit"])
-            self._anchor_new = None if anchor["new"] is None else AnchorDelivery(*anchor["new"])
+        if anchor and self.anchor is not None:
+            self.anchor.load_state_dict(rank_share(anchor, self.trainer.global_rank, self.trainer.world_size))
+
+    def on_fit_start(self) -> None:
+        self.take_backend()  # the strategy is set up: from here on sampling runs under its dense()
+
+    def on_validation_start(self) -> None:
+        self.take_backend()
+
+    def teardown(self, stage: str) -> None:
+        self._backend = None  # the strategy removes its cuts at teardown
 
     def on_train_start(self) -> None:
-        if self._pending_cut_state is not None and self.cuts is not None:
-            self.cuts.load_state_dict(self._pending_cut_state)
+        if self._pending_cut_state is not None:
+            self.backend.load_codec_state(self._pending_cut_state)
         self._pending_cut_state = None
         if self._resume_step == 0 and self.trainer.limit_val_batches:
             self._log_start_accuracy()
@@ -601,8 +471,3 @@ class GRPOModule(L.LightningModule):
         for logger in self.loggers:
             logger.log_metrics(metrics, step=0)
 
-
-def _to_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
-    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp_sampler", "truncated"):
-        setattr(rollouts, name, getattr(rollouts, name).to(device))
-    return rollouts

@@ -58,7 +58,7 @@ class PipelineConfig:
 
     fill: str = "zero"
     """PRF receiver fill for the d - k dropped channels: ``zero`` | ``mean`` (per-channel running
-    mean of decoded values, updated once per tick)."""
+    mean of decoded values, updated once per step of the PRF key)."""
 
     fill_momentum: float = 0.1
     """EMA weight of the newest tick in the ``mean`` fill."""

@@ -62,8 +62,10 @@ def boundary_width(model: nn.Module) -> int:
 class CutSet:
     """The installed cuts of one model, and the knobs the training loop turns.
 
-    * ``set_step(step)`` -- PRF key component; call once per optimizer tick (also folds stateful
-      fills, so reconstruction is constant within a tick);
+    * ``set_step(step)`` -- the PRF key's step, set by one owner: the GRPO module (the RL step, once
+      per RL step, through ``Backend.begin_step``) or, for any other module, the
+      ``PipelineStrategy`` (``trainer.global_step`` before each ``training_step``). A change folds
+      stateful fills, so reconstruction is constant while the step holds;
     * ``bypassed()`` -- context under which the forward is dense and nothing is counted (the
       sampler and dense probes run under it);
     * ``metrics()`` / ``reset_stats()`` -- wire bytes since the last reset (``wire/*``);

@@ -8,6 +8,10 @@ The multi-process version (one stage per rank over ``torch.distributed.pipelinin
 with real sends between stage processes instead of hooks in one graph.
 
 Inference stays dense: the sampler (and any dense probe) must run under ``strategy.cuts.bypassed()``.
+
+Both strategies are :class:`~tclightning.backend.BackendProvider`: a module that asks for its
+backend (the GRPO module does) runs its forward/backward through it and owns the PRF step key;
+any other module trains with the cuts as installed and the key set per optimizer tick.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from omegaconf import DictConfig, OmegaConf
 
+from tclightning.backend import BackendRequest
 from tclightning.errors import TclightningError
+from tclightning.pipeline.backends import LocalBackend
 from tclightning.pipeline.boundary import Wire
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import CutSet
@@ -55,9 +61,12 @@ class PipelineStrategy(SingleDeviceStrategy):
     """Single-process pipeline Strategy (``Trainer(strategy="pipeline")`` or an instance).
 
     At ``setup`` it installs the layout's cuts on ``lightning_module.<policy_attr>`` (a HF decoder)
-    and exposes them as ``strategy.cuts``; ``teardown`` removes them. Before each
-    ``training_step`` it sets the PRF key step to ``trainer.global_step`` (the module may call
-    ``cuts.set_step`` itself too). ``wire`` replaces the in-process loopback (the multi-process seam).
+    and exposes them as ``strategy.cuts``; ``teardown`` removes them. ``wire`` replaces the
+    in-process loopback (the multi-process seam).
+
+    The PRF key's step has one owner. A module that asked for its :meth:`backend` sets it itself
+    (``Backend.begin_step``, once per RL step); for any other module, with ``auto_step``, the
+    strategy sets it to ``trainer.global_step`` before each ``training_step``.
     """
 
     strategy_name = STRATEGY_NAME
@@ -87,6 +96,7 @@ class PipelineStrategy(SingleDeviceStrategy):
         self.wire = wire
         self.auto_step = auto_step
         self.cuts: CutSet | None = None
+        self._module_owns_step = False  # set when a module takes its backend
 
     def setup_environment(self) -> None:
         if not self._device_given and self.accelerator is not None:
@@ -116,8 +126,19 @@ class PipelineStrategy(SingleDeviceStrategy):
         self.cuts = CutSet(policy, self.config, wire=self.wire)
         return self.cuts
 
+    def backend(self, request: BackendRequest) -> LocalBackend:
+        """``BackendProvider``: the module's backend, with this strategy's cuts in-graph (after
+        ``setup``); from now on the module owns the PRF step key."""
+        cuts = self.install()
+        policy = getattr(self.lightning_module, self.policy_attr, None)
+        if request.policy is not policy:
+            raise TclightningError(f"strategy 'pipeline' cut the module's '{self.policy_attr}'; ask for its backend "
+                                   "with that policy")
+        self._module_owns_step = True
+        return LocalBackend(request, cuts)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.auto_step and self.cuts is not None and self.lightning_module is not None:
+        if self.auto_step and not self._module_owns_step and self.cuts is not None and self.lightning_module is not None:
             self.cuts.set_step(self.lightning_module.trainer.global_step)
         return super().training_step(*args, **kwargs)
 
@@ -125,6 +146,7 @@ class PipelineStrategy(SingleDeviceStrategy):
         if self.cuts is not None:
             self.cuts.remove()
             self.cuts = None
+        self._module_owns_step = False
         super().teardown()
 
     @classmethod

@@ -41,8 +41,6 @@ BYTE_KEYS = ("bytes_fwd_per_token", "dense_bytes_fwd_per_token", "wire/ratio")
 """Per-row byte columns: forward payload bytes per real token summed over all cuts (what one
 forward sends), what the dense boundary would send, and ``wire/ratio`` (dense / sent)."""
 
-_TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp_sampler", "truncated")
-
 
 @dataclasses.dataclass(frozen=True)
 class ProbeConfig:
@@ -71,11 +69,6 @@ def probe_configurations(base: PipelineConfig, n_cuts: int) -> list[ProbeConfig]
     ]
     configs.append(ProbeConfig("all", "all", layout("all")))
     return configs
-
-
-def _to_device(rollouts: Rollouts, device: torch.device) -> Rollouts:
-    moved = {name: getattr(rollouts, name).to(device) for name in _TENSOR_FIELDS}
-    return dataclasses.replace(rollouts, **moved)
 
 
 @torch.no_grad()
@@ -108,7 +101,7 @@ def price_cuts(
     per forward) and ``completion_tokens``.
     """
     device = next(model.parameters()).device
-    rollouts = _to_device(rollouts, device)
+    rollouts = rollouts.to(device)
     tokens = int(rollouts.attention_mask.sum())  # the mask the CutSet counts bytes over
     completion_tokens = int(rollouts.completion_mask.sum())
     if completion_tokens == 0:

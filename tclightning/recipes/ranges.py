@@ -415,6 +415,14 @@ def _anchor(cfg: DictConfig) -> Iterator[Problem]:
         yield Problem(("anchor.merger", "trainer.strategy"),
                       "signed_ema merges a compressed trainer's gradient with the dense anchor's: set "
                       "trainer.strategy: pipeline with a compressed pipeline.layout")
+    processes = cfg.trainer.devices * cfg.trainer.num_nodes
+    if cfg.anchor.merger == "signed_ema" and cfg.anchor.projector == "rank1" and processes > 1:
+        # Each rank merges its own stage; rank1's trajectory direction spans every stage's weights.
+        yield Problem(("anchor.projector", "trainer.devices"),
+                      "'rank1' is not supported across processes (its trajectory direction spans every stage's "
+                      "weights; the merger and the other projectors work per coordinate, so each rank merges its "
+                      "own stage): use anchor.projector=none or damped_linear, or trainer.devices x "
+                      "trainer.num_nodes = 1")
 
 
 CROSS_CHECKS: tuple[Callable[[DictConfig], Iterator[Problem]], ...] = (

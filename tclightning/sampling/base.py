@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -36,6 +36,10 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     if bool(finite.all()):
         return []
     return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
+
+
+TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp_sampler", "truncated")
+"""The tensor fields of :class:`Rollouts` (what :meth:`Rollouts.to` moves)."""
 
 
 @dataclass
@@ -77,6 +81,10 @@ class Rollouts:
     @property
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)
+
+    def to(self, device: torch.device | str) -> Rollouts:
+        """The same batch with every tensor on ``device`` (a new ``Rollouts``; ``texts`` shared)."""
+        return replace(self, **{name: getattr(self, name).to(device) for name in TENSOR_FIELDS})
 
     def select(self, rows: torch.Tensor) -> Rollouts:
         """The sub-batch of ``rows`` (a 1-D index tensor), trimmed to its longest completion."""

@@ -1,6 +1,6 @@
 """Run a function on S local ranks (one process each, gloo over 127.0.0.1), without Lightning.
 
-For tests and benchmarks of :mod:`tclightning.pipeline.distributed`; training launches through
+For tests and benchmarks of :mod:`tclightning.pipeline.engine`; training launches through
 Lightning (``trainer.devices``, torchrun, SLURM). Unlike ``torch.multiprocessing.spawn``, a rank
 that dies does not take the others down: each rank's outcome (its return value or the error it
 raised) is reported separately, with its exit code and wall time, which is what a fault test needs.
@@ -34,6 +34,7 @@ class RankOutcome:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the ranks' rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -42,7 +43,7 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, out: str) -> None:
     import torch
 
-    from tclightning.pipeline.distributed import init_process_group
+    from tclightning.pipeline.comm import init_process_group
 
     torch.set_num_threads(1)
     started = time.perf_counter()

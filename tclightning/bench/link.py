@@ -12,11 +12,14 @@ Per layout (``dense``, ``shallow`` = first cut compressed, ``all``) and bandwidt
 median step time, the same step on the unshaped loopback (compute and per-message overheads
 alone), the boundary bytes of a step, the time those bytes need at the link rate, and the
 dense / compressed step-time ratio, with the machine's load average.
+
+``tclightning bench link`` (options in ``tclightning/cli/bench.py``) runs :func:`run_link_bench`;
+``python -m tclightning.bench.link --inside OPTIONS_JSON`` is the child it starts inside the
+namespace.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -50,8 +53,7 @@ def _bench_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[dic
     import torch.distributed as dist
 
     from tclightning.pipeline.config import PipelineConfig
-    from tclightning.pipeline.distributed import PipelineEngine, StageInputs
-    from tclightning.pipeline.grpo_step import _no_loss
+    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     rows, length = options["rows"], options["length"]
     gen = torch.Generator().manual_seed(1)
@@ -79,7 +81,7 @@ def _bench_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[dic
             engine.set_step(step)
             dist.barrier()
             started = time.perf_counter()
-            engine.run(inputs, loss_fn if engine.is_last else _no_loss)
+            engine.run(inputs, loss_fn if engine.is_last else no_loss)
             dist.barrier()
             times.append(time.perf_counter() - started)
             model.zero_grad(set_to_none=True)
@@ -96,7 +98,7 @@ def _bench_rank(rank: int, world_size: int, options: dict[str, Any]) -> list[dic
 
 def measure(options: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the ranks here (inside whatever namespace this process is in); rank 0's results."""
-    from tclightning.pipeline.launch import run_ranks
+    from tclightning.bench.launch import run_ranks
 
     outcomes = run_ranks(_bench_rank, options["stages"], options, timeout_s=600, join_timeout_s=3600)
     for outcome in outcomes:
@@ -134,7 +136,7 @@ def _sh(*argv: str) -> None:
 
 def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str, Any]]:
     """Make namespace ``tcl-link-<pid>``, shape its loopback to ``mbit``, run :func:`measure` inside
-    it (a child ``python -m tclightning.pipeline.link_bench --inside``), always delete it."""
+    it (a child ``python -m tclightning.bench.link --inside``), always delete it."""
     name = f"tcl-link-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -146,7 +148,7 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
         _sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
             "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "200ms")
         child = subprocess.run(
-            ["ip", "netns", "exec", name, sys.executable, "-m", "tclightning.pipeline.link_bench", "--inside",
+            ["ip", "netns", "exec", name, sys.executable, "-m", "tclightning.bench.link", "--inside",
              json.dumps(options)],
             check=False, capture_output=True, text=True,
         )
@@ -267,28 +269,20 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    result = run_link_bench(
-        bandwidths=args.bandwidth, layouts=args.layouts, stages=args.stages, link=args.link, rows=args.rows,
-        length=args.length, dim=args.dim, k=args.k, microbatches=args.microbatches, schedule=args.schedule,
-        steps=args.steps, warmup=args.warmup,
-    )
-    print(json.dumps(result) if args.json else format_table(result))
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    """``--inside OPTIONS_JSON``: the child inside the namespace measures and prints JSON (exit 0).
+    Anything else is refused with exit 2: the benchmark's command is ``tclightning bench link``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--inside"]:  # the child inside the namespace: measure, print JSON
-        import importlib
+    if argv[:1] != ["--inside"] or len(argv) != 2:
+        print("usage: python -m tclightning.bench.link --inside OPTIONS_JSON (the child that "
+              "`tclightning bench link` starts in its namespace; run that command instead)", file=sys.stderr)
+        return 2
+    import importlib
 
-        # by module name (not __main__), so the spawned ranks can import _bench_rank
-        module = importlib.import_module("tclightning.pipeline.link_bench")
-        print(json.dumps(module.measure(json.loads(argv[1]))))
-        return 0
-    from tclightning.cli.bench import main_link
-
-    return main_link(argv)
+    # by module name (not __main__), so the spawned ranks can import _bench_rank
+    module = importlib.import_module("tclightning.bench.link")
+    print(json.dumps(module.measure(json.loads(argv[1]))))
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,38 +1,28 @@
-"""One pipeline stage per process over ``torch.distributed.pipelining`` (no Lightning here).
+"""One pipeline stage per process over ``torch.distributed.pipelining``: the schedule (no Lightning).
 
 :class:`PipelineEngine` is what each rank of an S-rank process group runs: the rank's
-:class:`~tclightning.pipeline.stage.StageModule` wrapped in a ``PipelineStage`` and driven by a
-``ScheduleGPipe`` / ``Schedule1F1B`` over micro-batches. At cut i, rank i's stage ends with the
-codec's encode and rank i+1's starts with its decode, so the schedule's point-to-point messages
-*are* the codec payloads: ``[T, k]`` forward (T = real tokens of the micro-batch) and the gradient
-w.r.t. it backward -- nothing of size d crosses a compressed cut.
-
-Messages have a different token count per micro-batch, which the stock stage (one shape per
-pipeline) cannot receive. :class:`_PayloadStage` sizes each receive buffer from the token mask
-that every rank holds (the receiver can compute T itself: only k values per token travel, no
-shapes), counts every send it issues (per cut, per direction, into a :class:`WireMeter`, so
-``wire/*`` come from the actual sends), optionally paces sends to a link rate, and remembers
-which peer a rank is waiting for, so a dead or hung peer turns into :class:`StageFailure` naming
-that rank once the process group's timeout expires (gloo raises at once when a peer's socket
-closes).
+:class:`~tclightning.pipeline.stage.StageModule` in a counted ``PipelineStage``
+(:func:`~tclightning.pipeline.comm.payload_stage`) driven by a ``ScheduleGPipe`` /
+``Schedule1F1B`` over micro-batches. At cut i, rank i's stage ends with the codec's encode and
+rank i+1's starts with its decode, so the schedule's point-to-point messages *are* the codec
+payloads: ``[T, k]`` forward (T = real tokens of the micro-batch) and the gradient w.r.t. it
+backward -- nothing of size d crosses a compressed cut.
 
 Besides the boundary, the engine moves only small or dense-by-design things, each counted apart:
 tied-embedding gradients between the first and last rank, the global gradient norm (a scalar),
 and :meth:`PipelineEngine.sync_to_sampler` (stage weights to rank 0, whose dense copy samples).
-The anchor circuit's dense pass (:meth:`PipelineEngine.anchor_gradient`) is a second pipelined
-forward/backward over a dense copy of the stage: its ``[T, d]`` sends are counted apart
-(``anchor/bytes``), never in ``wire/*``.
+The dense pass at a snapshot (:meth:`PipelineEngine.dense_gradient`, the anchor's ``M``) is a
+second pipelined forward/backward over a dense copy of the stage: its ``[T, d]`` sends are counted
+apart (``anchor/bytes``), never in ``wire/*``. Collectives and failure handling live in
+:mod:`~tclightning.pipeline.comm`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -41,7 +31,8 @@ from torch import Tensor, nn
 
 from tclightning.codecs import Codec, make_codec
 from tclightning.errors import TclightningError
-from tclightning.pipeline.boundary import BACKWARD, FORWARD, WireMeter
+from tclightning.pipeline.boundary import WireMeter
+from tclightning.pipeline.comm import StageComm, StageFailure, payload_stage
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import boundary_width, find_decoder_layers
 from tclightning.pipeline.layout import CutSpec, resolve_layout
@@ -49,9 +40,7 @@ from tclightning.pipeline.stage import StageModule
 
 SCHEDULES = ("gpipe", "1f1b")
 
-
-class StageFailure(TclightningError):
-    """A pipeline peer died, hung past the timeout, or its link failed; the message names the rank."""
+__all__ = ["SCHEDULES", "PipelineEngine", "StageFailure", "StageInputs", "check_distributed_layout", "no_loss"]
 
 
 @dataclass
@@ -82,6 +71,11 @@ class StageInputs:
         return StageInputs(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
+def no_loss(logp: Tensor, rows: Tensor) -> Tensor:  # pragma: no cover - only the last rank computes a loss
+    """The ``loss_fn`` of ranks other than the last in a forward/backward: never called there."""
+    raise AssertionError("the loss is computed on the last rank only")
+
+
 def check_distributed_layout(config: PipelineConfig, specs: list[CutSpec], world_size: int) -> None:
     """Refuse what the multi-process mode does not run (yet), naming the setting."""
     if len(specs) + 1 != world_size:
@@ -107,114 +101,14 @@ def check_distributed_layout(config: PipelineConfig, specs: list[CutSpec], world
         raise TclightningError(f"pipeline.microbatches must be >= 1, got {config.microbatches}")
 
 
-class _Watch:
-    """Which peer this rank is waiting on, for the error message when the wait fails."""
-
-    def __init__(self) -> None:
-        self.peers: list[int] = []
-        self.what = "start-up"
-
-    def expect(self, peers: list[int], what: str) -> None:
-        self.peers, self.what = peers, what
-
-
-class _PayloadStage:
-    """Factory for a ``PipelineStage`` subclass (built lazily: importing pipelining is not free)."""
-
-    cls: type | None = None
-
-    @classmethod
-    def build(cls, *args: Any, **kwargs: Any) -> Any:
-        if cls.cls is None:
-            cls.cls = _make_payload_stage_class()
-        return cls.cls(*args, **kwargs)
-
-
-def _make_payload_stage_class() -> type:
-    from torch.distributed.pipelining import PipelineStage
-
-    class PayloadStage(PipelineStage):
-        """``PipelineStage`` with per-micro-batch message shapes, send accounting and pacing."""
-
-        def __init__(
-            self,
-            module: StageModule,
-            *,
-            device: torch.device,
-            group: Any,
-            in_shapes: list[tuple[int, int]],
-            out_shapes: list[tuple[int, int]],
-            dtype: torch.dtype,
-            meter: WireMeter,
-            watch: _Watch,
-            link_bits_per_s: float | None,
-        ) -> None:
-            example_in = (
-                torch.zeros(1, 1, dtype=torch.long)
-                if module.is_first
-                else torch.zeros(1, 1, dtype=dtype, requires_grad=True)
-            )
-            example_out = (
-                torch.zeros(1, 1, dtype=torch.float32, requires_grad=True)
-                if module.is_last
-                else torch.zeros(1, 1, dtype=dtype, requires_grad=True)
-            )
-            # Static metadata: no shape-inference forward (it would run the codecs on dummy data).
-            super().__init__(
-                module, module.index, module.num_stages, device,
-                input_args=example_in, output_args=example_out, group=group,
-            )
-            self.in_shapes, self.out_shapes, self.dtype = in_shapes, out_shapes, dtype
-            self.meter, self.watch, self.link_bits_per_s = meter, watch, link_bits_per_s
-
-        def _rank_of(self, stage: int) -> int:
-            return self._resolve_peer_global_rank(stage)
-
-        def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
-            if not self.is_first:
-                info = self.args_recv_info[fwd_chunk_id][0]
-                info.buffer = torch.empty(self.in_shapes[fwd_chunk_id], dtype=self.dtype, device=self.device)
-                self.watch.expect([self._rank_of(self.stage_index - 1)], f"the forward message of micro-batch {fwd_chunk_id}")
-            return super().get_fwd_recv_ops(fwd_chunk_id)
-
-        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
-            if self.has_backward and not self.is_last:
-                info = self.grad_recv_info[bwd_chunk_id][0]
-                info.buffer = torch.empty(self.out_shapes[bwd_chunk_id], dtype=self.dtype, device=self.device)
-                self.watch.expect([self._rank_of(self.stage_index + 1)], f"the gradient message of micro-batch {bwd_chunk_id}")
-            return super().get_bwd_recv_ops(bwd_chunk_id)
-
-        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
-            ops = super().get_fwd_send_ops(fwd_chunk_id)
-            self._account(ops, self.stage_index, FORWARD)
-            return ops
-
-        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
-            ops = super().get_bwd_send_ops(bwd_chunk_id)
-            self._account(ops, self.stage_index - 1, BACKWARD)
-            return ops
-
-        def _account(self, ops: list[Any], cut: int, direction: str) -> None:
-            dim = self.submod.config.hidden_size
-            for op in ops:
-                tensor = op.tensor
-                sent = tensor.numel() * tensor.element_size()
-                self.meter.record(cut, direction, sent, tensor.shape[0] * dim * tensor.element_size())
-                self.watch.expect([op.peer], f"sending the {direction} message across cut {cut}")
-                if self.link_bits_per_s:  # software-paced link: the serialisation delay of the message
-                    time.sleep(sent * 8 / self.link_bits_per_s)
-
-    return PayloadStage
-
-
 class PipelineEngine:
     """This rank's stage of ``model`` split by ``config``, run over the process group ``group``.
 
     ``run(inputs, loss_fn)`` is one pipelined forward (+ backward with ``loss_fn``) of a batch
     split into ``config.microbatches`` micro-batches; ``loss_fn(logp_mb, rows_mb)`` is called on
     the last rank per micro-batch and must return that micro-batch's share of the batch loss
-    (micro-batch losses are summed, ``scale_grads=False``). Gradients accumulate into the stage's
-    parameters, which are ``model``'s own.
+    (micro-batch losses are summed, ``scale_grads=False``); other ranks pass :func:`no_loss`.
+    Gradients accumulate into the stage's parameters, which are ``model``'s own.
     """
 
     def __init__(
@@ -227,12 +121,8 @@ class PipelineEngine:
         temperature: float = 1.0,
         link_mbit: float | None = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise TclightningError("the multi-process pipeline needs torch.distributed initialised (launch with devices>1)")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.device = torch.device(device)
+        self.comm = StageComm(group, torch.device(device), config.timeout_s)
+        self.rank, self.world_size, self.device = self.comm.rank, self.comm.world_size, self.comm.device
         self.config = config
         body, layers = find_decoder_layers(model)
         self.dim = boundary_width(model)
@@ -248,16 +138,14 @@ class PipelineEngine:
             seed=config.seed, temperature=temperature,
         )
         self.meter = WireMeter([spec.layer for spec in self.specs])
-        self.watch = _Watch()
         self.link_bits_per_s = link_mbit * 1e6 if link_mbit else None
-        self.timeout_s = config.timeout_s
         output = model.get_output_embeddings()
         self.tied = self.world_size > 1 and output is not None and output.weight is body.embed_tokens.weight
         self._tie_group = None
         if self.tied and self.world_size > 2:  # every rank must call new_group
             self._tie_group = dist.new_group([0, self.world_size - 1])
         self.sync_bytes = 0
-        self._anchor_stage: StageModule | None = None
+        self._dense_stage: StageModule | None = None
 
     # -- construction ------------------------------------------------------------------------
 
@@ -285,6 +173,12 @@ class PipelineEngine:
             self.module.recv_codec.commit_step()
         self.module.step = int(step)
 
+    def set_temperature(self, temperature: float) -> None:
+        """The sampler's temperature, for the last stage's log-probs (before any forward)."""
+        self.module.temperature = temperature
+        if self._dense_stage is not None:
+            self._dense_stage.temperature = temperature
+
     def reset_stats(self) -> None:
         self.meter.reset()
         self.sync_bytes = 0
@@ -296,46 +190,12 @@ class PipelineEngine:
             + [[self.sync_bytes, 0, 0, 0, 0, 0]],
             dtype=torch.float64,
         )
-        counts = self.all_reduce(counts, "summing the wire counters")
+        counts = self.comm.all_reduce(counts, "summing the wire counters")
         total = WireMeter([t.layer for t in self.meter.cuts])
         for traffic, row in zip(total.cuts, counts.tolist()):
             (traffic.bytes_fwd, traffic.bytes_bwd, traffic.dense_fwd, traffic.dense_bwd,
              traffic.messages_fwd, traffic.messages_bwd) = (int(v) for v in row)
         return {**total.metrics(), "wire/sync_bytes": float(counts[-1, 0])}
-
-    # -- failures ------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def guard(self, what: str) -> Iterator[None]:
-        """Turn a failed wait on a peer into :class:`StageFailure` naming the rank waited for."""
-        try:
-            yield
-        except StageFailure:
-            raise
-        except (RuntimeError, dist.DistError) as err:
-            peers = self.watch.peers or [r for r in range(self.world_size) if r != self.rank]
-            names = ", ".join(str(p) for p in peers)
-            detail = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            raise StageFailure(
-                f"pipeline rank {names} died or did not answer within {self.timeout_s:g} s "
-                f"(rank {self.rank} was {what}: {self.watch.what}); stopping. Cause: {detail}"
-            ) from err
-
-    def all_reduce(self, tensor: Tensor, what: str, group: Any = None) -> Tensor:
-        """Sum ``tensor`` over ranks (on the engine's device, returned on the input's)."""
-        work = tensor.to(self.device)
-        self.watch.expect([], what)
-        with self.guard(what):
-            dist.all_reduce(work, group=group if group is not None else self.group)
-        return work.to(tensor.device)
-
-    def broadcast_object(self, obj: Any, src: int, what: str) -> Any:
-        """``obj`` from rank ``src`` on every rank (small Python objects: rollouts, metrics)."""
-        box = [obj if self.rank == src else None]
-        self.watch.expect([src] if self.rank != src else [], what)
-        with self.guard(what):
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
-        return box[0]
 
     # -- the pipelined forward/backward --------------------------------------------------------
 
@@ -351,7 +211,7 @@ class PipelineEngine:
         """One pipelined pass over ``inputs`` (B rows). With ``loss_fn``: forward + backward.
 
         ``module`` / ``meter``: another stage module of this rank and the meter its sends are
-        counted in (the anchor's dense pass, :meth:`anchor_gradient`); default the engine's own.
+        counted in (the dense pass, :meth:`dense_gradient`); default the engine's own.
         Returns ``(logp [B, Lc], entropy [B, Lc] or None)`` detached on the last rank, ``(None,
         None)`` elsewhere."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -363,10 +223,10 @@ class PipelineEngine:
         tokens = [int(part.sum()) for part in torch.tensor_split(inputs.attention_mask.sum(-1), chunks)]
         in_width = self._width(stage_module.recv_spec)
         out_width = self._width(stage_module.send_spec)
-        stage = _PayloadStage.build(
-            stage_module, device=self.device, group=self.group,
+        stage = payload_stage(
+            stage_module, self.comm,
             in_shapes=[(t, in_width) for t in tokens], out_shapes=[(t, out_width) for t in tokens],
-            dtype=self.dtype, meter=meter if meter is not None else self.meter, watch=self.watch,
+            dtype=self.dtype, meter=meter if meter is not None else self.meter,
             link_bits_per_s=self.link_bits_per_s,
         )
         schedule_cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
@@ -382,7 +242,7 @@ class PipelineEngine:
         stage_module.want_entropy = with_entropy and self.is_last
         stage_module.last_entropy = []
         what = "in the pipelined forward/backward" if loss_fn is not None else "in the pipelined forward"
-        with self.guard(what):
+        with self.comm.guard(what):
             if loss_fn is not None:
                 target = kwargs["rows"] if self.is_last else None
                 output = schedule.step(*args, target=target, **kwargs)
@@ -396,13 +256,13 @@ class PipelineEngine:
         stage_module.last_entropy = []
         return output.detach(), entropy
 
-    # -- the anchor circuit's dense pass --------------------------------------------------------
+    # -- the dense pass at a snapshot (the anchor's M) ------------------------------------------
 
-    def anchor_stage(self) -> StageModule:
+    def dense_stage(self) -> StageModule:
         """This rank's stage as a separate dense module (built once): a copy of the stage's own
         layers (never the whole model) with the ``identity`` codec at both cuts, into which
-        :meth:`anchor_gradient` loads a snapshot. Its sends are the dense boundary."""
-        if self._anchor_stage is None:
+        :meth:`dense_gradient` loads a snapshot. Its sends are the dense boundary."""
+        if self._dense_stage is None:
             clone = copy.deepcopy(self.module)
             dense = [dataclasses.replace(spec, codec="identity", compressed=False, backward_codec=None)
                      for spec in self.specs]
@@ -410,19 +270,19 @@ class PipelineEngine:
             clone.recv_spec = None if self.is_first else dense[self.rank - 1]
             clone.send_codec = None if self.is_last else make_codec("identity", self.dim)
             clone.recv_codec = None if self.is_first else make_codec("identity", self.dim)
-            self._anchor_stage = clone.train()
-        return self._anchor_stage
+            self._dense_stage = clone.train()
+        return self._dense_stage
 
-    def anchor_gradient(
-        self, snapshot: list[Tensor], inputs: StageInputs, loss_fn: Callable[[Tensor, Tensor], Tensor] | None
+    def dense_gradient(
+        self, snapshot: list[Tensor], inputs: StageInputs, loss_fn: Callable[[Tensor, Tensor], Tensor]
     ) -> tuple[list[Tensor], float]:
-        """The anchor's dense ``M`` for this rank's stage: load ``snapshot`` (this rank's
-        :meth:`owned_parameters` at the job's tick, same order) into :meth:`anchor_stage`, run one
-        pipelined forward/backward of ``inputs`` over the dense boundary (``loss_fn`` on the last
-        rank), sum the tied-embedding halves. Returns ``(M, bytes)``: ``M`` shaped like
-        ``owned_parameters()``, ``bytes`` the boundary bytes of the pass summed over all ranks
-        and both directions, counted from the actual sends (``anchor/bytes``)."""
-        stage = self.anchor_stage()
+        """The dense gradient for this rank's stage at ``snapshot`` (this rank's
+        :meth:`owned_parameters` at some earlier tick, same order): loaded into :meth:`dense_stage`,
+        one pipelined forward/backward of ``inputs`` over the dense boundary (``loss_fn`` on the
+        last rank, :func:`no_loss` elsewhere), tied-embedding halves summed. Returns ``(grads,
+        bytes)``: ``grads`` shaped like ``owned_parameters()``, ``bytes`` the boundary bytes of
+        the pass summed over all ranks and both directions, counted from the actual sends."""
+        stage = self.dense_stage()
         params = [p for p in stage.parameters() if p.requires_grad]
         if len(params) != len(snapshot):
             raise TclightningError(f"anchor snapshot has {len(snapshot)} tensors for {len(params)} stage parameters")
@@ -435,7 +295,7 @@ class PipelineEngine:
         self.run(inputs, loss_fn, module=stage, meter=meter)
         self.reduce_tied_gradients(stage)
         sent = sum(t.bytes_fwd + t.bytes_bwd for t in meter.cuts)
-        total = self.all_reduce(torch.tensor(float(sent), dtype=torch.float64), "summing the anchor's bytes")
+        total = self.comm.all_reduce(torch.tensor(float(sent), dtype=torch.float64), "summing the anchor's bytes")
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
         stage.zero_grad(set_to_none=True)
         return grads, float(total)
@@ -457,7 +317,7 @@ class PipelineEngine:
         assert embedding is not None
         weight = embedding.weight
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
-        weight.grad = self.all_reduce(grad, "summing the tied-embedding gradient", group=self._tie_group)
+        weight.grad = self.comm.all_reduce(grad, "summing the tied-embedding gradient", group=self._tie_group)
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         """Global gradient norm over all stages (one all-reduced scalar) and ``clip_grad_norm_``'s
@@ -468,7 +328,7 @@ class PipelineEngine:
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in counted:
             local += p.grad.detach().double().pow(2).sum()
-        total = self.all_reduce(local, "summing the gradient norm").sqrt().float()
+        total = self.comm.all_reduce(local, "summing the gradient norm").sqrt().float()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].device) if params else total)
         return total
 
@@ -490,32 +350,22 @@ class PipelineEngine:
             total += numel * self.dtype.itemsize
             if self.rank == index:  # the sender counts (metrics() sums over ranks)
                 self.sync_bytes += numel * self.dtype.itemsize
-            if self.rank not in (0, index):
-                continue
             what = f"sending stage {index}'s weights to the sampler"
-            self.watch.expect([index if self.rank == 0 else 0], what)
-            with self.guard(what):
-                if self.rank == index:
-                    dist.send(torch.cat([p.detach().reshape(-1) for p in params]).to(self.device), dst=index_to_global(0, self.group), group=self.group)
-                else:
-                    flat = torch.empty(numel, dtype=self.dtype, device=self.device)
-                    dist.recv(flat, src=index_to_global(index, self.group), group=self.group)
-                    offset = 0
-                    for p in params:
-                        p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                        offset += p.numel()
+            if self.rank == index:
+                self.comm.send(torch.cat([p.detach().reshape(-1) for p in params]), 0, what)
+            elif self.rank == 0:
+                flat = self.comm.recv(numel, self.dtype, index, what)
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
         return total
 
     @torch.no_grad()
     def broadcast_weights(self) -> None:
         """Rank 0's weights to every rank (once at start-up: warm-ups or GPU kernels may differ)."""
-        with self.guard("receiving the initial weights from rank 0"):
-            self.watch.expect([0] if self.rank else [], "the initial weight broadcast")
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                if tensor.is_floating_point():
-                    work = tensor.data.to(self.device)
-                    dist.broadcast(work, src=index_to_global(0, self.group), group=self.group)
-                    tensor.data.copy_(work)
+        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if t.is_floating_point()]
+        self.comm.broadcast_tensors_(tensors, 0, "receiving the initial weights from rank 0", "the initial weight broadcast")
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -524,18 +374,10 @@ class PipelineEngine:
         codec = self.module.recv_codec
         return {"rank": self.rank, "state": codec.state_dict() if codec is not None else {}}
 
-    def gather_objects(self, obj: Any, what: str) -> list[Any] | None:
-        """``obj`` of every rank, on rank 0 (None elsewhere)."""
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        self.watch.expect([], what)
-        with self.guard(what):
-            dist.gather_object(obj, out, dst=index_to_global(0, self.group), group=self.group)
-        return out
-
     def cut_state_dict(self) -> dict[str, Any] | None:
         """All ranks call; on rank 0 the ``CutSet.state_dict()`` layout (per cut: the state of the
         codec that decodes it, which lives on the cut's receiving rank)."""
-        gathered = self.gather_objects(self.codec_state(), "gathering the codec states for a checkpoint")
+        gathered = self.comm.gather_objects(self.codec_state(), "gathering the codec states for a checkpoint")
         if gathered is None:
             return None
         by_rank = {entry["rank"]: entry["state"] for entry in gathered}
@@ -551,18 +393,3 @@ class PipelineEngine:
         forward = state.get("forward", [])
         if self.module.recv_codec is not None and len(forward) >= self.rank:
             self.module.recv_codec.load_state_dict(forward[self.rank - 1])
-
-
-def index_to_global(rank: int, group: Any) -> int:
-    """Global rank of ``rank`` in ``group`` (identity for the default group)."""
-    return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def init_process_group(
-    rank: int, world_size: int, *, backend: str = "gloo", timeout_s: float = 60.0, init_method: str | None = None
-) -> None:
-    """``dist.init_process_group`` with the pipeline's timeout (tests and benchmarks; Lightning does
-    this itself from its cluster environment)."""
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s), init_method=init_method
-    )

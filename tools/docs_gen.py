@@ -14,7 +14,10 @@
 Used as an MkDocs hook (``hooks:`` in ``mkdocs.yml``: the pages are added to the build, never
 written into ``docs/``), and as a script that writes them out for reading without MkDocs::
 
-    python -m tclightning.docs_gen --out /tmp/reference
+    python tools/docs_gen.py --out /tmp/reference
+
+Build tooling, not part of the wheel: it reads the code through the installed ``tclightning``
+(``make setup`` installs this checkout in editable mode) and the repository's files next to it.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ def recipe_reference() -> str:
         "# Recipe reference",
         "",
         "Generated from the schema dataclasses (`tclightning/recipes/schema.py` and the section",
-        "dataclasses it composes) by `tclightning/docs_gen.py` at every site build, so it always",
+        "dataclasses it composes) by `tools/docs_gen.py` at every site build, so it always",
         "matches the code. How recipes are found, composed and overridden: [Recipes](../recipes.md).",
         "Types are as the code annotates them; defaults are YAML (`null` = unset).",
         "",
@@ -350,7 +353,7 @@ def benchmarks_page() -> str:
     """``benchmarks/README.md`` for the site: links into ``docs/`` made site-relative."""
     text = (REPO / "benchmarks" / "README.md").read_text()
     text = re.sub(r"\]\(\.\./docs/", "](", text)
-    return ("<!-- generated from benchmarks/README.md by tclightning/docs_gen.py; edit that file -->\n\n" + text)
+    return ("<!-- generated from benchmarks/README.md by tools/docs_gen.py; edit that file -->\n\n" + text)
 
 
 PAGES: dict[str, Callable[[], str]] = {

@@ -1,0 +1,227 @@
+"""The anchor feature in one object: circuit, replay, delivery and merge state (pure logic).
+
+:class:`Anchor` owns everything a run's anchor keeps between optimizer ticks:
+
+* the **circuit** (:class:`~tclightning.anchor.circuit.AnchorCircuit`): when to snapshot the
+  weights, the snapshots and the rollouts they generated (the paired replay), when each is due;
+* the **delivery**: the newest ``M``, computed from a due job by a function the trainer passes
+  in (the dense forward/backward at the snapshot) and held until the next merge;
+* the **merge state**: the merger (``M_bar`` and its projector) and the per-tick sign agreement
+  of the current RL step.
+
+Per optimizer tick the trainer calls :meth:`Anchor.tick` before its forward/backward and
+:meth:`Anchor.merge_` after clipping, right before ``optimizer.step()``. :func:`build_anchor` is
+the one translation of the recipe's ``anchor`` section. The Lightning callback
+``AnchorMerge`` (for any module that computes ``M`` itself) drives only the merge side.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot
+from tclightning.anchor.config import AnchorConfig
+from tclightning.anchor.mergers import Merger, make_merger
+from tclightning.errors import TclightningError
+
+Reduce = Callable[[Tensor], Tensor]
+"""Sums a tensor over the ranks that each hold part of the parameters (across processes)."""
+
+
+@dataclass
+class AnchorDelivery:
+    """An anchor gradient with its timing: ``gradient`` (one tensor per anchor parameter) was
+    computed at the weight snapshot of tick ``snapshot_tick`` (the projectors' clock)."""
+
+    gradient: Sequence[Tensor]
+    snapshot_tick: int | None = None
+
+
+class Anchor:
+    """A merger, and optionally the circuit that feeds it (see the module doc).
+
+    ``merger``: the merge state (``M_bar``, projector). ``circuit``: None when ``M`` comes from
+    elsewhere (a module that computes it itself hands it to :meth:`merge_`).
+
+    Counters: ``ticks`` (merged ticks) and ``anchors`` (``M`` received), all time;
+    ``agreement`` / ``coordinates``: this RL step's per-tick sign agreement and the number of
+    coordinates each was measured over (cleared by :meth:`step_agreement`).
+    """
+
+    def __init__(self, merger: Merger, circuit: AnchorCircuit | None = None) -> None:
+        self.merger = merger
+        self.circuit = circuit
+        self.ticks = 0
+        self.anchors = 0
+        self.agreement: list[float] = []
+        self.coordinates: list[int] = []
+        self.step_metrics: dict[str, float] = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
+        self._delivered: AnchorDelivery | None = None
+        self._device: torch.device | None = None  # where the merger's state lives
+
+    # ----------------------------------------------------------------------------- the circuit
+    def begin_step(self) -> None:
+        """A new RL step: ``anchor/bytes`` and ``time/anchor_s`` count from zero."""
+        self.step_metrics = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
+
+    def tick(
+        self,
+        tick: int,
+        *,
+        first: bool,
+        parameters: Callable[[], Sequence[Tensor]],
+        payload: Callable[[], Any],
+        gradient: Callable[[AnchorJob], tuple[list[Tensor], float]],
+    ) -> None:
+        """The circuit's part of optimizer tick ``tick`` (before its forward/backward).
+
+        On the step's ``first`` tick (only then do the weights equal the ones that sampled) a job
+        is recorded if the cadence says so: a CPU snapshot of ``parameters()`` and ``payload()``
+        (the rollouts those weights sampled). Then every job due now is computed with
+        ``gradient(job) -> (M, boundary bytes)`` and delivered (the newest wins)."""
+        if self.circuit is None:
+            raise TclightningError("this anchor has no circuit: its M is handed to merge_")
+        if first and self.circuit.should_record(tick):
+            self.circuit.maybe_record(tick, lambda: cpu_snapshot(parameters()), payload())
+        for job in self.circuit.due(tick):
+            started = time.perf_counter()
+            grads, sent = gradient(job)
+            self._delivered = AnchorDelivery(grads, snapshot_tick=job.tick)
+            self.step_metrics["anchor/bytes"] += sent
+            self.step_metrics["time/anchor_s"] += time.perf_counter() - started
+
+    def pop_delivery(self) -> AnchorDelivery | None:
+        """The ``M`` delivered since the last call, once (None when nothing new arrived)."""
+        delivered, self._delivered = self._delivered, None
+        return delivered
+
+    # ----------------------------------------------------------------------------- the merge
+    def merge_(
+        self, params: Sequence[Tensor], tick: int, delivered: Sequence[Tensor] | AnchorDelivery | None
+    ) -> None:
+        """Merge at optimizer tick ``tick``, in place on the ``.grad`` of ``params`` (the anchor
+        parameters, fixed order), just before the optimizer step:
+
+        1. the projector sees the weights (``rank1`` keeps a trajectory of them);
+        2. a ``delivered`` ``M`` (shaped like ``params``) is folded into ``M_bar``;
+        3. ``sign(G_comp) == sign(M_bar)`` is measured (this tick's agreement);
+        4. each ``p.grad`` becomes the merged ``G`` (parameters without a gradient are left alone).
+        """
+        params = list(params)
+        if not params:
+            return
+        self._place(params[0].device)
+        projector = getattr(self.merger, "projector", None)
+        if projector is not None:
+            projector.observe_weights([p.detach() for p in params], tick)
+        if delivered is not None:
+            grads, snapshot_tick = (
+                (delivered.gradient, delivered.snapshot_tick) if isinstance(delivered, AnchorDelivery) else (delivered, None)
+            )
+            if len(grads) != len(params):
+                raise TclightningError(f"the anchor gradient has {len(grads)} tensors for {len(params)} anchor parameters")
+            self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick)
+            self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
+            self.anchors += 1
+        index = [i for i, p in enumerate(params) if p.grad is not None]
+        if not index:
+            return
+        g_comp = [params[i].grad for i in index]
+        with torch.no_grad():
+            agreement = self.merger.sign_agreement(g_comp, index=index)
+            if agreement is not None:
+                self.agreement.append(agreement)
+                self.coordinates.append(sum(g.numel() for g in g_comp))
+            self.merger.merge_(g_comp, tick=tick, index=index)
+        self.ticks += 1
+
+    def step_agreement(self, reduce: Reduce | None = None) -> float | None:
+        """The RL step's ``anchor/sign_agreement`` (None before the first ``M``), and a fresh
+        start for the next step. One process: the mean over the step's ticks. With ``reduce``
+        (each rank merged its own parameters): per tick the coordinate-weighted mean over ranks
+        (one ``reduce`` that every rank must call), then the mean over ticks."""
+        agreement, coordinates = self.agreement, self.coordinates
+        self.agreement, self.coordinates = [], []
+        if reduce is None:
+            return sum(agreement) / len(agreement) if agreement else None
+        counts = torch.tensor([[a * n, n] for a, n in zip(agreement, coordinates)], dtype=torch.float64).reshape(-1, 2)
+        counts = reduce(counts)
+        if counts.numel() == 0:
+            return None
+        return float((counts[:, 0] / counts[:, 1].clamp(min=1)).mean())
+
+    def metrics(self, tick: int) -> dict[str, float]:
+        """``anchor/latency`` and ``anchor/cadence`` in force at ``tick``, and this step's
+        ``anchor/bytes`` and ``time/anchor_s`` (empty without a circuit)."""
+        if self.circuit is None:
+            return {}
+        return {**self.circuit.metrics(tick), **self.step_metrics}
+
+    def _place(self, device: torch.device) -> None:
+        if self._device != device:
+            self._device = device
+            self.merger.to(device)
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Pending snapshots and replay, an undelivered ``M``, ``M_bar`` and the projector, the
+        counters and this step's agreement so far (tensors on CPU: a run resumes on any device)."""
+        return {
+            "circuit": None if self.circuit is None else self.circuit.state_dict(),
+            "new": None if self._delivered is None else (list(self._delivered.gradient), self._delivered.snapshot_tick),
+            "merger": _to_cpu(self.merger.state_dict()),
+            "ticks": self.ticks,
+            "anchors": self.anchors,
+            "agreement": list(self.agreement),
+            "coordinates": list(self.coordinates),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the schedule stays the constructor's)."""
+        if self.circuit is not None and state.get("circuit") is not None:
+            self.circuit.load_state_dict(state["circuit"])
+        new = state.get("new")
+        self._delivered = None if new is None else AnchorDelivery(*new)
+        if "merger" in state:
+            self.merger.load_state_dict(state["merger"])
+        self.ticks = int(state.get("ticks", 0))
+        self.anchors = int(state.get("anchors", 0))
+        self.agreement = [float(a) for a in state.get("agreement", [])]
+        self.coordinates = [int(n) for n in state.get("coordinates", [1] * len(self.agreement))]
+        self._device = None  # the state is on CPU now; moved to the parameters' device at the next merge
+
+
+def build_anchor(config: AnchorConfig) -> Anchor | None:
+    """The run's anchor from the recipe's ``anchor`` section, or None when the merger needs no
+    anchor (``none``; ``dense``, whose layout makes ``G_comp`` the dense gradient already)."""
+    options: dict[str, Any] = {}
+    if config.projector != "none":
+        options["gamma"] = config.projector_gamma
+    if config.projector == "rank1":
+        options["window"] = config.projector_window
+    merger = make_merger(config.merger, alpha=config.alpha, beta=config.beta, projector=config.projector, **options)
+    if not merger.needs_anchor:
+        return None
+    schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks,
+                              config.warmup_shape, config.warmup_stages)
+    return Anchor(merger, AnchorCircuit(schedule))
+
+
+def _to_cpu(value: Any) -> Any:
+    """Checkpoint tensors on CPU so that a run resumes on any device."""
+    if isinstance(value, Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+__all__ = ["Anchor", "AnchorDelivery", "build_anchor"]
