@@ -8,42 +8,146 @@ from __future__ import annotations
 
 import csv
 import os
+import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_only
 
-# Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names.
+# Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
+# chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
+# accuracy has a chart of its own: its few points are outliers in a chart of per-step rewards and
+# TensorBoard's default outlier clipping would hide them. The first two categories put the two
+# couplings a collapse shows up in side by side, on the same steps (different units, so two charts).
 SCALAR_LAYOUT: dict[str, dict[str, list]] = {
-    "learning": {
-        "reward and accuracy": ["Multiline", ["reward/mean", "val/accuracy"]],
-        "reward spread": ["Multiline", ["reward/std"]],
+    "collapse signs: reward and length": {
+        "reward (mean)": ["Multiline", ["reward/mean"]],
+        "response length (tokens)": ["Multiline", ["response/length_mean", "response/length_max"]],
+        "truncated share": ["Multiline", ["response/truncated_frac"]],
     },
-    "responses": {
-        "length": ["Multiline", ["response/length_mean", "response/length_max"]],
-        "truncated": ["Multiline", ["response/truncated_frac"]],
+    "collapse signs: gap and reward": {
+        "log-prob gap (nats)": ["Multiline", ["gap/abs_mean", "gap/k3"]],
+        "reward (mean)": ["Multiline", ["reward/mean"]],
+        "health state (0 healthy, 1 warning, 2 collapsing, -1 no data)": ["Multiline", ["health/state"]],
+    },
+    "learning": {
+        "reward": ["Multiline", ["reward/mean"]],
+        "reward spread (std)": ["Multiline", ["reward/std"]],
+        "held-out accuracy (greedy)": ["Multiline", ["val/accuracy"]],
+        "agentic success and validity (share)": ["Multiline", ["agentic/success_rate", "agentic/valid_frac",
+                                                               "agentic/unfinished_frac"]],
     },
     "optimisation": {
-        "losses": ["Multiline", ["loss/policy", "loss/kl"]],
-        "policy": ["Multiline", ["policy/entropy", "policy/clip_frac"]],
-        "grad norm": ["Multiline", ["policy/grad_norm"]],
+        "policy loss": ["Multiline", ["loss/policy"]],
+        "KL to the reference (k3)": ["Multiline", ["loss/kl"]],
+        "entropy (nats per token)": ["Multiline", ["policy/entropy"]],
+        "clipped and kept tokens (share)": ["Multiline", ["policy/clip_frac", "policy/kept_frac"]],
+        "gradient norm": ["Multiline", ["policy/grad_norm"]],
     },
     "gap": {
-        "log-prob gap": ["Multiline", ["gap/abs_mean", "gap/k3", "gap/max"]],
-        "tokens": ["Multiline", ["gap/outside_5x_frac", "gap/prob_abs_mean", "gap/logp_corr"]],
+        "largest log-prob gap (nats)": ["Multiline", ["gap/max"]],
+        "tokens off the sampler (share, |Δp|)": ["Multiline", ["gap/outside_5x_frac", "gap/prob_abs_mean"]],
+        "log-prob correlation": ["Multiline", ["gap/logp_corr"]],
     },
-    "wire and anchor": {
-        "bytes": ["Multiline", ["wire/bytes_fwd", "wire/bytes_bwd", "anchor/bytes"]],
-        "ratio": ["Multiline", ["wire/ratio", "anchor/sign_agreement"]],
+    "wire": {
+        "bytes per step": ["Multiline", ["wire/bytes_fwd", "wire/bytes_bwd", "anchor/bytes"]],
+        "dense bytes / sent bytes": ["Multiline", ["wire/ratio"]],
+    },
+    "anchor": {
+        "sign agreement (share)": ["Multiline", ["anchor/sign_agreement"]],
+        "latency and cadence (ticks)": ["Multiline", ["anchor/latency", "anchor/cadence"]],
+    },
+    "health": {
+        "state per monitor (0 healthy, 1 warning, 2 collapsing, -1 no data)": [
+            "Multiline", ["health/length", "health/gap", "health/collapse"]],
+        "rollbacks so far": ["Multiline", ["health/length_rollbacks", "health/gap_rollbacks",
+                                           "health/collapse_rollbacks"]],
     },
     "time": {
-        "seconds": ["Multiline", ["time/sample_s", "time/train_s", "time/anchor_s"]],
-        "throughput": ["Multiline", ["throughput/tokens_per_s"]],
-        "health": ["Multiline", ["health/state"]],
+        "seconds per step": ["Multiline", ["time/sample_s", "time/train_s", "time/anchor_s"]],
+        "throughput (tokens/s)": ["Multiline", ["throughput/tokens_per_s"]],
     },
 }
 
+
+# Tags first logged some steps into a run, each with a tag logged from the first step whenever it
+# will be: the anchor's sign agreement needs a delivered anchor gradient (K ticks in).
+LATE_TAGS: dict[str, str] = {"anchor/sign_agreement": "anchor/latency"}
+
+
+def scalar_layout(
+    tags: Iterable[str] | None = None,
+    layout: Mapping[str, Mapping[str, list]] = SCALAR_LAYOUT,
+    late: Mapping[str, str] = LATE_TAGS,
+) -> dict[str, dict[str, list]]:
+    """The Custom Scalars ``layout`` restricted to what a run logs.
+
+    A chart is kept when one of its tags (a regular expression, as TensorBoard reads it) matches
+    one of ``tags`` whole; a tag of ``late`` counts as logged when its companion is (so the
+    anchor's sign-agreement chart is there from the first step). A dense run thus gets no
+    ``wire`` or ``anchor`` charts, and a category left without charts is dropped. ``tags=None``
+    keeps every chart. The result is what ``SummaryWriter.add_custom_scalars`` takes.
+    """
+    logged = None if tags is None else set(tags)
+    if logged is not None:
+        logged |= {tag for tag, companion in late.items() if companion in logged}
+    result: dict[str, dict[str, list]] = {}
+    for category, charts in layout.items():
+        kept = {
+            title: [kind, list(chart_tags)]
+            for title, (kind, chart_tags) in charts.items()
+            if logged is None or any(re.fullmatch(p, t) for p in chart_tags for t in logged)
+        }
+        if kept:
+            result[category] = kept
+    return result
+
+
+class LayoutTensorBoardLogger(TensorBoardLogger):
+    """Lightning's ``TensorBoardLogger`` that also writes a Custom Scalars layout built from the
+    tags the run logs (:func:`scalar_layout`), and leaves out Lightning's ``epoch`` scalar (with
+    one pass over a prompt stream it is always 0, and the Scalars tab would open on it).
+
+    The layout is written once every tag of the first logged step is known: at the first
+    ``log_metrics`` call of a later step, or when the run ends. ``layout`` replaces
+    :data:`SCALAR_LAYOUT` (for a project that logs other names). Arguments otherwise as
+    ``TensorBoardLogger``.
+    """
+
+    def __init__(self, *args: Any, layout: Mapping[str, Mapping[str, list]] = SCALAR_LAYOUT, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._layout = layout
+        self._seen: set[str] = set()
+        self._first_step: int | None = None
+        self._layout_written = False
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        metrics = {k: v for k, v in metrics.items() if k != "epoch"}
+        if not self._layout_written:
+            if self._first_step is None:
+                self._first_step = step
+            elif step != self._first_step:
+                self.write_layout()
+            self._seen.update(metrics)
+        super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def write_layout(self) -> None:
+        """Write the layout for the tags logged so far (once; later calls do nothing)."""
+        if self._layout_written or not self._seen:
+            return
+        self._layout_written = True
+        self.experiment.add_custom_scalars(scalar_layout(self._seen, self._layout))
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.write_layout()
+        super().finalize(status)
 
 def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
     """Replace ``path`` by a CSV of ``rows`` in one atomic rename: a kill at any moment leaves
@@ -107,9 +211,60 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
-def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> TensorBoardLogger:
-    """Events under ``<run_dir>/tb``; ``purge_step`` drops events logged after the checkpoint."""
+def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> LayoutTensorBoardLogger:
+    """Events under ``<run_dir>/tb``, with the Custom Scalars layout of the tags the run logs;
+    ``purge_step`` drops events logged after the checkpoint."""
     kwargs = {"purge_step": resume_step} if resume_step is not None else {}
-    logger = TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False, **kwargs)
-    logger.experiment.add_custom_scalars(SCALAR_LAYOUT)
-    return logger
+    return LayoutTensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False, **kwargs)
+
+
+def own_loggers(entries: Iterable[Any]) -> set[str]:
+    """Which of the run's own loggers (``tensorboard``, ``csv``) ``logging.loggers`` lists by name:
+    listing one is the same as setting ``logging.tensorboard`` / ``logging.csv`` to true."""
+    paths = (e if isinstance(e, str) else e.get("class_path") for e in entries)
+    return {p for p in paths if p in ("tensorboard", "csv")}
+
+
+def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, source: str = "recipe") -> list[Any]:
+    """The loggers ``logging.loggers`` adds to the run's own, built (nothing is sent or written yet).
+
+    ``entries``: short names or ``{"class_path", "init_args"}`` dicts (validated on load). The
+    run's own ``tensorboard``/``csv`` are skipped (see :func:`own_loggers`). Defaults the user's
+    ``init_args`` override: W&B gets ``project`` = ``project``, ``name`` = the run folder's name
+    and ``save_dir`` = ``run_dir`` (``WANDB_MODE=offline`` or ``offline: true`` keeps it off the
+    network); MLflow gets ``experiment_name`` = ``project``, ``run_name`` = the run folder's name,
+    and, when neither ``tracking_uri`` nor ``MLFLOW_TRACKING_URI`` is set, a local file store in
+    ``<run_dir>/../mlruns`` (one store for every run of the recipe; ``MLFLOW_ALLOW_FILE_STORE``
+    is set to ``true`` unless set already, as MLflow 3.7+ requires for it). A constructor refusing its
+    arguments is a :class:`~tclightning.errors.RecipeError` naming ``logging.loggers[i].init_args``.
+    """
+    from tclightning.errors import RecipeError
+    from tclightning.recipes.loader import resolve_logger_class
+    from tclightning.recipes.ranges import LOGGERS
+
+    run_dir = Path(run_dir)
+    by_path = {path: name for name, (path, _) in LOGGERS.items()}
+    loggers = []
+    for i, entry in enumerate(entries):
+        path = entry if isinstance(entry, str) else entry["class_path"]
+        if path in ("tensorboard", "csv"):
+            continue
+        init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
+        cls = resolve_logger_class(path, source, f"logging.loggers[{i}]")
+        name = path if path in LOGGERS else by_path.get(path)
+        defaults: dict[str, Any] = {}
+        if name == "wandb":
+            defaults = {"project": project, "name": run_dir.name, "save_dir": str(run_dir)}
+        elif name == "mlflow":
+            defaults = {"experiment_name": project, "run_name": run_dir.name}
+            if "tracking_uri" not in init_args and not os.environ.get("MLFLOW_TRACKING_URI"):
+                defaults["save_dir"] = str(run_dir.parent / "mlruns")
+                # MLflow >= 3.7 refuses its file store unless this opt-out is set; a local store
+                # needs no server or database package (mlflow-skinny has no SQLAlchemy)
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        try:
+            loggers.append(cls(**{**defaults, **init_args}))
+        except (TypeError, ValueError) as err:
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            raise RecipeError(reason, file=source, key=f"logging.loggers[{i}].init_args") from None
+    return loggers

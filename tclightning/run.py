@@ -205,23 +205,31 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
     import lightning as L
 
     from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
-    from tclightning.callbacks.progress import GRPORichProgressBar, GRPOTQDMProgressBar
-    from tclightning.logging import ResumableCSVLogger, build_tensorboard
+    from tclightning.callbacks.progress import progress_callback
+    from lightning.pytorch.loggers import Logger
+
+    from tclightning.logging import ResumableCSVLogger, build_loggers, build_tensorboard, own_loggers
 
     t = recipe.trainer
     loggers: list[Any] = []
-    if recipe.logging.tensorboard:
+    own = own_loggers(recipe.logging.loggers)
+    if recipe.logging.tensorboard or "tensorboard" in own:
         loggers.append(build_tensorboard(plan.run_dir, plan.resume_step))
-    if recipe.logging.csv:
+    if recipe.logging.csv or "csv" in own:
         loggers.append(ResumableCSVLogger(plan.run_dir, plan.resume_step))
+    loggers += build_loggers(recipe.logging.loggers, plan.run_dir, recipe.logging.name or recipe.name,
+                             source=f"recipe '{recipe.name}'")
+    # a Lightning logger handed in with the callbacks (run(extra_callbacks=[WandbLogger()])) logs
+    loggers += [cb for cb in user_callbacks if isinstance(cb, Logger)]
+    user_callbacks = [cb for cb in user_callbacks if not isinstance(cb, Logger)]
     callbacks: list[Any] = [
         StepCheckpoint(plan.run_dir / "checkpoints", t.checkpoint_every, t.keep_checkpoints),
         GracefulStop(),
         *user_callbacks,
     ]
-    progress = {"rich": GRPORichProgressBar, "tqdm": GRPOTQDMProgressBar}.get(recipe.logging.progress)
+    progress = progress_callback(recipe.logging.progress)  # plain lines when stdout is not a terminal
     if progress is not None:
-        callbacks.append(progress())
+        callbacks.append(progress)
     strategy: Any = t.strategy
     if t.strategy == "pipeline" and t.devices * t.num_nodes > 1:
         from tclightning.pipeline.multiprocess import MultiProcessPipelineStrategy
@@ -298,39 +306,90 @@ def run(
 
     from tclightning.callbacks.checkpointing import checkpoint_allow_list
     from tclightning.grpo.summary import summarize
+    from tclightning.models.warmup import WarmupInterrupted
 
     quiet_lightning()
-    if recipe.trainer.num_threads:
-        torch.set_num_threads(recipe.trainer.num_threads)
+    torch.set_num_threads(intra_op_threads(recipe))
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
     for notice in plan.notices:
         print(f"note: {notice}", file=sys.stderr, flush=True)
+    a_launched_rank = multiprocess and bool(os.environ.get(RUN_DIR_ENV))
+    created = plan.new_dir and not a_launched_rank  # only a directory this run made is ever removed
     mark_run_dir(plan.run_dir, recipe)
-    (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
-    started = time.perf_counter()
-    module = build_module(recipe)
-    trainer = build_trainer(recipe, plan, user_callbacks)
-    launched_here = multiprocess and RUN_DIR_ENV not in os.environ
-    if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
-        os.environ[RUN_DIR_ENV] = str(plan.run_dir)
+    if not a_launched_rank:
+        print(f"run directory: {plan.run_dir}", flush=True)
     try:
-        # Data only: Lightning's load sees the same allow-list as plan_run's (numpy RNG state,
-        # the anchor replay); anything else in the file is refused, never run.
-        with checkpoint_allow_list():
-            trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
-    finally:
-        if launched_here:
-            os.environ.pop(RUN_DIR_ENV, None)
+        (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
+        started = time.perf_counter()
+        module = build_module(recipe)
+        trainer = build_trainer(recipe, plan, user_callbacks)
+        launched_here = multiprocess and RUN_DIR_ENV not in os.environ
+        if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
+            os.environ[RUN_DIR_ENV] = str(plan.run_dir)
+        try:
+            # Data only: Lightning's load sees the same allow-list as plan_run's (numpy RNG state,
+            # the anchor replay); anything else in the file is refused, never run.
+            with checkpoint_allow_list():
+                trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
+        finally:
+            if launched_here:
+                os.environ.pop(RUN_DIR_ENV, None)
+    except (WarmupInterrupted, KeyboardInterrupt) as err:
+        gone = discard_unfinished_run(plan.run_dir, created)
+        what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
+        raise RunInterrupted(f"{what}; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone
+                                            else f"{plan.run_dir} is kept")) from None
+    except BaseException:
+        if discard_unfinished_run(plan.run_dir, created):
+            print(f"note: removed {plan.run_dir}: the run failed before it logged or saved anything",
+                  file=sys.stderr, flush=True)
+        raise
     for logger in trainer.loggers:
         logger.finalize("success")
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
-    summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats)
+    summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
+                        monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
     if not quiet:
         from tclightning.grpo.summary import print_summary
 
         print_summary(summary)
     return summary
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C before the run saved anything; the message says what happened to its run directory.
+    ``tclightning run`` prints it as one line and exits 130."""
+
+
+def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
+    """Remove ``run_dir`` when this run ``created`` it and it holds nothing worth keeping: no
+    checkpoint and no logged step in ``metrics.csv`` (a run stopped after a few logged steps, by a
+    NaN say, keeps its metrics for the diagnosis). A directory resumed into is never touched.
+    Returns whether it was removed."""
+    import shutil
+
+    if not created or not run_dir.is_dir() or any((run_dir / "checkpoints").glob("*.ckpt")):
+        return False
+    if _last_logged_step(run_dir / "metrics.csv") is not None:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
+
+
+def intra_op_threads(recipe: RecipeConfig) -> int:
+    """``trainer.num_threads`` when set; otherwise 1 on a CPU with at most 4 cores, else the cores
+    less one. Tiny models gain little from a second thread, and on a small machine shared with
+    other work a thread per core makes every thread wait (the `tiny` warm-up took 7 minutes with one
+    thread and over 20 with two on a loaded 2-core machine); on a GPU torch's default stays."""
+    import torch
+
+    if recipe.trainer.num_threads:
+        return int(recipe.trainer.num_threads)
+    if recipe.trainer.accelerator != "cpu" and torch.cuda.is_available():
+        return torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cores <= 4 else cores - 1
 
 
 def quiet_lightning() -> None:

@@ -39,6 +39,13 @@ def require_shared_data(path: Path) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _private_warmup_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Warm-ups are cached in a folder of this test session (subprocesses inherit it), never in the
+    user's ~/.cache."""
+    os.environ.setdefault("TCLIGHTNING_CACHE", str(tmp_path_factory.mktemp("tclightning-cache")))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _single_thread_session() -> None:
     """One intra-op thread before any module fixture builds or trains a model: a count that
     followed the machine's cores would change float reduction order from machine to machine."""

@@ -217,3 +217,17 @@ def test_stable_traces_never_collapse_and_rarely_warn():
             fired = {e.rule for e in result.events if e.kind == "fired"} - {"gap.level"}
             warned += bool(fired)
     assert warned <= 2  # measured on 200 seeds: see docs/health.md
+
+
+def test_length_message_names_only_what_grew_with_token_counts():
+    """Only the longest answers grow: the message says so with the counts, no "+0%" beside it."""
+    from tclightning.health.rules import LengthFeedbackRule
+
+    detector = HealthDetector([LengthFeedbackRule()])
+    for step in range(20):
+        detector.update(step, {"response/length_mean": 100.0, "response/length_max": 200.0 if step < 10 else 270.0,
+                               "reward/mean": 0.5})
+    (finding,) = detector.findings
+    assert "longest response 200 -> 270 tokens (+35%)" in finding.message
+    assert "+0%" not in finding.message and "mean response length" not in finding.message
+    assert "last 10 steps with the 10 before" in finding.message

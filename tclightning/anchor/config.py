@@ -17,7 +17,7 @@ class AnchorConfig:
     """
 
     merger: str = "none"  # none | signed_ema | dense
-    alpha: float = 0.25  # correction weight (the hub's stable winner)
+    alpha: float = 0.25  # correction weight (stable in the original experiments, docs/anchor.md)
     beta: float = 0.0  # anchor memory (0 = freshest)
     latency: int = 5  # K: ticks between the snapshot and the delivery of its M
     cadence: int = 5  # C: ticks between anchor snapshots

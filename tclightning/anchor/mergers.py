@@ -19,7 +19,7 @@ Names (``MERGERS``):
   the dense gradient at the current weights, so the merger passes it through and no anchor
   circuit is needed (``needs_anchor`` is False); an ``M`` handed to it (e.g. a K=0 anchor in a
   test) replaces ``G_comp`` outright.
-* ``signed_ema(alpha, beta)``: the sign(M) anchor of the hub. When an ``M`` arrives
+* ``signed_ema(alpha, beta)``: the sign(M) anchor of the original two-circuit method. When an ``M`` arrives
   ``M_bar <- beta * M_bar + (1 - beta) * M`` (the first ``M`` initialises ``M_bar = M``; the
   signs are the same as starting from zero, and the projectors see an unbiased magnitude). Then
   per coordinate ``G = alpha * G_comp + (1 - alpha) * |G_comp| * sign(M_hat)`` where ``M_hat`` is

@@ -22,7 +22,7 @@ have arrived there is no ``delta`` and ``M_hat = M_bar``.
 
 Names (``PROJECTORS``):
 
-* ``none`` (the hub's default): ``M_hat = M_bar``.
+* ``none`` (the default, as in the original experiments): ``M_hat = M_bar``.
 * ``damped_linear(gamma)``: ``M_hat = M_bar + gamma * s(t) * delta`` — extrapolate along the last
   anchor-to-anchor change, damped by ``gamma`` (0 = none, 1 = plain linear).
 * ``rank1(gamma, window, every)``: the top direction ``u`` of the recent weight trajectory as a
@@ -31,7 +31,7 @@ Names (``PROJECTORS``):
   vector of the centred ``window x d`` matrix (computed from its ``window x window`` Gram matrix).
   Then ``M_hat = M_bar + gamma * s(t) * (u . delta) * u``: the damped linear repair applied only
   along the line the weights actually travel; the part of ``M_bar`` off the line is left as is
-  (do-nothing, which the hub found optimal where the trajectory is not projectable). Until two
+  (do-nothing, which the original experiments found best where the trajectory is not projectable). Until two
   snapshots exist ``M_hat = M_bar``. Memory: ``window * d`` numbers in ``snapshot_dtype`` on CPU
   plus ``d`` for ``u`` (restrict the anchor parameters or use bfloat16 for large models).
 

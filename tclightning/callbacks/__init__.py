@@ -12,6 +12,9 @@ from tclightning.callbacks.health_actions import HealthMonitor, HealthWarning
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.callbacks.length_feedback import LengthFeedbackMonitor
 from tclightning.callbacks.trajectory import TrajectoryRecorder
+from tclightning.console import install_warning_format
+
+install_warning_format()  # else each health warning reads ".../rank_zero.py:42: ..." in any Lightning project
 
 __all__ = [
     "AnchorMerge",

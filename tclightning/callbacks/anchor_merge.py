@@ -79,7 +79,7 @@ class AnchorMerge(Callback):
     Args:
         merger: a merger name or a :class:`~tclightning.anchor.mergers.Merger`.
         alpha: ``signed_ema`` correction weight: ``G = alpha G_comp + (1-alpha) |G_comp| sign(M_hat)``
-            (0.25, the hub's stable winner).
+            (0.25, stable in the original experiments; docs/anchor.md).
         beta: ``signed_ema`` anchor memory: ``M_bar <- beta M_bar + (1-beta) M`` (0 = freshest).
         projector: ``none``, ``damped_linear`` or ``rank1`` (``M_hat = P(M_bar)``; docs/anchor.md).
         projector_options: keyword options of the projector (``gamma``, ``window``, ``every``...).

@@ -10,7 +10,7 @@ from tclightning.health.rules import Rule, default_rules
 
 
 class CollapseDetector(HealthMonitor):
-    """Watches everything SPEC.md lists as a collapse precursor and acts on it.
+    """Watches every known collapse precursor (docs/health.md) and acts on it.
 
     Rules (default :func:`~tclightning.health.rules.default_rules`): NaN/Inf anywhere; reward and
     held-out accuracy falling from their peak beyond their noise; reward dead; entropy collapse or

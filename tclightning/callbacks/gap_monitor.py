@@ -10,11 +10,11 @@ from tclightning.health.rules import Rule, gap_rules
 
 
 class GapMonitor(HealthMonitor):
-    """Watches ``gap/abs_mean`` and ``gap/k3`` (SPEC.md "The gap"); logs ``health/gap``.
+    """Watches ``gap/abs_mean`` and ``gap/k3`` (the sampler-trainer gap, docs/metrics.md); logs ``health/gap``.
 
     Rules: the gap family, :func:`~tclightning.health.rules.gap_rules` with ``nonfinite=True,
     coupling=True``: :class:`~tclightning.health.rules.GapLevelRule` on ``gap/abs_mean``
-    (``abs_mean_band``, 0.5 nats: the hub's agentic run died at 0.61, dense engines sit at 0.006)
+    (``abs_mean_band``, 0.5 nats: a measured agentic run died at 0.61, dense engines sit at 0.006)
     and on ``gap/k3`` (``k3_band``, 0.2), which also gives the "full size before the first update"
     warning at the first step; :class:`~tclightning.health.rules.GapTrendRule` (``rise_warn``:
     +50% on the start); :class:`~tclightning.health.rules.LengthGapCouplingRule`; NaN/Inf in the

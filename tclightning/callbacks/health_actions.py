@@ -3,13 +3,19 @@
 :class:`HealthMonitor` is a thin :class:`~lightning.pytorch.callbacks.Callback` over a
 :class:`~tclightning.health.HealthDetector` (the pure logic). It reads
 ``trainer.callback_metrics`` by canonical names (``metric_names`` maps canonical -> your own
-name), feeds the detector once per RL step, and carries out the configured actions:
+name, or names a preset: ``"trl"``, ``"verl"``; one given to any monitor of the trainer, or set
+once with :func:`~tclightning.health.names.set_metric_names`, serves every monitor given none),
+feeds the detector once per RL step, and carries out the configured actions:
 
-* ``log`` (always): the scalar ``health/<name>`` (0/1/2) for this monitor and ``health/state`` (the
-  worst over every health monitor of the trainer) through ``pl_module.log``; the reason text of
-  each new event through ``add_text`` on a TensorBoard logger.
+* ``log`` (always): the scalar ``health/<name>`` (0/1/2, or -1 while none of the monitor's
+  metrics has arrived) for this monitor and ``health/state`` (the worst over every health
+  monitor of the trainer that has data) through ``pl_module.log``; the reason text of each new
+  event through ``add_text`` on a TensorBoard logger. After ``no_data_after`` steps without any
+  of its metrics, one :class:`HealthWarning` names what it reads and the closest names logged.
 * ``warn``: a console :class:`HealthWarning` once per episode (when a rule starts firing or
-  escalates to collapsing), on rank zero.
+  escalates to collapsing), on rank zero, in your metric names. A finding that another monitor
+  of the trainer already reported (the same rule on the same metric, still open there) is
+  recorded in this monitor's events and TensorBoard text but not printed again.
 * ``checkpoint``: every ``checkpoint_every`` RL steps, if the verdict is healthy (ignoring
   ``tolerated_rules``) on every rank, ``trainer.save_checkpoint`` to ``last-healthy.ckpt``.
 * ``stop``: at ``act_on`` (default collapsing) on any rank, every rank sets
@@ -47,9 +53,19 @@ from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.callbacks.steps import rl_step
 from tclightning.errors import TclightningError
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
+from tclightning.health.names import (
+    MetricNames,
+    default_metric_names,
+    missing_inputs_message,
+    resolve_metric_names,
+    to_user_names,
+)
 from tclightning.health.rules import HealthState, Rule
 
 ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
+
+NO_DATA = -1.0
+"""The value of ``health/<name>`` (and ``health/state``) while no monitor has seen its metrics."""
 
 
 class HealthWarning(UserWarning):
@@ -70,7 +86,10 @@ class HealthMonitor(Callback):
     Args:
         rules: the detector's rules (subclasses pass their own family by default).
         name: names the logged scalar ``health/<name>``, the checkpoint state key and warnings.
-        metric_names: canonical name -> the name your module logs (``{"reward/mean": "train/reward"}``).
+        metric_names: canonical name -> the name your module logs (``{"reward/mean": "train/reward"}``),
+            or a preset name: ``"trl"``, ``"verl"`` (docs/metrics.md has the tables). None: the
+            mapping another monitor of the trainer was given, else the one set with
+            :func:`~tclightning.health.names.set_metric_names`, else the canonical names.
         actions: any of ``log``, ``warn``, ``checkpoint``, ``stop``, ``rollback`` (``log`` is implied).
         act_on: ``"collapsing"`` (default) or ``"warning"``: the state that triggers stop/rollback.
         checkpoint_every: RL steps between "last healthy" checkpoints (10: the length loop takes
@@ -85,13 +104,15 @@ class HealthMonitor(Callback):
         validation_metrics: canonical names read at ``on_validation_end`` instead of per batch
             (plus every name starting with ``val/``).
         clear_after: detector hysteresis, see :class:`~tclightning.health.HealthDetector`.
+        no_data_after: RL steps without any of this monitor's metrics before its one warning
+            saying so (5: every step logs them in a run that has them).
     """
 
     def __init__(
         self,
         rules: Sequence[Rule] | None = None,
         name: str = "health",
-        metric_names: Mapping[str, str] | None = None,
+        metric_names: MetricNames = None,
         actions: Sequence[str] = ("log", "warn"),
         act_on: str = "collapsing",
         checkpoint_every: int = 10,
@@ -102,6 +123,7 @@ class HealthMonitor(Callback):
         tolerated_rules: Sequence[str] = ("gap.level",),
         validation_metrics: Sequence[str] = ("val/accuracy",),
         clear_after: int = 5,
+        no_data_after: int = 5,
     ) -> None:
         unknown = set(actions) - set(ACTIONS)
         if unknown:
@@ -112,8 +134,13 @@ class HealthMonitor(Callback):
             raise TclightningError(f"{type(self).__name__}: checkpoint_every >= 1, max_rollbacks >= 0, rollback_lr_scale > 0")
         self.name = name
         self.detector = HealthDetector(rules, clear_after=clear_after)
-        self.metric_names = dict(metric_names or {})
-        self._canonical = {user: canonical for canonical, user in self.metric_names.items()}
+        self._explicit_names = metric_names is not None
+        self._set_names(resolve_metric_names(metric_names, f"{type(self).__name__}: metric_names")
+                        if metric_names is not None else default_metric_names())
+        self.no_data_after = no_data_after
+        self._steps_seen = 0
+        self._logged_names: set[str] = set()
+        self._no_data_warned = False
         self.actions = {"log", *actions}
         if "rollback" in self.actions:
             self.actions.add("checkpoint")
@@ -131,7 +158,21 @@ class HealthMonitor(Callback):
         self.stopped_at: int | None = None
         self._lr_factor = 1.0
 
+    def _set_names(self, names: Mapping[str, str]) -> None:
+        self.metric_names = dict(names)
+        self._canonical = {user: canonical for canonical, user in self.metric_names.items()}
+
     # ------------------------------------------------------------------ identity and state
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The canonical metrics this monitor's rules read (sorted)."""
+        return tuple(sorted({name for rule in self.detector.rules for name in rule.inputs}))
+
+    @property
+    def has_data(self) -> bool:
+        """Whether any of :attr:`inputs` has arrived (a monitor without data claims no verdict)."""
+        return any(self.detector.history.has(name) for name in self.inputs)
+
     @property
     def state_key(self) -> str:
         return self._generate_state_key(name=self.name)
@@ -153,6 +194,7 @@ class HealthMonitor(Callback):
             "last_healthy_step": self.last_healthy_step,
             "stopped_at": self.stopped_at,
             "lr_factor": self._lr_factor,
+            "no_data_warned": self._no_data_warned,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -162,8 +204,26 @@ class HealthMonitor(Callback):
         self.last_healthy_step = state_dict.get("last_healthy_step")
         self.stopped_at = state_dict.get("stopped_at")
         self._lr_factor = float(state_dict.get("lr_factor", 1.0))
+        self._no_data_warned = bool(state_dict.get("no_data_warned", False))
 
     # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """A monitor given no ``metric_names`` reads with the mappings the trainer's other monitors
+        were given, merged (one mapping serves all), else the one set with ``set_metric_names``.
+        Two of them renaming one canonical name differently is a user error."""
+        if self._explicit_names:
+            return
+        merged: dict[str, str] = {}
+        for other in self._monitors(trainer):
+            if not other._explicit_names:
+                continue
+            for canonical, yours in other.metric_names.items():
+                if merged.setdefault(canonical, yours) != yours:
+                    raise TclightningError(
+                        f"health monitors: metric_names maps {canonical} to both {merged[canonical]} and {yours}; "
+                        f"give {type(self).__name__} its own metric_names or make them agree")
+        self._set_names(merged or default_metric_names())
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -172,6 +232,7 @@ class HealthMonitor(Callback):
         step = rl_step(trainer)
         metrics = self.read_metrics(trainer, validation=False)
         verdict = self.detector.update(step, metrics) if metrics else self.detector.verdict()
+        self._check_inputs_arrived(trainer)
         self._log(trainer, pl_module, verdict, step)
         self._act(trainer, pl_module, verdict, step, allow_checkpoint=True)
 
@@ -185,6 +246,15 @@ class HealthMonitor(Callback):
         verdict = self.detector.update(step, metrics)
         self._log_text(trainer, verdict, step)  # the scalar follows with the next training batch
         self._act(trainer, pl_module, verdict, step, allow_checkpoint=False)
+
+    def _check_inputs_arrived(self, trainer: pl.Trainer) -> None:
+        """Once, after ``no_data_after`` steps with none of :attr:`inputs`: warn with the names."""
+        self._steps_seen += 1
+        self._logged_names.update(k for k in trainer.callback_metrics if not k.startswith("health/"))
+        if self._no_data_warned or self._steps_seen < self.no_data_after or self.has_data:
+            return
+        self._no_data_warned = True
+        self._warn(missing_inputs_message(self.name, self._steps_seen, self.inputs, self._logged_names, self.metric_names))
 
     # ------------------------------------------------------------------ reading
     def _is_validation(self, canonical: str) -> bool:
@@ -210,23 +280,42 @@ class HealthMonitor(Callback):
 
     def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: Verdict, step: int) -> None:
         kwargs: dict[str, Any] = {"on_step": True, "on_epoch": False, "batch_size": 1, "logger": True}
-        pl_module.log(self.state_metric, float(verdict.state), **kwargs)
+        # no input seen yet: -1 (no data), never a "healthy" it cannot know
+        pl_module.log(self.state_metric, float(verdict.state) if self.has_data else NO_DATA, **kwargs)
         if "rollback" in self.actions:
             pl_module.log(f"health/{self.name}_rollbacks", float(self.rollbacks), **kwargs)
         monitors = self._monitors(trainer)
         if monitors and monitors[-1] is self:
-            pl_module.log("health/state", float(max(m.state for m in monitors)), **kwargs)
+            judged = [float(m.state) for m in monitors if m.has_data]
+            pl_module.log("health/state", max(judged, default=NO_DATA), **kwargs)
         self._log_text(trainer, verdict, step)
+
+    def _reported_elsewhere(self, trainer: pl.Trainer, event: HealthEvent) -> bool:
+        """Whether another warning monitor of the trainer holds this finding open at least as
+        severe: it printed it (or one before it did), so this one records it silently."""
+        key = f"{event.rule}:{event.metric}"
+        severity = HealthState[event.severity.upper()]
+        for other in self._monitors(trainer):
+            if other is self or "warn" not in other.actions:
+                continue
+            episode = other.detector._episodes.get(key)
+            if episode is not None and episode.worst >= severity:
+                return True
+        return False
+
+    def _user(self, text: str) -> str:
+        return to_user_names(text, self.metric_names)
 
     def _log_text(self, trainer: pl.Trainer, verdict: Verdict, step: int) -> None:
         events = [e for e in verdict.events if e.kind != "cleared"]
         if "warn" in self.actions:
             for event in events:
-                if event.kind in ("fired", "escalated"):
-                    self._warn(f"[{self.name}] step {step}: {event.severity} ({event.rule}) {event.message}")
+                if event.kind in ("fired", "escalated") and not self._reported_elsewhere(trainer, event):
+                    self._warn(f"[{self.name}] step {step}: {event.severity} ({event.rule}) {self._user(event.message)}")
         if not verdict.events:
             return
-        text = "\n\n".join(f"**{e.kind} {e.severity}** `{e.rule}` {e.metric}: {e.message}" for e in verdict.events)
+        text = "\n\n".join(f"**{e.kind} {e.severity}** `{e.rule}` {self._user(e.metric)}: {self._user(e.message)}"
+                           for e in verdict.events)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text(f"{self.state_metric}/events", text, global_step=step)
@@ -285,7 +374,7 @@ class HealthMonitor(Callback):
     def _stop(self, trainer: pl.Trainer, verdict: Verdict, step: int, why: str) -> None:
         if not trainer.should_stop:
             self._record(step, "stopped", why, verdict)
-            self._warn(f"[{self.name}] step {step}: stopping training ({why}): {verdict.reasons}")
+            self._warn(f"[{self.name}] step {step}: stopping training ({why}): {self._user(verdict.reasons)}")
         trainer.should_stop = True
         self.stopped_at = step
 
@@ -320,7 +409,7 @@ class HealthMonitor(Callback):
         message = (f"rolled back to the healthy checkpoint of step {self.last_healthy_step} "
                    f"(rollback {self.rollbacks}/{self.max_rollbacks}, lr x{target:g})")
         self._record(step, "rollback", message, verdict)
-        self._warn(f"[{self.name}] step {step}: {message}; because: {reasons}")
+        self._warn(f"[{self.name}] step {step}: {message}; because: {self._user(reasons)}")
 
     @staticmethod
     def _scale_lr(trainer: pl.Trainer, factor: float) -> None:

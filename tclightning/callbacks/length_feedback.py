@@ -10,7 +10,7 @@ from tclightning.health.rules import Rule, length_rules
 
 
 class LengthFeedbackMonitor(HealthMonitor):
-    """Sees the hub's length feedback loop coming (16k collapse, stale-anchor ratchet).
+    """Sees a length feedback loop coming (a runaway at long generation length, a stale-anchor ratchet).
 
     Reads ``response/length_mean``, ``response/length_max``, ``response/truncated_frac``,
     ``reward/mean`` (``val/accuracy`` as fallback) and ``gap/abs_mean``; logs ``health/length``.

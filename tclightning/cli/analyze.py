@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     health.add_argument("--name", action="append", default=[], metavar="CANONICAL=YOURS",
                         help="read the canonical metric CANONICAL from your column YOURS (repeatable), "
                              "e.g. --name reward/mean=train/reward")
+    health.add_argument("--names", metavar="PRESET", default=None,
+                        help="read another trainer's metric names: trl or verl (docs/metrics.md has the tables); "
+                             "--name entries override it")
     health.add_argument("--all-events", action="store_true", help="also list 'cleared' and 'recovered' events")
     health.set_defaults(func=run_health)
 
@@ -80,20 +83,26 @@ def run_health(args: argparse.Namespace) -> int:
     from tclightning.health.detector import HealthDetector, replay
     from tclightning.health.io import read_run
 
-    rows = read_run(args.path, _names(args.name))
+    from tclightning.health.names import reader_names
+
+    names = {**reader_names(getattr(args, "names", None), "--names"), **_names(args.name)}
+    rows = read_run(args.path, names)
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
     result = replay(rows, HealthDetector())
     if args.json:
         print(json.dumps(result.summary(), allow_nan=False, default=str))
         return 0
-    _print_timeline(args.path, rows, result, args.all_events)
+    _print_timeline(args.path, rows, result, args.all_events, {c: y for y, c in names.items()})
     return 0
 
 
-def _print_timeline(path: str, rows: list, result, all_events: bool) -> None:
+def _print_timeline(path: str, rows: list, result, all_events: bool, shown: dict[str, str] | None = None) -> None:
+    """``shown``: canonical -> the column name the file has, for the messages."""
     from rich.console import Console
     from rich.markup import escape
+
+    from tclightning.health.names import to_user_names
 
     console = Console(file=sys.stdout, highlight=False, soft_wrap=True)
     steps = [step for step, _ in rows]
@@ -107,12 +116,21 @@ def _print_timeline(path: str, rows: list, result, all_events: bool) -> None:
         sev = event.severity
         console.print(
             f"  step {event.step:>6}  [{colour.get(sev, 'white')}]{sev:<10}[/] {event.kind:<9} "
-            f"{event.rule:<{width}}  {escape(event.message)}"
+            f"{event.rule:<{width}}  {escape(to_user_names(event.message, shown or {}))}"
         )
     final = result.verdicts[-1].state.label
     fw, fc = result.first_warning_step, result.first_collapse_step
     console.print(
-        f"first warning: {'step ' + str(fw) if fw is not None else 'none'}; "
-        f"first collapse: {'step ' + str(fc) if fc is not None else 'none'}; "
+        f"first warning: {_first(result.events, fw, ('warning', 'collapsing'))}; "
+        f"first collapse: {_first(result.events, fc, ('collapsing',))}; "
         f"state at the last step: [{colour[final]}]{final}[/]"
     )
+
+
+def _first(events: tuple, step: int | None, severities: tuple[str, ...]) -> str:
+    """``step N (rule, ...)``: the rules that fired or escalated to ``severities`` at ``step``."""
+    if step is None:
+        return "none"
+    rules = dict.fromkeys(e.rule for e in events
+                          if e.step == step and e.kind in ("fired", "escalated") and e.severity in severities)
+    return f"step {step} ({', '.join(rules)})" if rules else f"step {step}"

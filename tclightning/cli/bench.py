@@ -84,7 +84,8 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     layouts = ("dense", "shallow", "all")
     parser.add_argument("--bandwidth", type=float, nargs="+", default=[200.0], metavar="MBIT",
                         help="link rates in Mbit/s (default 200; the README table uses 50 200 1000)")
-    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=layouts)
+    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=layouts, metavar="LAYOUT",
+                        help="any of dense, shallow, all (default: all three)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages = processes (default 2)")
     parser.add_argument("--link", default="auto", choices=("auto", "netns", "paced"),
                         help="tc-shaped network namespace, software pacing, or netns where possible (default)")

@@ -1,20 +1,39 @@
-"""The ``lightning`` command: ``lightning run --recipe ...`` (Lightning 2.6 ships only ``fabric``)."""
+"""The ``lightning`` command: ``lightning run --recipe ...`` trains a recipe, and ``lightning fit``
+(``validate``, ``test``, ``predict``) runs Lightning's ``LightningCLI`` for your own module, so the
+callback presets' ``--trainer.callbacks=callbacks/monitoring.yaml`` works on any project
+(Lightning 2.6 ships only ``fabric`` as a command)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 
 from tclightning.cli import run as run_cli
+from tclightning.cli.formatting import HelpFormatter
 from tclightning.cli.main import dispatch
+from tclightning.errors import TclightningError
+
+CLI_COMMANDS = ("fit", "validate", "test", "predict")
+"""``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
+
+FIT_EPILOG = """\
+examples (LightningCLI, for your own LightningModule):
+  lightning fit --config cfg.yaml --trainer.callbacks=callbacks/monitoring.yaml
+  lightning fit --model=my_pkg.MyModule --data=my_pkg.MyData
+  lightning fit --help     # every --model, --data and --trainer option
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning",
-        description="Run tclightning recipes with PyTorch Lightning. For Fabric scripts use the `fabric` command; "
-        "for everything else (recipes, probes, analysis) use `tclightning`.",
+        description="Run tclightning recipes with PyTorch Lightning, or LightningCLI's fit/validate/test/predict "
+        "for your own LightningModule. For Fabric scripts use the `fabric` command; for everything else "
+        "(recipes, probes, analysis) use `tclightning`.",
+        epilog=FIT_EPILOG,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -22,15 +41,47 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="train a recipe (same as `tclightning run`)",
         epilog=run_cli.RUN_EPILOG.replace("tclightning run", "lightning run"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     run_cli.add_run_arguments(run)
     run.set_defaults(func=run_cli.handle_run)
+    for command in CLI_COMMANDS:  # listed for --help; main() hands their arguments to LightningCLI
+        sub.add_parser(command, help=f"LightningCLI {command} for your LightningModule (--model=..., --config=...)")
     return parser
 
 
+def lightning_cli(argv: Sequence[str]) -> int:
+    """``LightningCLI`` on ``argv`` (``fit ...`` etc.): any ``LightningModule`` / ``LightningDataModule``
+    by ``--model`` / ``--data`` class path or in ``--config`` files, exactly as a script calling
+    ``LightningCLI(subclass_mode_model=True, subclass_mode_data=True)`` would parse them.
+    ``TclightningError`` when jsonargparse (``lightning[pytorch-extra]``) is not installed."""
+    if importlib.util.find_spec("jsonargparse") is None:
+        raise TclightningError(
+            f"lightning {argv[0]} runs LightningCLI, which needs jsonargparse: pip install 'lightning[pytorch-extra]'"
+        )
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    # args=None when argv is the command line itself: LightningCLI warns when given both
+    args = None if list(argv) == sys.argv[1:] else list(argv)
+    LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                 args=args, save_config_kwargs={"overwrite": True})
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return dispatch(build_parser(), argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(args) and args[0] == "--debug"
+    rest = args[1:] if debug else args
+    if rest and rest[0] in CLI_COMMANDS:  # LightningCLI parses its own options (argparse would refuse them)
+        try:
+            return lightning_cli(rest)
+        except TclightningError as err:
+            if debug:
+                raise
+            print(f"error: {err}", file=sys.stderr)
+            return err.exit_code
+    return dispatch(build_parser(), args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The ``tclightning`` command: one verb per subcommand (run, recipes, analyze, probe, bench).
+"""The ``tclightning`` command: one verb per subcommand (run, recipes, analyze, probe, bench, export).
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; the handler it sets
 as ``func`` receives the parsed namespace and returns an exit code. Heavy imports (torch,
@@ -16,7 +16,7 @@ from tclightning.errors import TclightningError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tclightning.cli import analyze, bench, probe, recipes, run
+    from tclightning.cli import analyze, bench, export, probe, recipes, run
 
     parser = argparse.ArgumentParser(
         prog="tclightning",
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tclightning {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (run, recipes, analyze, probe, bench):
+    for module in (run, recipes, analyze, probe, bench, export):
         module.register(subparsers)
     return parser
 

@@ -8,36 +8,56 @@ RUN_EPILOG = """\
 examples:
   tclightning run --recipe tiny
   tclightning run --recipe recipes/tiny.yaml trainer.steps=20 grpo.lr=1e-4
-  tclightning run --recipe tiny --resume last          # continue the newest run of 'tiny'
-  tclightning run --recipe tiny --resume runs/tiny/20261130-101500/checkpoints/last.ckpt
+  tclightning run --recipe tiny --resume last   # the newest run of 'tiny'
+  tclightning run --recipe tiny --resume runs/tiny/20261130-101500
 """
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", required=True, help="recipe name (see `tclightning recipes list`) or YAML path")
+    # --config: what LightningCLI users type for a YAML file; here the recipe is that file
+    parser.add_argument("--recipe", "--config", dest="recipe", required=True,
+                        help="recipe name (see `tclightning recipes list`) or YAML path; --config FILE is the same")
     parser.add_argument(
         "--resume", metavar="PATH|last",
         help="continue from a checkpoint, a run directory, or 'last' (newest run of this recipe)",
     )
     parser.add_argument("--quiet", action="store_true", help="do not print the end-of-run summary")
+    parser.add_argument(
+        "--no-cache", action="store_true",
+        help="train the supervised warm-up again instead of reusing a cached identical one "
+        "(same as model.warmup.cache=false or TCLIGHTNING_NO_CACHE=1)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.steps=50")
 
 
 def handle_run(args: argparse.Namespace) -> int:
-    from tclightning.run import run
+    """Train; exit 0, or 130 (one line on stderr) for a Ctrl-C before anything was saved."""
+    import sys
 
-    run(args.recipe, args.overrides, resume=args.resume, quiet=args.quiet)
+    from tclightning.run import RunInterrupted, run
+
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a log file or pipe: each line
+        sys.stdout.reconfigure(line_buffering=True)  # as it is printed, not at exit
+    overrides = [*args.overrides, *(["model.warmup.cache=false"] if args.no_cache else [])]
+    try:
+        run(args.recipe, overrides, resume=args.resume, quiet=args.quiet)
+    except RunInterrupted as err:
+        print(err, file=sys.stderr)  # "interrupted ...; removed <run dir> ..." in one line
+        return 130
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from tclightning.cli.formatting import HelpFormatter
+
     parser = subparsers.add_parser(
         "run",
         help="train a recipe",
         description="Train a GRPO recipe with Lightning: TensorBoard events, metrics.csv and checkpoints go to "
-        "<logging.root>/<name>/<timestamp>/. Ctrl-C stops after the current step with a checkpoint.",
+        "<logging.root>/<name>/<timestamp>/. Ctrl-C stops after the current step with a checkpoint; "
+        "during the supervised warm-up it exits 130 and removes the new run directory.",
         epilog=RUN_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_run_arguments(parser)
     parser.set_defaults(func=handle_run)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class GRPOConfig:
-    """Knobs of the GRPO update. Defaults follow DAPO/TRL practice where the hub is silent."""
+    """Knobs of the GRPO update. Defaults follow DAPO/TRL practice unless docs/concepts.md says otherwise."""
 
     prompts_per_step: int = 8  # P prompts per RL step; the step trains on P x G completions
     lr: float = 1.0e-5

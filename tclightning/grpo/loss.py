@@ -67,7 +67,7 @@ def policy_loss(
 
     With ``r = exp(logp - old_logp)`` and sequence advantage ``A`` broadcast over tokens:
     ``l_t = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``. ``old_logp`` is the trainer's
-    own recompute before the update (not the sampler's: SPEC "The gap").
+    own recompute before the update (not the sampler's: docs/concepts.md, "The gap").
 
     Against the sampler (``logp_sampler``), with ``w = exp(old_logp - logp_sampler)``:
     TIS multiplies ``l_t`` by ``min(w, tis_cap)`` (when ``tis_cap > 0``); masking drops tokens

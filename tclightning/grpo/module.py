@@ -31,8 +31,10 @@ import copy
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import lightning as L
 import numpy as np
@@ -45,7 +47,9 @@ from tclightning.anchor.anchor import build_anchor
 from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
+from tclightning.callbacks.checkpointing import checkpoint_allow_list
 from tclightning.callbacks.steps import completed_steps, rl_step
+from tclightning.errors import TclightningError
 from tclightning.grpo.advantages import group_advantages, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
@@ -53,7 +57,7 @@ from tclightning.grpo.logprobs import completion_logps
 from tclightning.grpo.update import grpo_update
 from tclightning.models.config import ModelConfig
 from tclightning.models.loading import load_model
-from tclightning.models.warmup import supervised_warmup
+from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
@@ -61,6 +65,27 @@ from tclightning.sampling.factory import build_sampler
 from tclightning.tasks import Example, TaskConfig, build_task
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
+
+C = TypeVar("C")
+
+
+def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
+    """``value`` as the config dataclass ``cls``: an instance is returned as is, ``None`` gives the
+    defaults, and a mapping (the form checkpoints store hyper-parameters in) is validated against
+    ``cls`` key by key (an unknown key or a wrong type raises ``TclightningError``, one line)."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TclightningError(f"{cls.__name__}: expected a {cls.__name__} or a dict, got {type(value).__name__}")
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(value)))  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise TclightningError(f"{cls.__name__}: {' '.join(str(err).split())[:200]}") from None
 
 
 class GRPOModule(L.LightningModule):
@@ -80,22 +105,23 @@ class GRPOModule(L.LightningModule):
 
     def __init__(
         self,
-        model: ModelConfig | None = None,
-        task: TaskConfig | None = None,
-        sampler: SamplerConfig | None = None,
-        grpo: GRPOConfig | None = None,
-        anchor: AnchorConfig | None = None,
+        model: ModelConfig | Mapping[str, Any] | None = None,
+        task: TaskConfig | Mapping[str, Any] | None = None,
+        sampler: SamplerConfig | Mapping[str, Any] | None = None,
+        grpo: GRPOConfig | Mapping[str, Any] | None = None,
+        anchor: AnchorConfig | Mapping[str, Any] | None = None,
         total_steps: int = 100,
         seed: int = 0,
         val_batch_size: int = 32,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.model_cfg = model or ModelConfig()
-        self.task_cfg = task or TaskConfig()
-        self.sampler_cfg = sampler or SamplerConfig()
-        self.cfg = grpo or GRPOConfig()
-        self.anchor_cfg = anchor or AnchorConfig()
+        # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
+        self.model_cfg = as_config(ModelConfig, model)
+        self.task_cfg = as_config(TaskConfig, task)
+        self.sampler_cfg = as_config(SamplerConfig, sampler)
+        self.cfg = as_config(GRPOConfig, grpo)
+        self.anchor_cfg = as_config(AnchorConfig, anchor)
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size
@@ -144,12 +170,15 @@ class GRPOModule(L.LightningModule):
             # Agentic: one (history, expert action) pair per interaction of each expert conversation.
             prompts, solutions = (self.multi_turn.demonstrations(self.train_examples) if self.multi_turn is not None
                                   else ([e.prompt for e in self.train_examples], [e.solution for e in self.train_examples]))
-            self.warmup_stats = supervised_warmup(
+            self.warmup_stats = cached_supervised_warmup(
                 self.policy,
                 self.formatter,
                 prompts,
                 solutions,
                 self.model_cfg.warmup,
+                # What the accuracy check depends on besides the weights (the cache key's context).
+                {"task": asdict(self.task_cfg), "sampler": asdict(self.sampler_cfg), "seed": self.seed,
+                 "checked": [asdict(e) for e in self.train_examples[: self.model_cfg.warmup.check_examples]]},
                 progress=self.trainer is not None and self.trainer.progress_bar_callback is not None,
                 accuracy=self._warmup_accuracy,
             )
@@ -401,6 +430,28 @@ class GRPOModule(L.LightningModule):
             )
 
     # ----------------------------------------------------------------------------- checkpoints
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: str | Path | IO,
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = True,
+        **kwargs: Any,
+    ) -> GRPOModule:
+        """Lightning's ``load_from_checkpoint``, as data only: ``weights_only=True`` by default,
+        with the checkpoint's few non-tensor objects allowed
+        (:func:`~tclightning.callbacks.checkpointing.checkpoint_allow_list`: the numpy RNG state,
+        the anchor's replay). The module is rebuilt from the checkpoint's hyper-parameters (the
+        recipe's ``model``, ``task``, ``sampler``, ``grpo``, ``anchor`` sections) with the trained
+        weights in ``self.policy``; no warm-up runs and the global RNGs are left as they are.
+        To take the policy out as a Hugging Face folder use :func:`tclightning.export.export_policy`."""
+        with checkpoint_allow_list():
+            return super().load_from_checkpoint(  # type: ignore[return-value]
+                checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                weights_only=weights_only, **kwargs)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tclightning"] = {
             "rl_step": completed_steps(self.trainer),
@@ -422,6 +473,9 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("tclightning", {})
+        if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
+            self._restore_frozen_reference(checkpoint.get("state_dict", {}))
+            return
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -442,6 +496,12 @@ class GRPOModule(L.LightningModule):
         anchor = state.get("anchor")
         if anchor and self.anchor is not None:
             self.anchor.load_state_dict(rank_share(anchor, self.trainer.global_rank, self.trainer.world_size))
+
+    def _restore_frozen_reference(self, state_dict: Mapping[str, Any]) -> None:
+        """Give the module the ``reference`` a ``grpo.kl_coef > 0`` checkpoint holds (made in
+        ``setup``, which a plain load never runs), so its ``reference.*`` weights load strictly."""
+        if self.reference is None and any(key.startswith("reference.") for key in state_dict):
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
 
     def on_fit_start(self) -> None:
         self.take_backend()  # the strategy is set up: from here on sampling runs under its dense()

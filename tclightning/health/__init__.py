@@ -13,6 +13,7 @@ from tclightning.health.detector import (
     replay,
 )
 from tclightning.health.history import MetricHistory
+from tclightning.health.names import PRESETS, resolve_metric_names, set_metric_names
 from tclightning.health.rules import (
     EntropyRule,
     Finding,
@@ -48,6 +49,7 @@ __all__ = [
     "LengthGapCouplingRule",
     "MetricHistory",
     "NonFiniteRule",
+    "PRESETS",
     "ReplayResult",
     "RewardDeadRule",
     "RewardDropRule",
@@ -59,4 +61,6 @@ __all__ = [
     "length_rules",
     "outcome_rules",
     "replay",
+    "resolve_metric_names",
+    "set_metric_names",
 ]

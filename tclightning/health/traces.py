@@ -1,4 +1,4 @@
-"""Synthetic metric streams that imitate the research hub's runs, for tests, docs and calibration.
+"""Synthetic metric streams that imitate three measured collapses and healthy runs, for tests, docs and calibration.
 
 Every generator is seeded and returns a :class:`Trace`: rows of ``(step, metrics)`` with the
 canonical names (``val/accuracy`` only on evaluation steps, like a real run), the noise-free
@@ -159,13 +159,13 @@ def late_length_collapse(
     max_length: float = 16384.0,
     val_every: int = 5,
 ) -> Trace:
-    """Gain, then a late collapse driven by generation length (the hub's 16k-context run).
+    """Gain, then a late collapse driven by generation length (a measured 16k-token run).
 
     Skill rises ~+9 points on a 0.40 start with a saturating curve; response length drifts
     slowly from 3000 tokens until ``onset``, then grows on itself (``1 + 0.6 (exp((t -
     onset)/tau) - 1)``); completions past the 16k limit score nothing, so accuracy = skill x
     (1 - truncated share) peaks +9 points at step ~147 and is back below its start at step ~170
-    (the hub: +9 points by step 150, below the start within 20 steps). The
+    (the measured run: +9 points by step 150, below the start within 20 steps). The
     gap grows with length (``gap0 * sqrt(length / 3000)``, compressed but below the 0.5 band at
     the start), entropy rises with length. Batch 512 completions, evaluation on 500 questions.
     """
@@ -191,7 +191,7 @@ def late_length_collapse(
     )
     return Trace(
         "late-collapse",
-        "gain then late collapse driven by a length feedback loop amplified by the gap (hub: 16k run)",
+        "gain then late collapse driven by a length feedback loop amplified by the gap (16k-token run)",
         rows,
         acc,
         _first_below_start(acc),
@@ -213,7 +213,7 @@ def stale_anchor_ratchet(
     ``notch`` (smoothly over 4 steps) and it never comes back; the reward the rollouts earn
     stays flat; held-out accuracy rises a little from 0.60 with the early fresh gradients, then
     loses 4.5 points per notch, following the notches with an 8-step lag: below its start at
-    step ~48, ~0.44 by step 100 (hub: 0.443 at K=20 vs 0.736 at K=5 and a 0.630 no-merger
+    step ~48, ~0.44 by step 100 (measured: 0.443 at K=20 vs 0.736 at K=5 and a 0.630 no-merger
     floor). Generation limit 1024, start length 250, batch 256, eval 1319 (GSM8K test).
     """
     rng = np.random.default_rng(seed)

@@ -45,6 +45,9 @@ class WarmupConfig:
     # Share of targets replaced by another example's solution: imperfect demonstrations, which
     # leave the policy unsure between right and wrong answers for RL to sort out.
     label_noise: float = 0.0
+    # Reuse an identical earlier warm-up from the cache (~/.cache/tclightning/warmup, or
+    # $TCLIGHTNING_CACHE/warmup); false, `--no-cache` or TCLIGHTNING_NO_CACHE=1 train it again.
+    cache: bool = True
 
 
 @dataclass

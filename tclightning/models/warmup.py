@@ -1,15 +1,29 @@
-"""Supervised warm-up: a few steps of SFT on reference solutions before RL."""
+"""Supervised warm-up: a few steps of SFT on reference solutions before RL, with a cache of its
+result (:func:`cached_supervised_warmup`) and an honest progress display (:class:`WarmupProgress`)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import pickle
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
 
 import torch
 from transformers import PreTrainedModel
 
+from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
+
+
+class WarmupInterrupted(Exception):
+    """Ctrl-C during the warm-up. Deliberately not a ``KeyboardInterrupt``: Lightning turns one of
+    those into ``sys.exit(1)``; this one reaches ``run()``, which exits 130 and tidies up."""
 
 
 def sft_batch(formatter: PromptFormatter, prompts: Sequence[str], solutions: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -59,34 +73,195 @@ def supervised_warmup(
     was_training = model.training
     model.train()
     started, losses, stats = time.perf_counter(), [], {}
-    steps: Iterable[int] = range(cfg.steps)
-    if progress:
-        from rich.progress import track
-
-        steps = track(steps, description="supervised warm-up", transient=True)
-    for step in steps:
-        picks = torch.randint(len(prompts), (cfg.batch_size,), generator=gen).tolist()
-        noisy = torch.rand(cfg.batch_size, generator=gen) < cfg.label_noise
-        targets = torch.where(noisy, torch.randint(len(prompts), (cfg.batch_size,), generator=gen), torch.tensor(picks))
-        batch = sft_batch(formatter, [prompts[i] for i in picks], [solutions[i] for i in targets.tolist()])
-        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if accuracy is not None and cfg.target_accuracy > 0 and (step + 1) % cfg.check_every == 0:
-            stats["warmup/accuracy"] = accuracy()
-            model.train()
-            if stats["warmup/accuracy"] >= cfg.target_accuracy:
+    display = WarmupProgress(cfg) if progress else None
+    try:
+        for step in range(cfg.steps):
+            _warmup_step(model, formatter, prompts, solutions, cfg, gen, optimizer, schedule, device, losses)
+            if accuracy is not None and cfg.target_accuracy > 0 and (step + 1) % cfg.check_every == 0:
+                stats["warmup/accuracy"] = accuracy()
+                model.train()
+            reached = "warmup/accuracy" in stats and stats["warmup/accuracy"] >= cfg.target_accuracy
+            if display is not None:
+                display.update(step + 1, stats.get("warmup/accuracy"))
+            if reached:
                 break
+    except KeyboardInterrupt:
+        raise WarmupInterrupted(f"interrupted during the supervised warm-up (step {len(losses)} of at most "
+                                f"{cfg.steps})") from None
+    finally:
+        if display is not None:
+            display.close()
     model.train(was_training)
     tail = max(1, len(losses) // 10)
-    return {
+    result = {
         **stats,
         "warmup/steps": float(len(losses)),
         "warmup/loss_first": sum(losses[:tail]) / tail,
         "warmup/loss_last": sum(losses[-tail:]) / tail,
         "warmup/seconds": time.perf_counter() - started,
     }
+    if display is not None:
+        display.finished(result)
+    return result
+
+
+def _warmup_step(model: PreTrainedModel, formatter: PromptFormatter, prompts: Sequence[Any], solutions: Sequence[str],
+                 cfg: WarmupConfig, gen: torch.Generator, optimizer: torch.optim.Optimizer,
+                 schedule: Any, device: torch.device, losses: list[float]) -> None:
+    """One AdamW step on a random batch of demonstrations (noisy as ``cfg.label_noise`` says)."""
+    picks = torch.randint(len(prompts), (cfg.batch_size,), generator=gen).tolist()
+    noisy = torch.rand(cfg.batch_size, generator=gen) < cfg.label_noise
+    targets = torch.where(noisy, torch.randint(len(prompts), (cfg.batch_size,), generator=gen), torch.tensor(picks))
+    batch = sft_batch(formatter, [prompts[i] for i in picks], [solutions[i] for i in targets.tolist()])
+    loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    losses.append(loss.item())
+
+
+class WarmupProgress:
+    """The warm-up's progress as it really is: steps done against the cap and the stopping rule,
+    the last accuracy check, and the time so far; no percentage or ETA, since an early stop at the
+    target accuracy usually ends it well before the cap.
+
+    On a terminal: one live line (rich), replaced as it goes. Otherwise (a log file, a pipe): a
+    plain, flushed line at every accuracy check (every ``check_every`` steps; every tenth of the cap
+    without a target), so a log shows the warm-up moving long before the run ends.
+    """
+
+    def __init__(self, cfg: WarmupConfig, stream: TextIO | None = None) -> None:
+        self.cfg = cfg
+        self.stream = stream or sys.stdout
+        self.started = time.perf_counter()
+        self.every = cfg.check_every if cfg.target_accuracy > 0 else max(1, cfg.steps // 10)
+        rule = f"stops at greedy accuracy {cfg.target_accuracy:.2f}" if cfg.target_accuracy > 0 else "no early stop"
+        self.rule = f"at most {cfg.steps} steps, {rule}"
+        self._live: Any = None
+        if self.stream.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(file=self.stream), transient=True, refresh_per_second=2)
+            self._live.start()
+
+    def line(self, done: int, accuracy: float | None) -> str:
+        """``supervised warm-up: step 400 (at most 3000 steps, stops at ...); accuracy 0.85 at the last check; 41 s``."""
+        seen = f"; accuracy {accuracy:.2f} at the last check" if accuracy is not None else ""
+        return f"supervised warm-up: step {done} ({self.rule}){seen}; {time.perf_counter() - self.started:.0f} s"
+
+    def update(self, done: int, accuracy: float | None) -> None:
+        if self._live is not None:
+            self._live.update(self.line(done, accuracy))
+        elif done % self.every == 0:
+            print(self.line(done, accuracy), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def finished(self, stats: Mapping[str, float]) -> None:
+        """One line when the warm-up ends: where it stopped and why."""
+        steps = int(stats["warmup/steps"])
+        if "warmup/accuracy" in stats and stats["warmup/accuracy"] >= self.cfg.target_accuracy > 0:
+            why = f"reached greedy accuracy {stats['warmup/accuracy']:.2f} >= {self.cfg.target_accuracy:.2f}"
+        else:
+            why = "reached the step cap"
+        print(f"supervised warm-up: stopped at step {steps} of at most {self.cfg.steps} ({why}), "
+              f"{stats['warmup/seconds']:.0f} s", file=self.stream, flush=True)
+
+
+def _code_fingerprint() -> str:
+    """This package's version and this file's source: a change to the warm-up code is a new key."""
+    from tclightning import __version__
+
+    return f"{__version__}:{hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}"
+
+
+def warmup_key(model: PreTrainedModel, formatter: PromptFormatter, prompts: Sequence[Any], solutions: Sequence[str],
+               cfg: WarmupConfig, context: Mapping[str, Any]) -> str:
+    """A hash of everything that determines :func:`supervised_warmup`'s result: the initial weights
+    (so the model's source, config and seed), the warm-up settings (all but ``cache``), the
+    demonstrations, the tokenizer and chat template, the warm-up code, the torch and transformers
+    versions, the device and the intra-op thread count (float sums depend on it), and ``context``
+    (what the accuracy check depends on: the task, the sampler settings, the check prompts, the seed)."""
+    import transformers
+
+    tok = formatter.tokenizer
+    settings = {k: v for k, v in asdict(cfg).items() if k != "cache"}
+    return digest({
+        "code": _code_fingerprint(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(next(model.parameters()).device),
+        "threads": torch.get_num_threads(),
+        "warmup": settings,
+        "weights": model.state_dict(),
+        "tokenizer": {
+            "class": type(tok).__name__,
+            "vocab": tok.get_vocab(),
+            "special": list(tok.all_special_tokens),
+            "chat_template": getattr(tok, "chat_template", None),
+            "padding_side": tok.padding_side,
+        },
+        "formatter": {"system_prompt": getattr(formatter, "system_prompt", None), "templated": formatter.templated},
+        "demonstrations": [list(prompts), list(solutions)],
+        "context": dict(context),
+    })
+
+
+def cached_supervised_warmup(
+    model: PreTrainedModel,
+    formatter: PromptFormatter,
+    prompts: Sequence[Any],
+    solutions: Sequence[str],
+    cfg: WarmupConfig,
+    context: Mapping[str, Any],
+    *,
+    use_cache: bool = True,
+    progress: bool = False,
+    accuracy: Callable[[], float] | None = None,
+    cache: DirectoryCache | None = None,
+) -> dict[str, float]:
+    """:func:`supervised_warmup`, reusing an earlier identical warm-up when one is cached.
+
+    The key is :func:`warmup_key`; a hit loads the cached weights into ``model`` (bit-identical to
+    recomputing them), prints one note to stderr and returns the cached statistics with
+    ``warmup/cached = 1`` and this load's ``warmup/seconds``. A miss trains and stores the result
+    (atomically, under ``<cache root>/warmup/<key>/``) unless the warm-up moved the global RNG,
+    which a reload could not reproduce. ``use_cache=False``, ``cfg.cache = False`` or
+    ``TCLIGHTNING_NO_CACHE=1`` trains without reading or writing the cache. An unreadable entry
+    is recomputed, and a cache that cannot be written only costs the saving.
+    """
+    if cfg.steps <= 0:
+        return {}
+    if not (use_cache and getattr(cfg, "cache", True)) or cache_disabled_by_env():
+        return supervised_warmup(model, formatter, prompts, solutions, cfg, progress=progress, accuracy=accuracy)
+    started = time.perf_counter()
+    cache = cache or DirectoryCache("warmup")
+    key = warmup_key(model, formatter, prompts, solutions, cfg, context)
+    entry = cache.get(key)
+    if entry is not None:
+        try:
+            state = torch.load(entry / "weights.pt", map_location="cpu", weights_only=True)
+            stats = json.loads((entry / "stats.json").read_text())
+            model.load_state_dict(state, strict=True)
+        except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError):
+            entry = None  # a damaged entry: train again (and replace nothing; it stays unreadable)
+        else:
+            print(f"note: supervised warm-up reused from the cache ({int(stats['warmup/steps'])} steps, {entry}; "
+                  "--no-cache trains it again)", file=sys.stderr, flush=True)
+            return {**stats, "warmup/cached": 1.0, "warmup/seconds": time.perf_counter() - started}
+    rng = torch.get_rng_state()
+    stats = supervised_warmup(model, formatter, prompts, solutions, cfg, progress=progress, accuracy=accuracy)
+    if torch.equal(rng, torch.get_rng_state()):
+
+        def write(directory: Path) -> None:
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / "weights.pt")
+            (directory / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+
+        cache.put(key, write)
+    return stats

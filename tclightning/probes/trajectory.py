@@ -1,4 +1,5 @@
-"""Rank-1 trajectory analysis of saved weight points (the hub's RELEX-style analysis).
+"""Rank-1 trajectory analysis of saved weight points (RELEX-style, as in the original
+experiments: docs/trajectory.md).
 
 Input: the points ``x_0 .. x_{n-1}`` a :class:`~tclightning.callbacks.trajectory.TrajectoryRecorder`
 wrote (``<run_dir>/trajectory/point-*.pt``), in step order; steps ``d_t = x_{t+1} - x_t``.
@@ -20,7 +21,8 @@ All metrics in float64 (definitions also in docs/trajectory.md):
   beats do-nothing.
 * ``op_ratio_damped``, ``gamma``: the same with the best fixed damping,
   ``x_{t+1} ~ x_t + gamma d_{t-1}``, ``gamma = clip(sum_t d_t . d_{t-1} / sum_t |d_{t-1}|^2, 0, 1)``;
-  ``<= ~1`` (``gamma = 0`` is do-nothing), the hub's "op ratio 0.90 -> 1.00".
+  ``<= ~1`` (``gamma = 0`` is do-nothing), the original experiments' "op ratio 0.90 -> 1.00"
+  (GSM8K -> Big-Math).
 
 Steps with a zero denominator are skipped; a metric that needs more points than there are is
 ``None`` (EVR₁ needs 2 points, ``op_ratio`` 3, ``early_late_cos`` 4).
@@ -181,8 +183,9 @@ def to_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict[str, Any], x: Tensor, path: str | Path) -> Path:
-    """PNG: the trajectory on its top two directions, per-step alignment and per-step op ratio."""
+def plot(report: dict[str, Any], x: Tensor, path: str | Path, name: str = "") -> Path:
+    """PNG: the trajectory on its top two directions, per-step alignment and per-step op ratio,
+    each panel with labelled axes, under a title naming the run (``name``), points and steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,12 +204,16 @@ def plot(report: dict[str, Any], x: Tensor, path: str | Path) -> Path:
     ax = axes[1]
     align = report["series"]["step_alignment"]
     ax.plot(steps[1 : 1 + len(align)], [float("nan") if v is None else v for v in align], "-o", markersize=3)
-    ax.set(title=f"|cos(step, u)| (mean {_fmt(report['step_alignment'])})", xlabel="step", ylim=(0, 1.05))
+    ax.set(title=f"update alignment with the line (mean {_fmt(report['step_alignment'])})", xlabel="step",
+           ylabel="|cos(update, top direction u)|", ylim=(0, 1.05))
     ax = axes[2]
     ratio = report["series"]["op_ratio"]
     ax.plot(steps[2 : 2 + len(ratio)], [float("nan") if v is None else v for v in ratio], "-o", markersize=3)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax.set(title=f"linear extrapolation error ratio (mean {_fmt(report['op_ratio'])})", xlabel="step")
+    ax.set(title=f"forward projectability (mean {_fmt(report['op_ratio'])})", xlabel="step",
+           ylabel="error: extrapolation / no move")  # below the dashed 1: extrapolating helps
+    of = f" of {name}" if name else ""
+    fig.suptitle(f"rank-1 weight trajectory{of}: {x.shape[0]} points, steps {steps[0]}-{steps[-1]}")
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=100)
@@ -223,5 +230,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     paths = {"json": out / "trajectory.json", "markdown": out / "trajectory.md", "png": out / "trajectory.png"}
     paths["json"].write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     paths["markdown"].write_text(to_markdown(report))
-    plot(report, x, paths["png"])
+    plot(report, x, paths["png"], name=Path(run_dir).resolve().name)
     return report, paths

@@ -84,7 +84,8 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
         if candidate.is_file():
             return candidate.resolve()
     if as_path.suffix in (".yaml", ".yml") or os.sep in ref:
-        raise RecipeError(f"no such recipe file: {ref}", file=str(relative_to) if relative_to else None)
+        hint = _installed_recipe_hint(as_path.stem, in_file=relative_to is not None)
+        raise RecipeError(f"no such recipe file: {ref}{hint}", file=str(relative_to) if relative_to else None)
     recipes = list_recipes()
     for info in recipes:
         if ref.lower() in (info.name.lower(), info.path.stem.lower()):
@@ -93,6 +94,21 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
     close = difflib.get_close_matches(ref, names, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise RecipeError(f"unknown recipe '{ref}'{hint}; known recipes: {', '.join(names)}")
+
+
+def _installed_recipe_hint(stem: str, in_file: bool) -> str:
+    """For a recipe path that does not exist: the recipe of that name on the search path (or the
+    closest name), as the user would write it (``--recipe NAME``, or ``NAME`` in a recipe file)."""
+    recipes = list_recipes()
+    names = {r.path.stem.lower(): r.name for r in recipes} | {r.name.lower(): r.name for r in recipes}
+    name = names.get(stem.lower())
+    if name is None:
+        close = difflib.get_close_matches(stem.lower(), list(names), n=1)
+        if not close:
+            return ""
+        name = names[close[0]]
+    use = f"'{name}'" if in_file else f"--recipe {name}"
+    return f" (there is a recipe named {name}: use {use})" if name.lower() == stem.lower() else f" (did you mean {use}?)"
 
 
 def find_preset(ref: str, relative_to: Path) -> Path:
@@ -169,6 +185,8 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, overr
         hint = f" (did you mean '{(parent_key + '.' if parent_key else '') + close[0]}'?)" if close else ""
         expected = f"; keys here: {', '.join(options)}" if options and not close else ""
         return RecipeError(f"unknown key{hint}{expected}", file=source, key=key, override=override)
+    if "is not a ListConfig" in msg:  # OmegaConf's words for a scalar where the schema has a list
+        msg = "expected a list, e.g. [a, b]"
     return RecipeError(msg, file=source, key=key or None, override=override)
 
 
@@ -315,6 +333,16 @@ def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = Non
                 raise
             raise RecipeError(str(err).split(f"key '{key}': ", 1)[-1], file=COMMAND_LINE, key=key,
                               override=override) from None
+    for i, entry in enumerate(cfg.logging.loggers):
+        key = f"logging.loggers[{i}]"
+        override = _credit(("logging.loggers",), credited)
+        try:
+            resolve_logger_class(entry if isinstance(entry, str) else entry.class_path, source, key)
+        except RecipeError as err:
+            if override is None:
+                raise
+            raise RecipeError(str(err).split(f"key '{key}': ", 1)[-1], file=COMMAND_LINE, key=key,
+                              override=override) from None
 
 
 def _find_module(name: str) -> bool:
@@ -347,28 +375,61 @@ def resolve_callback_class(class_path: str, source: str, key: str) -> type:
 
     The module must exist (checked without importing it or its parents); then only that module
     is imported (its code runs: a recipe is as trusted as code), and the attribute must be a
-    ``Callback`` subclass. Nothing is instantiated here."""
+    ``Callback`` subclass (a Lightning logger gets a hint to ``logging.loggers``). Nothing is
+    instantiated here."""
     from lightning.pytorch import Callback
+    from lightning.pytorch.loggers import Logger
 
+    cls = _import_class(class_path, source, key, "callback")
+    if isinstance(cls, type) and issubclass(cls, Logger):
+        raise RecipeError(f"'{class_path}' is a Lightning logger, not a callback: list it under logging.loggers",
+                          file=source, key=key)
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise RecipeError(f"'{class_path}' is not a lightning Callback", file=source, key=key)
+    return cls
+
+
+def resolve_logger_class(class_path: str, source: str, key: str) -> type:
+    """The Lightning ``Logger`` subclass an entry of ``logging.loggers`` names: a short name of
+    :data:`~tclightning.recipes.ranges.LOGGERS` (its package must be installed: the error names
+    the ``pip install``) or an import path, checked as :func:`resolve_callback_class` does."""
+    from lightning.pytorch.loggers import Logger
+
+    from tclightning.recipes.ranges import LOGGERS
+
+    if class_path in LOGGERS:
+        name, (class_path, package) = class_path, LOGGERS[class_path]
+        if package is not None and not _find_module(package):
+            raise RecipeError(f"logger '{name}' needs the '{package}' package: "
+                              f"pip install {'mlflow-skinny' if package == 'mlflow' else package.replace('_', '-')}"
+                              " (or pip install 'tclightning[loggers]' for wandb and mlflow)",
+                              file=source, key=key)
+    cls = _import_class(class_path, source, key, "logger")
+    if not (isinstance(cls, type) and issubclass(cls, Logger)):
+        raise RecipeError(f"'{class_path}' is not a Lightning logger (lightning.pytorch.loggers.Logger)",
+                          file=source, key=key)
+    return cls
+
+
+def _import_class(class_path: str, source: str, key: str, what: str) -> Any:
+    """The attribute ``class_path`` names, importing only its module (see :func:`resolve_callback_class`)."""
     module_name, _, attr = class_path.rpartition(".")
     if not module_name or not all(part.isidentifier() for part in class_path.split(".")):
         raise RecipeError(f"expected an import path like package.module.ClassName, got '{class_path}'",
                           file=source, key=key)
     if not _find_module(module_name):
-        raise RecipeError(f"cannot import callback class '{class_path}': no module '{module_name}'",
+        raise RecipeError(f"cannot import {what} class '{class_path}': no module '{module_name}'",
                           file=source, key=key)
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 - the module's own code failed: the recipe's error
         reason = (str(err).splitlines() or [""])[0]
-        raise RecipeError(f"cannot import callback class '{class_path}': {type(err).__name__}: {reason}",
+        raise RecipeError(f"cannot import {what} class '{class_path}': {type(err).__name__}: {reason}",
                           file=source, key=key) from None
     cls = getattr(module, attr, None)
     if cls is None:
-        raise RecipeError(f"cannot import callback class '{class_path}': module '{module_name}' has no '{attr}'",
+        raise RecipeError(f"cannot import {what} class '{class_path}': module '{module_name}' has no '{attr}'",
                           file=source, key=key)
-    if not (isinstance(cls, type) and issubclass(cls, Callback)):
-        raise RecipeError(f"'{class_path}' is not a lightning Callback", file=source, key=key)
     return cls
 
 
@@ -392,4 +453,4 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 __all__ = ["RecipeInfo", "apply_overrides", "find_recipe", "instantiate_callbacks", "list_recipes", "load_recipe",
-           "resolve_callback_class", "to_dataclass", "to_yaml", "validate", "ListConfig"]
+           "resolve_callback_class", "resolve_logger_class", "to_dataclass", "to_yaml", "validate", "ListConfig"]

@@ -10,6 +10,7 @@ nothing is built, downloaded or written, so a recipe is refused before its run s
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -136,6 +137,48 @@ def number_list(length: int | None, item: Rule, *, optional: bool = False) -> Ru
     return rule
 
 
+LOGGERS: dict[str, tuple[str, str | None]] = {
+    "tensorboard": ("lightning.pytorch.loggers.TensorBoardLogger", None),
+    "csv": ("lightning.pytorch.loggers.CSVLogger", None),
+    "wandb": ("lightning.pytorch.loggers.WandbLogger", "wandb"),
+    "mlflow": ("lightning.pytorch.loggers.MLFlowLogger", "mlflow"),
+    "comet": ("lightning.pytorch.loggers.CometLogger", "comet_ml"),
+    "neptune": ("lightning.pytorch.loggers.NeptuneLogger", "neptune"),
+}
+"""``logging.loggers`` short names: the Lightning logger class and the package it needs.
+``tensorboard`` and ``csv`` are the run's own loggers (``logging.tensorboard`` / ``logging.csv``)."""
+
+
+def logger_list(value: Any) -> str | None:
+    """``logging.loggers``: a list of short names (:data:`LOGGERS`) or ``{class_path, init_args}``
+    mappings (``class_path`` a short name or an import path); the classes are checked on load."""
+    if not isinstance(value, list):
+        return f"expected a list of loggers, got {value!r}"
+    names = ", ".join(sorted(LOGGERS))
+    for i, entry in enumerate(value):
+        if isinstance(entry, str):
+            if entry not in LOGGERS:
+                close = difflib.get_close_matches(entry, list(LOGGERS), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                return (f"entry {i}: unknown logger '{entry}'{hint}; use one of {names}, or "
+                        "{class_path: package.module.Logger, init_args: {...}}")
+            continue
+        if not isinstance(entry, dict):
+            return f"entry {i}: expected a logger name or {{class_path, init_args}}, got {entry!r}"
+        extra = set(entry) - {"class_path", "init_args"}
+        if extra:
+            return f"entry {i}: unknown key(s) {sorted(extra)}; a logger entry has class_path and init_args"
+        path = entry.get("class_path")
+        if not isinstance(path, str) or not path:
+            return f"entry {i}: class_path must be a logger name ({names}) or an import path"
+        if not isinstance(entry.get("init_args", {}), dict):
+            return f"entry {i}: init_args must be a mapping of constructor arguments"
+        if path in ("tensorboard", "csv") and entry.get("init_args"):
+            return (f"entry {i}: the run's own {path} logger takes no init_args (it is logging.{path}); for "
+                    f"another one use class_path {LOGGERS[path][0]}")
+    return None
+
+
 def seed() -> Rule:
     return integer(0, SEED_MAX)
 
@@ -178,6 +221,7 @@ RANGES: dict[str, Rule] = {
     "model.warmup.check_every": positive(),
     "model.warmup.check_examples": positive(),
     "model.warmup.label_noise": share(),
+    "model.warmup.cache": flag,
     # task
     "task.name": one_of("arithmetic", "gsm8k", "math", "bigmath", "calculator"),
     "task.path": text(nonempty=True, optional=True),
@@ -287,6 +331,7 @@ RANGES: dict[str, Rule] = {
     "logging.tensorboard": flag,
     "logging.csv": flag,
     "logging.progress": one_of("rich", "tqdm", "none"),
+    "logging.loggers": logger_list,  # each class_path is checked on load (loader.resolve_logger_class)
     "callbacks": anything,  # each class_path is checked on its own (loader.resolve_callback_class)
 }
 

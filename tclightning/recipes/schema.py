@@ -45,6 +45,9 @@ class LoggingConfig:
     tensorboard: bool = True  # TensorBoard events in <run_dir>/tb, with a Custom Scalars layout
     csv: bool = True  # metrics.csv in the run directory (columns = metric names, plus `step`)
     progress: str = "rich"  # rich | tqdm | none
+    # more Lightning loggers: short names (wandb, mlflow, comet, neptune; tensorboard and csv are
+    # the two above) or {class_path, init_args} as LightningCLI writes them (docs/recipes.md)
+    loggers: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -16,9 +16,10 @@ One module per family, each with the function that builds it from a monitor's th
 * :mod:`~tclightning.health.rules.nonfinite` (the NaN/Inf rule) and
   :mod:`~tclightning.health.rules.base` (:class:`HealthState`, :class:`Finding`, :class:`Rule`).
 
-The failure modes come from the research hub (SPEC.md, "What collapses"): the length feedback
-loop at long generation length, the stale-anchor length ratchet, and the agentic run whose
-sampler-trainer gap was at full size before the first update.
+The failure modes are three measured collapses of compressed-pipeline GRPO runs: a length
+feedback loop at 16k-token generation length, a length ratchet driven by a stale anchor
+gradient (K=20), and an agentic run whose sampler-trainer gap was at full size before the first
+update.
 """
 
 from __future__ import annotations

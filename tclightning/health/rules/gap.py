@@ -19,13 +19,13 @@ class GapLevelRule(Rule):
 
     ``level = median(last window values)`` of ``metric``; warning when ``level > band``. On the
     first value of the run the message says the gap is already at full size before any update:
-    the hub's agentic run showed exactly that and stopped completing tasks by step 6, so this is
-    the earliest warning that case allows.
+    a measured agentic run with compressed cuts showed exactly that (0.61) and completed no task
+    from step 6 on, so this is the earliest warning that case allows.
 
     Defaults: ``band=0.5`` nats of mean |logp_trainer - logp_sampler| for ``gap/abs_mean``:
     dense engines sit near 0.006, the agentic run that died had 0.61. For ``gap/k3`` use
     ``band=0.2``: the KL of a Gaussian per-token gap with mean |delta| = 0.5 (k3 ~ E[delta^2]/2
-    = (pi/4) * 0.5^2), twenty times the worst dense engine the hub measured (0.01). A
+    = (pi/4) * 0.5^2), twenty times the worst measured dense engine (0.01). A
     codec whose standing gap is above the band (5% PRF: ~10 nats) keeps this warning on for the
     whole run; that is informative, and callbacks list ``gap.level`` in ``tolerated_rules`` so it
     does not block "last healthy" checkpoints. ``window=5``.
@@ -50,7 +50,7 @@ class GapLevelRule(Rule):
         if history.count(self.metric) == 1:
             msg = (
                 f"{self.metric} {fmt_number(level)} > band {fmt_number(self.band)} at the first step, before any update: "
-                "the gap is already at full size (the hub's agentic run with 0.61 stopped completing tasks by step 6)"
+                "the gap is already at full size (a measured agentic run stopped completing tasks by step 6 at a gap of 0.61)"
             )
         else:
             msg = f"{self.metric} {fmt_number(level)} above band {fmt_number(self.band)}"
@@ -64,7 +64,7 @@ class GapTrendRule(Rule):
     warning when ``rise >= rise_warn``.
 
     Defaults: ``rise_warn=0.5``: a compressed run's gap is structural and roughly constant
-    when healthy (the hub: "already at full size before the first update"), with per-step noise
+    when healthy (it is already at full size before the first update), with per-step noise
     of a few %, so +50% is a trend, not noise; ``window=20``, ``baseline_points=10``.
     """
 

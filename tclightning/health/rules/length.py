@@ -1,5 +1,5 @@
 """The length family: response length against reward (fast and slow), truncation, and length
-growth coupled to the sampler-trainer gap -- the hub's 16k length loop and stale-anchor ratchet."""
+growth coupled to the sampler-trainer gap -- the loops seen in a 16k-token run and a stale-anchor run."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ class LengthFeedbackRule(Rule):
       reward_rise_z`` (the reward is not clearly paying for the longer answers);
     * collapsing: ``growth >= growth_collapse`` and ``z <= -reward_fall_z``.
 
-    Defaults: ``window=20`` because the hub's 16k run fell from its peak to below its start
-    within 20 steps, so a longer window would see it too late; ``growth_warn=0.12`` is about
+    Defaults: ``window=20`` because a measured run at 16k-token generation length fell from its
+    peak to below its start within 20 steps, so a longer window would see it too late; ``growth_warn=0.12`` is about
     five standard errors of the difference of half-window medians for per-step length noise of
     ~4% (a batch of a few hundred completions), far above the slow healthy drift of RLVR lengths
     (a few % per 20 steps) and well below one stale-anchor ratchet notch (~20%, which a notch
@@ -81,6 +81,7 @@ class LengthFeedbackRule(Rule):
         # Growth counts only past `min_tokens` absolute: one token is +25% on a 4-token answer.
         growth = relative_change(before, after) if after - before >= self.min_tokens else 0.0
         tail_growth = 0.0
+        tail_before = tail_after = 0.0
         tail = history.values("response/length_max", self.window)
         if tail.size == self.window:
             tail_before, tail_after = halves(tail)
@@ -90,7 +91,14 @@ class LengthFeedbackRule(Rule):
             return []
         reward_name, reward_z = self._reward_trend(history, step)
         values = {"growth": growth, "tail_growth": tail_growth, "reward_z": reward_z, "window": float(self.window)}
-        what = f"response length +{growth:.0%} over the last {self.window} steps (tail {tail_growth:+.0%})"
+        # name only what grew, with token counts: a "+0%" beside a "+34%" tail reads as a contradiction
+        grew = []
+        if growth >= self.growth_warn:
+            grew.append(f"mean response length {fmt_number(before)} -> {fmt_number(after)} tokens ({growth:+.0%})")
+        if tail_growth >= self.tail_growth_warn:
+            grew.append(f"longest response {fmt_number(tail_before)} -> {fmt_number(tail_after)} tokens ({tail_growth:+.0%})")
+        half = self.window // 2
+        what = f"comparing the last {half} steps with the {half} before (medians), {' and '.join(grew)}"
         if reward_name is None:
             return [Finding(self.name, "response/length_mean", HealthState.WARNING, f"{what}; no reward logged to compare", values)]
         if growth >= self.growth_collapse and reward_z <= -self.reward_fall_z:
@@ -127,7 +135,7 @@ class TruncationRule(Rule):
     Defaults: ``rise_warn=0.05`` (5 points) is over four standard errors for a batch of 64+
     completions and already means one answer in twenty earns no reward for running out of room;
     ``level_collapse=0.5``: when half the answers hit the limit, the reward signal is mostly
-    truncation, which is where the hub's 16k run ended; ``window=10``, ``baseline_points=20``.
+    truncation, which is where the measured 16k-token run ended; ``window=10``, ``baseline_points=20``.
     """
 
     name = "length.truncation"
@@ -162,7 +170,7 @@ class LengthDriftRule(Rule):
     """Response length far above its start while reward is no better than at its start.
 
     The slow version of :class:`LengthFeedbackRule`, for ratchets whose notches are further
-    apart than its window (the hub's K=20 anchor ratchets every 20 steps):
+    apart than its window (a stale anchor at K=20 ratchets once every 20 steps):
     ``growth = median(last window) / median(first baseline_points) - 1`` of
     ``response/length_mean``; ``z = (mean(last baseline_points) - mean(first baseline_points)) /
     sigma`` of ``reward/mean``, sigma the measured noise of a ``baseline_points``-step mean
@@ -220,7 +228,7 @@ class LengthDriftRule(Rule):
 
 
 class LengthGapCouplingRule(Rule):
-    """Length growth correlated with a rising sampler-trainer gap (the hub's amplifier).
+    """Length growth correlated with a rising sampler-trainer gap (the gap amplifying the loop).
 
     Over the last ``window`` steps where both are logged: Pearson ``r(length_mean, gap)``,
     and both grew (``median(2nd half)/median(1st half) - 1``). Warning when ``r >= min_corr``,
@@ -228,7 +236,7 @@ class LengthGapCouplingRule(Rule):
 
     Defaults: ``min_corr=0.7`` (independent noise gives |r| > 0.7 over 20 points with
     probability < 0.1%); growth thresholds of 10% are below the length rule's so this fires
-    first when the gap amplifies the loop, as in the hub's 16k collapse.
+    first when the gap amplifies the loop, as it did in the measured 16k-token collapse.
     """
 
     name = "length.gap_coupling"

@@ -135,8 +135,8 @@ class RewardDropRule(Rule):
 class RewardDeadRule(Rule):
     """No rollout earns any reward for ``dead_steps`` steps after some did -> ``collapsing``.
 
-    With every reward zero, every GRPO advantage is zero: the run has stopped learning (the
-    hub's agentic run "stopped completing any task by step six"). ``dead_steps=3`` steps so a
+    With every reward zero, every GRPO advantage is zero: the run has stopped learning (a
+    measured agentic run with compressed cuts completed no task from step 6 on). ``dead_steps=3`` steps so a
     single unlucky batch does not count; ``eps`` is the "zero" tolerance.
     """
 

@@ -1,0 +1,110 @@
+"""A small on-disk cache of computed results, keyed by a hash of everything that determines them.
+
+Entries live in ``<cache root>/<kind>/<key>/``. The root is ``$TCLIGHTNING_CACHE`` when set, else
+``$XDG_CACHE_HOME/tclightning``, else ``~/.cache/tclightning``. An entry is written into a
+temporary directory beside it and renamed into place, so a reader never sees half an entry and two
+processes that compute the same entry at once both end with one complete copy.
+``TCLIGHTNING_NO_CACHE=1`` turns every lookup and store off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_ENV = "TCLIGHTNING_CACHE"
+NO_CACHE_ENV = "TCLIGHTNING_NO_CACHE"
+
+
+def cache_root() -> Path:
+    """The cache's root directory (see the module docstring); not created here."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "tclightning"
+
+
+def cache_disabled_by_env() -> bool:
+    """True when ``TCLIGHTNING_NO_CACHE`` is set to anything but empty, ``0`` or ``false``."""
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _canonical(value: Any, hasher: Any) -> None:
+    """Feed ``value`` to ``hasher`` unambiguously: tensors by dtype, shape and raw bytes; mappings
+    with sorted keys; everything else by its JSON (or ``repr`` when JSON cannot hold it)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        hasher.update(f"tensor:{t.dtype}:{tuple(t.shape)}:".encode())
+        hasher.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, Mapping):
+        hasher.update(b"{")
+        for key in sorted(value, key=str):
+            hasher.update(json.dumps(str(key)).encode() + b":")
+            _canonical(value[key], hasher)
+            hasher.update(b",")
+        hasher.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        hasher.update(b"[")
+        for item in value:
+            _canonical(item, hasher)
+            hasher.update(b",")
+        hasher.update(b"]")
+    else:
+        try:
+            hasher.update(json.dumps(value).encode())
+        except TypeError:
+            hasher.update(repr(value).encode())
+
+
+def digest(material: Any) -> str:
+    """A hex SHA-256 of ``material`` (nested mappings, sequences, scalars, strings and tensors);
+    equal material gives an equal digest in any process, and a changed value a different one."""
+    hasher = hashlib.sha256()
+    _canonical(material, hasher)
+    return hasher.hexdigest()
+
+
+class DirectoryCache:
+    """Entries of one ``kind`` under ``root/kind/<key>/``: :meth:`get` a complete entry or ``None``,
+    :meth:`put` one atomically (temporary directory + rename)."""
+
+    COMPLETE = "complete"  # the last file written into an entry
+
+    def __init__(self, kind: str, root: Path | None = None) -> None:
+        self.directory = (root or cache_root()) / kind
+
+    def path(self, key: str) -> Path:
+        return self.directory / key
+
+    def get(self, key: str) -> Path | None:
+        """The entry's directory when it exists and was written completely, else ``None``."""
+        entry = self.path(key)
+        return entry if (entry / self.COMPLETE).is_file() else None
+
+    def put(self, key: str, write: Callable[[Path], None]) -> Path | None:
+        """Call ``write(tmp_dir)`` to fill a new entry, then move it into place. Returns the entry,
+        or ``None`` when the cache cannot be written (a read-only disk, say: caching is a saving,
+        never a reason for a run to fail). An entry another process finished first is kept."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.directory))
+        except OSError:
+            return None
+        try:
+            write(tmp)
+            (tmp / self.COMPLETE).write_text("ok\n")
+            if not self.path(key).exists():
+                os.replace(tmp, self.path(key))
+        except OSError:
+            pass  # another process renamed its copy into place first, or the disk is full
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return self.get(key)

@@ -1,0 +1,217 @@
+"""Take the trained policy out of a run: a Hugging Face ``save_pretrained`` folder (model and
+tokenizer) that ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained`` load
+with no tclightning installed (and so vLLM and TRL).
+
+The policy is rebuilt from the checkpoint's hyper-parameters (the recipe's ``model`` section, as
+a run would build it: the tiny model with its character tokenizer, a hub model, or a GGUF file
+de-quantised by transformers) and given the checkpoint's ``policy.*`` weights. Checkpoints are
+read as data only (:func:`~tclightning.callbacks.checkpointing.load_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tclightning.errors import TclightningError
+
+POLICY_PREFIX = "policy."
+PROVENANCE_FILE = "tclightning_export.json"
+"""Written beside the model files: which checkpoint (and RL step) the weights come from, and the
+``model`` section they were built with. Loaders ignore it."""
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """The checkpoint an export reads, its RL step, and notes for the user (a fallback taken)."""
+
+    checkpoint: Path
+    rl_step: int
+    notices: tuple[str, ...] = ()
+
+
+def _plain(err: TclightningError) -> TclightningError:
+    """The run-resume helpers word their errors for ``--resume``; an export is not a resume."""
+    return type(err)(str(err).replace("--resume: ", ""))
+
+
+def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> ExportSource:
+    """The checkpoint to export from ``path``: a checkpoint file, a run directory (its
+    ``checkpoints/``), or a ``checkpoints/`` folder. From a folder, ``step=None`` takes
+    ``last.ckpt`` or, when that is missing or unreadable, the newest readable ``step-*.ckpt``
+    (with a notice; the rule ``--resume`` uses); ``step=N`` takes ``step-00000N.ckpt``.
+    Raises ``TclightningError`` (one line naming the path) when there is no such checkpoint or
+    it cannot be read."""
+    from tclightning.run import checkpoint_step, readable_checkpoint
+
+    given = Path(path).expanduser()
+    if step is not None and step < 0:
+        raise TclightningError(f"--step {step}: expected a completed RL step, 0 or more")
+    if given.is_file():
+        if step is not None:
+            raise TclightningError(f"--step {step}: {given} is a checkpoint file; --step picks a file in a run directory")
+        try:
+            return ExportSource(given, checkpoint_step(given))
+        except TclightningError as err:
+            raise _plain(err) from None
+    if not given.is_dir():
+        raise TclightningError(f"no such run directory or checkpoint: {given}")
+    folder = given / "checkpoints" if (given / "checkpoints").is_dir() else given
+    files = sorted(p.name for p in folder.glob("*.ckpt") if p.is_file())
+    if not files:
+        raise TclightningError(f"{given}: no checkpoint (no *.ckpt in {folder}); is it a run directory?")
+    if step is not None:
+        wanted = folder / f"step-{step:06d}.ckpt"
+        if not wanted.is_file():
+            steps = [str(int(name[5:-5])) for name in files if name[5:-5].isdigit()]
+            have = f"step checkpoints there: {', '.join(steps)}" if steps else "no step-*.ckpt there"
+            raise TclightningError(f"--step {step}: no {wanted.name} in {folder} ({have})")
+        try:
+            return ExportSource(wanted, checkpoint_step(wanted))
+        except TclightningError as err:
+            raise _plain(err) from None
+    try:
+        found, rl_step, notices = readable_checkpoint((folder / "last.ckpt").resolve())
+    except TclightningError as err:
+        raise _plain(err) from None
+    notices = tuple(note.replace("resuming from", "exporting") for note in notices)
+    return ExportSource(found, rl_step, notices)
+
+
+def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike = "checkpoint") -> tuple[Any, Any]:
+    """``(model, tokenizer)``: the policy a loaded tclightning checkpoint holds, rebuilt from its
+    ``hyper_parameters["model"]`` and given its ``policy.*`` weights (strictly: every weight must
+    fit). ``source`` names the file in errors."""
+    from tclightning.grpo.module import as_config
+    from tclightning.models.config import ModelConfig
+    from tclightning.models.loading import load_model
+
+    hparams = checkpoint.get("hyper_parameters")
+    model_hparams = hparams.get("model") if isinstance(hparams, dict) else None
+    if not isinstance(model_hparams, dict):
+        raise TclightningError(f"checkpoint {source}: not a tclightning checkpoint (no model hyper-parameters)")
+    state = {key[len(POLICY_PREFIX):]: value for key, value in checkpoint.get("state_dict", {}).items()
+             if key.startswith(POLICY_PREFIX)}
+    if not state:
+        raise TclightningError(f"checkpoint {source}: holds no policy weights (no 'policy.*' in its state_dict)")
+    try:
+        cfg = as_config(ModelConfig, model_hparams)
+    except TclightningError as err:
+        raise TclightningError(f"checkpoint {source}: model hyper-parameters: {err}") from None
+    # The seed only picks the random initial weights of a tiny model; the checkpoint's replace them.
+    try:
+        model, tokenizer = load_model(cfg, seed=0)
+    except OSError as err:  # a hub model neither cached nor reachable, a moved local folder
+        where = cfg.name if cfg.source == "hf" else cfg.gguf_file
+        raise TclightningError(f"checkpoint {source}: cannot build its model (model.source={cfg.source}, {where}): "
+                               f"{' '.join(str(err).split())[:160]}") from None
+    missing, unexpected = _mismatch(model.state_dict(), state)
+    if missing or unexpected:
+        raise TclightningError(
+            f"checkpoint {source}: its policy weights do not fit the model its hyper-parameters describe "
+            f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})")
+    model.load_state_dict(state, strict=True)
+    return without_gguf_marker(model).eval(), tokenizer
+
+
+def without_gguf_marker(model: Any) -> Any:
+    """The same model without the GGUF "quantisation" transformers records when it reads a GGUF
+    file: the weights are already de-quantised to ``model.dtype``, but the marker makes
+    ``save_pretrained`` refuse the model. A plain model of the same config takes the weights."""
+    config = getattr(model, "config", None)
+    if getattr(model, "hf_quantizer", None) is None or getattr(config, "quantization_config", None) is None:
+        return model
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    method = getattr(config.quantization_config, "quant_method", None)
+    if str(getattr(method, "value", method)) != "gguf":  # a real quantisation (bitsandbytes...): not ours to undo
+        raise TclightningError(f"export: the model is quantised ({method}); export supports full-precision "
+                               "and GGUF-sourced models")
+    plain_config = copy.deepcopy(config)
+    del plain_config.quantization_config
+    plain = AutoModelForCausalLM.from_config(plain_config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def _mismatch(expected: dict[str, Any], given: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Names missing from ``given`` and names it has that ``expected`` lacks, or of another shape."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(k for k in given if k not in expected or tuple(given[k].shape) != tuple(expected[k].shape))
+    return missing, unexpected
+
+
+def portable_tokenizer_config(folder: Path, padding_side: str = "left", pad_token: str | None = None) -> None:
+    """Name the generic fast-tokenizer class in ``tokenizer_config.json``: transformers 5 writes
+    ``TokenizersBackend`` for a tokenizer built in memory (the tiny model's), a name transformers
+    4 (which many vLLM and TRL installs pin) does not know; ``PreTrainedTokenizerFast`` is the
+    same tokenizer under a name both read. Also records the run's ``padding_side`` and ``pad_token``."""
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # The run pads on the left (decoder-only generation); transformers saves only the padding
+    # side a tokenizer was created with, so one set afterwards (hub, GGUF tokenizers) is kept here.
+    config["padding_side"] = padding_side
+    if pad_token is not None:
+        config["pad_token"] = pad_token
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
+                  *, overwrite: bool = False) -> Path:
+    """Write the policy of a run (or checkpoint) ``path`` to the folder ``out`` as Hugging Face
+    ``save_pretrained`` files of the model and its tokenizer, plus :data:`PROVENANCE_FILE`;
+    returns ``out``. ``step`` picks ``checkpoints/step-00000N.ckpt`` of a run directory
+    (default: the newest readable checkpoint, see :func:`find_checkpoint`).
+
+    ``out`` must not exist or be empty, unless ``overwrite`` (then it is replaced). The folder is
+    written beside ``out`` first and moved into place at the end: a failed export leaves
+    nothing. Raises ``TclightningError`` (one line) for a missing or unreadable checkpoint, one
+    that is not tclightning's, or a model source (a GGUF package, a hub name) that cannot be
+    loaded here: the model is rebuilt from its source before the trained weights replace it.
+    """
+    from tclightning.callbacks.checkpointing import load_checkpoint
+
+    target = Path(out).expanduser()
+    if target.exists() and not target.is_dir():
+        raise TclightningError(f"export: {target} is a file, expected a folder to write the model to")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
+    found = find_checkpoint(path, step)
+    checkpoint = load_checkpoint(found.checkpoint)
+    model, tokenizer = policy_from_checkpoint(checkpoint, found.checkpoint)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        portable_tokenizer_config(staging, tokenizer.padding_side, tokenizer.pad_token)
+        for written in staging.iterdir():  # some writers leave their files private (0600)
+            os.chmod(written, 0o666 & ~umask)
+        provenance = {"checkpoint": str(found.checkpoint.resolve()), "rl_step": found.rl_step,
+                      "model": checkpoint["hyper_parameters"]["model"]}
+        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+__all__ = ["ExportSource", "export_policy", "find_checkpoint", "policy_from_checkpoint"]

