@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tclightning.codecs.base import CodecKey
-from tclightning.codecs.prf import PRFCodec
+from tclightning.codecs.prf import FILLS, PRFCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,6 +45,8 @@ def bench_codec(
     device: str = "cpu",
     threads: int | None = None,
     seed: int = 0,
+    fill: str = "zero",
+    fill_rank: int = 16,
 ) -> dict[str, Any]:
     """Median milliseconds over ``repeats`` rounds (after ``warmup``) on a [tokens, d] activation;
     all steps are interleaved within each round so that noise from other processes hits them alike.
@@ -55,16 +57,24 @@ def bench_codec(
     (index generation alone), ``encode_over_clone``, ``roundtrip_over_clone`` ((encode + decode) /
     clone), ``receiver_roundtrip_over_clone``, ``payload_bytes_per_token`` (k x element size),
     ``dense_bytes_per_token`` (d x element size), ``compression`` (dense / payload) and the
-    settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``)."""
+    settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``, ``fill``).
+
+    ``fill``: the decode fill timed (``zero``, ``mean``, ``conditional``: warm rank-``fill_rank``
+    PPCA statistics, set directly). With a fill other than ``zero`` the zero-fill decode is timed
+    in the same rounds too: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
+    ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    if fill not in FILLS:
+        raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill}")
     if threads is not None:
         torch.set_num_threads(threads)
     torch_dtype = DTYPES[dtype]
     target = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, dim, generator=generator).to(target, torch_dtype)
-    codec = PRFCodec(dim, k)
+    codec = _warm_codec(dim, k, fill, fill_rank, generator)
+    zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
     payload = codec.encode(x, key)
@@ -90,6 +100,18 @@ def bench_codec(
         "decode": decode_in_process,
         "receiver_decode": decode_at_receiver,
     }
+    if fill != "zero":
+        zero_codec.encode(x, key)  # caches the indices: the in-process path
+
+        def zero_decode() -> Any:
+            return zero_codec.decode(payload, key)
+
+        def zero_receiver_decode() -> Any:
+            zero_codec.clear_cache()
+            return zero_codec.decode(payload, key)
+
+        steps["zero_decode"] = zero_decode
+        steps["zero_receiver_decode"] = zero_receiver_decode
     samples: dict[str, list[float]] = {name: [] for name in steps}
     with torch.no_grad():
         for round_index in range(warmup + repeats):
@@ -101,6 +123,14 @@ def bench_codec(
     clone_ms, encode_ms, decode_ms = median["clone"], median["encode"], median["decode"]
     payload_bytes = codec.payload_bytes_per_token(torch_dtype)
     dense = dim * torch_dtype.itemsize
+    side_by_side: dict[str, Any] = {}
+    if fill != "zero":
+        side_by_side = {
+            "zero_decode_ms": round(median["zero_decode"], 3),
+            "zero_receiver_decode_ms": round(median["zero_receiver_decode"], 3),
+            "decode_over_zero_fill": round(decode_ms / median["zero_decode"], 3),
+            "receiver_decode_over_zero_fill": round(median["receiver_decode"] / median["zero_receiver_decode"], 3),
+        }
     return {
         "clone_ms": round(clone_ms, 3),
         "encode_ms": round(encode_ms, 3),
@@ -120,4 +150,19 @@ def bench_codec(
         "device": str(target),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "fill": fill,
+        **({"fill_rank": fill_rank} if fill == "conditional" else {}),
+        **side_by_side,
     }
+
+
+def _warm_codec(dim: int, k: int, fill: str, rank: int, generator: torch.Generator) -> PRFCodec:
+    """A PRF codec whose stateful fill is warm (the cost of the steady state, not of the cold start)."""
+    codec = PRFCodec(dim, k, fill=fill, cond_rank=min(rank, dim))
+    if fill == "mean":
+        mean = torch.randn(dim, generator=generator)
+        codec.load_state_dict({"mean": mean, "seen": torch.ones(dim, dtype=torch.bool)})
+    elif fill == "conditional":
+        factor = torch.randn(dim, min(rank, dim), generator=generator)
+        codec.set_statistics(torch.randn(dim, generator=generator), factor=factor, noise=1.0)
+    return codec

@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cuts.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.rate=0.1")
     cuts.set_defaults(func=run_cuts)
     register_inference(tools)
+    from tclightning.cli.probe_coherence import register_coherence
+
+    register_coherence(tools)
 
 
 def run_cuts(args: argparse.Namespace) -> int:

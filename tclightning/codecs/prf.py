@@ -44,7 +44,7 @@ _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: separates hash rounds
 _SALT_STRIDE = 0xB5297A4D
 _SALT_PERM = 0x1B56C4E9
 
-FILLS = ("zero", "mean")
+FILLS = ("zero", "mean", "conditional")
 
 
 def _mul32(x: Any, c: int) -> Any:
@@ -199,18 +199,38 @@ class PRFCodec(Codec):
     with ``s = d/k`` when ``rescale`` else 1 (so without rescale the kept values are exact).
     Fills: ``zero``; ``mean`` -- a per-channel running mean of the *decoded* values only (receiver
     state, so it needs nothing extra on the wire), EMA with ``fill_momentum``, folded in by
-    :meth:`commit_step` when the key's step changes and constant within a step.
+    :meth:`commit_step` when the key's step changes and constant within a step; ``conditional`` --
+    the Gaussian conditional mean of the dropped channels given the kept ones under a rank-r PPCA
+    model ``Sigma = W W^T + s2 I`` (:class:`ConditionalStats`):
+    ``x_U = mu_U + W_U (W_S^T W_S + (s2 + ridge) I)^-1 W_S^T (v - mu_S)``, one r x r solve per token.
+    Its statistics are receiver state too (nothing extra on the wire): pairwise moments of the
+    decoded values (and of any dense activations given to :meth:`observe_dense`), decayed by
+    ``1 - fill_momentum`` per step and refitted by :meth:`commit_step`. Cold start: until the
+    channel pairs have been seen together ``cond_min_pairs`` times on average, it fills the
+    per-channel mean of the decoded values (zero before the first commit).
     Bytes: ``k * element_size`` per token, exactly (no indices, no padding).
     """
 
     name = "prf"
 
     def __init__(
-        self, dim: int, k: int, *, fill: str = "zero", rescale: bool = False, fill_momentum: float = 0.1
+        self,
+        dim: int,
+        k: int,
+        *,
+        fill: str = "zero",
+        rescale: bool = False,
+        fill_momentum: float = 0.1,
+        cond_rank: int = 16,
+        cond_min_pairs: float = 4.0,
+        cond_ridge: float = 0.0,
+        cond_stat_tokens: int = 1024,
     ) -> None:
         super().__init__(dim)
         if fill not in FILLS:
             raise ValueError(f"unknown fill '{fill}'; choose one of {', '.join(FILLS)}")
+        if fill == "conditional" and rescale:
+            raise ValueError("fill 'conditional' does not combine with rescale (the kept values are exact)")
         if not 0.0 < fill_momentum <= 1.0:
             raise ValueError(f"fill_momentum must be in (0, 1], got {fill_momentum}")
         self.k = k
@@ -224,6 +244,12 @@ class PRFCodec(Codec):
         self._seen: Tensor | None = None
         self._pending_sum: Tensor | None = None
         self._pending_count: Tensor | None = None
+        # receiver-side PPCA statistics (fill="conditional")
+        self.cond: ConditionalStats | None = (
+            ConditionalStats(dim, rank=cond_rank, decay=1.0 - fill_momentum, min_pairs=cond_min_pairs,
+                             ridge=cond_ridge, stat_tokens=cond_stat_tokens)
+            if fill == "conditional" else None
+        )
 
     @property
     def scale(self) -> float:
@@ -260,6 +286,10 @@ class PRFCodec(Codec):
         if self.fill == "zero":
             src = values * self.scale if self.rescale else values
             out = _ScatterOnto.apply(src, idx, values.new_zeros(batch, length, self.dim))
+        elif self.fill == "conditional":
+            assert self.cond is not None
+            out = self.cond.fill(values, idx)
+            self.cond.observe(idx, values, token_mask)
         else:
             fill = self._fill_vector(values)
             out = fill.expand(batch, length, self.dim).clone()
@@ -301,10 +331,29 @@ class PRFCodec(Codec):
         self._pending_sum.index_add_(0, flat_idx, values.detach().reshape(-1).float())
         self._pending_count.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float32))
 
+    def observe_dense(self, x: Tensor, token_mask: Tensor | None = None) -> None:
+        """Conditional fill: fold dense activations the receiver holds (``[B, L, d]`` or ``[T, d]``)
+        into the pending statistics (every channel pair observed); used at the next commit."""
+        if self.cond is None:
+            raise ValueError("observe_dense needs fill 'conditional'")
+        self.cond.observe_dense(x, token_mask)
+
+    def set_statistics(self, mean: Tensor, cov: Tensor | None = None, *, factor: Tensor | None = None,
+                       noise: float = 0.0) -> None:
+        """Conditional fill: use the given ``mean`` and ``cov`` (fitted to rank r) or PPCA ``factor``
+        ``[d, r]`` + ``noise`` at once (no cold start) until the next commit with observed data."""
+        if self.cond is None:
+            raise ValueError("set_statistics needs fill 'conditional'")
+        self.cond.set_statistics(mean, cov, factor=factor, noise=noise)
+
     @torch.no_grad()
     def commit_step(self) -> None:
         """``mean_c <- (1 - m) mean_c + m * (batch mean of decoded values on c)`` for observed
-        channels (``mean_c <- batch mean`` the first time a channel is seen)."""
+        channels (``mean_c <- batch mean`` the first time a channel is seen); the conditional fill
+        refits its PPCA model (:meth:`ConditionalStats.commit`)."""
+        if self.cond is not None:
+            self.cond.commit()
+            return
         if self.fill != "mean" or self._pending_count is None:
             return
         assert self._mean is not None and self._seen is not None and self._pending_sum is not None
@@ -319,12 +368,17 @@ class PRFCodec(Codec):
         self._pending_count.zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        if self.cond is not None:
+            return self.cond.state_dict()
         if self._mean is None:
             return {}
         return {"mean": self._mean.cpu(), "seen": self._seen.cpu()}  # type: ignore[union-attr]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
+            return
+        if self.cond is not None:
+            self.cond.load_state_dict(state)
             return
         self._mean, self._seen = state["mean"].float(), state["seen"].bool()
         self._pending_sum = torch.zeros(self.dim, dtype=torch.float32)
@@ -336,3 +390,221 @@ class PRFCodec(Codec):
 
     def __repr__(self) -> str:
         return f"PRFCodec(dim={self.dim}, k={self.k}, fill={self.fill!r}, rescale={self.rescale})"
+
+
+class ConditionalStats:
+    """Receiver-side statistics and the decode of the ``conditional`` PRF fill (pure tensor math).
+
+    Model: ``x ~ N(mu, W W^T + s2 I)`` with ``W`` ``[d, r]`` (probabilistic PCA). For a token with
+    kept channels ``S`` (values ``v``) and dropped ``U`` the Gaussian conditional mean
+    ``mu_U + Sigma_US (Sigma_SS + ridge I)^-1 (v - mu_S)`` equals, by the push-through identity,
+
+        x_U = mu_U + W_U z,   z = (W_S^T W_S + (s2 + ridge) I)^-1 W_S^T (v - mu_S)
+
+    -- one batched r x r solve per token instead of a k x k one. The kept channels carry ``v``
+    exactly; the map ``v -> x_hat`` is linear, so autograd gives the backward message (still
+    ``[tokens, k]``) through it.
+
+    Estimation (zero bytes on the wire): available-case pairwise moments. Each decoded token adds
+    its k values to the per-channel sums and ``v v^T`` to the k x k pairs it covers (counts
+    likewise, ``O(tokens * k^2)`` index-adds); a dense token given to :meth:`observe_dense` covers
+    every pair. At most ``stat_tokens`` (1024) real tokens per step are used (the first ones decoded,
+    so micro-batches in row order see the same tokens as one whole-batch message).
+    :meth:`commit` decays the committed moments by ``decay`` (= 1 - fill_momentum), adds the
+    pending ones, and refits:
+    ``mu_i = sum_i / n_i``, ``Sigma_ij = E[x_i x_j] - mu_i mu_j`` over the tokens that saw both (0 for
+    pairs never seen together), then the top ``r`` eigenpairs ``(lam, V)`` of ``Sigma``:
+    ``s2 = mean of the other eigenvalues`` (floored at 1e-6 x the mean variance) and
+    ``W = V sqrt(max(lam - s2, 0))``.
+
+    Cold start: the conditional mean is used once the mean co-observation count of the channel
+    pairs (decayed like the moments) reaches ``min_pairs`` -- about ``min_pairs * d(d-1) / (k(k-1))``
+    decoded tokens, 2,170 at d = 128, k = 6 and 1,610 at d = 1536, k = 77; before that the fill is
+    the per-channel mean of the decoded values (the ``mean`` fill's estimate; zero before the
+    first commit). Statistics given by :meth:`set_statistics` are used at once.
+    """
+
+    def __init__(self, dim: int, *, rank: int = 16, decay: float = 0.9, min_pairs: float = 4.0,
+                 ridge: float = 0.0, stat_tokens: int = 1024) -> None:
+        if not 1 <= rank <= dim:
+            raise ValueError(f"conditional fill rank must be in [1, d={dim}], got {rank}")
+        if ridge < 0 or min_pairs < 0 or stat_tokens < 1 or not 0.0 <= decay < 1.0:
+            raise ValueError("conditional fill: need ridge >= 0, min_pairs >= 0, stat_tokens >= 1, 0 <= decay < 1")
+        self.dim, self.rank, self.decay = dim, rank, decay
+        self.min_pairs, self.ridge, self.stat_tokens = min_pairs, ridge, stat_tokens
+        self.moments: dict[str, Tensor] | None = None  # committed: sum [d], count [d], outer [d,d], pairs [d,d]
+        self.pending: dict[str, Tensor] | None = None
+        self.pending_tokens = 0  # tokens in ``pending`` (at most stat_tokens per step)
+        self.mean: Tensor | None = None  # [d]
+        self.factor: Tensor | None = None  # W [d, r]
+        self.noise = 0.0  # s2
+        self.active = False
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def _zeros(self, device: torch.device, dtype: torch.dtype = torch.float64) -> dict[str, Tensor]:
+        """Moment buffers: float64 when committed, float32 while pending (float32 index-adds are ~5x
+        faster on CPU; one message's sums are small)."""
+        d = self.dim
+        return {
+            "sum": torch.zeros(d, dtype=dtype, device=device),
+            "count": torch.zeros(d, dtype=dtype, device=device),
+            "outer": torch.zeros(d, d, dtype=dtype, device=device),
+            "pairs": torch.zeros(d, d, dtype=dtype, device=device),
+        }
+
+    def _pending(self, device: torch.device) -> dict[str, Tensor]:
+        if self.pending is None or self.pending["sum"].device != device:
+            self.pending = self._zeros(device, torch.float32)
+            self.pending_tokens = 0
+        return self.pending
+
+    def _budget(self, tokens: int) -> int:
+        """How many of the next ``tokens`` tokens still fit in this step's ``stat_tokens``."""
+        used = self.pending_tokens if self.pending is not None else 0
+        return max(0, min(tokens, self.stat_tokens - used))
+
+    def _add(self, dense: Tensor, seen: Tensor) -> None:
+        """Add ``[N, d]`` values (zero where unseen) and their ``[N, d]`` 0/1 mask to the pending moments."""
+        take = self._budget(dense.shape[0])
+        if take == 0:
+            return
+        p = self._pending(dense.device)
+        self.pending_tokens += take
+        dense, seen = dense[:take].float(), seen[:take].float()
+        p["sum"] += dense.sum(0)
+        p["count"] += seen.sum(0)
+        p["outer"] += dense.T @ dense
+        p["pairs"] += seen.T @ seen
+
+    @torch.no_grad()
+    def observe(self, idx: Tensor, values: Tensor, token_mask: Tensor | None) -> None:
+        """Decoded tokens: ``idx``/``values`` ``[B, L, k]`` (only real tokens when a mask is known)."""
+        if token_mask is not None and token_mask.shape == idx.shape[:2]:
+            keep = token_mask.to(torch.bool)
+            idx, values = idx[keep], values[keep]
+        k = idx.shape[-1]
+        take = self._budget(idx.numel() // k)
+        if take == 0:
+            return
+        idx = idx.reshape(-1, k)[:take]
+        values = values.detach().reshape(-1, k)[:take].float()
+        p, flat = self._pending(values.device), idx.reshape(-1)
+        self.pending_tokens += take
+        p["sum"].index_add_(0, flat, values.reshape(-1))
+        p["count"].index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        # the k x k pairs of each token: O(tokens * k^2) index-adds, not a [tokens, d] x [d, tokens] product
+        pair = (idx[:, :, None] * self.dim + idx[:, None, :]).reshape(-1)
+        p["outer"].view(-1).index_add_(0, pair, (values[:, :, None] * values[:, None, :]).reshape(-1))
+        p["pairs"].view(-1).index_add_(0, pair, torch.ones_like(pair, dtype=torch.float32))
+
+    @torch.no_grad()
+    def observe_dense(self, x: Tensor, token_mask: Tensor | None = None) -> None:
+        rows = as_rows(x.detach())
+        if token_mask is not None and token_mask.shape == rows.shape[:2]:
+            flat = rows[token_mask.to(torch.bool)]
+        else:
+            flat = rows.reshape(-1, self.dim)
+        self._add(flat, torch.ones_like(flat, dtype=torch.float32))
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the pending moments in (committed = decay * committed + pending) and refit."""
+        if self.pending is None or float(self.pending["count"].sum()) == 0.0:
+            return
+        if self.moments is None or self.moments["sum"].device != self.pending["sum"].device:
+            self.moments = self._zeros(self.pending["sum"].device)
+        for name, value in self.pending.items():
+            self.moments[name].mul_(self.decay).add_(value.double())
+            value.zero_()
+        self.pending_tokens = 0
+        self._refit()
+
+    def _refit(self) -> None:
+        assert self.moments is not None
+        m = self.moments
+        mean = torch.where(m["count"] > 0, m["sum"] / m["count"].clamp_min(1e-12), torch.zeros_like(m["sum"]))
+        pairs = m["pairs"]
+        cov = torch.where(pairs > 0, m["outer"] / pairs.clamp_min(1e-12) - torch.outer(mean, mean),
+                          torch.zeros_like(pairs))
+        off = pairs.sum() - pairs.diagonal().sum()
+        coverage = float(off / (self.dim * (self.dim - 1))) if self.dim > 1 else float(pairs.sum())
+        self.mean = mean.float()
+        self._fit((cov + cov.T) / 2)
+        self.active = coverage >= self.min_pairs
+
+    def _fit(self, cov: Tensor) -> None:
+        """``W`` and ``s2`` of the rank-r PPCA fit of a symmetric ``[d, d]`` covariance."""
+        cov = cov.double()
+        eigvals, eigvecs = torch.linalg.eigh(cov)  # ascending
+        top = eigvals[-self.rank:]
+        rest = eigvals[: -self.rank] if self.rank < self.dim else eigvals.new_zeros(1)
+        floor = 1e-6 * max(float(cov.diagonal().clamp_min(0).mean()), 1e-12)
+        self.noise = max(float(rest.mean()), floor)
+        self.factor = (eigvecs[:, -self.rank:] * (top - self.noise).clamp_min(0).sqrt()).float()
+
+    def set_statistics(self, mean: Tensor, cov: Tensor | None = None, *, factor: Tensor | None = None,
+                       noise: float = 0.0) -> None:
+        if (cov is None) == (factor is None):
+            raise ValueError("give exactly one of cov and factor")
+        self.mean = mean.detach().float().reshape(self.dim)
+        if cov is not None:
+            self._fit(cov.detach())
+        else:
+            assert factor is not None
+            self.factor, self.noise = factor.detach().float().reshape(self.dim, -1), float(noise)
+        self.active = True
+
+    # -- decode --------------------------------------------------------------------------------
+
+    def fill(self, values: Tensor, idx: Tensor) -> Tensor:
+        """``x_hat`` ``[B, L, d]``: ``values`` at ``idx``, the conditional mean (or, in the cold start,
+        the mean) elsewhere; differentiable in ``values``."""
+        batch, length, k = values.shape
+        if not self.active or self.factor is None:
+            if self.mean is None:
+                base = values.new_zeros(batch, length, self.dim)
+            else:
+                base = self.mean.to(values.device, values.dtype).expand(batch, length, self.dim).clone()
+            return _ScatterOnto.apply(values, idx, base)
+        assert self.mean is not None
+        mean = self.mean.to(values.device)
+        factor = self.factor.to(values.device)
+        rank = factor.shape[1]
+        w_s = factor.index_select(0, idx.reshape(-1)).view(batch, length, k, rank)
+        centred = values.float() - mean.index_select(0, idx.reshape(-1)).view(batch, length, k)
+        gram = w_s.transpose(-1, -2) @ w_s
+        gram = gram + (self.noise + self.ridge) * torch.eye(rank, device=values.device)
+        rhs = (w_s.transpose(-1, -2) @ centred.unsqueeze(-1))
+        z = torch.linalg.solve(gram, rhs).squeeze(-1)  # [B, L, r]
+        full = torch.addmm(mean, z.reshape(-1, rank), factor.T).view(batch, length, self.dim)
+        return full.scatter(-1, idx, values.float()).to(values.dtype)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.mean is None and self.moments is None:
+            return {}
+        state: dict[str, Any] = {"fill": "conditional", "active": self.active, "noise": self.noise}
+        if self.mean is not None:
+            state["cond_mean"] = self.mean.cpu()
+        if self.factor is not None:
+            state["cond_factor"] = self.factor.cpu()
+        if self.moments is not None:
+            # copies: commit updates the moments in place, so a checkpoint must not alias them
+            state.update({f"moment_{name}": value.detach().cpu().clone() for name, value in self.moments.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("fill") != "conditional":
+            raise ValueError("codec state is not a conditional-fill state (was the fill changed on resume?)")
+        self.active, self.noise = bool(state["active"]), float(state["noise"])
+        self.mean = state["cond_mean"].float() if "cond_mean" in state else None
+        self.factor = state["cond_factor"].float() if "cond_factor" in state else None
+        names = ("sum", "count", "outer", "pairs")
+        if all(f"moment_{name}" in state for name in names):
+            self.moments = {name: state[f"moment_{name}"].double().clone() for name in names}
+        else:
+            self.moments = None
+        self.pending = None
+        self.pending_tokens = 0

@@ -58,10 +58,13 @@ class PipelineConfig:
 
     fill: str = "zero"
     """PRF receiver fill for the d - k dropped channels: ``zero`` | ``mean`` (per-channel running
-    mean of decoded values, updated once per step of the PRF key)."""
+    mean of decoded values, updated once per step of the PRF key) | ``conditional`` (Gaussian
+    conditional mean given the kept channels, rank-16 PPCA fitted to the decoded values; the
+    per-channel mean until the statistics are warm; not with ``rescale``)."""
 
     fill_momentum: float = 0.1
-    """EMA weight of the newest tick in the ``mean`` fill."""
+    """EMA weight of the newest tick in the ``mean`` fill (``conditional``: its moments decay by
+    1 - fill_momentum per step)."""
 
     rescale: bool = False
     """PRF: scale kept deviations from the fill by d/k (unbiased random-k; larger variance)."""
@@ -112,6 +115,10 @@ class PipelineConfig:
             )
         if self.fill not in FILLS:
             raise TclightningError(f"pipeline.fill '{self.fill}' is not one of {', '.join(FILLS)}")
+        if self.fill == "conditional" and self.rescale:
+            raise TclightningError(
+                "pipeline.fill 'conditional' does not combine with pipeline.rescale (set rescale: false)"
+            )
         if not 0.0 < self.rate <= 1.0:
             raise TclightningError(f"pipeline.rate must be in (0, 1], got {self.rate}")
         if self.k is not None and self.k < 1:

@@ -291,7 +291,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.backward_codec": text(nonempty=True, optional=True),
     "pipeline.rate": number(0.0, 1.0, low_open=True),
     "pipeline.k": positive(optional=True),
-    "pipeline.fill": text(nonempty=True),
+    "pipeline.fill": one_of("zero", "mean", "conditional"),  # = tclightning.codecs.FILLS (tested)
     "pipeline.fill_momentum": number(0.0, 1.0, low_open=True),
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
