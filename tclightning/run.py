@@ -126,17 +126,18 @@ def readable_checkpoint(requested: Path) -> tuple[Path, int, tuple[str, ...]]:
 
 
 def _last_logged_step(metrics: Path) -> int | None:
-    """The largest ``step`` in a ``metrics.csv`` (``None`` when there is no such file or row)."""
+    """The largest ``step`` in a ``metrics.csv`` (``None`` when there is no such file, no row, or
+    the file cannot be read: then no step file is ruled out)."""
     import csv
+
+    from tclightning.grpo.summary import read_metrics
 
     if not metrics.is_file():
         return None
     try:
-        with metrics.open(newline="") as handle:
-            steps = [int(float(row["step"])) for row in csv.DictReader(handle) if row.get("step")]
-    except (OSError, ValueError, csv.Error, UnicodeDecodeError):
+        return max(read_metrics(metrics), default=None)
+    except (OSError, KeyError, ValueError, csv.Error, UnicodeDecodeError):
         return None
-    return max(steps, default=None)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -398,20 +399,11 @@ def quiet_lightning() -> None:
     import logging
     import warnings
 
-    from tclightning.callbacks.health_actions import HealthWarning
+    from tclightning.console import install_warning_format
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    plain = warnings.formatwarning
-    if getattr(plain, "tclightning", False):  # installed by an earlier run in this process
-        return
-
-    def health_first(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> str:
-        # Health warnings are for the person watching the run: the message alone, no file:line.
-        return f"health: {message}\n" if issubclass(category, HealthWarning) else plain(message, category, *args, **kwargs)
-
-    health_first.tclightning = True  # type: ignore[attr-defined]
-    warnings.formatwarning = health_first
+    install_warning_format()  # health warnings as "health: ...", no file:line (idempotent)
 
 
 def resolved_yaml(recipe_ref: str, overrides: Sequence[str] = ()) -> str:

@@ -51,38 +51,40 @@ def _interval(low: float | None, high: float | None, low_open: bool, high_open: 
     return ""
 
 
-def number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
-           high_open: bool = False, optional: bool = False) -> Rule:
-    """A finite float within the bounds (``*_open``: the bound itself is excluded)."""
-    expected = " ".join(p for p in ("a finite number", _interval(low, high, low_open, high_open)) if p)
+def _bounded(kind: str, accepts: Callable[[Any], bool], low: float | None, high: float | None,
+             low_open: bool, high_open: bool, optional: bool) -> Rule:
+    """A value ``accepts`` takes, within the bounds (``*_open``: the bound itself is excluded)."""
+    expected = " ".join(p for p in (kind, _interval(low, high, low_open, high_open)) if p)
     if optional:
         expected += " or null"
 
     def rule(value: Any) -> str | None:
         if value is None:
             return None if optional else f"expected {expected}, got null"
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-              and (low is None or (value > low if low_open else value >= low))
+        ok = (accepts(value) and (low is None or (value > low if low_open else value >= low))
               and (high is None or (value < high if high_open else value <= high)))
         return None if ok else f"expected {expected}, got {value!r}"
 
     return rule
 
 
+def number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False, optional: bool = False) -> Rule:
+    """A finite float within the bounds (``*_open``: the bound itself is excluded)."""
+
+    def finite(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    return _bounded("a finite number", finite, low, high, low_open, high_open, optional)
+
+
 def integer(low: int | None = None, high: int | None = None, *, optional: bool = False) -> Rule:
     """An int within ``[low, high]``."""
-    expected = " ".join(p for p in ("an integer", _interval(low, high, False, False)) if p)
-    if optional:
-        expected += " or null"
 
-    def rule(value: Any) -> str | None:
-        if value is None:
-            return None if optional else f"expected {expected}, got null"
-        ok = (isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
-              and (high is None or value <= high))
-        return None if ok else f"expected {expected}, got {value!r}"
+    def whole(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
 
-    return rule
+    return _bounded("an integer", whole, low, high, False, False, optional)
 
 
 def one_of(*options: str) -> Rule:
