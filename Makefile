@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) -e ".[dev,gguf,docs]"
 	touch $@
 
+# the default: every cut compressed to 5% in a learned basis (fast-only-lowrank); dense is
+# `tclightning run --recipe tiny`, PRF `--recipe fast-only`
 run: setup
-	$(VENV)/bin/tclightning run --recipe tiny
+	$(VENV)/bin/tclightning run --recipe fast-only-lowrank
 
 test: setup
 	$(PY) -m pytest -q

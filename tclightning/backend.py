@@ -164,6 +164,22 @@ class Backend(Protocol):
 
 
 @runtime_checkable
+class CompressedAnchorBackend(Protocol):
+    """A backend that can also run the *fast* (compressed) circuit at an anchor snapshot, which
+    the ``control_variate`` merger needs. Optional: ``LocalBackend`` implements it; across
+    processes the recipe check refuses ``control_variate``."""
+
+    def compressed_forward_backward(
+        self, snapshot: Sequence[Tensor], rollouts: Any, loss_fn: LossFn
+    ) -> tuple[list[Tensor], float]:
+        """The gradient of ``loss_fn`` at the weights ``snapshot`` through the cuts' codecs, as the
+        fast circuit would compute it, without touching the policy, its gradients, the codecs'
+        receiver statistics or the step's ``wire/*`` counters. Returns ``(gradient per owned
+        parameter, the pass's boundary bytes)``: the caller counts them as the anchor's."""
+        ...
+
+
+@runtime_checkable
 class BackendProvider(Protocol):
     """A strategy that runs the policy its own way (cuts in-graph, or one stage per process)."""
 

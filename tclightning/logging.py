@@ -56,10 +56,15 @@ SCALAR_LAYOUT: dict[str, dict[str, list]] = {
     "wire": {
         "bytes per step": ["Multiline", ["wire/bytes_fwd", "wire/bytes_bwd", "anchor/bytes"]],
         "dense bytes / sent bytes": ["Multiline", ["wire/ratio"]],
+        "energy the low-rank bases keep (share)": ["Multiline", ["wire/energy_kept"]],
     },
     "anchor": {
         "sign agreement (share)": ["Multiline", ["anchor/sign_agreement"]],
         "latency and cadence (ticks)": ["Multiline", ["anchor/latency", "anchor/cadence"]],
+        "anchor vs fast gradient (cosine) and the anchor term's strength": [
+            "Multiline", ["anchor/fast_cosine", "anchor/strength"]],
+        "anchor controller mode (0 normal, 1 weakened, 2 suspended, 3 fresh)": [
+            "Multiline", ["anchor/controller_mode"]],
     },
     "health": {
         "state per monitor (0 healthy, 1 warning, 2 collapsing, -1 no data)": [
@@ -75,8 +80,10 @@ SCALAR_LAYOUT: dict[str, dict[str, list]] = {
 
 
 # Tags first logged some steps into a run, each with a tag logged from the first step whenever it
-# will be: the anchor's sign agreement needs a delivered anchor gradient (K ticks in).
-LATE_TAGS: dict[str, str] = {"anchor/sign_agreement": "anchor/latency"}
+# will be: the anchor's sign agreement needs a delivered anchor gradient (K ticks in), a low-rank
+# basis's energy its first fit (after the dense first step).
+LATE_TAGS: dict[str, str] = {"anchor/sign_agreement": "anchor/latency", "anchor/fast_cosine": "anchor/latency",
+                             "wire/energy_kept": "wire/basis_bytes"}
 
 
 def scalar_layout(

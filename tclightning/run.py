@@ -192,14 +192,24 @@ def require_writable_root(recipe: RecipeConfig) -> None:
 
 
 def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
-    """More than one process means one pipeline stage per process: refuse anything else early."""
+    """More than one process means one pipeline stage per process (``pipeline.replicas`` copies of
+    each): refuse anything else early, naming the keys."""
     t = recipe.trainer
     processes = t.devices * t.num_nodes
     if processes > 1 and t.strategy != "pipeline":
         raise TclightningError(
             f"trainer.devices x trainer.num_nodes = {processes} needs trainer.strategy=pipeline "
-            f"(one pipeline stage per process, pipeline.stages={processes}); there is no data-parallel mode"
+            f"(one pipeline stage per process, pipeline.stages={processes}); data parallelism is "
+            "pipeline.replicas copies of each stage"
         )
+    replicas = recipe.pipeline.replicas
+    if replicas > 1:
+        stages = len(recipe.pipeline.cuts) + 1 if recipe.pipeline.cuts is not None else recipe.pipeline.stages
+        if t.strategy != "pipeline" or processes != stages * replicas:
+            raise TclightningError(
+                f"pipeline.replicas={replicas} x pipeline.stages={stages} needs trainer.strategy=pipeline and "
+                f"trainer.devices x trainer.num_nodes = {stages * replicas} processes (got {processes})"
+            )
 
 
 def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:

@@ -222,3 +222,7 @@ def test_bench_codec_times_the_fill_side_by_side_with_zero() -> None:
     assert result["fill"] == "conditional" and result["decode_over_zero_fill"] > 0
     assert result["payload_bytes_per_token"] == 6 * 4
     assert "zero_decode_ms" not in bench_codec(tokens=64, dim=48, k=6, repeats=1, warmup=0)
+    for name in ("lowrank", "hybrid"):  # basis codecs are timed beside the zero-fill PRF decode too
+        timed = bench_codec(tokens=64, dim=48, k=6, repeats=1, warmup=0, codec_name=name)
+        assert timed["codec"] == name and timed["decode_over_zero_fill"] > 0
+        assert timed["payload_bytes_per_token"] == 6 * 4

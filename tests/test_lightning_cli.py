@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,12 +53,16 @@ def test_preset_header_command_runs(preset, tmp_path, monkeypatch):
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
     argv = header_command(preset)
     assert f"--trainer.callbacks=callbacks/{preset.name}" in argv
-    assert lightning_cli.main(argv) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lightning_cli.main(argv) == 0
     (saved,) = (tmp_path / "logs").rglob("config.yaml")  # LightningCLI saves the parsed config
     used = [cb["class_path"] for cb in yaml.safe_load(saved.read_text())["trainer"]["callbacks"]]
     wanted = [entry["class_path"] for entry in yaml.safe_load(preset.read_text())]
     assert used[: len(wanted)] == wanted
-    if preset.stem != "trajectory":  # the monitors ran on the user's module and logged their verdict
+    if preset.stem == "anchor-controller":  # a module without an anchor: it says it has nothing to do
+        assert any("has no anchor" in str(w.message) for w in caught)
+    elif preset.stem != "trajectory":  # the monitors ran on the user's module and logged their verdict
         (metrics,) = (tmp_path / "logs").rglob("metrics.csv")
         assert "health/state" in metrics.read_text().splitlines()[0].split(",")
     else:

@@ -119,3 +119,21 @@ def test_cli_user_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["probe", "cuts", "--recipe", "tiny", "--out", str(tmp_path), "model.warmup.steps=0",
                  "pipeline.stages=1"]) == 2  # fmt: skip
     assert "no cut" in capsys.readouterr().err
+
+
+def test_stateful_codecs_are_warmed_on_other_completions_before_the_measured_batch(model_and_rollouts) -> None:
+    """A basis codec's cold start (dense) is spent on the warm-up batch: every compressed row is
+    priced at r values per token, and warming on the measured batch itself differs from warming
+    on other completions (the probe does not score a batch its codecs were fitted on)."""
+    model, rollouts = model_and_rollouts
+    _, tokenizer = load_model(ModelConfig(source="tiny", tiny=TinyModelConfig(hidden_size=DIM, num_layers=LAYERS,
+                                                                               intermediate_size=64)), seed=0)
+    sampler = build_sampler(SamplerConfig(max_new_tokens=6), PromptFormatter(tokenizer, None, True))
+    other = sampler.generate(model, ["23+45=", "6+7=", "81+9="], group_size=3, seed=2)
+    config = PipelineConfig(stages=4, codec="lowrank", k=K)
+    held_out = by_name(price_cuts(model, rollouts, config, step=3, warmup=other))
+    in_sample = by_name(price_cuts(model, rollouts, config, step=3))
+    assert held_out["all"]["bytes_fwd_per_token"] == 3 * K * 4  # three cuts, r = k values, float32
+    assert held_out["solo:1"]["bytes_fwd_per_token"] == K * 4 + 2 * DIM * 4
+    assert held_out["all"]["gap/abs_mean"] != in_sample["all"]["gap/abs_mean"]
+    assert held_out["dense"]["gap/abs_mean"] == in_sample["dense"]["gap/abs_mean"]

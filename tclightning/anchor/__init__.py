@@ -3,7 +3,7 @@
 Pure logic, no Lightning: :mod:`~tclightning.anchor.anchor` (:class:`Anchor`, the feature in one
 object, built from the recipe by :func:`build_anchor`), :mod:`~tclightning.anchor.circuit`
 (schedule and pending jobs), :mod:`~tclightning.anchor.mergers` (``none``, ``dense``,
-``signed_ema``) and :mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``).
+``signed_ema``, ``control_variate``, ``masked``, ``trust``) and :mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``).
 The Lightning callback for any module is :class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
 """
 
@@ -17,15 +17,23 @@ from tclightning.anchor.circuit import (
 )
 from tclightning.anchor.mergers import (
     MERGERS,
+    ControlVariateMerger,
     DenseMerger,
+    MaskedMerger,
     Merger,
     NoneMerger,
     SignedEMAMerger,
+    TrustMerger,
+    control_variate_merge_,
+    cosine,
     ema_update,
     make_merger,
+    masked_merge_,
     sign_agreement,
     signed_ema_merge,
     signed_ema_merge_,
+    trust_factor,
+    trust_merge_,
 )
 from tclightning.anchor.projectors import (
     PROJECTORS,
@@ -44,23 +52,31 @@ __all__ = [
     "AnchorCircuit",
     "AnchorDelivery",
     "AnchorJob",
+    "ControlVariateMerger",
     "AnchorSchedule",
     "DampedLinearProjector",
     "DenseMerger",
+    "MaskedMerger",
     "Merger",
     "NoneMerger",
     "Projector",
     "Rank1Projector",
     "SignedEMAMerger",
+    "TrustMerger",
     "Stage",
     "build_anchor",
+    "control_variate_merge_",
+    "cosine",
     "cpu_snapshot",
     "ema_update",
     "make_merger",
     "make_projector",
+    "masked_merge_",
     "sign_agreement",
     "signed_ema_merge",
     "signed_ema_merge_",
     "staleness_factor",
     "top_direction",
+    "trust_factor",
+    "trust_merge_",
 ]

@@ -7,7 +7,13 @@
 * the **delivery**: the newest ``M``, computed from a due job by a function the trainer passes
   in (the dense forward/backward at the snapshot) and held until the next merge;
 * the **merge state**: the merger (``M_bar`` and its projector) and the per-tick sign agreement
-  of the current RL step.
+  of the current RL step;
+* the **staleness signals**, measured online at every merge: ``anchor/fast_cosine`` (the fresh
+  ``G_comp`` against the merger's anchor direction, mean over the step's ticks) and
+  ``anchor/consecutive_agreement`` (sign agreement of the newest ``M`` with the anchor direction
+  before it was folded in: how far the policy's gradient turned between two anchors);
+* the **strength** ``s`` in [0, 1] that an anchor controller turns:
+  ``G = G_comp + s * (merge(G_comp) - G_comp)`` (1: the merger as is; 0: the anchor term off).
 
 Per optimizer tick the trainer calls :meth:`Anchor.tick` before its forward/backward and
 :meth:`Anchor.merge_` after clipping, right before ``optimizer.step()``. :func:`build_anchor` is
@@ -27,7 +33,7 @@ from torch import Tensor
 
 from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot
 from tclightning.anchor.config import AnchorConfig
-from tclightning.anchor.mergers import Merger, make_merger
+from tclightning.anchor.mergers import Merger, cosine, make_merger, sign_agreement
 from tclightning.errors import TclightningError
 
 Reduce = Callable[[Tensor], Tensor]
@@ -41,6 +47,7 @@ class AnchorDelivery:
 
     gradient: Sequence[Tensor]
     snapshot_tick: int | None = None
+    fast: Sequence[Tensor] | None = None  # the fast circuit's gradient at the same snapshot (control_variate)
 
 
 class Anchor:
@@ -64,11 +71,15 @@ class Anchor:
         self.step_metrics: dict[str, float] = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
         self._delivered: AnchorDelivery | None = None
         self._device: torch.device | None = None  # where the merger's state lives
+        self.strength = 1.0  # weight of the anchor term (an anchor controller turns it)
+        self.consecutive: float | None = None  # sign agreement of the last two anchors (all time)
+        self.signals: dict[str, list[float]] = {}  # this step's per-tick figures (fast_cosine, merger's)
 
     # ----------------------------------------------------------------------------- the circuit
     def begin_step(self) -> None:
-        """A new RL step: ``anchor/bytes`` and ``time/anchor_s`` count from zero."""
+        """A new RL step: ``anchor/bytes``, ``time/anchor_s`` and the per-tick signals count from zero."""
         self.step_metrics = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
+        self.signals = {}
 
     def tick(
         self,
@@ -78,21 +89,34 @@ class Anchor:
         parameters: Callable[[], Sequence[Tensor]],
         payload: Callable[[], Any],
         gradient: Callable[[AnchorJob], tuple[list[Tensor], float]],
+        fast_gradient: Callable[[AnchorJob], tuple[list[Tensor], float]] | None = None,
     ) -> None:
         """The circuit's part of optimizer tick ``tick`` (before its forward/backward).
 
         On the step's ``first`` tick (only then do the weights equal the ones that sampled) a job
         is recorded if the cadence says so: a CPU snapshot of ``parameters()`` and ``payload()``
         (the rollouts those weights sampled). Then every job due now is computed with
-        ``gradient(job) -> (M, boundary bytes)`` and delivered (the newest wins)."""
+        ``gradient(job) -> (M, boundary bytes)`` and delivered (the newest wins). A merger that
+        :attr:`~tclightning.anchor.mergers.Merger.needs_fast` also gets
+        ``fast_gradient(job) -> (G_hat, boundary bytes)``, the fast circuit on the same job; its
+        bytes are the anchor's too."""
         if self.circuit is None:
             raise TclightningError("this anchor has no circuit: its M is handed to merge_")
         if first and self.circuit.should_record(tick):
             self.circuit.maybe_record(tick, lambda: cpu_snapshot(parameters()), payload())
+        needs_fast = getattr(self.merger, "needs_fast", False)
+        if needs_fast and fast_gradient is None:
+            raise TclightningError(f"merger {self.merger.name!r} needs the fast circuit at the anchor's snapshot: "
+                                   "pass fast_gradient to Anchor.tick")
         for job in self.circuit.due(tick):
             started = time.perf_counter()
             grads, sent = gradient(job)
-            self._delivered = AnchorDelivery(grads, snapshot_tick=job.tick)
+            fast = None
+            if needs_fast:
+                assert fast_gradient is not None
+                fast, fast_sent = fast_gradient(job)
+                sent += fast_sent
+            self._delivered = AnchorDelivery(grads, snapshot_tick=job.tick, fast=fast)
             self.step_metrics["anchor/bytes"] += sent
             self.step_metrics["time/anchor_s"] += time.perf_counter() - started
 
@@ -109,9 +133,11 @@ class Anchor:
         parameters, fixed order), just before the optimizer step:
 
         1. the projector sees the weights (``rank1`` keeps a trajectory of them);
-        2. a ``delivered`` ``M`` (shaped like ``params``) is folded into ``M_bar``;
-        3. ``sign(G_comp) == sign(M_bar)`` is measured (this tick's agreement);
-        4. each ``p.grad`` becomes the merged ``G`` (parameters without a gradient are left alone).
+        2. a ``delivered`` ``M`` (shaped like ``params``) is compared with the merger's anchor
+           direction (``consecutive``) and folded into ``M_bar``;
+        3. ``sign(G_comp) == sign(M_bar)`` and ``cos(G_comp, anchor direction)`` are measured;
+        4. each ``p.grad`` becomes ``G_comp + strength * (G - G_comp)`` with ``G`` the merged
+           gradient (parameters without a gradient are left alone).
         """
         params = list(params)
         if not params:
@@ -121,12 +147,18 @@ class Anchor:
         if projector is not None:
             projector.observe_weights([p.detach() for p in params], tick)
         if delivered is not None:
-            grads, snapshot_tick = (
-                (delivered.gradient, delivered.snapshot_tick) if isinstance(delivered, AnchorDelivery) else (delivered, None)
+            grads, snapshot_tick, fast = (
+                (delivered.gradient, delivered.snapshot_tick, delivered.fast) if isinstance(delivered, AnchorDelivery)
+                else (delivered, None, None)
             )
             if len(grads) != len(params):
                 raise TclightningError(f"the anchor gradient has {len(grads)} tensors for {len(params)} anchor parameters")
-            self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick)
+            previous = self.merger.reference()
+            if previous is not None:
+                with torch.no_grad():
+                    self.consecutive = sign_agreement(list(grads), previous)
+            self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick,
+                                fast=None if fast is None else list(fast))
             self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
             self.anchors += 1
         index = [i for i, p in enumerate(params) if p.grad is not None]
@@ -138,7 +170,18 @@ class Anchor:
             if agreement is not None:
                 self.agreement.append(agreement)
                 self.coordinates.append(sum(g.numel() for g in g_comp))
-            self.merger.merge_(g_comp, tick=tick, index=index)
+            reference = self.merger.reference()
+            if reference is not None:
+                self.signals.setdefault("anchor/fast_cosine", []).append(cosine(g_comp, [reference[i] for i in index]))
+            if self.strength >= 1.0:
+                self.merger.merge_(g_comp, tick=tick, index=index)
+            else:  # G_comp + s (G - G_comp): the merger runs (its state and figures stay current), scaled back
+                fresh = [g.clone() for g in g_comp]
+                self.merger.merge_(g_comp, tick=tick, index=index)
+                for g, f in zip(g_comp, fresh):
+                    g.sub_(f).mul_(self.strength).add_(f)
+            for key, value in self.merger.tick_metrics().items():
+                self.signals.setdefault(key, []).append(value)
         self.ticks += 1
 
     def step_agreement(self, reduce: Reduce | None = None) -> float | None:
@@ -157,11 +200,22 @@ class Anchor:
         return float((counts[:, 0] / counts[:, 1].clamp(min=1)).mean())
 
     def metrics(self, tick: int) -> dict[str, float]:
-        """``anchor/latency`` and ``anchor/cadence`` in force at ``tick``, and this step's
-        ``anchor/bytes`` and ``time/anchor_s`` (empty without a circuit)."""
+        """``anchor/latency`` and ``anchor/cadence`` in force at ``tick``, this step's
+        ``anchor/bytes`` and ``time/anchor_s`` (empty without a circuit), and the staleness
+        signals: :meth:`signal_metrics`."""
         if self.circuit is None:
             return {}
-        return {**self.circuit.metrics(tick), **self.step_metrics}
+        return {**self.circuit.metrics(tick), **self.step_metrics, **self.signal_metrics()}
+
+    def signal_metrics(self) -> dict[str, float]:
+        """This step's means of the per-tick signals (``anchor/fast_cosine`` and the merger's own,
+        e.g. ``anchor/trust``), ``anchor/consecutive_agreement`` once two anchors have arrived, and
+        ``anchor/strength``."""
+        out = {key: sum(values) / len(values) for key, values in self.signals.items() if values}
+        if self.consecutive is not None:
+            out["anchor/consecutive_agreement"] = self.consecutive
+        out["anchor/strength"] = self.strength
+        return out
 
     def _place(self, device: torch.device) -> None:
         if self._device != device:
@@ -174,12 +228,17 @@ class Anchor:
         counters and this step's agreement so far (tensors on CPU: a run resumes on any device)."""
         return {
             "circuit": None if self.circuit is None else self.circuit.state_dict(),
-            "new": None if self._delivered is None else (list(self._delivered.gradient), self._delivered.snapshot_tick),
+            "new": None if self._delivered is None else (
+                list(self._delivered.gradient), self._delivered.snapshot_tick,
+                None if self._delivered.fast is None else list(self._delivered.fast)),
             "merger": _to_cpu(self.merger.state_dict()),
             "ticks": self.ticks,
             "anchors": self.anchors,
             "agreement": list(self.agreement),
             "coordinates": list(self.coordinates),
+            "strength": self.strength,
+            "consecutive": self.consecutive,
+            "signals": {key: list(values) for key, values in self.signals.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,6 +247,10 @@ class Anchor:
             self.circuit.load_state_dict(state["circuit"])
         new = state.get("new")
         self._delivered = None if new is None else AnchorDelivery(*new)
+        self.strength = float(state.get("strength", 1.0))
+        consecutive = state.get("consecutive")
+        self.consecutive = None if consecutive is None else float(consecutive)
+        self.signals = {key: [float(v) for v in values] for key, values in state.get("signals", {}).items()}
         if "merger" in state:
             self.merger.load_state_dict(state["merger"])
         self.ticks = int(state.get("ticks", 0))
@@ -205,7 +268,9 @@ def build_anchor(config: AnchorConfig) -> Anchor | None:
         options["gamma"] = config.projector_gamma
     if config.projector == "rank1":
         options["window"] = config.projector_window
-    merger = make_merger(config.merger, alpha=config.alpha, beta=config.beta, projector=config.projector, **options)
+    merger = make_merger(config.merger, alpha=config.alpha, beta=config.beta, projector=config.projector,
+                         weight=config.cv_weight, clip=config.cv_clip, kappa=config.mask_kappa,
+                         floor=config.trust_floor, **options)
     if not merger.needs_anchor:
         return None
     schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks,

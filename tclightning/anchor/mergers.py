@@ -27,6 +27,43 @@ Names (``MERGERS``):
   arrives ``G = G_comp``. ``sign(0) = 0``: where ``M_hat`` is exactly 0 the correction term
   vanishes and ``G = alpha * G_comp``. Since ``|G| <= |G_comp|`` coordinate-wise, the merge never
   grows the gradient (clipping before or after it gives the same bound).
+
+The mergers below *correct* ``G_comp`` instead of overriding its direction: the fresh fast
+gradient keeps the lead, the late anchor only repairs what compression biases, and each has a
+guard that makes it fall back to ``G = G_comp`` where the anchor cannot be trusted. Each keeps
+the newest anchor direction for the online staleness signals (:meth:`Merger.reference`).
+
+* ``control_variate(weight, beta, clip)``: the anchor job also runs the *fast* (compressed)
+  circuit on its replay batch at the snapshot weights, ``G_hat = G_comp(theta(t-K))``, so the
+  anchor delivers the compression bias on that batch, ``c = M - G_hat``. When it arrives
+  ``c_bar <- beta * c_bar + (1 - beta) * c`` (the first ``c`` initialises ``c_bar``), and every
+  later tick steps with::
+
+      G = G_comp + weight * scale * c_bar,   scale = min(1, clip * ||G_comp|| / ||weight * c_bar||)
+
+  (norms over every anchor tensor; ``clip = 0`` disables the bound). The direction stays the
+  fresh ``G_comp``; with no compression ``G_hat = M``, so ``c = 0`` and ``G = G_comp``, the
+  dense gradient. With ``K = 0`` and ``weight = 1`` (no clip) the arrival tick steps with exactly
+  ``M``. The bound keeps a stale correction from outweighing the fresh gradient.
+* ``masked(alpha, beta, kappa)``: ``M_bar`` as in ``signed_ema``; per tensor the anchor is
+  *confident* at coordinates with ``|M_bar| >= kappa * rms(M_bar)`` (the tensor's spread), and
+  the signed correction acts only where it is confident *and* disagrees with the fresh
+  gradient: ``mask = confident & sign(G_comp) != sign(M_bar)``, ``G = alpha G_comp +
+  (1 - alpha) |G_comp| sign(M_bar)`` on the mask (that is ``(2 alpha - 1) G_comp`` there) and
+  ``G = G_comp`` elsewhere. Where the anchor agrees with the fast circuit it adds nothing, so a
+  held sign never pushes a coordinate further than the fresh gradient does.
+* ``trust(alpha, beta, floor)``: ``signed_ema`` whose correction is scaled by a trust
+  ``tau`` in [0, 1] measured online at every tick::
+
+      G = G_comp + tau * (1 - alpha) * (|G_comp| sign(M_bar) - G_comp)
+      tau = clamp((a - floor) / (1 - floor), 0, 1) * clamp(cos(G_comp, M_bar), 0, 1)
+
+  ``a``: sign agreement of the last two anchors (``M`` against ``M_bar`` before it was folded
+  in; 0 until the second anchor, so the first window runs on ``G_comp`` alone), ``cos``: the
+  fresh fast gradient against the held anchor at this tick. A held sign that has turned
+  against the fresh gradient (``cos <= 0``: the anti-phase of a late anchor in an oscillating
+  run) gets no weight at all, so it cannot pump the optimizer's momentum; ``tau = 1`` is
+  ``signed_ema``.
 """
 
 from __future__ import annotations
@@ -40,7 +77,7 @@ from torch import Tensor
 from tclightning.anchor.projectors import Projector, make_projector
 from tclightning.errors import TclightningError
 
-MERGERS = ("none", "dense", "signed_ema")
+MERGERS = ("none", "dense", "signed_ema", "control_variate", "masked", "trust")
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -79,6 +116,82 @@ def sign_agreement(g_comp: Sequence[Tensor], m_bar: Sequence[Tensor]) -> float:
     return agree / total if total else float("nan")
 
 
+def cosine(a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
+    """Cosine between two gradients taken as one vector over all tensors (0 when either is 0)."""
+    _check_lengths(a, b, "a", "b")
+    dot = na = nb = 0.0
+    for x, y in zip(a, b):
+        x32, y32 = x.detach().float(), y.detach().to(x.device, torch.float32)
+        dot += float((x32 * y32).sum())
+        na += float((x32 * x32).sum())
+        nb += float((y32 * y32).sum())
+    return dot / (na ** 0.5 * nb ** 0.5) if na > 0 and nb > 0 else 0.0
+
+
+def global_norm(tensors: Sequence[Tensor]) -> float:
+    """``sqrt(sum ||t||^2)`` over the tensors, in float32."""
+    return float(sum(float(t.detach().float().pow(2).sum()) for t in tensors)) ** 0.5
+
+
+def control_variate_merge_(
+    grads: Sequence[Tensor], correction: Sequence[Tensor], weight: float = 1.0, clip: float = 1.0,
+) -> float:
+    """In place: ``G = G_comp + weight * scale * c`` with ``scale = min(1, clip ||G_comp|| /
+    ||weight c||)`` (``clip = 0``: ``scale = 1``). Returns the applied ``||weight scale c|| / ||G_comp||``
+    (0 when ``G_comp`` is 0)."""
+    _check_lengths(grads, correction, "G_comp", "correction")
+    g_norm = global_norm(grads)
+    c_norm = abs(weight) * global_norm(correction)
+    scale = 1.0
+    if clip > 0 and c_norm > 0:
+        scale = min(1.0, clip * g_norm / c_norm)
+    for g, c in zip(grads, correction):
+        g.add_(c.to(g.device, g.dtype), alpha=weight * scale)
+    return c_norm * scale / g_norm if g_norm > 0 else 0.0
+
+
+def confident_disagreement(g_comp: Tensor, m_bar: Tensor, kappa: float) -> Tensor:
+    """The ``masked`` merger's mask for one tensor: ``|M_bar| >= kappa * rms(M_bar)`` and
+    ``sign(G_comp) != sign(M_bar)`` (a boolean tensor shaped like ``g_comp``)."""
+    m = m_bar.to(g_comp.device, torch.float32)
+    rms = m.pow(2).mean().sqrt()
+    confident = m.abs() >= kappa * rms if float(rms) > 0 else torch.zeros_like(m, dtype=torch.bool)
+    return confident & (torch.sign(g_comp).to(torch.float32) != torch.sign(m))
+
+
+def masked_merge_(grads: Sequence[Tensor], m_bar: Sequence[Tensor], alpha: float, kappa: float) -> float:
+    """In place: the ``signed_ema`` formula on :func:`confident_disagreement`'s mask, ``G_comp``
+    elsewhere. Returns the share of coordinates changed."""
+    _check_lengths(grads, m_bar, "G_comp", "M_bar")
+    changed = total = 0
+    for g, m in zip(grads, m_bar):
+        mask = confident_disagreement(g, m, kappa)
+        # on the mask sign(M_bar) = -sign(G_comp), so alpha g + (1-alpha)|g| sign(M_bar) = (2 alpha - 1) g
+        g.mul_(torch.where(mask, torch.tensor(2.0 * alpha - 1.0, dtype=g.dtype, device=g.device),
+                           torch.tensor(1.0, dtype=g.dtype, device=g.device)))
+        changed += int(mask.sum())
+        total += g.numel()
+    return changed / total if total else 0.0
+
+
+def trust_factor(consecutive_agreement: float | None, fast_cosine: float, floor: float = 0.5) -> float:
+    """``tau = clamp((a - floor) / (1 - floor), 0, 1) * clamp(cos, 0, 1)``; 0 while ``a`` is None."""
+    if consecutive_agreement is None or floor >= 1.0:
+        return 0.0
+    agree = min(max((consecutive_agreement - floor) / (1.0 - floor), 0.0), 1.0)
+    return agree * min(max(fast_cosine, 0.0), 1.0)
+
+
+def trust_merge_(grads: Sequence[Tensor], m_bar: Sequence[Tensor], alpha: float, tau: float) -> None:
+    """In place: ``G = G_comp + tau (1 - alpha) (|G_comp| sign(M_bar) - G_comp)``."""
+    _check_lengths(grads, m_bar, "G_comp", "M_bar")
+    if tau <= 0:
+        return
+    for g, m in zip(grads, m_bar):
+        corr = g.abs().mul_(torch.sign(m).to(g.device, g.dtype)).sub_(g)
+        g.add_(corr, alpha=tau * (1.0 - alpha))
+
+
 def _pick(tensors: Sequence[Tensor], index: Sequence[int] | None) -> list[Tensor]:
     return list(tensors) if index is None else [tensors[i] for i in index]
 
@@ -97,9 +210,24 @@ class Merger:
 
     name = "none"
     needs_anchor = False  # whether the anchor circuit must run for this merger
+    needs_fast = False  # whether each anchor job must also run the fast circuit at its snapshot
 
-    def observe(self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None) -> None:
-        """A new anchor gradient ``M`` (computed at the snapshot of ``snapshot_tick``) arrived at ``tick``."""
+    def observe(
+        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
+        fast: Sequence[Tensor] | None = None,
+    ) -> None:
+        """A new anchor gradient ``M`` (computed at the snapshot of ``snapshot_tick``) arrived at
+        ``tick``; ``fast``: the fast circuit's gradient on the same batch at the same snapshot
+        (given when :attr:`needs_fast`)."""
+
+    def reference(self) -> list[Tensor] | None:
+        """The anchor direction the fresh gradient is compared with (``M_bar``, or the newest
+        ``M``); None before the first ``M`` or for mergers without one."""
+        return None
+
+    def tick_metrics(self) -> dict[str, float]:
+        """Figures of the last :meth:`merge_` (e.g. ``anchor/trust``), averaged per RL step by the caller."""
+        return {}
 
     def merge(self, g_comp: Sequence[Tensor], *, tick: int | None = None) -> list[Tensor]:
         """The gradient to step with, as new tensors (``G_comp`` is not modified): :meth:`merge_` on copies."""
@@ -144,7 +272,10 @@ class DenseMerger(Merger):
     def __init__(self) -> None:
         self._fresh: list[Tensor] | None = None
 
-    def observe(self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None) -> None:
+    def observe(
+        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
+        fast: Sequence[Tensor] | None = None,
+    ) -> None:
         self._fresh = [x.detach().clone() for x in m]
 
     def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
@@ -190,7 +321,10 @@ class SignedEMAMerger(Merger):
         self.m_bar: list[Tensor] | None = None
         self.updates = 0  # anchors folded into M_bar so far
 
-    def observe(self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None) -> None:
+    def observe(
+        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
+        fast: Sequence[Tensor] | None = None,
+    ) -> None:
         previous = self.m_bar
         self.m_bar = ema_update(previous, m, self.beta)
         self.updates += 1
@@ -209,6 +343,9 @@ class SignedEMAMerger(Merger):
 
     def sign_agreement(self, g_comp: Sequence[Tensor], index: Sequence[int] | None = None) -> float | None:
         return None if self.m_bar is None else sign_agreement(g_comp, _pick(self.m_bar, index))
+
+    def reference(self) -> list[Tensor] | None:
+        return self.m_bar
 
     def to(self, device: torch.device | str) -> Merger:
         if self.m_bar is not None:
@@ -234,16 +371,171 @@ class SignedEMAMerger(Merger):
         self.projector.load_state_dict(state.get("projector", {}))
 
 
+class MaskedMerger(SignedEMAMerger):
+    """``signed_ema`` restricted to coordinates where ``M_hat`` is confident (``|M_hat| >= kappa
+    rms(M_hat)`` per tensor) and disagrees with ``G_comp``; ``G = G_comp`` elsewhere (module doc).
+    ``anchor/masked_frac``: the share of coordinates it changed at the last tick."""
+
+    name = "masked"
+
+    def __init__(self, alpha: float = 0.25, beta: float = 0.0, kappa: float = 1.0,
+                 projector: Projector | str | None = None) -> None:
+        super().__init__(alpha=alpha, beta=beta, projector=projector)
+        if kappa < 0:
+            raise TclightningError(f"masked: kappa must be >= 0, got {kappa}")
+        self.kappa = float(kappa)
+        self._changed: float | None = None
+
+    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
+        m_hat = self.m_hat(tick=tick)
+        self._changed = None if m_hat is None else masked_merge_(grads, _pick(m_hat, index), self.alpha, self.kappa)
+
+    def tick_metrics(self) -> dict[str, float]:
+        return {} if self._changed is None else {"anchor/masked_frac": self._changed}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "kappa": self.kappa}
+
+
+class TrustMerger(SignedEMAMerger):
+    """``signed_ema`` scaled by the online trust ``tau`` (module doc): consecutive anchors must
+    agree and the fresh ``G_comp`` must point the held anchor's way. ``anchor/trust``: ``tau`` of
+    the last tick (0 before the second anchor)."""
+
+    name = "trust"
+
+    def __init__(self, alpha: float = 0.25, beta: float = 0.0, floor: float = 0.5,
+                 projector: Projector | str | None = None) -> None:
+        super().__init__(alpha=alpha, beta=beta, projector=projector)
+        if not 0.0 <= floor < 1.0:
+            raise TclightningError(f"trust: floor must be in [0, 1), got {floor}")
+        self.floor = float(floor)
+        self.consecutive: float | None = None  # sign agreement of the last two anchors
+        self._tau: float | None = None
+
+    def observe(
+        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
+        fast: Sequence[Tensor] | None = None,
+    ) -> None:
+        if self.m_bar is not None:
+            self.consecutive = sign_agreement(m, self.m_bar)
+        super().observe(m, snapshot_tick=snapshot_tick, tick=tick)
+
+    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
+        m_hat = self.m_hat(tick=tick)
+        if m_hat is None:
+            self._tau = None
+            return
+        m_sel = _pick(m_hat, index)
+        self._tau = trust_factor(self.consecutive, cosine(grads, m_sel), self.floor)
+        trust_merge_(grads, m_sel, self.alpha, self._tau)
+
+    def tick_metrics(self) -> dict[str, float]:
+        return {} if self._tau is None else {"anchor/trust": self._tau}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "floor": self.floor, "consecutive": self.consecutive}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        consecutive = state.get("consecutive")
+        self.consecutive = None if consecutive is None else float(consecutive)
+
+
+class ControlVariateMerger(Merger):
+    """``c_bar <- beta c_bar + (1 - beta) (M - G_hat)``; ``G = G_comp + weight * scale * c_bar``
+    (module doc). Keeps two parameter-sized float32 buffers: ``c_bar`` and the newest ``M`` (the
+    reference direction of the staleness signals). ``anchor/correction_ratio``: the applied
+    correction's norm over ``||G_comp||`` at the last tick."""
+
+    name = "control_variate"
+    needs_anchor = True
+    needs_fast = True
+
+    def __init__(self, weight: float = 1.0, beta: float = 0.0, clip: float = 1.0) -> None:
+        if weight < 0:
+            raise TclightningError(f"control_variate: weight must be >= 0, got {weight}")
+        if not 0.0 <= beta < 1.0:
+            raise TclightningError(f"control_variate: beta must be in [0, 1), got {beta}")
+        if clip < 0:
+            raise TclightningError(f"control_variate: clip must be >= 0 (0 = no bound), got {clip}")
+        self.weight, self.beta, self.clip = float(weight), float(beta), float(clip)
+        self.c_bar: list[Tensor] | None = None
+        self.m_last: list[Tensor] | None = None
+        self.updates = 0
+        self._ratio: float | None = None
+
+    def observe(
+        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
+        fast: Sequence[Tensor] | None = None,
+    ) -> None:
+        if fast is None:
+            raise TclightningError(
+                "control_variate needs the fast circuit's gradient at the anchor's snapshot with every M "
+                "(the anchor job's compressed pass); none was given")
+        _check_lengths(m, fast, "M", "G_hat")
+        bias = [x.detach().float() - f.detach().to(x.device, torch.float32) for x, f in zip(m, fast)]
+        self.c_bar = ema_update(self.c_bar, bias, self.beta)
+        self.m_last = [x.detach().float().clone() for x in m]
+        self.updates += 1
+
+    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
+        if self.c_bar is None:
+            self._ratio = None
+            return
+        self._ratio = control_variate_merge_(grads, _pick(self.c_bar, index), self.weight, self.clip)
+
+    def sign_agreement(self, g_comp: Sequence[Tensor], index: Sequence[int] | None = None) -> float | None:
+        return None if self.m_last is None else sign_agreement(g_comp, _pick(self.m_last, index))
+
+    def reference(self) -> list[Tensor] | None:
+        return self.m_last
+
+    def tick_metrics(self) -> dict[str, float]:
+        return {} if self._ratio is None else {"anchor/correction_ratio": self._ratio}
+
+    def to(self, device: torch.device | str) -> Merger:
+        if self.c_bar is not None:
+            self.c_bar = [c.to(device) for c in self.c_bar]
+        if self.m_last is not None:
+            self.m_last = [m.to(device) for m in self.m_last]
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "weight": self.weight, "beta": self.beta, "clip": self.clip,
+            "c_bar": None if self.c_bar is None else [t.detach().clone() for t in self.c_bar],
+            "m_last": None if self.m_last is None else [t.detach().clone() for t in self.m_last],
+            "updates": self.updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        c_bar, m_last = state.get("c_bar"), state.get("m_last")
+        self.c_bar = None if c_bar is None else [t.detach().float().clone() for t in c_bar]
+        self.m_last = None if m_last is None else [t.detach().float().clone() for t in m_last]
+        self.updates = int(state.get("updates", 0))
+
+
 def make_merger(
     name: str = "signed_ema", *, alpha: float = 0.25, beta: float = 0.0, projector: Projector | str | None = None,
-    **projector_kwargs: Any,
+    weight: float = 1.0, clip: float = 1.0, kappa: float = 1.0, floor: float = 0.5, **projector_kwargs: Any,
 ) -> Merger:
-    """Build a merger by name (``none``, ``dense``, ``signed_ema``); projector options go to the projector."""
+    """Build a merger by name (``MERGERS``); projector options go to the projector.
+
+    ``alpha``/``beta``: ``signed_ema``, ``masked``, ``trust`` (``beta`` also ``control_variate``);
+    ``weight``/``clip``: ``control_variate``; ``kappa``: ``masked``; ``floor``: ``trust``."""
     if name == "none":
         return NoneMerger()
     if name == "dense":
         return DenseMerger()
-    if name == "signed_ema":
+    if name == "control_variate":
+        return ControlVariateMerger(weight=weight, beta=beta, clip=clip)
+    if name in ("signed_ema", "masked", "trust"):
         proj = projector if isinstance(projector, Projector) else make_projector(projector or "none", **projector_kwargs)
+        if name == "masked":
+            return MaskedMerger(alpha=alpha, beta=beta, kappa=kappa, projector=proj)
+        if name == "trust":
+            return TrustMerger(alpha=alpha, beta=beta, floor=floor, projector=proj)
         return SignedEMAMerger(alpha=alpha, beta=beta, projector=proj)
     raise TclightningError(f"unknown merger {name!r}; choose one of {', '.join(MERGERS)}")

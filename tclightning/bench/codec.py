@@ -1,4 +1,4 @@
-"""Timing of the PRF codec against a plain copy of the boundary tensor (``tclightning bench codec``).
+"""Timing of a codec (PRF by default) against a plain copy of the boundary tensor (``tclightning bench codec``).
 
 The reference is ``x.clone()`` of the [tokens, d] activation: a decoder has to write the d-vector
 anyway, so one copy is the floor for encode + decode. Encode always includes index generation.
@@ -16,7 +16,10 @@ from typing import Any
 import torch
 
 from tclightning.codecs.base import CodecKey
+from tclightning.codecs import make_codec
 from tclightning.codecs.prf import FILLS, PRFCodec
+
+BENCH_CODECS = ("prf", "lowrank", "hybrid")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +50,7 @@ def bench_codec(
     seed: int = 0,
     fill: str = "zero",
     fill_rank: int = 16,
+    codec_name: str = "prf",
 ) -> dict[str, Any]:
     """Median milliseconds over ``repeats`` rounds (after ``warmup``) on a [tokens, d] activation;
     all steps are interleaved within each round so that noise from other processes hits them alike.
@@ -62,7 +66,11 @@ def bench_codec(
     ``fill``: the decode fill timed (``zero``, ``mean``, ``conditional``: warm rank-``fill_rank``
     PPCA statistics, set directly). With a fill other than ``zero`` the zero-fill decode is timed
     in the same rounds too: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
-    ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side."""
+    ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side.
+
+    ``codec_name``: ``prf`` (default), or ``lowrank`` / ``hybrid`` with a basis fitted on ``x``
+    (rank ``k``; hybrid: ``k // 2`` plus ``k - k // 2`` residual coordinates); their decode is
+    timed beside the zero-fill PRF decode of the same budget, as for a fill."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     if fill not in FILLS:
@@ -73,25 +81,30 @@ def bench_codec(
     target = torch.device(device)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, dim, generator=generator).to(target, torch_dtype)
-    codec = _warm_codec(dim, k, fill, fill_rank, generator)
+    if codec_name not in BENCH_CODECS:
+        raise ValueError(f"codec must be one of {', '.join(BENCH_CODECS)}, got {codec_name}")
+    if codec_name != "prf" and fill != "zero":
+        raise ValueError(f"--fill applies to prf only (got codec {codec_name} with fill {fill})")
+    codec: Any = _warm_codec(dim, k, fill, fill_rank, generator) if codec_name == "prf" else _fitted_basis(codec_name, x, k)
     zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
     payload = codec.encode(x, key)
+    forget = getattr(codec, "clear_cache", lambda: None)  # PRF caches the indices encode generated
 
     def encode() -> Any:
-        codec.clear_cache()
+        forget()
         return codec.encode(x, key)
 
     def decode_in_process() -> Any:  # indices cached by the encode that produced the payload
         return codec.decode(payload, key)
 
     def decode_at_receiver() -> Any:
-        codec.clear_cache()
+        forget()
         return codec.decode(payload, key)
 
     def indices() -> Any:
-        return codec.indexer.indices(key, 1, tokens, target)
+        return zero_codec.indexer.indices(key, 1, tokens, target)
 
     steps = {
         "clone": x.clone,
@@ -100,15 +113,16 @@ def bench_codec(
         "decode": decode_in_process,
         "receiver_decode": decode_at_receiver,
     }
-    if fill != "zero":
-        zero_codec.encode(x, key)  # caches the indices: the in-process path
+    side = fill != "zero" or codec_name != "prf"
+    if side:
+        zero_payload = zero_codec.encode(x, key)  # caches the indices: the in-process path
 
         def zero_decode() -> Any:
-            return zero_codec.decode(payload, key)
+            return zero_codec.decode(zero_payload, key)
 
         def zero_receiver_decode() -> Any:
             zero_codec.clear_cache()
-            return zero_codec.decode(payload, key)
+            return zero_codec.decode(zero_payload, key)
 
         steps["zero_decode"] = zero_decode
         steps["zero_receiver_decode"] = zero_receiver_decode
@@ -124,7 +138,7 @@ def bench_codec(
     payload_bytes = codec.payload_bytes_per_token(torch_dtype)
     dense = dim * torch_dtype.itemsize
     side_by_side: dict[str, Any] = {}
-    if fill != "zero":
+    if side:
         side_by_side = {
             "zero_decode_ms": round(median["zero_decode"], 3),
             "zero_receiver_decode_ms": round(median["zero_receiver_decode"], 3),
@@ -151,9 +165,18 @@ def bench_codec(
         "threads": torch.get_num_threads(),
         "repeats": repeats,
         "fill": fill,
+        "codec": codec_name,
         **({"fill_rank": fill_rank} if fill == "conditional" else {}),
         **side_by_side,
     }
+
+
+def _fitted_basis(name: str, x: torch.Tensor, k: int) -> Any:
+    """A ``lowrank`` / ``hybrid`` codec with its basis fitted on ``x`` (the steady state)."""
+    codec = make_codec(name, x.shape[-1], k=k)
+    codec.observe_dense(x.float())
+    codec.fit_shared(1)
+    return codec
 
 
 def _warm_codec(dim: int, k: int, fill: str, rank: int, generator: torch.Generator) -> PRFCodec:

@@ -72,7 +72,8 @@ class HealthWarning(UserWarning):
     """Console warning raised by the health monitors (filter it with the ``warnings`` module)."""
 
 
-def _scalar(value: Any) -> float | None:
+def metric_scalar(value: Any) -> float | None:
+    """A logged metric as a float: a one-element tensor or a number, else None."""
     if isinstance(value, torch.Tensor):
         return float(value.detach().float().item()) if value.numel() == 1 else None
     if isinstance(value, (int, float)):
@@ -269,7 +270,7 @@ class HealthMonitor(Callback):
             canonical = self._canonical.get(key, key)
             if self._is_validation(canonical) != validation:
                 continue
-            scalar = _scalar(value)
+            scalar = metric_scalar(value)
             if scalar is not None:
                 out[canonical] = scalar
         return out

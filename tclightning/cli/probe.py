@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cuts.add_argument("--prompts", type=int, default=2, help="task prompts in the batch (default 2)")
     cuts.add_argument("--group-size", type=int, default=None,
                       help="completions per prompt (default: the recipe's sampler.group_size)")
+    cuts.add_argument("--warmup-prompts", type=int, default=16,
+                      help="other task prompts whose completions warm codecs with state (fills, bases) "
+                           "before the measured batch, as earlier steps of a run would (default 16)")
     cuts.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-cuts/)")
     cuts.add_argument("--step", type=int, default=0, help="PRF key step used for every configuration (default 0)")
     cuts.add_argument("--threads", type=int, default=None,
@@ -58,12 +61,14 @@ def run_cuts(args: argparse.Namespace) -> int:
         raise TclightningError(f"--prompts must be >= 1, got {args.prompts}")
     if args.group_size is not None and args.group_size < 1:
         raise TclightningError(f"--group-size must be >= 1, got {args.group_size}")
+    if args.warmup_prompts < 1:
+        raise TclightningError(f"--warmup-prompts must be >= 1, got {args.warmup_prompts}")
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts"
 
 
     from tclightning.pipeline.cuts import find_decoder_layers
-    from tclightning.probes.cuts import price_cuts
+    from tclightning.probes.cuts import is_stateful, price_cuts
     from tclightning.sampling import PromptFormatter, build_sampler
     from tclightning.sampling.base import sequence_seed
 
@@ -83,8 +88,18 @@ def run_cuts(args: argparse.Namespace) -> int:
         group_size=group_size,
         seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 0),
     )
+    # Codecs with state learn from earlier traffic in a run: warm them on the next prompts'
+    # completions (seeded like step 1), never on the batch they are measured on.
+    warmup = None
+    if is_stateful(recipe.pipeline):
+        held_out = list(task.train_examples())[args.prompts : args.prompts + args.warmup_prompts]
+        if not held_out:
+            raise TclightningError(f"--prompts {args.prompts}: no training prompts left to warm the "
+                                   f"{recipe.pipeline.codec} codec's state on (lower --prompts)")
+        warmup = sampler.generate(model, [e.prompt for e in held_out], group_size=group_size,
+                                  seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 1))
     sampled = time.perf_counter()
-    rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step)
+    rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step, warmup=warmup)
     scored = time.perf_counter()
 
     meta = {
@@ -102,6 +117,7 @@ def run_cuts(args: argparse.Namespace) -> int:
         "dtype": recipe.model.dtype,
         "temperature": recipe.sampler.temperature,
         "step": args.step,
+        "warmup_sequences": warmup.num_sequences if warmup is not None else 0,
         "timing": f"load {loaded - started:.0f} s, sample {sampled - loaded:.0f} s, score {scored - sampled:.0f} s",
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -160,7 +176,9 @@ def markdown_header(meta: dict[str, Any]) -> str:
         f"{meta['dtype']}): `{meta['codec']}` k={meta['k']}, fill `{meta['fill']}`, cuts after layers "
         f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
         f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
-        f"temperature {meta['temperature']}, PRF step {meta['step']}. {meta['timing']}.\n"
+        f"temperature {meta['temperature']}, PRF step {meta['step']}."
+        + (f" Codec state warmed on {meta['warmup_sequences']} other completions." if meta.get("warmup_sequences") else "")
+        + f" {meta['timing']}.\n"
     )
 
 

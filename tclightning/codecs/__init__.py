@@ -3,6 +3,8 @@
 * ``prf``      -- exact-k per token, indices from a keyed hash, only values sent (:mod:`.prf`)
 * ``identity`` -- the dense boundary (:mod:`.identity`)
 * ``svd``      -- static rank-r basis from calibration activations (:mod:`.lowrank`)
+* ``lowrank``  -- rank-r basis kept current during training (:mod:`.lowrank`)
+* ``hybrid``   -- r basis coefficients + k - r PRF coordinates of the residual (:mod:`.lowrank`)
 * ``powersgd`` -- rank-r PowerSGD, for gradient messages only (:mod:`.lowrank`)
 
 ``make_codec(name, dim, ...)`` builds one by name; see ``docs/codecs.md``.
@@ -20,10 +22,12 @@ from tclightning.codecs.base import (
     payload_nbytes,
 )
 from tclightning.codecs.identity import IdentityCodec
-from tclightning.codecs.lowrank import PowerSGDCodec, SVDCodec
+from tclightning.codecs.lowrank import AdaptiveLowRankCodec, HybridCodec, PowerSGDCodec, SVDCodec, TokenMoments
 from tclightning.codecs.prf import FILLS, PRFCodec, PRFIndexer
 
-CODECS = ("prf", "identity", "svd", "powersgd")
+CODECS = ("prf", "identity", "svd", "lowrank", "hybrid", "powersgd")
+BASIS_CODECS = ("lowrank", "hybrid")
+"""Codecs whose basis is refitted during training (sender and receiver keep it equal)."""
 
 
 def budget_k(dim: int, *, rate: float | None = None, k: int | None = None) -> int:
@@ -49,9 +53,13 @@ def make_codec(
     rescale: bool = False,
     fill_momentum: float = 0.1,
     rank: int | None = None,
+    refresh_every: int = 10,
+    refresh_tolerance: float = 0.02,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
-    values per token for ``prf`` and the rank (default: that same budget) for ``svd``/``powersgd``."""
+    values per token for ``prf`` and ``hybrid``; the rank (default: that same budget; ``hybrid``:
+    half of it) for ``svd``/``lowrank``/``hybrid``/``powersgd``; ``refresh_every`` /
+    ``refresh_tolerance``: the basis refresh checks of ``lowrank``/``hybrid``."""
     if name == "identity":
         return IdentityCodec(dim)
     budget = budget_k(dim, rate=rate, k=k)
@@ -59,6 +67,12 @@ def make_codec(
         return PRFCodec(dim, budget, fill=fill, rescale=rescale, fill_momentum=fill_momentum)
     if name == "svd":
         return SVDCodec(dim, rank or budget)
+    if name == "lowrank":
+        return AdaptiveLowRankCodec(dim, rank or budget, refresh_every=refresh_every,
+                                    refresh_tolerance=refresh_tolerance)
+    if name == "hybrid":
+        return HybridCodec(dim, budget, rank or max(1, budget // 2), refresh_every=refresh_every,
+                           refresh_tolerance=refresh_tolerance)
     if name == "powersgd":
         return PowerSGDCodec(dim, rank or budget)
     raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
@@ -66,6 +80,10 @@ def make_codec(
 
 __all__ = [
     "BACKWARD_STREAM",
+    "BASIS_CODECS",
+    "AdaptiveLowRankCodec",
+    "HybridCodec",
+    "TokenMoments",
     "CODECS",
     "FILLS",
     "FORWARD_STREAM",

@@ -77,6 +77,8 @@ class Codec(ABC):
     name: str = "codec"
     differentiable: bool = True
     """False for codecs that may only be used as a separate backward codec (powersgd)."""
+    learns_from_traffic: bool = False
+    """True for codecs that want :meth:`observe_sent` / :meth:`observe_dense` calls (lowrank, hybrid)."""
 
     def __init__(self, dim: int) -> None:
         if dim <= 0:
@@ -99,6 +101,35 @@ class Codec(ABC):
     def payload_bytes_per_token(self, dtype: torch.dtype) -> float:
         """Wire bytes per token for a large message (per-message overheads amortised away)."""
         return float(self.payload_bytes(1, dtype))
+
+    @property
+    def width(self) -> int:
+        """Values per token of the forward message now (the multi-process schedule sizes its buffers
+        with it; a stateful codec may change it between steps, never within one)."""
+        return self.dim
+
+    @property
+    def crosses_dense(self) -> bool:
+        """True while this cut sends the dense boundary (a basis codec before its first fit): both
+        sides then hand what crossed to :meth:`observe_dense`."""
+        return False
+
+    def observe_dense(self, tokens: Tensor) -> None:
+        """Dense boundary activations both sides of the cut hold (``[T, d]`` real tokens: the
+        anchor's dense pass, or a step that crossed dense). Called with identical tensors on the
+        sender and the receiver, so state fitted from them agrees without a byte sent. No-op by
+        default."""
+
+    def observe_sent(self, tokens: Tensor) -> None:
+        """Sender side only: the real tokens ``[T, d]`` this side just encoded (no grad). No-op by
+        default."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """Codec-specific per-step figures (logged as ``wire/cut{i}/<name>``); empty by default."""
+        return {}
+
+    def reset_metrics(self) -> None:
+        """Start :meth:`step_metrics` from zero (at every RL step)."""
 
     def commit_step(self) -> None:
         """Fold statistics gathered during the last step into receiver state (no-op by default).

@@ -301,6 +301,10 @@ class PRFCodec(Codec):
             self._observe(idx, values, token_mask)
         return out if payload.dim() == 3 else out.squeeze(0)
 
+    @property
+    def width(self) -> int:
+        return self.k
+
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         return tokens * self.k * dtype.itemsize
 
@@ -333,10 +337,10 @@ class PRFCodec(Codec):
 
     def observe_dense(self, x: Tensor, token_mask: Tensor | None = None) -> None:
         """Conditional fill: fold dense activations the receiver holds (``[B, L, d]`` or ``[T, d]``)
-        into the pending statistics (every channel pair observed); used at the next commit."""
-        if self.cond is None:
-            raise ValueError("observe_dense needs fill 'conditional'")
-        self.cond.observe_dense(x, token_mask)
+        into the pending statistics (every channel pair observed); used at the next commit. The
+        other fills ignore them."""
+        if self.cond is not None:  # the other fills learn from decoded values only
+            self.cond.observe_dense(x, token_mask)
 
     def set_statistics(self, mean: Tensor, cov: Tensor | None = None, *, factor: Tensor | None = None,
                        noise: float = 0.0) -> None:

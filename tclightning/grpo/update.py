@@ -27,7 +27,8 @@ from torch import Tensor
 
 from tclightning.anchor.anchor import Anchor
 from tclightning.anchor.circuit import AnchorJob
-from tclightning.backend import Backend
+from tclightning.backend import Backend, CompressedAnchorBackend
+from tclightning.errors import TclightningError
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import minibatch_chunks
 from tclightning.grpo.loss import aggregate, gap_by_turn, gap_metrics, k3_kl, policy_loss
@@ -136,10 +137,14 @@ class AnchorLoss:
     kl_coef: float = 0.0
 
 
-def anchor_gradient(backend: Backend, job: AnchorJob, *, aggregation: str, norm_length: int) -> tuple[list[Tensor], float]:
+def anchor_gradient(
+    backend: Backend, job: AnchorJob, *, aggregation: str, norm_length: int, compressed: bool = False,
+) -> tuple[list[Tensor], float]:
     """The anchor's dense ``M`` of ``job``: the GRPO loss's gradient at the job's weights
     (``job.snapshot``, this rank's owned parameters) on the job's kept rollout rows (paired
-    replay), through :meth:`Backend.dense_forward_backward`. Returns ``(M, boundary bytes)``."""
+    replay), through :meth:`Backend.dense_forward_backward`. Returns ``(M, boundary bytes)``.
+    ``compressed``: the same loss through the fast circuit instead (``G_hat`` of the
+    ``control_variate`` merger, :meth:`CompressedAnchorBackend.compressed_forward_backward`)."""
     rollouts, rows = job.payload["rollouts"], job.payload["rows"]
     part = rollouts.select(rows.to(rollouts.completion_ids.device)).to(backend.device)
     loss_fn = MicrobatchLoss(
@@ -147,6 +152,13 @@ def anchor_gradient(backend: Backend, job: AnchorJob, *, aggregation: str, norm_
         logp_sampler=part.logp_sampler, ref_logp=None, cfg=AnchorLoss(loss_aggregation=aggregation),
         norm_length=norm_length,
     )
+    if compressed:
+        if not isinstance(backend, CompressedAnchorBackend):
+            raise TclightningError(
+                "anchor.merger=control_variate needs the fast circuit at the anchor's snapshot, which this backend "
+                f"({type(backend).__name__}) cannot run: use one process (trainer.devices x trainer.num_nodes = 1) "
+                "or anchor.merger=trust, masked or signed_ema")
+        return backend.compressed_forward_backward(job.snapshot, part, loss_fn)
     return backend.dense_forward_backward(job.snapshot, part, loss_fn)
 
 
@@ -210,6 +222,8 @@ def grpo_update(
                 payload=lambda: {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()},
                 gradient=lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
                                                      norm_length=norm_length),
+                fast_gradient=lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
+                                                          norm_length=norm_length, compressed=True),
             )
         part = rollouts.select(chunk.to(rollouts.completion_ids.device))
         width = part.completion_ids.shape[1]

@@ -5,7 +5,9 @@
   hooks; without one the policy is dense. The loss function is called once with every row.
 * :class:`PipelineBackend` -- one stage per process over a
   :class:`~tclightning.pipeline.engine.PipelineEngine`. Rank 0 also holds a dense copy of the whole
-  policy and samples; the last rank computes the loss, per micro-batch.
+  policy and samples; the last rank computes the loss, per micro-batch. With ``pipeline.replicas``
+  > 1 it is one of R replicas of the pipeline on a ``("dp", "pp")`` mesh
+  (:mod:`~tclightning.pipeline.mesh`): each runs its share of the rows, gradients summed over them.
 
 The only fork between the two is how a forward/backward (and the dense one at a snapshot) runs;
 the update loop that uses them is written once (``tclightning.grpo.update``).
@@ -14,6 +16,8 @@ the update loop that uses them is written once (``tclightning.grpo.update``).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -23,6 +27,7 @@ from torch import Tensor, nn
 from tclightning.backend import BackendRequest, LossFn
 from tclightning.pipeline.cuts import CutSet, hook_free_copy
 from tclightning.pipeline.engine import PipelineEngine, StageInputs
+from tclightning.pipeline.mesh import ReplicaMesh
 
 T = TypeVar("T")
 
@@ -41,15 +46,17 @@ class LocalBackend:
         self._backward = request.backward
         self.cuts = cuts
         self._clone: nn.Module | None = None  # the dense copy for dense_forward_backward, built once
+        self._fast_clone: nn.Module | None = None  # the compressed copy for compressed_forward_backward
+        self._fast_cuts: CutSet | None = None
 
     @property
     def device(self) -> torch.device:
         return next(self.policy.parameters()).device
 
     def begin_step(self, step: int) -> None:
-        if self.cuts is not None:
-            self.cuts.set_step(step)
+        if self.cuts is not None:  # counters first: a basis shipped at the step change is this step's
             self.cuts.reset_stats()
+            self.cuts.set_step(step)
 
     def dense(self) -> contextlib.AbstractContextManager[None]:
         return self.cuts.bypassed() if self.cuts is not None else contextlib.nullcontext()
@@ -89,13 +96,46 @@ class LocalBackend:
             for param, weight in zip(params, snapshot, strict=True):
                 param.copy_(weight)
         clone.zero_grad(set_to_none=True)
-        logp, _ = self._logprobs(clone, rollouts, self.temperature)
+        # in a pipeline this dense pass is traffic the anchor sends anyway: codecs learn from it
+        tap = self.cuts.observing_dense(clone, rollouts.attention_mask) if self.cuts else contextlib.nullcontext()
+        with tap:
+            logp, _ = self._logprobs(clone, rollouts, self.temperature)
         loss_fn(logp, torch.arange(logp.shape[0])).backward()
         sent = 0.0
         if self.cuts is not None:  # the dense boundary's traffic, forward and backward, across every cut
             element = next(clone.parameters()).element_size()
             sent = 2 * float(rollouts.completion_mask.sum() + rollouts.prompt_mask.sum()) * (
                 self.cuts.dim * element * len(self.cuts.specs))
+        return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params], sent
+
+    def compressed_forward_backward(
+        self, snapshot: Sequence[Tensor], rollouts: Any, loss_fn: LossFn
+    ) -> tuple[list[Tensor], float]:
+        """The fast circuit at ``snapshot`` (``CompressedAnchorBackend``), for the ``control_variate``
+        merger: a second hook-free copy of the policy carries cuts of its own (built once), loaded
+        before every pass with a deep copy of the live cuts' receiver state (step key, fills,
+        bases), so it compresses exactly as the fast circuit would now. Whatever that pass changes
+        in its codecs is thrown away at the next load; the live codecs and the step's ``wire/*``
+        counters never see it. Its bytes (its own meter) are returned for ``anchor/bytes``."""
+        if self._fast_clone is None:
+            with torch.random.fork_rng(devices=[]):  # building codecs must not move the run's RNG
+                self._fast_clone = hook_free_copy(self.policy).train()
+                self._fast_cuts = CutSet(self._fast_clone, self.cuts.config) if self.cuts is not None else None
+        clone, cuts = self._fast_clone, self._fast_cuts
+        if cuts is not None and self.cuts is not None:
+            cuts.load_state_dict(copy.deepcopy(self.cuts.state_dict()))
+            cuts.reset_stats()
+        params = [p for p in clone.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for param, weight in zip(params, snapshot, strict=True):
+                param.copy_(weight)
+        clone.zero_grad(set_to_none=True)
+        logp, _ = self._logprobs(clone, rollouts, self.temperature)
+        loss_fn(logp, torch.arange(logp.shape[0])).backward()
+        sent = 0.0
+        if cuts is not None:
+            wire = cuts.meter.metrics()
+            sent = wire["wire/bytes_fwd"] + wire["wire/bytes_bwd"]
         return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params], sent
 
     def after_update(self) -> None:
@@ -121,14 +161,27 @@ class LocalBackend:
 
 class PipelineBackend:
     """This rank's stage over ``engine`` (see the module doc); ``request.policy`` is the model the
-    engine was built on (rank 0's dense copy samples; every rank's stage shares its tensors)."""
+    engine was built on (rank 0's dense copy samples; every rank's stage shares its tensors).
+
+    ``mesh`` (``pipeline.replicas`` = R > 1): the engine is one of R replicas of the pipeline
+    (:mod:`~tclightning.pipeline.mesh`). Global rank 0 samples for all; every forward/backward
+    runs this replica's contiguous share of the rows, with the loss of the share divided by the
+    whole batch's denominators; the gradients (and the anchor's ``M``) are summed over the
+    stage's replicas, and the last stage's log-probs and loss statistics assembled, so every
+    replica computes what one pipeline would on the whole batch (``dp/*`` counts those bytes)."""
 
     microbatched = True
 
-    def __init__(self, request: BackendRequest, engine: PipelineEngine) -> None:
+    def __init__(self, request: BackendRequest, engine: PipelineEngine, mesh: ReplicaMesh | None = None) -> None:
         self.engine = engine
-        self.world_size = engine.world_size
+        self.mesh = mesh
+        self.world_size = engine.world_size if mesh is None else mesh.world_size
         engine.set_temperature(request.temperature)  # the last stage's log-probs use the sampler's
+
+    @property
+    def _world(self) -> Any:
+        """The ``StageComm`` of every rank: the sampler's broadcast, the agreed verdicts."""
+        return self.engine.comm if self.mesh is None else self.mesh.world
 
     @property
     def device(self) -> torch.device:
@@ -139,8 +192,10 @@ class PipelineBackend:
         return self.engine.is_last
 
     def begin_step(self, step: int) -> None:
+        self.engine.reset_stats()  # counters first: a basis shipped at the step change is this step's
+        if self.mesh is not None:
+            self.mesh.meter.reset()
         self.engine.set_step(step)
-        self.engine.reset_stats()
 
     @contextlib.contextmanager
     def dense(self) -> Iterator[None]:
@@ -148,25 +203,65 @@ class PipelineBackend:
         yield
 
     def share_from_sampler(self, make: Callable[[], T], what: str) -> T:
-        """Rank 0 runs ``make()``; the result travels as a CPU pickle (tensors and ``Rollouts``)."""
-        payload = _to_cpu(make()) if self.engine.is_first else None
-        return self.engine.comm.broadcast_object(payload, 0, what)
+        """Global rank 0 runs ``make()``; the result travels to every rank (of every replica) as a
+        CPU pickle (tensors and ``Rollouts``)."""
+        payload = _to_cpu(make()) if self._world.rank == 0 else None
+        return self._world.broadcast_object(payload, 0, what)
 
     def logprobs(self, rollouts: Any, *, with_entropy: bool = False) -> tuple[Tensor | None, Tensor | None]:
-        return self.engine.run(StageInputs.from_rollouts(rollouts), with_entropy=with_entropy)
+        return self._run(rollouts, None, with_entropy)
 
     def forward_backward(
         self, rollouts: Any, loss_fn: LossFn, *, with_entropy: bool = False
     ) -> tuple[Tensor | None, Tensor | None]:
         # loss_fn is called on the last rank only; the schedule needs one on every rank to run backward
-        return self.engine.run(StageInputs.from_rollouts(rollouts), loss_fn, with_entropy=with_entropy)
+        out = self._run(rollouts, loss_fn, with_entropy)
+        if self.mesh is not None:  # the replicas' shares sum to the batch's gradient
+            self.mesh.sum_gradients_(self.engine.owned_parameters(), "grad", "summing the replicas' gradients")
+        return out
+
+    def _share(self, rollouts: Any) -> tuple[StageInputs, Tensor | None]:
+        """The stage inputs this pipeline runs: every row, or this replica's share (widths kept,
+        so the loss's per-row tensors line up) and the share's row indices."""
+        inputs = StageInputs.from_rollouts(rollouts)
+        if self.mesh is None:
+            return inputs, None
+        rows = self.mesh.rows(inputs.input_ids.shape[0])
+        return StageInputs(*(getattr(inputs, f.name)[rows] for f in dataclasses.fields(StageInputs))), rows
+
+    def _run(self, rollouts: Any, loss_fn: LossFn | None, with_entropy: bool) -> tuple[Tensor | None, Tensor | None]:
+        inputs, rows = self._share(rollouts)
+        if rows is None or self.mesh is None:
+            return self.engine.run(inputs, loss_fn, with_entropy=with_entropy)
+        mesh, last = self.mesh, self.engine.is_last
+        stats = getattr(loss_fn, "stats", None) if last else None
+        before = dict(stats) if isinstance(stats, dict) else None
+        logp = entropy = None
+        if len(rows):  # every rank of this replica agrees: the rows are the same everywhere
+            # the batch's row indices: the PRF key of each row, and the rows loss_fn is given
+            logp, entropy = self.engine.run(inputs, loss_fn, with_entropy=with_entropy, batch_rows=rows)
+        if not last:
+            return None, None
+        if before is not None and isinstance(stats, dict):  # the loss statistics of every share
+            keys = sorted(before)
+            delta = torch.tensor([stats[k] - before[k] for k in keys], dtype=torch.float64)
+            delta = mesh.all_reduce(delta, "aux", "summing the replicas' loss statistics")
+            stats.update({k: before[k] + float(v) for k, v in zip(keys, delta.tolist())})
+        batch, width = rollouts.completion_ids.shape
+        parts = [torch.zeros(batch, width, device=self.device) for _ in range(2 if with_entropy else 1)]
+        if logp is not None:
+            parts[0][rows.to(self.device)] = logp.to(parts[0].dtype)
+            if with_entropy and entropy is not None:
+                parts[1][rows.to(self.device)] = entropy.to(parts[1].dtype)
+        parts = mesh.sum_tensors(parts, "aux", "assembling the replicas' log-probs")
+        return parts[0], parts[1] if with_entropy else None
 
     def clip_gradients(self, max_norm: float) -> Tensor:
         self.engine.reduce_tied_gradients()
         return self.engine.clip_gradients(max_norm)
 
     def reduce_sum(self, tensor: Tensor, what: str) -> Tensor:
-        return self.engine.comm.all_reduce(tensor, what)
+        return self._world.all_reduce(tensor, what)
 
     def owned_parameters(self) -> list[nn.Parameter]:
         return self.engine.owned_parameters()
@@ -174,25 +269,76 @@ class PipelineBackend:
     def dense_forward_backward(
         self, snapshot: Sequence[Tensor], rollouts: Any, loss_fn: LossFn
     ) -> tuple[list[Tensor], float]:
-        """Through the pipeline over the dense boundary (:meth:`PipelineEngine.dense_gradient`)."""
-        return self.engine.dense_gradient(list(snapshot), StageInputs.from_rollouts(rollouts), loss_fn)
+        """Through the pipeline over the dense boundary (:meth:`PipelineEngine.dense_gradient`);
+        with replicas, each runs its share and ``M`` and the bytes are summed over them."""
+        if self.mesh is None:
+            return self.engine.dense_gradient(list(snapshot), StageInputs.from_rollouts(rollouts), loss_fn)
+        inputs, rows = self._share(rollouts)
+        assert rows is not None
+
+        def share_loss(logp: Tensor, part: Tensor) -> Tensor:
+            return loss_fn(logp, rows.to(part.device)[part.long()])
+
+        if len(rows):
+            grads, sent = self.engine.dense_gradient(list(snapshot), inputs, share_loss)
+        else:
+            grads, sent = [torch.zeros_like(p) for p in self.engine.owned_parameters()], 0.0
+        grads = self.mesh.sum_tensors(grads, "anchor", "summing the replicas' anchor gradients")
+        total = self.mesh.all_reduce(torch.tensor([sent], dtype=torch.float64), "anchor",
+                                     "summing the replicas' anchor bytes")
+        return grads, float(total[0])
 
     def after_update(self) -> None:
-        """Every stage's new weights to rank 0, whose dense copy samples the next step."""
-        self.engine.sync_to_sampler()
+        """Every stage's new weights to rank 0, whose dense copy samples the next step (replica 0
+        only: the others' weights are the same and nobody samples from their copies)."""
+        if self.mesh is None or self.mesh.replica == 0:
+            self.engine.sync_to_sampler()
 
     def share_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
-        return self.engine.comm.broadcast_object(metrics if self.engine.is_last else None, self.world_size - 1,
-                                                 "sharing the step's metrics")
+        src = self.world_size - 1 if self.mesh is None else self.mesh.shape.rank(0, self.mesh.shape.stages - 1)
+        return self._world.broadcast_object(metrics if self._world.rank == src else None, src,
+                                            "sharing the step's metrics")
 
     def wire_metrics(self) -> dict[str, float]:
-        return self.engine.metrics()
+        """``wire/*`` of every rank's sends (with replicas: of every replica, so the bytes of the
+        whole batch), plus ``dp/*`` with replicas."""
+        if self.mesh is None:
+            return self.engine.metrics()
+        engine, meter = self.engine, self.engine.meter
+        fields = ("bytes_fwd", "bytes_bwd", "dense_fwd", "dense_bwd", "messages_fwd", "messages_bwd")
+        own = [[getattr(t, f) for f in fields] for t in meter.cuts]
+        own_sync = engine.sync_bytes
+        counts = torch.tensor([*own, [own_sync, 0, 0, 0, 0, 0]], dtype=torch.float64)
+        counts = self.mesh.dp.all_reduce(counts, "summing the replicas' wire counters")  # counters, not counted
+        try:  # the engine's pipeline sum of the replica sums: every rank's sends
+            for traffic, row in zip(meter.cuts, counts.tolist()):
+                for name, value in zip(fields, row):
+                    setattr(traffic, name, int(value))
+            engine.sync_bytes = int(counts[-1, 0])
+            wire = engine.metrics()
+        finally:
+            for traffic, row in zip(meter.cuts, own):
+                for name, value in zip(fields, row):
+                    setattr(traffic, name, value)
+            engine.sync_bytes = own_sync
+        return {**wire, **self.mesh.metrics()}
 
     def gather_per_rank(self, state: Any, what: str) -> Any:
+        """``{"per_rank": [...]}`` indexed by global rank on rank 0; with replicas, replica 0's
+        stages only (the others hold the same state), each entry the one object of its stage, so
+        a checkpoint stores it once (pickle keeps shared references)."""
+        if self.mesh is not None and self.mesh.replica != 0:
+            return None
         gathered = self.engine.comm.gather_objects(state, what)
-        return None if gathered is None else {"per_rank": gathered}
+        if gathered is None:
+            return None
+        if self.mesh is None:
+            return {"per_rank": gathered}
+        return {"per_rank": [gathered[self.mesh.shape.coords(rank)[1]] for rank in range(self.world_size)]}
 
     def codec_state(self) -> dict[str, Any] | None:
+        if self.mesh is not None and self.mesh.replica != 0:  # replicas decode alike (stateless codecs)
+            return None
         return self.engine.cut_state_dict()
 
     def load_codec_state(self, state: dict[str, Any]) -> None:

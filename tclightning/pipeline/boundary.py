@@ -83,7 +83,8 @@ class WireMeter:
             traffic.messages_bwd += 1
 
     def record_setup(self, ordinal: int, sent: int) -> None:
-        """One-off forward bytes (e.g. an svd basis shipped to the receiver)."""
+        """Forward bytes outside the messages (an svd basis, or a refreshed lowrank basis, shipped
+        to the receiver)."""
         self.cuts[ordinal].bytes_fwd += sent
 
     def reset(self) -> None:
@@ -153,6 +154,12 @@ class Boundary:
         if isinstance(codec, SVDCodec) and not codec.calibrated:
             codec.calibrate(x[token_mask.bool()] if token_mask is not None else x)
             self.meter.record_setup(self.ordinal, codec.setup_bytes(x.dtype))
+        if codec.learns_from_traffic:
+            with torch.no_grad():
+                real = x[token_mask.bool()] if token_mask is not None else x.reshape(-1, x.shape[-1])
+                if codec.crosses_dense:  # one process: sender and receiver are this one codec
+                    codec.observe_dense(real)
+                codec.observe_sent(real)
         if self.backward_codec is None or not x.requires_grad:
             return self._chain_rule(x, key, token_mask, tokens)
         return _SeparateBackward.apply(x, self, key, token_mask, tokens)

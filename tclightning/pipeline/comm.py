@@ -91,7 +91,7 @@ class StageComm:
         box = [obj if self.rank == src else None]
         self.watch.expect([src] if self.rank != src else [], what)
         with self.guard(what):
-            dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
+            dist.broadcast_object_list(box, src=index_to_global(src, self.group), group=self.group, device=self.device)
         return box[0]
 
     def gather_objects(self, obj: Any, what: str) -> list[Any] | None:

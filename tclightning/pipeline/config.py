@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tclightning.codecs import CODECS, FILLS
+from tclightning.codecs import BASIS_CODECS, CODECS, FILLS
 from tclightning.errors import TclightningError
 
 LAYOUTS = ("dense", "all", "shallow", "solo:i", "explicit")
@@ -43,7 +43,7 @@ class PipelineConfig:
     """``shallow`` layout: how many of the shallowest cuts are compressed."""
 
     codec: str = "prf"
-    """Forward codec at compressed cuts: ``prf`` | ``svd`` | ``identity``."""
+    """Forward codec at compressed cuts: ``prf`` | ``lowrank`` | ``hybrid`` | ``svd`` | ``identity``."""
 
     backward_codec: str | None = None
     """Gradient codec at compressed cuts. None: the gradient w.r.t. the forward payload (same
@@ -70,7 +70,18 @@ class PipelineConfig:
     """PRF: scale kept deviations from the fill by d/k (unbiased random-k; larger variance)."""
 
     rank: int | None = None
-    """Rank for ``svd`` / ``powersgd``; None = the same budget k (equal bytes per token)."""
+    """Basis rank r for ``svd`` / ``lowrank`` / ``powersgd`` (None = the budget k: equal bytes per
+    token) and ``hybrid`` (None = k // 2; the other k - r values are residual coordinates)."""
+
+    refresh_every: int = 10
+    """``lowrank`` / ``hybrid``: steps between basis refresh checks (0 = keep the first fit). A check
+    is free when the anchor's dense pass fed both sides since the last one; otherwise the sender
+    decides and sends a 4-byte flag, plus the basis, ``(d r + d) * 4`` bytes, if it refits (all
+    counted in ``wire/bytes_fwd``)."""
+
+    refresh_tolerance: float = 0.02
+    """``lowrank`` / ``hybrid``: refit only when a fresh fit would lose at least this share less
+    of the recent tokens' energy than the current basis (0 = refit at every check)."""
 
     seed: int = 0
     """PRF key seed shared by sender and receiver (never sent)."""
@@ -85,6 +96,13 @@ class PipelineConfig:
     timeout_s: float = 300.0
     """Multi-process mode: seconds a rank waits for a peer before stopping with an error naming it
     (the process group's timeout)."""
+
+    replicas: int = 1
+    """Multi-process mode: copies of each stage (data parallel over replicas of the pipeline).
+    ``trainer.devices x trainer.num_nodes`` must be ``stages x replicas``; each replica trains on
+    its share of every minibatch and a stage's gradients are summed over its replicas. Needs
+    stateless codecs (``prf`` with ``fill: zero``, or dense cuts): a replica's receiver sees only
+    its share of the tokens."""
 
     def validate(self) -> None:
         """Check names and ranges that do not depend on the model; raises ``TclightningError``."""
@@ -107,6 +125,15 @@ class PipelineConfig:
                 raise TclightningError(f"pipeline codec '{name}' is not one of {', '.join(CODECS)}")
             if name == "powersgd":
                 raise TclightningError("pipeline codec 'powersgd' compresses gradients only: use it as backward_codec")
+        if self.backward_codec in BASIS_CODECS:
+            raise TclightningError(
+                f"pipeline.backward_codec '{self.backward_codec}' is an activation codec; its gradient message "
+                "is already r values per token (leave backward_codec unset)"
+            )
+        if not 0.0 <= self.refresh_tolerance <= 1.0:
+            raise TclightningError(f"pipeline.refresh_tolerance must be in [0, 1], got {self.refresh_tolerance}")
+        if self.refresh_every < 0:
+            raise TclightningError(f"pipeline.refresh_every must be >= 0 (0 = never refit), got {self.refresh_every}")
         if self.backward_codec is not None and self.backward_codec not in CODECS + ("svd",):
             raise TclightningError(f"pipeline.backward_codec '{self.backward_codec}' is not one of {', '.join(CODECS)}")
         if self.backward_codec == "svd":
@@ -133,3 +160,17 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")
+        if self.replicas < 1:
+            raise TclightningError(f"pipeline.replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and layout != "dense":
+            # each replica's receiver would learn from its own share of the tokens: fills and
+            # bases would drift apart between replicas (and from one process)
+            used = set(self.cut_codecs) if self.cut_codecs is not None else {self.codec}
+            stateful = sorted(used - {"prf", "identity"})
+            if stateful or ("prf" in used and self.fill != "zero"):
+                what = f"codec '{stateful[0]}'" if stateful else f"pipeline.fill '{self.fill}'"
+                raise TclightningError(
+                    f"pipeline.replicas={self.replicas} needs stateless codecs, but {what} learns from the tokens "
+                    "a receiver sees (each replica sees only its share): use pipeline.codec=prf with "
+                    "pipeline.fill=zero, or pipeline.replicas=1"
+                )

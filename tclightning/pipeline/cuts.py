@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tclightning.codecs import Codec, CodecKey, make_codec
+from tclightning.codecs import AdaptiveLowRankCodec, Codec, CodecKey, make_codec
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
 from tclightning.pipeline.config import PipelineConfig
@@ -118,6 +118,7 @@ class CutSet:
             rescale=cfg.rescale,
             fill_momentum=cfg.fill_momentum,
             rank=spec.rank,
+            refresh_every=cfg.refresh_every, refresh_tolerance=cfg.refresh_tolerance,
         )
 
     def _backward_codec(self, spec: CutSpec) -> Codec | None:
@@ -171,8 +172,41 @@ class CutSet:
         """Set the key's step. On a change of step, stateful fills fold in what the last step decoded."""
         if step != self.step:
             for boundary in self.boundaries:
-                boundary.forward_codec.commit_step()
+                codec = boundary.forward_codec
+                codec.commit_step()
+                if isinstance(codec, AdaptiveLowRankCodec):
+                    shipped = codec.refresh(int(step))
+                    if shipped:
+                        self.meter.record_setup(boundary.ordinal, shipped)
         self.step = int(step)
+
+    @contextlib.contextmanager
+    def observing_dense(self, model: nn.Module, attention_mask: Tensor) -> Iterator[None]:
+        """While a dense forward of ``model`` runs (a hook-free copy of this model, or this model
+        under :meth:`bypassed`), hand each cut's activations at real tokens (``attention_mask`` [B,
+        L]) to :meth:`observe_dense`."""
+        real = attention_mask.bool()
+        _, layers = find_decoder_layers(model)
+
+        def tap(ordinal: int) -> Any:
+            def hook(module: nn.Module, args: Any, output: Any) -> None:
+                hidden = output[0] if isinstance(output, tuple) else output
+                if hidden.dim() == 3 and hidden.shape[:2] == real.shape:
+                    self.observe_dense(ordinal, hidden.detach()[real.to(hidden.device)])
+            return hook
+
+        handles = [layers[spec.layer].register_forward_hook(tap(spec.ordinal)) for spec in self.specs]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def observe_dense(self, ordinal: int, tokens: Tensor) -> None:
+        """Dense activations at cut ``ordinal`` (``[T, d]`` real tokens, e.g. from the anchor's
+        dense pass): statistics for codecs that learn from them (lowrank/hybrid bases, the
+        conditional fill). Nothing is counted: in a pipeline they crossed as the anchor's traffic."""
+        self.boundaries[ordinal].forward_codec.observe_dense(tokens.detach())
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:
@@ -193,11 +227,14 @@ class CutSet:
         self._token_mask = None if mask is None else mask.bool()
 
     def metrics(self) -> dict[str, float]:
-        """Wire bytes since the last :meth:`reset_stats` (see ``WireMeter.metrics`` for keys)."""
-        return self.meter.metrics()
+        """Wire bytes since the last :meth:`reset_stats` (see ``WireMeter.metrics`` for keys) and
+        the codecs' own figures (:func:`codec_metrics`)."""
+        return {**self.meter.metrics(), **codec_metrics([b.forward_codec.step_metrics() for b in self.boundaries])}
 
     def reset_stats(self) -> None:
         self.meter.reset()
+        for boundary in self.boundaries:
+            boundary.forward_codec.reset_metrics()
 
     def describe(self) -> str:
         """One line for logs: ``cut after layer 1: prf k=3 | cut after layer 2: identity``."""
@@ -237,6 +274,22 @@ class CutSet:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def codec_metrics(per_cut: list[dict[str, float]]) -> dict[str, float]:
+    """``wire/cut{i}/<name>`` for each cut's ``Codec.step_metrics()``, plus ``wire/energy_kept``
+    (mean over the cuts that report it) and ``wire/basis_bytes`` (sum) when any cut reports them."""
+    out: dict[str, float] = {}
+    for ordinal, figures in enumerate(per_cut):
+        for name, value in figures.items():
+            out[f"wire/cut{ordinal}/{name}"] = value
+    kept = [f["energy_kept"] for f in per_cut if "energy_kept" in f]
+    if kept:
+        out["wire/energy_kept"] = sum(kept) / len(kept)
+    shipped = [f["basis_bytes"] for f in per_cut if "basis_bytes" in f]
+    if shipped:
+        out["wire/basis_bytes"] = sum(shipped)
+    return out
 
 
 _CUT_HOOK_TAG = "_tclightning_cut"

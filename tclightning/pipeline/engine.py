@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tclightning.codecs import Codec, make_codec
+from tclightning.codecs import AdaptiveLowRankCodec, Codec, make_codec
+from tclightning.codecs.lowrank import FLAG_BYTES
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import WireMeter
 from tclightning.pipeline.comm import StageComm, StageFailure, payload_stage
 from tclightning.pipeline.config import PipelineConfig
-from tclightning.pipeline.cuts import boundary_width, find_decoder_layers
+from tclightning.pipeline.cuts import boundary_width, codec_metrics, find_decoder_layers
 from tclightning.pipeline.layout import CutSpec, resolve_layout
 from tclightning.pipeline.stage import StageModule
 
@@ -85,10 +86,10 @@ def check_distributed_layout(config: PipelineConfig, specs: list[CutSpec], world
             "pipeline.cuts) or change trainer.devices x trainer.num_nodes"
         )
     for spec in specs:
-        if spec.codec not in ("prf", "identity"):
+        if spec.codec not in ("prf", "identity", "lowrank", "hybrid"):
             raise TclightningError(
                 f"pipeline codec '{spec.codec}' at cut {spec.ordinal} is not supported across processes yet "
-                "(prf and identity are); run it with trainer.devices=1"
+                "(prf, lowrank, hybrid and identity are); run it with trainer.devices=1"
             )
         if spec.backward_codec is not None:
             raise TclightningError(
@@ -120,6 +121,7 @@ class PipelineEngine:
         group: Any = None,
         temperature: float = 1.0,
         link_mbit: float | None = None,
+        tie_group: Any = None,
     ) -> None:
         self.comm = StageComm(group, torch.device(device), config.timeout_s)
         self.rank, self.world_size, self.device = self.comm.rank, self.comm.world_size, self.comm.device
@@ -143,7 +145,8 @@ class PipelineEngine:
         self.tied = self.world_size > 1 and output is not None and output.weight is body.embed_tokens.weight
         self._tie_group = None
         if self.tied and self.world_size > 2:  # every rank must call new_group
-            self._tie_group = dist.new_group([0, self.world_size - 1])
+            # a replicated pipeline (pipeline.mesh) made one [first, last] group per replica
+            self._tie_group = tie_group if tie_group is not None else dist.new_group([0, self.world_size - 1])
         self.sync_bytes = 0
         self._dense_stage: StageModule | None = None
 
@@ -152,7 +155,8 @@ class PipelineEngine:
     def _codec(self, spec: CutSpec) -> Codec:
         cfg = self.config
         return make_codec(spec.codec, self.dim, k=spec.k, fill=cfg.fill, rescale=cfg.rescale,
-                          fill_momentum=cfg.fill_momentum, rank=spec.rank)
+                          fill_momentum=cfg.fill_momentum, rank=spec.rank, refresh_every=cfg.refresh_every,
+                          refresh_tolerance=cfg.refresh_tolerance)
 
     @property
     def is_first(self) -> bool:
@@ -162,16 +166,45 @@ class PipelineEngine:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
-    def _width(self, spec: CutSpec | None) -> int:
-        return self.dim if spec is None or spec.codec == "identity" else spec.k
+    def _width(self, codec: Codec | None) -> int:
+        """Values per token of a message at a cut (a basis codec sends d until its first fit)."""
+        return self.dim if codec is None else codec.width
 
     # -- the loop's knobs (the CutSet ones) ----------------------------------------------------
 
     def set_step(self, step: int) -> None:
         """The PRF key's step; on a change, the receiver's stateful fill folds in the last step."""
-        if step != self.module.step and self.module.recv_codec is not None:
-            self.module.recv_codec.commit_step()
+        if step != self.module.step:
+            if self.module.recv_codec is not None:
+                self.module.recv_codec.commit_step()
+            self._refresh_bases(int(step))
         self.module.step = int(step)
+
+    def _refresh_bases(self, step: int) -> None:
+        """The basis codecs' refresh at a step change, on both sides of each cut: both fit from the
+        dense tokens they shared, or the sender ships its fit (counted in ``wire/bytes_fwd``).
+        Receive first, then send, so a chain of stages never waits in a circle."""
+        recv, send = self.module.recv_codec, self.module.send_codec
+        if isinstance(recv, AdaptiveLowRankCodec):
+            action = recv.plan_refresh(step)
+            if action == "fit":
+                recv.fit_shared(step)
+            elif action == "ship":
+                what = f"receiving the basis refresh of cut {self.rank - 1}"
+                refit = bool(self.comm.recv(1, torch.float32, self.rank - 1, what)[0] > 0)
+                message = self.comm.recv(recv.ship_bytes() // 4, torch.float32, self.rank - 1, what) if refit else None
+                recv.load_basis_message(message, step)
+        if isinstance(send, AdaptiveLowRankCodec):
+            action = send.plan_refresh(step)
+            if action == "fit":
+                send.fit_shared(step)
+            elif action == "ship":  # a keep/refit flag, then the basis if refitted
+                message = send.basis_message(step)
+                what = f"sending the basis refresh of cut {self.rank}"
+                self.comm.send(torch.tensor([0.0 if message is None else 1.0], device=self.device), self.rank + 1, what)
+                if message is not None:
+                    self.comm.send(message.to(self.device), self.rank + 1, what)
+                self.meter.record_setup(self.rank, FLAG_BYTES + (0 if message is None else send.ship_bytes()))
 
     def set_temperature(self, temperature: float) -> None:
         """The sampler's temperature, for the last stage's log-probs (before any forward)."""
@@ -182,6 +215,9 @@ class PipelineEngine:
     def reset_stats(self) -> None:
         self.meter.reset()
         self.sync_bytes = 0
+        for codec in (self.module.send_codec, self.module.recv_codec):
+            if codec is not None:
+                codec.reset_metrics()
 
     def metrics(self) -> dict[str, float]:
         """``WireMeter.metrics()`` of the sends of every rank (an all-reduce), plus ``wire/sync_bytes``."""
@@ -195,7 +231,21 @@ class PipelineEngine:
         for traffic, row in zip(total.cuts, counts.tolist()):
             (traffic.bytes_fwd, traffic.bytes_bwd, traffic.dense_fwd, traffic.dense_bwd,
              traffic.messages_fwd, traffic.messages_bwd) = (int(v) for v in row)
-        return {**total.metrics(), "wire/sync_bytes": float(counts[-1, 0])}
+        return {**total.metrics(), **self._codec_metrics(), "wire/sync_bytes": float(counts[-1, 0])}
+
+    def _codec_metrics(self) -> dict[str, float]:
+        """The senders' ``Codec.step_metrics()`` (energy kept, basis bytes), gathered from the rank
+        that encodes each cut (one small all-reduce), named as in one process (``codec_metrics``)."""
+        names = ("energy_kept", "basis_bytes")
+        table = torch.zeros(len(self.specs), 2 * len(names), dtype=torch.float64)
+        if self.module.send_codec is not None:
+            figures = self.module.send_codec.step_metrics()
+            for column, name in enumerate(names):
+                if name in figures:
+                    table[self.rank, 2 * column : 2 * column + 2] = torch.tensor([1.0, figures[name]])
+        table = self.comm.all_reduce(table, "summing the codec figures")
+        per_cut = [{name: float(row[2 * c + 1]) for c, name in enumerate(names) if row[2 * c] > 0} for row in table]
+        return codec_metrics(per_cut)
 
     # -- the pipelined forward/backward --------------------------------------------------------
 
@@ -207,11 +257,14 @@ class PipelineEngine:
         with_entropy: bool = False,
         module: StageModule | None = None,
         meter: WireMeter | None = None,
+        batch_rows: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """One pipelined pass over ``inputs`` (B rows). With ``loss_fn``: forward + backward.
 
         ``module`` / ``meter``: another stage module of this rank and the meter its sends are
-        counted in (the dense pass, :meth:`dense_gradient`); default the engine's own.
+        counted in (the dense pass, :meth:`dense_gradient`); default the engine's own. ``batch_rows``:
+        the inputs' contiguous row indices in the whole batch (a data-parallel replica's share: the
+        PRF key's rows and what ``loss_fn`` gets); default ``0..B-1``.
         Returns ``(logp [B, Lc], entropy [B, Lc] or None)`` detached on the last rank, ``(None,
         None)`` elsewhere."""
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
@@ -221,20 +274,21 @@ class PipelineEngine:
         rows = inputs.input_ids.shape[0]
         chunks = max(1, min(self.config.microbatches, rows))
         tokens = [int(part.sum()) for part in torch.tensor_split(inputs.attention_mask.sum(-1), chunks)]
-        in_width = self._width(stage_module.recv_spec)
-        out_width = self._width(stage_module.send_spec)
+        in_width = self._width(stage_module.recv_codec)
+        out_width = self._width(stage_module.send_codec)
         stage = payload_stage(
             stage_module, self.comm,
             in_shapes=[(t, in_width) for t in tokens], out_shapes=[(t, out_width) for t in tokens],
             dtype=self.dtype, meter=meter if meter is not None else self.meter,
             link_bits_per_s=self.link_bits_per_s,
         )
-        schedule_cls = ScheduleGPipe if self.config.schedule == "gpipe" else Schedule1F1B
+        # 1F1B needs a micro-batch per stage; a smaller batch (a replica's share) runs as GPipe
+        schedule_cls = ScheduleGPipe if self.config.schedule == "gpipe" or chunks < self.world_size else Schedule1F1B
         schedule = schedule_cls(stage, n_microbatches=chunks, loss_fn=loss_fn, scale_grads=False)
         kwargs = {
             "attention_mask": inputs.attention_mask,
             "position_ids": inputs.position_ids,
-            "rows": torch.arange(rows, device=self.device),
+            "rows": torch.arange(rows, device=self.device) if batch_rows is None else batch_rows.to(self.device),
             "completion_ids": inputs.completion_ids,
             "completion_mask": inputs.completion_mask,
         }
@@ -270,6 +324,7 @@ class PipelineEngine:
             clone.recv_spec = None if self.is_first else dense[self.rank - 1]
             clone.send_codec = None if self.is_last else make_codec("identity", self.dim)
             clone.recv_codec = None if self.is_first else make_codec("identity", self.dim)
+            clone.send_tap, clone.recv_tap = self.module.send_codec, self.module.recv_codec
             self._dense_stage = clone.train()
         return self._dense_stage
 
@@ -370,9 +425,11 @@ class PipelineEngine:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def codec_state(self) -> dict[str, Any]:
-        """This rank's receiver-side codec state (the mean fill of the cut it decodes)."""
-        codec = self.module.recv_codec
-        return {"rank": self.rank, "state": codec.state_dict() if codec is not None else {}}
+        """This rank's codec state: the receiver side of the cut it decodes (fills, bases) and the
+        sender side of the cut it encodes (a basis codec's fit window)."""
+        recv, send = self.module.recv_codec, self.module.send_codec
+        return {"rank": self.rank, "state": recv.state_dict() if recv is not None else {},
+                "send": send.state_dict() if send is not None else {}}
 
     def cut_state_dict(self) -> dict[str, Any] | None:
         """All ranks call; on rank 0 the ``CutSet.state_dict()`` layout (per cut: the state of the
@@ -385,6 +442,7 @@ class PipelineEngine:
             "step": self.module.step,
             "forward": [by_rank.get(ordinal + 1, {}) for ordinal in range(len(self.specs))],
             "backward": [{} for _ in self.specs],
+            "sender": [entry["send"] for entry in sorted(gathered, key=lambda e: e["rank"])][: len(self.specs)],
         }
 
     def load_cut_state_dict(self, state: dict[str, Any]) -> None:
@@ -393,3 +451,8 @@ class PipelineEngine:
         forward = state.get("forward", [])
         if self.module.recv_codec is not None and len(forward) >= self.rank:
             self.module.recv_codec.load_state_dict(forward[self.rank - 1])
+        # the sender's own state if the checkpoint has it (multi-process), else the cut's state
+        # from one process, where one codec object was both sides
+        sender = state.get("sender") or forward
+        if self.module.send_codec is not None and len(sender) > self.rank:
+            self.module.send_codec.load_state_dict(sender[self.rank])

@@ -99,13 +99,18 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
         k = budget_k(dim, rate=config.rate, k=config.k)
     except ValueError as err:
         raise TclightningError(f"pipeline budget: {err}") from None
-    rank = config.rank if config.rank is not None else k
-    if rank > dim:
-        raise TclightningError(f"pipeline.rank={rank} exceeds the boundary width d={dim}")
+    if config.rank is not None and config.rank > dim:
+        raise TclightningError(f"pipeline.rank={config.rank} exceeds the boundary width d={dim}")
     cuts = []
     for ordinal, (layer, flag) in enumerate(zip(layers, flags)):
         codec = config.cut_codecs[ordinal] if config.cut_codecs is not None else (config.codec if flag else "identity")
         compressed = codec != "identity"
+        rank = config.rank if config.rank is not None else (k // 2 if codec == "hybrid" else k)
+        if codec == "hybrid" and not 1 <= rank < k:
+            raise TclightningError(
+                f"pipeline codec 'hybrid' sends k={k} values per token: r basis coefficients plus k - r residual "
+                f"coordinates, so pipeline.rank must be in [1, {k - 1}] (got {rank}; raise pipeline.rate or k)"
+            )
         cuts.append(
             CutSpec(
                 ordinal=ordinal,

@@ -26,13 +26,16 @@ from tclightning.errors import TclightningError
 from tclightning.pipeline.backends import PipelineBackend
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.engine import PipelineEngine
+from tclightning.pipeline.mesh import ReplicaMesh
 from tclightning.pipeline.strategy import _as_config
 
 
 class MultiProcessPipelineStrategy(DDPStrategy):
-    """``trainer.strategy: pipeline`` with ``devices x num_nodes = S > 1``: rank i runs stage i.
+    """``trainer.strategy: pipeline`` with ``devices x num_nodes = S x R > 1``: rank i runs stage i
+    (R = ``pipeline.replicas`` = 1), or stage ``i // R`` of replica ``i % R`` on a ``("dp", "pp")``
+    mesh (:mod:`~tclightning.pipeline.mesh`).
 
-    ``config``: the recipe's ``pipeline`` section (stages must equal S); ``timeout`` comes from
+    ``config``: the recipe's ``pipeline`` section (stages x replicas must equal the processes); ``timeout`` comes from
     ``pipeline.timeout_s`` (a rank waiting longer on a peer stops with an error naming it)."""
 
     strategy_name = "pipeline_multiprocess"
@@ -51,6 +54,7 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         self.policy_attr = policy_attr
         self.link_mbit = link_mbit
         self.engine: PipelineEngine | None = None
+        self.mesh: ReplicaMesh | None = None  # pipeline.replicas > 1
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -60,8 +64,14 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         policy = getattr(module, self.policy_attr, None)
         if not isinstance(policy, torch.nn.Module):
             raise TclightningError(f"strategy 'pipeline' needs the LightningModule's HF decoder as '{self.policy_attr}'")
-        self.engine = PipelineEngine(policy, self.config, device=self.root_device, link_mbit=self.link_mbit)
-        self.engine.broadcast_weights()
+        if self.config.replicas > 1:  # a ("dp", "pp") mesh; the engine runs on this replica's pipeline
+            self.mesh = ReplicaMesh(self.config.replicas, device=self.root_device, timeout_s=self.config.timeout_s)
+            self.engine = PipelineEngine(policy, self.config, device=self.root_device, link_mbit=self.link_mbit,
+                                         group=self.mesh.pp_group, tie_group=self.mesh.tie_group)
+            self.mesh.broadcast_weights(policy)
+        else:
+            self.engine = PipelineEngine(policy, self.config, device=self.root_device, link_mbit=self.link_mbit)
+            self.engine.broadcast_weights()
 
     def backend(self, request: BackendRequest) -> PipelineBackend:
         """``BackendProvider``: the module's backend over this rank's stage (after ``setup``)."""
@@ -70,7 +80,7 @@ class MultiProcessPipelineStrategy(DDPStrategy):
                 f"strategy 'pipeline' split the module's '{self.policy_attr}'; ask for its backend after setup, "
                 "with that policy"
             )
-        return PipelineBackend(request, self.engine)
+        return PipelineBackend(request, self.engine, self.mesh)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -93,6 +103,8 @@ class MultiProcessPipelineStrategy(DDPStrategy):
             if id(param) in owned
         }
         own_state = {index: state for index, state in local["state"].items() if index in mine}
+        if self.mesh is not None and self.mesh.replica != 0:  # replicas step alike: replica 0's is saved
+            return {"state": own_state, "param_groups": local["param_groups"]}
         gathered = self.engine.comm.gather_objects(own_state, "gathering optimizer states for a checkpoint")
         merged: dict[Any, Any] = {}
         for state in gathered or [own_state]:
@@ -101,4 +113,5 @@ class MultiProcessPipelineStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self.engine = None
+        self.mesh = None
         super().teardown()

@@ -93,6 +93,10 @@ class StageModule(nn.Module):
         self.send_spec = None if self.is_last else specs[index]
         self.recv_spec = None if self.is_first else specs[index - 1]
         self.send_codec, self.recv_codec = send_codec, recv_codec
+        self.send_tap: Codec | None = None
+        self.recv_tap: Codec | None = None
+        """Codecs to hand this stage's dense boundary traffic to (``observe_dense``): set on the
+        anchor's dense copy, so the trained stage's bases and fills learn from that traffic."""
         self.seed = seed
         self.temperature = temperature
         self.step = 0
@@ -136,6 +140,9 @@ class StageModule(nn.Module):
             hidden = self.embed_tokens(x)
         else:
             assert self.recv_codec is not None and self.recv_spec is not None
+            for codec in (self.recv_tap, self.recv_codec if self.recv_codec.crosses_dense else None):
+                if codec is not None:  # the same [T, d] tokens the sender observed
+                    codec.observe_dense(x.detach())
             received = unpack(x, attention_mask)
             hidden = self.recv_codec.decode(received, self._key(self.recv_spec, rows), token_mask=attention_mask.bool())
         masks = self._masks(hidden, attention_mask, position_ids)
@@ -153,8 +160,23 @@ class StageModule(nn.Module):
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if not self.is_last:
             assert self.send_codec is not None and self.send_spec is not None
+            self._observe_sent(hidden, attention_mask)
             return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows)), attention_mask)
         return self._completion_logps(hidden, completion_ids, completion_mask)
+
+    @torch.no_grad()
+    def _observe_sent(self, hidden: Tensor, attention_mask: Tensor) -> None:
+        """The sender's side of what codecs learn from: real tokens ``[T, d]`` (``pack`` order)."""
+        codec = self.send_codec
+        assert codec is not None
+        if self.send_tap is None and not codec.learns_from_traffic:
+            return
+        real = pack(hidden.detach(), attention_mask)
+        if self.send_tap is not None:
+            self.send_tap.observe_dense(real)
+        if codec.crosses_dense:
+            codec.observe_dense(real)
+        codec.observe_sent(real)
 
     def _completion_logps(self, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
         """``completion_logps`` on the last stage: tempered log-softmax at each completion token."""

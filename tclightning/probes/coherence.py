@@ -269,7 +269,11 @@ class GRPOTrajectory:
         rollouts, advantages, rows = self._batch(self.stream.batch(t).indices, seed)
         twin = self._batch(self.twin_stream.batch(t).indices, sequence_seed(module.sampler_cfg.seed + module.seed + 7919, t))
         self.rewards.pop()  # the trajectory's reward is b(t)'s
+        # a basis codec's cold start sends the dense boundary: that step measures nothing compressed
+        cold = self.cuts is not None and any(b.forward_codec.crosses_dense for b in self.cuts.boundaries)
         fast = None if self.cuts is None else self._gradient(rollouts, advantages, rows, dense=False)
+        if cold:
+            fast = None
         twin_grad = self._gradient(*twin, dense=True)
         dense = self._gradient(rollouts, advantages, rows, dense=True)
         # step with the dense gradient just left in .grad

@@ -79,6 +79,7 @@ def price_cuts(
     temperature: float = 1.0,
     *,
     step: int = 0,
+    warmup: Rollouts | None = None,
 ) -> list[dict[str, Any]]:
     """Gap and bytes per token of each configuration of :func:`probe_configurations`.
 
@@ -90,8 +91,12 @@ def price_cuts(
       (the same for all rows, so a cut sees the same kept coordinates in ``solo`` and ``all``),
       and removes every hook before the next one: the model is left hook-free and in its
       original train/eval mode. The weights are not touched.
-    * With ``fill: mean`` the running mean is primed by one forward of the same batch at key
-      ``step + 1`` (otherwise it is empty, i.e. a zero fill); that priming is not counted.
+    * Codecs with state (the ``mean`` and ``conditional`` fills, the ``lowrank``/``hybrid``/``svd``
+      bases) are warmed first on ``warmup`` -- other completions, as a run's codecs learn from
+      earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic):
+      the batch's dense activations at each cut (what an anchor's dense pass hands the codecs),
+      one compressed forward at key ``step + 1``, then the step change that folds them in. That
+      warming is not counted.
     * Bytes: the CutSet's own meter (real tokens of the forward's ``attention_mask``), divided
       by the number of real tokens in the batch; forward only (no backward runs here).
 
@@ -119,7 +124,8 @@ def price_cuts(
             try:
                 flags = tuple(spec.compressed for spec in cuts.specs)
                 if flags not in cache:
-                    cache[flags] = _score(model, rollouts, cuts, temperature, step, tokens)
+                    cache[flags] = _score(model, rollouts, cuts, temperature, step, tokens,
+                                          warmup.to(device) if warmup is not None else rollouts)
                 measured = cache[flags]
                 compressed = [spec for spec in cuts.specs if spec.compressed]
             finally:
@@ -144,14 +150,24 @@ def price_cuts(
     return rows
 
 
-def _score(model: nn.Module, rollouts: Rollouts, cuts: Any, temperature: float, step: int, tokens: int) -> dict:
-    """One compressed re-score of the batch under installed ``cuts``: gap/* and bytes per token."""
-    if cuts.config.fill == "mean" and cuts.compressed:
+STATEFUL_CODECS = ("lowrank", "hybrid", "svd")
+
+
+def is_stateful(config: PipelineConfig) -> bool:
+    """Whether the compressed cuts of ``config`` learn state from traffic (a fill or a basis)."""
+    return config.fill != "zero" or config.codec in STATEFUL_CODECS
+
+
+def _score(model: nn.Module, rollouts: Rollouts, cuts: Any, temperature: float, step: int, tokens: int,
+           warmup: Rollouts) -> dict:
+    """One compressed re-score of the batch under installed ``cuts``: gap/* and bytes per token
+    (stateful codecs warmed on ``warmup`` first, see :func:`price_cuts`)."""
+    if cuts.compressed and is_stateful(cuts.config):
+        with cuts.bypassed(), cuts.observing_dense(model, warmup.attention_mask):
+            completion_logps(model, warmup, temperature)
         cuts.set_step(step + 1)
-        completion_logps(model, rollouts, temperature)
-        cuts.set_step(step)  # folds the decoded values into the running mean
-    else:
-        cuts.set_step(step)
+        completion_logps(model, warmup, temperature)
+        cuts.set_step(step)  # folds what the warm-up showed into the codecs' state
     cuts.reset_stats()
     logp_trainer, _ = completion_logps(model, rollouts, temperature)
     wire = cuts.metrics()

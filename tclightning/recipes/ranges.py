@@ -297,12 +297,15 @@ RANGES: dict[str, Rule] = {
     "pipeline.fill_momentum": number(0.0, 1.0, low_open=True),
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
+    "pipeline.refresh_every": integer(0),
+    "pipeline.refresh_tolerance": share(),
     "pipeline.seed": seed(),
     "pipeline.microbatches": positive(),
     "pipeline.schedule": one_of("gpipe", "1f1b"),
     "pipeline.timeout_s": number(0.0, low_open=True),
+    "pipeline.replicas": positive(1024),
     # anchor
-    "anchor.merger": one_of("none", "signed_ema", "dense"),
+    "anchor.merger": one_of("none", "signed_ema", "dense", "control_variate", "masked", "trust"),
     "anchor.alpha": share(),
     "anchor.beta": number(0.0, 1.0, high_open=True),
     "anchor.latency": integer(0),
@@ -314,6 +317,10 @@ RANGES: dict[str, Rule] = {
     "anchor.warmup_ticks": integer(0),
     "anchor.warmup_shape": one_of("geometric", "linear"),
     "anchor.warmup_stages": integer(2),
+    "anchor.cv_weight": number(0.0),
+    "anchor.cv_clip": number(0.0),
+    "anchor.mask_kappa": number(0.0),
+    "anchor.trust_floor": number(0.0, 1.0, high_open=True),
     # trainer
     "trainer.steps": positive(MAX_STEPS),
     "trainer.seed": seed(),
@@ -458,12 +465,18 @@ def _run_name(cfg: DictConfig) -> Iterator[Problem]:
 
 
 def _anchor(cfg: DictConfig) -> Iterator[Problem]:
-    if cfg.anchor.merger == "signed_ema" and cfg.trainer.strategy != "pipeline":
+    if cfg.anchor.merger in ("signed_ema", "control_variate", "masked", "trust") and cfg.trainer.strategy != "pipeline":
         yield Problem(("anchor.merger", "trainer.strategy"),
-                      "signed_ema merges a compressed trainer's gradient with the dense anchor's: set "
+                      f"{cfg.anchor.merger} merges a compressed trainer's gradient with the dense anchor's: set "
                       "trainer.strategy: pipeline with a compressed pipeline.layout")
     processes = cfg.trainer.devices * cfg.trainer.num_nodes
-    if cfg.anchor.merger == "signed_ema" and cfg.anchor.projector == "rank1" and processes > 1:
+    if cfg.anchor.merger == "control_variate" and processes > 1:
+        # The anchor job reruns the fast circuit at the snapshot; only the one-process backend can.
+        yield Problem(("anchor.merger", "trainer.devices"),
+                      "'control_variate' runs the compressed circuit at the anchor's snapshot, which only the "
+                      "one-process pipeline does: use anchor.merger=trust, masked or signed_ema across processes, "
+                      "or trainer.devices x trainer.num_nodes = 1")
+    if cfg.anchor.merger in ("signed_ema", "masked", "trust") and cfg.anchor.projector == "rank1" and processes > 1:
         # Each rank merges its own stage; rank1's trajectory direction spans every stage's weights.
         yield Problem(("anchor.projector", "trainer.devices"),
                       "'rank1' is not supported across processes (its trajectory direction spans every stage's "

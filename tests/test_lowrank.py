@@ -1,0 +1,296 @@
+"""The adaptive low-rank codec and the hybrid: exact in their span, both sides of a cut always hold
+the same basis (one process, two codec objects, two processes), exact-k hybrid messages that cover
+every residual channel, the refresh's bytes, and exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tclightning.bench.launch import run_ranks
+from tclightning.codecs import AdaptiveLowRankCodec, CodecKey, HybridCodec, make_codec
+from tclightning.errors import TclightningError
+from tclightning.grpo.logprobs import completion_logps
+from tclightning.grpo.summary import read_metrics
+from tclightning.pipeline import CutSet, PipelineConfig
+from tclightning.pipeline.layout import resolve_layout
+from tclightning.run import run
+from tests.conftest import FAST
+from tests.test_distributed import ADVANTAGES, LOSS_CFG, rollouts, tiny_llama
+
+KEY = CodecKey(seed=3, step=1, cut=2)
+
+
+def in_span(n: int, dim: int = 32, rank: int = 4, seed: int = 0) -> torch.Tensor:
+    """``n`` tokens ``mu + z A`` with ``A`` of rank ``rank``: inside a rank-``rank`` affine span."""
+    gen = torch.Generator().manual_seed(seed)
+    mu = torch.randn(dim, generator=gen)
+    directions = torch.randn(rank, dim, generator=gen)
+    return mu + torch.randn(n, rank, generator=gen) @ directions
+
+
+def test_exact_on_data_inside_its_span_and_the_gradient_message_is_r_values() -> None:
+    codec = AdaptiveLowRankCodec(32, 4)
+    x = in_span(400)
+    assert codec.crosses_dense and codec.width == 32
+    assert torch.equal(codec.decode(codec.encode(x, KEY), KEY), x)  # before the first fit: dense
+    codec.observe_dense(x)
+    assert codec.plan_refresh(1) == "fit"
+    codec.fit_shared(1)
+    fresh = in_span(50, seed=0)[:50] + 0.0
+    payload = codec.encode(fresh, KEY)
+    assert payload.shape == (50, 4) and codec.width == 4
+    assert codec.payload_bytes(50, torch.float32) == 50 * 4 * 4
+    torch.testing.assert_close(codec.decode(payload, KEY), fresh, rtol=1e-4, atol=1e-4)
+    # off the span it is a projection: the error is what lies outside the basis
+    off = fresh + torch.randn(50, 32)
+    assert (codec.decode(codec.encode(off, KEY), KEY) - off).abs().mean() > 0.1
+    # linear: the backward message is the gradient w.r.t. the [T, r] payload
+    leaf = fresh.clone().requires_grad_(True)
+    sent = codec.encode(leaf, KEY)
+    sent.retain_grad()
+    codec.decode(sent, KEY).pow(2).sum().backward()
+    assert sent.grad is not None and sent.grad.shape == (50, 4)
+
+
+def test_both_sides_hold_the_same_basis_through_cold_start_ship_and_shared_refresh() -> None:
+    sender, receiver = (AdaptiveLowRankCodec(32, 4, refresh_every=2, refresh_tolerance=0.0) for _ in range(2))
+    first = in_span(300, seed=1)
+    for side in (sender, receiver):  # step 0 crossed dense: both saw the same tokens
+        side.observe_dense(first)
+    for side in (sender, receiver):
+        assert side.plan_refresh(1) == "fit"
+        side.fit_shared(1)
+    assert torch.equal(sender.basis, receiver.basis) and torch.equal(sender.mean, receiver.mean)
+    assert sender.plan_refresh(2) is None and receiver.plan_refresh(2) is None
+    # no shared traffic: the sender fits what it sent (the data drifted) and ships it
+    drifted = in_span(300, seed=2)
+    sender.observe_sent(drifted)
+    before = sender.basis.clone()
+    assert sender.plan_refresh(3) == receiver.plan_refresh(3) == "ship"
+    message = sender.basis_message(3)
+    assert message is not None and message.numel() * 4 == sender.ship_bytes() == (32 * 4 + 32) * 4
+    receiver.load_basis_message(message, 3)
+    assert not torch.allclose(before, sender.basis)
+    assert torch.equal(sender.basis, receiver.basis) and torch.equal(sender.mean, receiver.mean)
+    torch.testing.assert_close(receiver.decode(sender.encode(drifted, KEY), KEY), drifted, rtol=1e-4, atol=1e-4)
+    # the anchor's dense pass fed both sides: the next refresh is a free refit
+    anchor_traffic = in_span(300, seed=4)
+    for side in (sender, receiver):
+        side.observe_dense(anchor_traffic)
+    assert sender.plan_refresh(5) == receiver.plan_refresh(5) == "fit"
+    for side in (sender, receiver):
+        side.fit_shared(5)
+    assert torch.equal(sender.basis, receiver.basis) and sender.version == receiver.version == 3
+    # refresh_every=0: the first fit is kept
+    static = AdaptiveLowRankCodec(32, 4, refresh_every=0)
+    static.observe_dense(first)
+    static.fit_shared(1)
+    static.observe_dense(anchor_traffic)
+    assert static.plan_refresh(1000) is None
+
+
+def test_a_basis_that_still_fits_is_kept_and_a_drifted_one_is_refitted() -> None:
+    """The refresh check refits only when a fresh fit would lose ``refresh_tolerance`` less energy."""
+    sender, receiver = (AdaptiveLowRankCodec(32, 4, refresh_every=1, refresh_tolerance=0.02) for _ in range(2))
+    for side in (sender, receiver):
+        side.observe_dense(in_span(300, seed=1))
+        side.fit_shared(1)
+    same = in_span(300, seed=1)[:150] + 0.01 * torch.randn(150, 32)  # the same span: nothing to gain
+    sender.observe_sent(same)
+    assert sender.window.refit_gain(sender.basis, sender.mean) < 0.02
+    message = sender.basis_message(2)
+    assert message is None and sender.version == 1
+    receiver.load_basis_message(message, 2)
+    assert receiver.checked_step == sender.checked_step == 2 and sender._shipped == 4  # the flag only
+    sender.observe_sent(in_span(300, seed=9))  # another span: a refit keeps much more
+    assert sender.window.refit_gain(sender.basis, sender.mean) > 0.5
+    message = sender.basis_message(3)
+    receiver.load_basis_message(message, 3)
+    assert message is not None and sender.version == receiver.version == 2
+    assert torch.equal(sender.basis, receiver.basis)
+    # shared traffic decides on both sides alike, with no message
+    for side in (sender, receiver):
+        side.observe_dense(in_span(300, seed=9))
+        assert side.plan_refresh(4) == "fit"
+        assert side.fit_shared(4) is False
+    for side in (sender, receiver):
+        side.observe_dense(in_span(300, seed=11))
+        assert side.fit_shared(5) is True
+    assert torch.equal(sender.basis, receiver.basis) and sender.version == receiver.version == 3
+
+
+def test_hybrid_sends_exactly_k_values_and_covers_every_residual_channel() -> None:
+    dim, k, rank = 32, 6, 3
+    codec = make_codec("hybrid", dim, k=k, rank=rank)
+    assert isinstance(codec, HybridCodec)
+    x = in_span(200, dim, rank=8, seed=5).reshape(4, 50, dim)
+    codec.observe_dense(x.reshape(-1, dim))
+    codec.fit_shared(1)
+    covered = torch.zeros(dim, dtype=torch.bool)
+    for step in range(12):
+        key = CodecKey(seed=3, step=step, cut=2)
+        payload = codec.encode(x, key)
+        assert payload.shape == (4, 50, k) and codec.payload_bytes(200, torch.float32) == 200 * k * 4
+        x_hat = codec.decode(payload, key)
+        exact = (x_hat - x).abs() < 1e-4
+        covered |= exact.reshape(-1, dim).any(0)
+        # exact on the k - r drawn channels of every token (at least; in-span channels may be too)
+        assert int(exact.sum(-1).min()) >= k - rank
+        # better than the basis alone: the drawn residual coordinates are filled in exactly
+        low = AdaptiveLowRankCodec.decode(codec, payload[..., :rank], key)
+        assert (x_hat - x).pow(2).sum() < (low - x).pow(2).sum()
+    assert bool(covered.all())
+    with pytest.raises(ValueError, match="rank < k"):
+        HybridCodec(dim, k, k)
+
+
+def test_recipe_checks_name_the_setting() -> None:
+    with pytest.raises(TclightningError, match=r"pipeline.rank must be in \[1, 5\]"):
+        resolve_layout(PipelineConfig(layout="all", stages=2, codec="hybrid", k=6, rank=6), 4, 32)
+    with pytest.raises(TclightningError, match="backward_codec 'lowrank'"):
+        PipelineConfig(backward_codec="lowrank").validate()
+    with pytest.raises(TclightningError, match="refresh_every"):
+        PipelineConfig(refresh_every=-1).validate()
+    specs = resolve_layout(PipelineConfig(layout="all", stages=2, codec="hybrid", k=6), 4, 32)
+    assert specs[0].rank == 3 and specs[0].k == 6
+
+
+# ------------------------------------------------------------------ in a model, and across processes
+CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "refresh_every": 2, "refresh_tolerance": 0.0,
+          "microbatches": 3}  # tolerance 0: every check refits, so the protocol's every path runs
+SHIP_STEP, SHARED_STEP = 3, 5
+
+
+def dense_tokens(model: torch.nn.Module, layer: int) -> torch.Tensor:
+    """The dense boundary after ``layer`` at real tokens (what the anchor's pass sends)."""
+    batch = rollouts()
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=batch.position_ids, output_hidden_states=True)
+    return out.hidden_states[layer + 1][batch.attention_mask.bool()]
+
+
+def one_process() -> dict[str, Any]:
+    """Steps 0..5 with the cuts as hooks: cold start at 0, fit at 1, ship at 3, the anchor's dense
+    traffic during step 3, shared refit at 5."""
+    model = tiny_llama()
+    batch = rollouts()
+    bases, metrics = {}, {}
+    with CutSet(model, PipelineConfig(**CONFIG)) as cuts:
+        codec = cuts.boundaries[0].forward_codec
+        for step in range(6):
+            cuts.reset_stats()
+            cuts.set_step(step)
+            logp, _ = completion_logps(model, batch)
+            logp.sum().backward()
+            if step == SHIP_STEP:
+                with cuts.bypassed():
+                    cuts.observe_dense(0, dense_tokens(model, cuts.specs[0].layer))
+            metrics[step] = cuts.metrics()
+            bases[step] = (codec.basis.clone() if codec.basis is not None else None, codec.version)
+        final = completion_logps(model, batch)[0].detach()
+    return {"bases": bases, "metrics": metrics, "logp": final}
+
+
+def lowrank_worker(rank: int, world_size: int) -> dict[str, Any]:
+    from tclightning.grpo.update import MicrobatchLoss
+    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
+
+    model = tiny_llama()
+    engine = PipelineEngine(model, PipelineConfig(**CONFIG, timeout_s=30))
+    batch = rollouts()
+    inputs = StageInputs.from_rollouts(batch)
+    codec = engine.module.send_codec if rank == 0 else engine.module.recv_codec
+    bases, metrics = {}, {}
+    for step in range(6):
+        engine.reset_stats()
+        engine.set_step(step)
+        loss_fn = no_loss
+        if engine.is_last:
+            loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
+                                     logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+        engine.run(inputs, loss_fn)
+        if step == SHIP_STEP:
+            snapshot = [p.detach().clone() for p in engine.owned_parameters()]
+            engine.dense_gradient(snapshot, inputs, loss_fn)
+        metrics[step] = engine.metrics()
+        bases[step] = (codec.basis.clone() if codec.basis is not None else None, codec.version)
+    logp, _ = engine.run(inputs)
+    return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> tuple[dict[str, Any], dict[str, Any]]:
+    outcomes = run_ranks(lowrank_worker, 2, timeout_s=30)
+    for outcome in outcomes:
+        assert outcome.error is None, outcome.trace
+    return outcomes[0].value, outcomes[1].value
+
+
+def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(two_ranks: Any) -> None:
+    sender, receiver = two_ranks
+    ref = one_process()
+    versions = {step: ref["bases"][step][1] for step in range(6)}
+    assert versions == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3}  # cold start, fit, -, ship, -, shared refit
+    for step in range(6):
+        basis_s, version_s = sender["bases"][step]
+        basis_r, version_r = receiver["bases"][step]
+        assert version_s == version_r == versions[step]
+        if basis_s is None:
+            assert basis_r is None and step == 0
+            continue
+        assert torch.equal(basis_s, basis_r), step  # the two sides: bit for bit
+        torch.testing.assert_close(basis_s, ref["bases"][step][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(receiver["logp"], ref["logp"], rtol=1e-4, atol=1e-5)
+    # bytes: dense at the cold start, r values per token after, the shipped basis at step 3 only
+    tokens = int(rollouts().attention_mask.sum())
+    for rank_result in (sender, receiver):
+        m = rank_result["metrics"]
+        assert m[0]["wire/cut0/bytes_fwd"] == tokens * 64 * 4 == ref["metrics"][0]["wire/cut0/bytes_fwd"]
+        assert m[1]["wire/cut0/bytes_fwd"] == tokens * 5 * 4
+        shipped = 4 + (64 * 5 + 64) * 4  # the refit flag and the basis
+        assert m[SHIP_STEP]["wire/basis_bytes"] == shipped == ref["metrics"][SHIP_STEP]["wire/basis_bytes"]
+        assert m[SHIP_STEP]["wire/cut0/bytes_fwd"] == tokens * 5 * 4 + shipped
+        assert m[SHARED_STEP]["wire/basis_bytes"] == 0.0  # the anchor's traffic refreshed it for free
+        assert 0.0 < m[2]["wire/energy_kept"] <= 1.0
+        assert m[2]["wire/energy_kept"] == pytest.approx(ref["metrics"][2]["wire/energy_kept"], rel=1e-4)
+
+
+def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path) -> None:
+    """A one-process CutSet and a two-process checkpoint both restore the basis and its windows."""
+    ref_model, batch = tiny_llama(), rollouts()
+    with CutSet(ref_model, PipelineConfig(**CONFIG)) as cuts:
+        for step in range(3):
+            cuts.set_step(step)
+            completion_logps(ref_model, batch)
+        torch.save(cuts.state_dict(), tmp_path / "cuts.pt")
+        cuts.set_step(3)
+        expected = completion_logps(ref_model, batch)[0]
+        expected_basis = cuts.boundaries[0].forward_codec.basis.clone()
+    model = tiny_llama()
+    with CutSet(model, PipelineConfig(**CONFIG)) as resumed:
+        resumed.load_state_dict(torch.load(tmp_path / "cuts.pt", weights_only=True))
+        resumed.set_step(3)  # a shipped refit from the restored window
+        assert torch.equal(resumed.boundaries[0].forward_codec.basis, expected_basis)
+        torch.testing.assert_close(completion_logps(model, batch)[0], expected, rtol=0, atol=0)
+    # the two-process checkpoint holds both sides: the sender's window and the receiver's basis
+    state = two_ranks[0]["state"]
+    assert state["forward"][0]["version"] == 3 and state["sender"][0]["version"] == 3
+    assert torch.equal(state["forward"][0]["basis"], state["sender"][0]["basis"])
+
+
+def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path: Path) -> None:
+    common = [*FAST, "trainer.steps=6", "trainer.val_every=0", "trainer.checkpoint_every=0",
+              "logging.progress=none", f"logging.root={tmp_path}", "pipeline.refresh_every=2", "pipeline.stages=2"]
+    alone = run("fast-only-lowrank", common, quiet=True)
+    rows = read_metrics(Path(alone["run_dir"]) / "metrics.csv")
+    assert all(0.0 < rows[s]["wire/energy_kept"] <= 1.0 for s in rows if s > 0)
+    assert sum(rows[s]["wire/basis_bytes"] for s in rows) > 0  # no anchor: the sender ships
+    anchored = run("all-compressed-lowrank", [*common, "anchor.latency=1", "anchor.cadence=1"], quiet=True)
+    rows = read_metrics(Path(anchored["run_dir"]) / "metrics.csv")
+    assert sum(rows[s]["wire/basis_bytes"] for s in rows) == 0  # the anchor's dense pass fed both sides
+    assert rows[max(rows)]["wire/cut0/bytes_fwd"] < rows[min(rows)]["wire/cut0/bytes_fwd"] / 4  # dense, then r
