@@ -33,6 +33,7 @@ class TokenMoments:
         self.count = 0
         self.total: Tensor | None = None
         self.outer: Tensor | None = None
+        self._spectrum: tuple[Tensor, Tensor, Tensor] | None = None  # cached until the moments change
 
     @torch.no_grad()
     def add(self, tokens: Tensor) -> None:
@@ -45,11 +46,25 @@ class TokenMoments:
             self.outer = rows.new_zeros(self.dim, self.dim)
             self.count = 0
         self.count += rows.shape[0]
+        self._spectrum = None
         self.total += rows.sum(0)
         self.outer += rows.T @ rows
 
     def clear(self) -> None:
-        self.count, self.total, self.outer = 0, None, None
+        self.count, self.total, self.outer, self._spectrum = 0, None, None, None
+
+    def spectrum(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mean, eigenvalues ascending, eigenvectors)`` of the centred covariance
+        ``sum x x^T / n - mean mean^T`` (float64), computed once per set of moments: a refresh
+        check and the refit it decides on share one eigendecomposition."""
+        if self.count < 2 or self.total is None or self.outer is None:
+            raise ValueError("a basis needs at least 2 tokens")
+        if self._spectrum is None:
+            mean = self.total / self.count
+            covariance = self.outer / self.count - torch.outer(mean, mean)
+            eigenvalues, eigenvectors = torch.linalg.eigh((covariance + covariance.T) / 2)
+            self._spectrum = (mean, eigenvalues, eigenvectors)
+        return self._spectrum
 
     @torch.no_grad()
     def principal_basis(self, rank: int) -> tuple[Tensor, Tensor, float]:
@@ -57,12 +72,7 @@ class TokenMoments:
         centred covariance ``sum x x^T / n - mu mu^T`` (float32 out), each direction's sign fixed
         (largest \|entry\| positive) so the basis is reproducible; energy kept = the top-r
         eigenvalues' share of the trace."""
-        if self.count < 2 or self.total is None or self.outer is None:
-            raise ValueError("a basis needs at least 2 tokens")
-        mean = self.total / self.count
-        covariance = self.outer / self.count - torch.outer(mean, mean)
-        covariance = (covariance + covariance.T) / 2
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
+        mean, eigenvalues, eigenvectors = self.spectrum()
         top = eigenvectors[:, -rank:].flip(-1)
         pivots = top.abs().argmax(0)
         top = top * torch.sign(top[pivots, torch.arange(rank, device=top.device)])
@@ -85,8 +95,7 @@ class TokenMoments:
         if energy <= 0:
             return 0.0
         lost_now = energy - float(torch.trace(u.T @ about_mu @ u))
-        covariance = self.outer / self.count - torch.outer(centre, centre)
-        eigenvalues = torch.linalg.eigvalsh((covariance + covariance.T) / 2).clamp_min(0)
+        eigenvalues = self.spectrum()[1].clamp_min(0)
         lost_fresh = float(eigenvalues[: max(0, self.dim - u.shape[1])].sum())
         return (lost_now - lost_fresh) / energy
 
@@ -100,6 +109,7 @@ class TokenMoments:
             self.clear()
         else:
             self.count, self.total, self.outer = int(state["count"]), state["total"], state["outer"]
+            self._spectrum = None
 
 
 class SVDCodec(Codec):
@@ -223,7 +233,6 @@ class AdaptiveLowRankCodec(Codec):
         self.basis: Tensor | None = None  # [d, r] float32, orthonormal columns
         self.mean: Tensor | None = None  # [d] float32
         self.version = 0  # fits so far (identical on both sides)
-        self.fitted_step = -1  # the step at which the current basis took effect
         self.shared = TokenMoments(dim)  # dense tokens both sides saw since the last fit
         self.window = TokenMoments(dim)  # sender only: tokens it encoded since the last fit
         self._kept = 0.0
@@ -297,7 +306,7 @@ class AdaptiveLowRankCodec(Codec):
         Returns whether the basis changed (the same answer on both sides)."""
         refit = self.basis is None or self._drifted(self.shared)
         if refit:
-            self._install(*self.shared.principal_basis(self.rank)[:2], step)
+            self._install(*self.shared.principal_basis(self.rank)[:2])
         self._checked(step)
         return refit
 
@@ -307,7 +316,7 @@ class AdaptiveLowRankCodec(Codec):
         message = None
         if self._drifted(self.window):
             basis, mean, _ = self.window.principal_basis(self.rank)
-            self._install(basis, mean, step)
+            self._install(basis, mean)
             message = torch.cat([basis.reshape(-1), mean]).float()
         self._shipped += FLAG_BYTES + (self.ship_bytes() if message is not None else 0)
         self._checked(step)
@@ -320,7 +329,7 @@ class AdaptiveLowRankCodec(Codec):
             size = self.dim * self.rank
             if flat.numel() != size + self.dim:
                 raise ValueError(f"basis message has {flat.numel()} values, expected {size + self.dim}")
-            self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size:].clone(), step)
+            self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size:].clone())
         self._checked(step)
 
     def refresh(self, step: int) -> int:
@@ -339,10 +348,9 @@ class AdaptiveLowRankCodec(Codec):
         """Bytes of one shipped basis: ``(d r + d) * 4`` (float32)."""
         return (self.dim * self.rank + self.dim) * 4
 
-    def _install(self, basis: Tensor, mean: Tensor, step: int) -> None:
+    def _install(self, basis: Tensor, mean: Tensor) -> None:
         self.basis, self.mean = basis.float().cpu(), mean.float().cpu()
         self.version += 1
-        self.fitted_step = step
 
     def _checked(self, step: int) -> None:
         """A check happened at ``step`` (both sides): the next window starts empty."""
@@ -367,7 +375,6 @@ class AdaptiveLowRankCodec(Codec):
             "basis": None if self.basis is None else self.basis.clone(),
             "mean": None if self.mean is None else self.mean.clone(),
             "version": self.version,
-            "fitted_step": self.fitted_step,
             "checked_step": self.checked_step,
             "shared": self.shared.state_dict(),
             "window": self.window.state_dict(),
@@ -377,8 +384,7 @@ class AdaptiveLowRankCodec(Codec):
         if not state:
             return
         self.basis, self.mean = state["basis"], state["mean"]
-        self.version, self.fitted_step = int(state["version"]), int(state["fitted_step"])
-        self.checked_step = int(state.get("checked_step", self.fitted_step))
+        self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
         self.shared.load_state_dict(state.get("shared", {}))
         self.window.load_state_dict(state.get("window", {}))
 

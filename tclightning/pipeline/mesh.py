@@ -168,14 +168,11 @@ class ReplicaMesh:
         if not params:
             return
         present = torch.tensor([p.grad is not None for p in params], dtype=params[0].dtype, device=params[0].device)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [present])
-        flat = self.all_reduce(flat, kind, what)
-        flags, offset = flat[-len(params):].tolist(), 0
-        for param, flag in zip(params, flags, strict=True):
+        *grads, flags = self.sum_tensors(
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in params] + [present], kind, what)
+        for param, grad, flag in zip(params, grads, flags.tolist(), strict=True):
             if flag > 0:
-                param.grad = flat[offset : offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
+                param.grad = grad
 
     def sum_tensors(self, tensors: list[Tensor], kind: str, what: str) -> list[Tensor]:
         """Each tensor summed over the replicas (one flat message); new tensors, same shapes."""
