@@ -79,6 +79,40 @@ def test_a_fresh_window_takes_the_densest_cadence_the_budget_affords() -> None:
     assert action is not None and action.kind == "suspend"  # even latency 1 at the recipe's cadence would pass 30%
 
 
+def test_a_fast_circuit_without_signal_is_switched_once_and_its_anchor_term_turned_off() -> None:
+    core = ControllerCore(window=3, drop_warn=0.05, signal_floor=0.3, signal_patience=2)
+    assert core.wants_signal and core.check_signal(5, 0.45, can_switch=True) is None  # one reading: no verdict
+    action = core.check_signal(10, 0.05, can_switch=True)  # mean +0.25 < 0.30
+    assert action is not None and action.kind == "switch" and "mean fast_signal +0.25 over 2 anchors" in action.reason
+    assert (core.switched_to, core.strength, core.mode, core.wants_signal) == ("lowrank", 0.0, "suspended", False)
+    assert core.check_signal(15, 0.0, can_switch=True) is None  # once per run
+    # after a switch a decline gets no fresh window (a sign override would hold the new circuit flat)
+    drive(core, [(0.5, 0.1, 0.6)] * 3, start=11)
+    assert drive(core, [(0.0, 0.1, 0.6)] * 3, start=14) == [None] * 3 and core.mode == "suspended"
+
+
+def test_a_fast_circuit_with_signal_stops_the_measuring_and_nothing_switches_where_it_cannot() -> None:
+    core = ControllerCore(signal_patience=2)
+    assert core.check_signal(5, 0.6, can_switch=True) is None and core.check_signal(10, 0.1, can_switch=True) is None
+    assert core.signal_found and not core.wants_signal and core.switched_to is None  # mean 0.35 >= 0.30
+    core = ControllerCore(signal_patience=1)
+    assert core.check_signal(5, -0.2, can_switch=False) is None and core.signal_readings == []
+    assert core.check_signal(5, None, can_switch=True) is None and core.wants_signal
+    assert not ControllerCore(fallback_codec=None).wants_signal
+
+
+def test_an_anchor_that_starts_off_earns_its_weight_through_calm_steps() -> None:
+    core = ControllerCore(start_strength=0.0, recover_after=3, min_strength=0.25)
+    assert (core.strength, core.mode) == (0.0, "suspended")
+    actions = drive(core, [(0.4, 0.2, 0.6)] * 6)
+    assert [(a.kind, a.strength) for a in actions if a] == [("recover", 0.25), ("recover", 0.5)]
+    assert ControllerCore(start_strength=0.5).mode == "weakened"
+    core = ControllerCore(start_strength=0.0, recover_after=3)  # steps before any anchor signal are not calm
+    assert drive(core, [(0.4, None, None)] * 6) == [None] * 6 and core.strength == 0.0
+    with pytest.raises(TclightningError, match="start_strength=2"):
+        ControllerCore(start_strength=2)
+
+
 def test_missing_or_nan_signals_are_not_stale() -> None:
     core = ControllerCore(patience=1)
     assert drive(core, [(0.4, None, None), (float("nan"), float("nan"), None)]) == [None, None]
@@ -88,15 +122,20 @@ def test_exact_resume_of_the_controller() -> None:
     gen = torch.Generator().manual_seed(1)
     signals = [(float(torch.rand(1, generator=gen)), float(torch.randn(1, generator=gen)) * 0.3, 0.5)
                for _ in range(80)]
-    core = ControllerCore(window=5, drop_warn=0.05)
+    core = ControllerCore(window=5, drop_warn=0.05, signal_patience=3)
     drive(core, signals[:40])
+    core.check_signal(20, 0.1, can_switch=True)  # a verdict half-way: the readings are state too
     buffer = io.BytesIO()
     torch.save(core.state_dict(), buffer)
     buffer.seek(0)
-    resumed = ControllerCore(window=5, drop_warn=0.05)
+    resumed = ControllerCore(window=5, drop_warn=0.05, signal_patience=3)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     a, b = drive(core, signals[40:], start=40), drive(resumed, signals[40:], start=40)
     assert a == b and core.state_dict() == resumed.state_dict()
+    a, b = (c.check_signal(80, 0.0, can_switch=True) for c in (core, resumed))
+    assert a is None and b is None and core.state_dict() == resumed.state_dict()
+    a, b = (c.check_signal(85, 0.0, can_switch=True) for c in (core, resumed))
+    assert a == b and a is not None and a.kind == "switch"
     assert core.events  # the test exercised some decisions
 
 
@@ -145,6 +184,35 @@ def test_the_callback_puts_its_decisions_into_the_anchor(recwarn: pytest.Warning
     assert resumed.core.state_dict() == callback.core.state_dict()
 
 
+def test_the_callback_measures_the_fast_signal_then_switches_the_cuts(recwarn: pytest.WarningsRecorder) -> None:
+    from tclightning.codecs import AdaptiveLowRankCodec, PRFCodec
+    from tclightning.pipeline import CutSet, PipelineConfig
+    from tests.test_distributed import tiny_llama
+
+    anchor = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(5, 5)))
+    module = SimpleNamespace(anchor=anchor, log=lambda *a, **k: None)
+    callback = AnchorController(signal_patience=2, signal_floor=0.3)
+    with CutSet(tiny_llama(), PipelineConfig(layout="all", stages=2, codec="prf", k=5)) as cuts:
+        def step(i: int, readings: list[float]) -> None:
+            trainer = fake_trainer({"reward/mean": 0.4}, i)
+            trainer.strategy = SimpleNamespace(cuts=cuts)
+            callback.on_train_batch_start(trainer, module, None, i)
+            anchor.fast_readings = readings  # what this step's anchor measured
+            callback.on_train_batch_end(trainer, module, None, None, i)
+
+        step(0, [])
+        assert anchor.measure_fast and isinstance(cuts.boundaries[0].forward_codec, PRFCodec)
+        step(1, [0.1])
+        step(2, [0.0])
+        assert isinstance(cuts.boundaries[0].forward_codec, AdaptiveLowRankCodec)
+        assert not anchor.measure_fast and anchor.strength == 0.0
+        assert any("switch (mean fast_signal +0.05 over 2 anchors" in str(w.message) for w in recwarn)
+    # without cuts to switch (a dense strategy, or across processes) nothing is measured
+    module.anchor = anchor2 = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(5, 5)))
+    AnchorController().on_train_batch_start(fake_trainer({}, 0), module, None, 0)
+    assert not anchor2.measure_fast
+
+
 def test_without_an_anchor_the_callback_does_nothing() -> None:
     module = SimpleNamespace(log=lambda *a, **k: pytest.fail("nothing to log"))
     callback = AnchorController()
@@ -178,6 +246,42 @@ def test_a_robust_run_logs_documented_metrics_and_resumes_exactly(tmp_path) -> N
     assert {"anchor/controller_action", "anchor/fast_cosine", "anchor/correction_ratio", "anchor/strength"} <= logged
     _train(tmp_path / "b", 3)
     summary_b, resumed = _train(tmp_path / "b", 6, resume="last")
+    rows_b = read_metrics(Path(summary_b["run_dir"]) / "metrics.csv")
+    wall = ("time/", "throughput/", "epoch")
+    for step in range(6):
+        assert {k: v for k, v in rows_b[step].items() if not k.startswith(wall)} == {
+            k: v for k, v in rows[step].items() if not k.startswith(wall)}, step
+    assert resumed.core.state_dict() == whole.core.state_dict()
+
+
+def _switching_run(root, steps: int, resume: str | None = None):  # noqa: ANN001, ANN202
+    """shallow-compressed on a briefly warmed tiny model (one-digit sums, so rewards vary and the
+    gradients are not 0), a fresh anchor every step; a signal floor no gradient reaches, so the
+    controller switches the codec at the first anchor (step 1)."""
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    controller = AnchorController(signal_patience=1, signal_floor=0.999)
+    summary = run("shallow-compressed", [*FAST, "model.warmup.steps=150", "task.digits=1", "pipeline.stages=2",
+                                         "anchor.latency=1", "anchor.cadence=1", "callback_presets=[]",
+                                         "trainer.val_every=0", "trainer.checkpoint_every=3", f"logging.root={root}",
+                                         f"trainer.steps={steps}"], resume=resume, quiet=True,
+                  extra_callbacks=(controller,))
+    return summary, controller
+
+
+def test_a_switched_run_logs_the_switch_and_resumes_exactly(tmp_path) -> None:  # noqa: ANN001
+    from pathlib import Path
+
+    from tclightning.grpo.summary import read_metrics
+
+    summary, whole = _switching_run(tmp_path / "a", 6)
+    rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
+    assert [e.kind for e in whole.events] == ["switch"] and whole.events[0].step == 1
+    assert rows[1]["anchor/controller_action"] == ACTIONS["switch"] and 0 < rows[1]["anchor/fast_signal"] < 0.999
+    assert rows[4]["anchor/strength"] == 0.0
+    _switching_run(tmp_path / "b", 3)
+    summary_b, resumed = _switching_run(tmp_path / "b", 6, resume="last")  # the checkpoint holds the lowrank cuts
     rows_b = read_metrics(Path(summary_b["run_dir"]) / "metrics.csv")
     wall = ("time/", "throughput/", "epoch")
     for step in range(6):

@@ -41,6 +41,9 @@ def test_conditional_is_a_fill_everywhere_it_is_named() -> None:
     PipelineConfig(layout="all", fill="conditional").validate()
     with pytest.raises(TclightningError, match="rescale"):
         PipelineConfig(layout="all", fill="conditional", rescale=True).validate()
+    with pytest.raises(TclightningError, match="pipeline.fill_rank must be >= 1"):
+        PipelineConfig(layout="all", fill="conditional", fill_rank=0).validate()
+    assert RANGES["pipeline.fill_rank"](0) is not None and RANGES["pipeline.fill_rank"](31) is None
 
 
 def test_exact_with_the_true_statistics() -> None:
@@ -194,8 +197,9 @@ def test_in_a_cut_set_state_round_trips(tmp_path) -> None:  # type: ignore[no-un
         hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=50))
     ids = torch.randint(0, 50, (8, 30))
-    config = PipelineConfig(stages=3, layout="all", k=8, fill="conditional")
+    config = PipelineConfig(stages=3, layout="all", k=8, fill="conditional", fill_rank=6)
     with torch.no_grad(), CutSet(model, config) as cuts:
+        assert all(b.forward_codec.cond.rank == 6 for b in cuts.boundaries)  # pipeline.fill_rank reaches the fill
         for step in range(6):
             cuts.set_step(step)
             model(input_ids=ids)

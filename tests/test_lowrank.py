@@ -294,3 +294,30 @@ def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path:
     rows = read_metrics(Path(anchored["run_dir"]) / "metrics.csv")
     assert sum(rows[s]["wire/basis_bytes"] for s in rows) == 0  # the anchor's dense pass fed both sides
     assert rows[max(rows)]["wire/cut0/bytes_fwd"] < rows[min(rows)]["wire/cut0/bytes_fwd"] / 4  # dense, then r
+
+
+# ------------------------------------------------------------------ switching the codec of a running CutSet
+def test_switch_codec_rebuilds_the_compressed_cuts_and_a_resumed_cutset_follows() -> None:
+    model, batch = tiny_llama(), rollouts()
+    config = PipelineConfig(layout="shallow", shallow_count=1, stages=3, codec="prf", k=5)
+    with CutSet(model, config) as cuts:
+        dense_cut = cuts.boundaries[1].forward_codec
+        cuts.switch_codec("lowrank")
+        codec = cuts.boundaries[0].forward_codec
+        assert isinstance(codec, AdaptiveLowRankCodec) and codec.rank == 5 and codec.width == 64  # cold: dense
+        assert cuts.boundaries[1].forward_codec is dense_cut and cuts.config.codec == "lowrank"
+        for step in range(3):  # cold start (dense) at step 0, then the fitted basis
+            cuts.reset_stats()
+            cuts.set_step(step)
+            completion_logps(model, batch)
+        assert codec.basis is not None and codec.width == 5 and cuts.metrics()["wire/bytes_fwd"] > 0
+        state = cuts.state_dict()
+        expected = completion_logps(model, batch)[0].detach()
+    assert state["codec"] == "lowrank"
+    with CutSet(model, config) as resumed:  # built from the recipe (prf), then the checkpoint
+        resumed.load_state_dict(state)
+        assert isinstance(resumed.boundaries[0].forward_codec, AdaptiveLowRankCodec)
+        assert torch.equal(completion_logps(model, batch)[0].detach(), expected)
+    with CutSet(model, PipelineConfig(layout="dense", stages=3)) as dense, pytest.raises(TclightningError,
+                                                                                         match="no cut is compressed"):
+        dense.switch_codec("lowrank")

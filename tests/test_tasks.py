@@ -212,6 +212,33 @@ def test_arithmetic_reward(completion: str, reward: float) -> None:
     assert task.reward(completion, ex) == reward
 
 
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("37 + 48 = 85", 1.0),  # a chat model restating the problem
+        ("The answer is 85.", 1.0),
+        ("85", 1.0),
+        ("85, not 84", 0.0),
+        ("37 + 48", 0.0),
+        ("-85", 0.0),
+        ("no number", 0.0),
+        ("1 " + "9" * 100, 0.0),  # a giant last run is no answer
+    ],
+)
+def test_arithmetic_reward_reads_the_last_integer_when_asked(completion: str, reward: float) -> None:
+    task = build_task(TaskConfig(answer_at="last"))
+    ex = Example("arithmetic/x/0", "37+48=", "85", "85")
+    assert task.reward(completion, ex) == reward
+    assert build_task(TaskConfig()).reward("37 + 48 = 85", ex) == 0.0  # the default reads the first
+
+
+def test_arithmetic_answer_at_refuses_bad_values() -> None:
+    with pytest.raises(TclightningError, match="answer_at must be 'first' or 'last'"):
+        build_task(TaskConfig(answer_at="middle"))
+    with pytest.raises(TclightningError, match="does not combine with task.reverse_answer"):
+        build_task(TaskConfig(answer_at="last", reverse_answer=True))
+
+
 # --------------------------------------------------------------------------- shared data
 
 

@@ -12,6 +12,10 @@
   ``G_comp`` against the merger's anchor direction, mean over the step's ticks) and
   ``anchor/consecutive_agreement`` (sign agreement of the newest ``M`` with the anchor direction
   before it was folded in: how far the policy's gradient turned between two anchors);
+* the **fast circuit's signal** ``anchor/fast_signal``, when the fast circuit also ran on the
+  anchor's job (the ``control_variate`` merger needs it; ``measure_fast`` asks for it): the cosine
+  of that compressed gradient with ``M``, same batch, same weights: premise 1 of the two-circuit
+  method, measured online (``fast_readings``: this step's; ``fast_signal``: the latest);
 * the **strength** ``s`` in [0, 1] that an anchor controller turns:
   ``G = G_comp + s * (merge(G_comp) - G_comp)`` (1: the merger as is; 0: the anchor term off).
 
@@ -74,12 +78,16 @@ class Anchor:
         self.strength = 1.0  # weight of the anchor term (an anchor controller turns it)
         self.consecutive: float | None = None  # sign agreement of the last two anchors (all time)
         self.signals: dict[str, list[float]] = {}  # this step's per-tick figures (fast_cosine, merger's)
+        self.measure_fast = False  # run the fast circuit on each job too, for anchor/fast_signal
+        self.fast_signal: float | None = None  # the latest anchor's reading (all time)
+        self.fast_readings: list[float] = []  # this step's readings
 
     # ----------------------------------------------------------------------------- the circuit
     def begin_step(self) -> None:
         """A new RL step: ``anchor/bytes``, ``time/anchor_s`` and the per-tick signals count from zero."""
         self.step_metrics = {"anchor/bytes": 0.0, "time/anchor_s": 0.0}
         self.signals = {}
+        self.fast_readings = []
 
     def tick(
         self,
@@ -99,15 +107,17 @@ class Anchor:
         ``gradient(job) -> (M, boundary bytes)`` and delivered (the newest wins). A merger that
         :attr:`~tclightning.anchor.mergers.Merger.needs_fast` also gets
         ``fast_gradient(job) -> (G_hat, boundary bytes)``, the fast circuit on the same job; its
-        bytes are the anchor's too."""
+        bytes are the anchor's too. With :attr:`measure_fast` it runs whenever ``fast_gradient`` is
+        given (None: the backend cannot run it), for ``anchor/fast_signal`` alone."""
         if self.circuit is None:
             raise TclightningError("this anchor has no circuit: its M is handed to merge_")
         if first and self.circuit.should_record(tick):
             self.circuit.maybe_record(tick, lambda: cpu_snapshot(parameters()), payload())
-        needs_fast = getattr(self.merger, "needs_fast", False)
-        if needs_fast and fast_gradient is None:
+        required = getattr(self.merger, "needs_fast", False)
+        if required and fast_gradient is None:
             raise TclightningError(f"merger {self.merger.name!r} needs the fast circuit at the anchor's snapshot: "
                                    "pass fast_gradient to Anchor.tick")
+        needs_fast = required or (self.measure_fast and fast_gradient is not None)
         for job in self.circuit.due(tick):
             started = time.perf_counter()
             grads, sent = gradient(job)
@@ -134,7 +144,8 @@ class Anchor:
 
         1. the projector sees the weights (``rank1`` keeps a trajectory of them);
         2. a ``delivered`` ``M`` (shaped like ``params``) is compared with the merger's anchor
-           direction (``consecutive``) and folded into ``M_bar``;
+           direction (``consecutive``) and, when it came with the fast circuit's gradient on the
+           same job, with that (``anchor/fast_signal``); then folded into ``M_bar``;
         3. ``sign(G_comp) == sign(M_bar)`` and ``cos(G_comp, anchor direction)`` are measured;
         4. each ``p.grad`` becomes ``G_comp + strength * (G - G_comp)`` with ``G`` the merged
            gradient (parameters without a gradient are left alone).
@@ -154,9 +165,12 @@ class Anchor:
             if len(grads) != len(params):
                 raise TclightningError(f"the anchor gradient has {len(grads)} tensors for {len(params)} anchor parameters")
             previous = self.merger.reference()
-            if previous is not None:
-                with torch.no_grad():
+            with torch.no_grad():
+                if previous is not None:
                     self.consecutive = sign_agreement(list(grads), previous)
+                if fast is not None and _nonzero(fast) and _nonzero(grads):  # 0 = no batch signal, not no fast signal
+                    self.fast_signal = cosine(list(fast), list(grads))
+                    self.fast_readings.append(self.fast_signal)
             self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick,
                                 fast=None if fast is None else list(fast))
             self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
@@ -209,11 +223,13 @@ class Anchor:
 
     def signal_metrics(self) -> dict[str, float]:
         """This step's means of the per-tick signals (``anchor/fast_cosine`` and the merger's own,
-        e.g. ``anchor/trust``), ``anchor/consecutive_agreement`` once two anchors have arrived, and
-        ``anchor/strength``."""
+        e.g. ``anchor/trust``), ``anchor/consecutive_agreement`` once two anchors have arrived,
+        ``anchor/fast_signal`` (the latest reading) once one was measured, and ``anchor/strength``."""
         out = {key: sum(values) / len(values) for key, values in self.signals.items() if values}
         if self.consecutive is not None:
             out["anchor/consecutive_agreement"] = self.consecutive
+        if self.fast_signal is not None:
+            out["anchor/fast_signal"] = self.fast_signal
         out["anchor/strength"] = self.strength
         return out
 
@@ -237,6 +253,9 @@ class Anchor:
             "agreement": list(self.agreement),
             "coordinates": list(self.coordinates),
             "strength": self.strength,
+            "measure_fast": self.measure_fast,
+            "fast_signal": self.fast_signal,
+            "fast_readings": list(self.fast_readings),
             "consecutive": self.consecutive,
             "signals": {key: list(values) for key, values in self.signals.items()},
         }
@@ -248,6 +267,10 @@ class Anchor:
         new = state.get("new")
         self._delivered = None if new is None else AnchorDelivery(*new)
         self.strength = float(state.get("strength", 1.0))
+        self.measure_fast = bool(state.get("measure_fast", False))
+        fast_signal = state.get("fast_signal")
+        self.fast_signal = None if fast_signal is None else float(fast_signal)
+        self.fast_readings = [float(r) for r in state.get("fast_readings", [])]
         consecutive = state.get("consecutive")
         self.consecutive = None if consecutive is None else float(consecutive)
         self.signals = {key: [float(v) for v in values] for key, values in state.get("signals", {}).items()}
@@ -276,6 +299,11 @@ def build_anchor(config: AnchorConfig) -> Anchor | None:
     schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks,
                               config.warmup_shape, config.warmup_stages)
     return Anchor(merger, AnchorCircuit(schedule))
+
+
+def _nonzero(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` has a nonzero entry (a batch whose advantages are all 0 has none)."""
+    return any(bool(t.any()) for t in tensors)
 
 
 def _to_cpu(value: Any) -> Any:

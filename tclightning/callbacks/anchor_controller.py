@@ -23,8 +23,22 @@ Decisions (:class:`ControllerCore`, pure logic, tested on synthetic signals):
    projected from the shares so far, a fresh anchor at cadence ``C`` adding ``1/C`` of dense
    per step), if fewer than ``max_fresh`` windows were used; otherwise ``suspend``;
 4. ``restore``: after a fresh window, the recipe's latency/cadence come back with ``s =
-   min_strength``; after ``recover_after`` calm steps (not stale, no decline) ``s`` doubles (up to
-   1, from ``min_strength`` when suspended): ``recover``.
+   min_strength``; after ``recover_after`` calm steps (an anchor signal measured, not stale, no
+   decline) ``s`` doubles (up to 1, from ``min_strength`` when suspended): ``recover``;
+5. ``switch``: the fast circuit itself carries no signal -- its gradient on an anchor's batch at
+   the anchor's weights has a cosine with the anchor's dense ``M`` (``anchor/fast_signal``)
+   whose mean over the first ``signal_patience`` anchors is below ``signal_floor`` -- so no merge
+   can help: every compressed cut's codec becomes ``fallback_codec`` (default ``lowrank``, a
+   learned basis at the same values per token), once per run, and the anchor's term is switched
+   off (``s = 0``; it can come back through ``recover``) with no more fresh windows: a sign
+   override, even a fresh one, holds a fast circuit that has signal flat or pulls it down. The
+   signal is measured (the anchor also runs the fast circuit on its job: compute, and that
+   pass's compressed bytes) for those first anchors only. One process only: across processes
+   the fast circuit cannot run at a snapshot, so nothing is measured and nothing switched.
+
+``start_strength`` (default 1: the recipe's anchor as is) below 1 starts the anchor's term weakened
+(0: suspended), so it must earn its weight through ``recover``: an anchor that never hurts before
+its signals show it points the way.
 
 Each action is logged: ``anchor/controller_action`` (the step's action code, 0 for none; see
 ``ACTIONS``), ``anchor/controller_actions`` (how many so far), ``anchor/controller_mode`` (0
@@ -58,8 +72,9 @@ from tclightning.callbacks.anchor_merge import AnchorMerge
 from tclightning.callbacks.health_actions import HealthWarning, metric_scalar
 from tclightning.callbacks.steps import rl_step
 from tclightning.errors import TclightningError
+from tclightning.pipeline.cuts import CutSet
 
-ACTIONS = {"none": 0, "weaken": 1, "suspend": 2, "fresh": 3, "restore": 4, "recover": 5}
+ACTIONS = {"none": 0, "weaken": 1, "suspend": 2, "fresh": 3, "restore": 4, "recover": 5, "switch": 6}
 """Action name -> the code logged as ``anchor/controller_action``."""
 
 MODES = {"normal": 0, "weakened": 1, "suspended": 2, "fresh": 3}
@@ -98,6 +113,10 @@ class ControllerCore:
     fresh_steps: int = 10
     max_fresh: int = 2
     byte_budget: float = 0.5
+    signal_floor: float = 0.3
+    signal_patience: int = 2
+    fallback_codec: str | None = "lowrank"
+    start_strength: float = 1.0
     # state
     strength: float = 1.0
     mode: str = "normal"
@@ -110,6 +129,9 @@ class ControllerCore:
     fresh_cadence: int = 1
     last_decline_step: int | None = None
     steps_seen: int = 0
+    signal_readings: list[float] = field(default_factory=list)  # anchor/fast_signal of the first anchors
+    signal_found: bool = False  # their mean reached signal_floor: nothing to switch
+    switched_to: str | None = None
     events: list[ControllerAction] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -119,13 +141,19 @@ class ControllerCore:
             "weaken_factor": 0 < self.weaken_factor < 1, "min_strength": 0 < self.min_strength <= 1,
             "recover_after": self.recover_after >= 1, "fresh_steps": self.fresh_steps >= 0,
             "max_fresh": self.max_fresh >= 0, "byte_budget": self.byte_budget > 0,
+            "signal_floor": -1 <= self.signal_floor <= 1, "signal_patience": self.signal_patience >= 1,
+            "start_strength": 0 <= self.start_strength <= 1,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise TclightningError(
                 f"AnchorController: out of range: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)} (window, "
-                "patience, recover_after >= 1; fresh_steps, max_fresh >= 0; drop_warn, byte_budget > 0; "
-                "0 < weaken_factor < 1; 0 < min_strength <= 1; agree_floor in [0, 1]; cos_floor in [-1, 1])")
+                "patience, recover_after, signal_patience >= 1; fresh_steps, max_fresh >= 0; drop_warn, byte_budget "
+                "> 0; 0 < weaken_factor < 1; 0 < min_strength <= 1; agree_floor, start_strength in [0, 1]; "
+                "cos_floor, signal_floor in [-1, 1])")
+        if self.steps_seen == 0 and not self.events:  # a new run: the anchor's term starts at start_strength
+            self.strength = float(self.start_strength)
+            self.mode = "normal" if self.strength >= 1.0 else ("suspended" if self.strength == 0.0 else "weakened")
 
     # ------------------------------------------------------------------ signals
     def decline(self) -> float | None:
@@ -140,6 +168,33 @@ class ControllerCore:
         if consecutive is not None and math.isfinite(consecutive) and consecutive < self.agree_floor:
             return f"consecutive_agreement {consecutive:.2f} < {self.agree_floor:.2f}"
         return None
+
+    @property
+    def wants_signal(self) -> bool:
+        """Whether ``anchor/fast_signal`` is still needed: a fallback codec is set and no verdict yet."""
+        return self.fallback_codec is not None and self.switched_to is None and not self.signal_found
+
+    def check_signal(self, step: int, fast_signal: float | None, *, can_switch: bool) -> ControllerAction | None:
+        """An anchor's ``fast_signal`` (None: none arrived this step) in. After ``signal_patience``
+        readings: their mean below ``signal_floor`` gives ``switch`` (see the module doc), else
+        the fast circuit has signal and measuring stops. Nothing happens unless ``can_switch``
+        (the caller can rebuild the cuts with ``fallback_codec``)."""
+        if not (self.wants_signal and can_switch) or fast_signal is None or not math.isfinite(fast_signal):
+            return None
+        self.signal_readings.append(float(fast_signal))
+        if len(self.signal_readings) < self.signal_patience:
+            return None
+        mean = sum(self.signal_readings) / len(self.signal_readings)
+        if mean >= self.signal_floor:
+            self.signal_found = True
+            return None
+        assert self.fallback_codec is not None
+        self.switched_to = self.fallback_codec
+        self.mode, self.fresh_left, self.stale_streak, self.calm_streak = "suspended", 0, 0, 0
+        return self._act(step, "switch", 0.0,
+                         f"mean fast_signal {mean:+.2f} over {len(self.signal_readings)} anchors < "
+                         f"{self.signal_floor:+.2f}: the fast circuit carries no signal; codec -> {self.fallback_codec}, "
+                         "anchor term off")
 
     # ------------------------------------------------------------------ the decision
     def observe(
@@ -161,7 +216,9 @@ class ControllerCore:
         self.stale_streak = self.stale_streak + 1 if stale else 0
         decline = self.decline()
         declining = decline is not None and decline >= self.drop_warn
-        self.calm_streak = 0 if (stale or declining) else self.calm_streak + 1
+        # calm needs evidence: a step before any anchor signal (None or NaN) is not one
+        measured = any(x is not None and math.isfinite(x) for x in (fast_cosine, consecutive))
+        self.calm_streak = 0 if (stale or declining) else self.calm_streak + int(measured)
 
         if self.mode == "fresh":
             self.fresh_left -= 1
@@ -203,7 +260,7 @@ class ControllerCore:
 
     def _fresh_cadence(self, bytes_share: float | None, fast_share: float | None, cadence: int | None) -> int | None:
         """The densest cadence a fresh window can afford (module doc), or None."""
-        if self.fresh_steps == 0 or self.fresh_used >= self.max_fresh:
+        if self.fresh_steps == 0 or self.fresh_used >= self.max_fresh or self.switched_to is not None:
             return None
         if bytes_share is None:
             return FRESH_CADENCES[0]
@@ -229,10 +286,12 @@ class ControllerCore:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in ("strength", "mode", "rewards", "start", "stale_streak", "calm_streak", "fresh_left", "fresh_used",
-                     "fresh_cadence", "last_decline_step", "steps_seen"):
+                     "fresh_cadence", "last_decline_step", "steps_seen", "signal_readings", "signal_found",
+                     "switched_to"):
             if name in state:
                 setattr(self, name, state[name])
         self.rewards = [float(r) for r in self.rewards]
+        self.signal_readings = [float(r) for r in self.signal_readings]
         self.events = [ControllerAction(**e) for e in state.get("events", [])]
 
 
@@ -253,6 +312,10 @@ class AnchorController(Callback):
         max_fresh: fresh windows per run.
         byte_budget: a fresh window's cadence keeps the run's projected boundary bytes (``wire/*``
             plus ``anchor/bytes``) within this share of a dense trainer's; none fits: ``suspend``.
+        signal_floor: a mean ``anchor/fast_signal`` below this over the first anchors: no signal.
+        signal_patience: how many anchors that mean is taken over.
+        fallback_codec: the codec ``switch`` gives every compressed cut (None: never switch).
+        start_strength: the anchor term's strength before any evidence (1: the recipe's anchor).
         log: log ``anchor/controller_*`` each RL step.
     """
 
@@ -269,10 +332,17 @@ class AnchorController(Callback):
         fresh_steps: int = 10,
         max_fresh: int = 2,
         byte_budget: float = 0.5,
+        signal_floor: float = 0.3,
+        signal_patience: int = 2,
+        fallback_codec: str | None = "lowrank",
+        start_strength: float = 1.0,
         log: bool = True,
     ) -> None:
-        self.core = ControllerCore(window, drop_warn, cos_floor, agree_floor, patience, weaken_factor, min_strength,
-                                   recover_after, fresh_steps, max_fresh, byte_budget)
+        self.core = ControllerCore(
+            window=window, drop_warn=drop_warn, cos_floor=cos_floor, agree_floor=agree_floor, patience=patience,
+            weaken_factor=weaken_factor, min_strength=min_strength, recover_after=recover_after,
+            fresh_steps=fresh_steps, max_fresh=max_fresh, byte_budget=byte_budget, signal_floor=signal_floor,
+            signal_patience=signal_patience, fallback_codec=fallback_codec, start_strength=start_strength)
         self.log_metrics = log
         self._schedule: AnchorSchedule | None = None  # the recipe's, captured before the first change
         self._sent = self._fast = self._dense = 0.0  # boundary bytes of the run so far (this process's view)
@@ -296,9 +366,21 @@ class AnchorController(Callback):
                 return callback.anchor
         return None
 
-    def _apply(self, anchor: Anchor) -> None:
-        """Put the decision state into the anchor: strength, and the fresh schedule while in force."""
+    @staticmethod
+    def switchable_cuts(trainer: pl.Trainer) -> CutSet | None:
+        """The one-process pipeline strategy's cuts when at least one is compressed, else None."""
+        cuts = getattr(getattr(trainer, "strategy", None), "cuts", None)
+        return cuts if isinstance(cuts, CutSet) and cuts.compressed else None
+
+    def _can_switch(self, trainer: pl.Trainer) -> bool:
+        cuts = self.switchable_cuts(trainer)
+        return cuts is not None and self.core.fallback_codec not in (None, cuts.config.codec)
+
+    def _apply(self, anchor: Anchor, trainer: pl.Trainer) -> None:
+        """Put the decision state into the anchor: strength, whether to measure the fast circuit's
+        signal, and the fresh schedule while in force."""
         anchor.strength = self.core.strength
+        anchor.measure_fast = self.core.wants_signal and self._can_switch(trainer)
         if anchor.circuit is None:
             return
         if self._schedule is None:
@@ -313,7 +395,7 @@ class AnchorController(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         anchor = self.find_anchor(trainer, pl_module)
         if anchor is not None:
-            self._apply(anchor)
+            self._apply(anchor, trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -334,15 +416,24 @@ class AnchorController(Callback):
         cadence = None if self._schedule is None else self._schedule.cadence_at(trainer.global_step)
         before = self.core.strength
         step = rl_step(trainer)
+        readings = anchor.fast_readings  # this step's only (anchor/fast_signal holds the latest)
+        fast_signal = sum(readings) / len(readings) if readings else None
+        switch = self.core.check_signal(step, fast_signal, can_switch=self._can_switch(trainer))
+        if switch is not None:
+            cuts = self.switchable_cuts(trainer)
+            assert cuts is not None and switch.kind == "switch" and self.core.switched_to is not None
+            cuts.switch_codec(self.core.switched_to)
+            self._warn(switch.line(before))
         action = self.core.observe(step, reward=get("reward/mean"), fast_cosine=get("anchor/fast_cosine"),
                                    consecutive=get("anchor/consecutive_agreement"), bytes_share=share,
                                    fast_share=fast_share, cadence=cadence)
         if action is not None:
             self._warn(action.line(before))
-        self._apply(anchor)
+        self._apply(anchor, trainer)
         if self.log_metrics:
             kwargs = {"on_step": True, "on_epoch": False, "batch_size": 1}
-            pl_module.log("anchor/controller_action", float(ACTIONS[action.kind] if action else 0), **kwargs)
+            last = action or switch
+            pl_module.log("anchor/controller_action", float(ACTIONS[last.kind] if last else 0), **kwargs)
             pl_module.log("anchor/controller_actions", float(len(self.core.events)), **kwargs)
             pl_module.log("anchor/controller_mode", float(MODES[self.core.mode]), **kwargs)
 

@@ -213,6 +213,7 @@ def grpo_update(
         old_logp, entropy = backend.logprobs(rollouts, with_entropy=True)
     ref_logp = None if reference is None else backend.share_from_sampler(reference, "receiving the reference log-probs")
 
+    can_fast = isinstance(backend, CompressedAnchorBackend)
     stats: dict[str, list[float]] = {}
     ticks = skipped = 0
     for tick, chunk in enumerate(minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(seed, step, salt=1))):
@@ -222,8 +223,11 @@ def grpo_update(
                 payload=lambda: {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()},
                 gradient=lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
                                                      norm_length=norm_length),
-                fast_gradient=lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
-                                                          norm_length=norm_length, compressed=True),
+                # None where the backend cannot run the fast circuit at a snapshot (across processes):
+                # a merger that needs it still gets it, and anchor_gradient names the fix
+                fast_gradient=(lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
+                                                           norm_length=norm_length, compressed=True))
+                if can_fast or anchor.merger.needs_fast else None,
             )
         part = rollouts.select(chunk.to(rollouts.completion_ids.device))
         width = part.completion_ids.shape[1]

@@ -59,8 +59,12 @@ class PipelineConfig:
     fill: str = "zero"
     """PRF receiver fill for the d - k dropped channels: ``zero`` | ``mean`` (per-channel running
     mean of decoded values, updated once per step of the PRF key) | ``conditional`` (Gaussian
-    conditional mean given the kept channels, rank-16 PPCA fitted to the decoded values; the
+    conditional mean given the kept channels, rank-``fill_rank`` PPCA fitted to the decoded values; the
     per-channel mean until the statistics are warm; not with ``rescale``)."""
+
+    fill_rank: int = 16
+    """``conditional`` fill: rank r of the PPCA model of the activations (at most d; d - 1 is the
+    exact Gaussian conditional mean, one k x k solve per token instead of r x r)."""
 
     fill_momentum: float = 0.1
     """EMA weight of the newest tick in the ``mean`` fill (``conditional``: its moments decay by
@@ -158,6 +162,8 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.schedule '{self.schedule}' is not one of gpipe, 1f1b")
         if self.timeout_s <= 0:
             raise TclightningError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
+        if self.fill_rank < 1:
+            raise TclightningError(f"pipeline.fill_rank must be >= 1, got {self.fill_rank}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")
         if self.replicas < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,6 +71,8 @@ class CutSet:
       sampler and dense probes run under it);
     * ``metrics()`` / ``reset_stats()`` -- wire bytes since the last reset (``wire/*``);
     * ``set_token_mask(mask)`` -- override the real-token mask used for byte counting;
+    * ``switch_codec(name)`` -- every compressed cut's codec becomes ``name`` at the same budget
+      (an anchor controller's fallback when the recipe's codec carries no signal);
     * ``remove()`` -- delete the hooks (also on ``with CutSet(...)`` exit).
     """
 
@@ -84,7 +87,8 @@ class CutSet:
         body, layers = find_decoder_layers(model)
         self.config = config
         self.dim = boundary_width(model)
-        self.specs: list[CutSpec] = resolve_layout(config, len(layers), self.dim)
+        self.num_layers = len(layers)
+        self.specs: list[CutSpec] = resolve_layout(config, self.num_layers, self.dim)
         self.wire: Wire = wire if wire is not None else LoopbackWire()
         self.meter = WireMeter([spec.layer for spec in self.specs])
         self.boundaries = [
@@ -117,6 +121,7 @@ class CutSet:
             fill=cfg.fill,
             rescale=cfg.rescale,
             fill_momentum=cfg.fill_momentum,
+            fill_rank=cfg.fill_rank,
             rank=spec.rank,
             refresh_every=cfg.refresh_every, refresh_tolerance=cfg.refresh_tolerance,
         )
@@ -179,6 +184,23 @@ class CutSet:
                     if shipped:
                         self.meter.record_setup(boundary.ordinal, shipped)
         self.step = int(step)
+
+    def switch_codec(self, codec: str) -> None:
+        """Rebuild every compressed cut's codecs as ``codec`` at the same k values per token (dense
+        cuts stay dense); the hooks stay in place. The new codecs start with no state (a basis
+        codec cold-starts at its next step). :meth:`state_dict` records the codec in force, and
+        :meth:`load_state_dict` switches to it first, so a resumed run carries the switch."""
+        if not self.compressed:
+            raise TclightningError("switch_codec: no cut is compressed")
+        cfg = self.config
+        cut_codecs = None if cfg.cut_codecs is None else [c if c == "identity" else codec for c in cfg.cut_codecs]
+        config = dataclasses.replace(cfg, codec=codec, cut_codecs=cut_codecs)
+        specs = resolve_layout(config, self.num_layers, self.dim)  # validates before anything changes
+        self.config, self.specs = config, specs
+        for boundary, spec in zip(self.boundaries, specs):
+            if spec.compressed:
+                boundary.forward_codec = self._codec(spec.codec, spec)
+                boundary.backward_codec = self._backward_codec(spec)
 
     @contextlib.contextmanager
     def observing_dense(self, model: nn.Module, attention_mask: Tensor) -> Iterator[None]:
@@ -249,14 +271,19 @@ class CutSet:
         return " | ".join(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step and receiver-side codec state (running-mean fills, svd bases, powersgd warm starts)."""
+        """Step, the codec in force (``switch_codec``) and receiver-side codec state (running-mean
+        fills, svd bases, powersgd warm starts)."""
         return {
             "step": self.step,
+            "codec": self.config.codec,
             "forward": [b.forward_codec.state_dict() for b in self.boundaries],
             "backward": [b.backward_codec.state_dict() if b.backward_codec else {} for b in self.boundaries],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        codec = state.get("codec")
+        if codec is not None and codec != self.config.codec and self.compressed:  # saved after a switch_codec
+            self.switch_codec(codec)
         self.step = int(state.get("step", 0))
         for boundary, fwd, bwd in zip(self.boundaries, state.get("forward", []), state.get("backward", [])):
             boundary.forward_codec.load_state_dict(fwd)

@@ -155,8 +155,8 @@ class PipelineEngine:
     def _codec(self, spec: CutSpec) -> Codec:
         cfg = self.config
         return make_codec(spec.codec, self.dim, k=spec.k, fill=cfg.fill, rescale=cfg.rescale,
-                          fill_momentum=cfg.fill_momentum, rank=spec.rank, refresh_every=cfg.refresh_every,
-                          refresh_tolerance=cfg.refresh_tolerance)
+                          fill_momentum=cfg.fill_momentum, fill_rank=cfg.fill_rank, rank=spec.rank,
+                          refresh_every=cfg.refresh_every, refresh_tolerance=cfg.refresh_tolerance)
 
     @property
     def is_first(self) -> bool:

@@ -243,6 +243,7 @@ RANGES: dict[str, Rule] = {
     "task.num_train": positive(),
     "task.reverse_answer": flag,
     "task.fixed_width": flag,
+    "task.answer_at": one_of("first", "last"),
     "task.max_turns": positive(),
     "task.chain": positive(),
     "task.min_solve_rate": number(0.0, 1.0, optional=True),
@@ -295,6 +296,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.k": positive(optional=True),
     "pipeline.fill": one_of("zero", "mean", "conditional"),  # = tclightning.codecs.FILLS (tested)
     "pipeline.fill_momentum": number(0.0, 1.0, low_open=True),
+    "pipeline.fill_rank": positive(),
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
     "pipeline.refresh_every": integer(0),

@@ -52,8 +52,17 @@ def first_integer(text: str) -> int | None:
     return int(match.group())
 
 
+def last_integer(text: str) -> int | None:
+    """The last integer in ``text`` (a leading ``-`` counts), or None. Giant digit runs -> None."""
+    matches = _FIRST_INTEGER.findall(text)
+    if not matches or len(matches[-1]) > 30:
+        return None
+    return int(matches[-1])
+
+
 class ArithmeticTask(Task):
-    """``a<op>b=`` problems; reward 1.0 iff the first integer of the completion is the answer."""
+    """``a<op>b=`` problems; reward 1.0 iff the first integer of the completion (``task.answer_at:
+    last``: the last) is the answer."""
 
     name = "arithmetic"
 
@@ -68,6 +77,11 @@ class ArithmeticTask(Task):
                 f"got {cfg.operations!r}"
             )
         check_template(cfg.prompt_template)
+        if cfg.answer_at not in ("first", "last"):
+            raise TclightningError(f"task.answer_at must be 'first' or 'last', got {cfg.answer_at!r}")
+        if cfg.answer_at == "last" and (cfg.reverse_answer or cfg.fixed_width):
+            raise TclightningError("task.answer_at 'last' reads a plain integer: it does not combine with "
+                                   "task.reverse_answer or task.fixed_width (digit strings read from the start)")
         self.cfg = cfg
         self.ops = ops
         self.system_prompt = cfg.system_prompt
@@ -144,5 +158,5 @@ class ArithmeticTask(Task):
         if self.cfg.reverse_answer or self.cfg.fixed_width:  # digit strings: keep leading zeros
             match = _FIRST_DIGITS.match(completion)
             return 1.0 if match is not None and match.group(1) == example.answer else 0.0
-        value = first_integer(completion)
+        value = last_integer(completion) if self.cfg.answer_at == "last" else first_integer(completion)
         return 1.0 if value is not None and str(value) == example.answer else 0.0

@@ -67,6 +67,9 @@ class TaskConfig:
     # arithmetic: zero-pad operands to `digits` and answers to the widest result ("07+48=" ->
     # "055"), so every problem has the same character layout (positions carry meaning).
     fixed_width: bool = False
+    # arithmetic: which integer of the completion is the answer, "first" or "last". A chat model
+    # tends to restate the problem ("3 + 4 = 7"), so its answer is the last integer it writes.
+    answer_at: str = "first"
     # agentic tasks (calculator): most interactions (model replies) per trajectory; a
     # conversation still going after this many is cut off unfinished, with no reward.
     max_turns: int = 4
