@@ -91,6 +91,23 @@ def test_a_fast_circuit_without_signal_is_switched_once_and_its_anchor_term_turn
     assert drive(core, [(0.0, 0.1, 0.6)] * 3, start=14) == [None] * 3 and core.mode == "suspended"
 
 
+def test_a_late_first_anchor_gets_a_signal_probe_that_leaves_the_strength_alone() -> None:
+    core = ControllerCore(signal_patience=2, start_strength=0.5)
+    assert core.start_probe(0, can_switch=True, latency=1) is None  # anchors come every step anyway
+    assert core.start_probe(0, can_switch=False, latency=20) is None
+    probe = core.start_probe(0, can_switch=True, latency=20)
+    assert probe is not None and probe.kind == "probe" and (core.mode, core.fresh_left, core.fresh_cadence) == ("fresh", 3, 1)
+    assert core.start_probe(0, can_switch=True, latency=20) is None  # once, before the first step
+    assert core.check_signal(1, 0.6, can_switch=True) is None and core.check_signal(2, 0.5, can_switch=True) is None
+    actions = drive(core, [(0.4, None, None)] * 3)
+    assert [(a.kind, a.strength) for a in actions if a] == [("restore", 0.5)]
+    assert (core.mode, core.probing, core.fresh_used) == ("weakened", False, 0) and core.signal_found
+    core = ControllerCore(signal_patience=1)  # a switch ends the probe at once
+    core.start_probe(0, can_switch=True, latency=5)
+    assert core.check_signal(1, 0.0, can_switch=True).kind == "switch" and core.mode == "suspended"
+    assert not core.probing and drive(core, [(0.4, None, None)] * 3) == [None] * 3
+
+
 def test_a_fast_circuit_with_signal_stops_the_measuring_and_nothing_switches_where_it_cannot() -> None:
     core = ControllerCore(signal_patience=2)
     assert core.check_signal(5, 0.6, can_switch=True) is None and core.check_signal(10, 0.1, can_switch=True) is None
@@ -201,11 +218,12 @@ def test_the_callback_measures_the_fast_signal_then_switches_the_cuts(recwarn: p
             callback.on_train_batch_end(trainer, module, None, None, i)
 
         step(0, [])
+        assert callback.events[0].kind == "probe" and anchor.circuit.schedule == AnchorSchedule(1, 1)
         assert anchor.measure_fast and isinstance(cuts.boundaries[0].forward_codec, PRFCodec)
         step(1, [0.1])
         step(2, [0.0])
         assert isinstance(cuts.boundaries[0].forward_codec, AdaptiveLowRankCodec)
-        assert not anchor.measure_fast and anchor.strength == 0.0
+        assert not anchor.measure_fast and anchor.strength == 0.0 and anchor.circuit.schedule == AnchorSchedule(5, 5)
         assert any("switch (mean fast_signal +0.05 over 2 anchors" in str(w.message) for w in recwarn)
     # without cuts to switch (a dense strategy, or across processes) nothing is measured
     module.anchor = anchor2 = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(5, 5)))

@@ -34,7 +34,11 @@ Decisions (:class:`ControllerCore`, pure logic, tested on synthetic signals):
    override, even a fresh one, holds a fast circuit that has signal flat or pulls it down. The
    signal is measured (the anchor also runs the fast circuit on its job: compute, and that
    pass's compressed bytes) for those first anchors only. One process only: across processes
-   the fast circuit cannot run at a snapshot, so nothing is measured and nothing switched.
+   the fast circuit cannot run at a snapshot, so nothing is measured and nothing switched;
+6. ``probe``: so that the verdict does not wait for a late first anchor, a run whose anchor
+   latency is above 1 starts with a fresh anchor (latency 1, cadence 1) for ``signal_patience +
+   1`` steps, with the strength unchanged; then ``restore`` gives back the recipe's schedule
+   (the strength still unchanged). The probe's dense passes count in ``anchor/bytes``.
 
 ``start_strength`` (default 1: the recipe's anchor as is) below 1 starts the anchor's term weakened
 (0: suspended), so it must earn its weight through ``recover``: an anchor that never hurts before
@@ -74,7 +78,7 @@ from tclightning.callbacks.steps import rl_step
 from tclightning.errors import TclightningError
 from tclightning.pipeline.cuts import CutSet
 
-ACTIONS = {"none": 0, "weaken": 1, "suspend": 2, "fresh": 3, "restore": 4, "recover": 5, "switch": 6}
+ACTIONS = {"none": 0, "weaken": 1, "suspend": 2, "fresh": 3, "restore": 4, "recover": 5, "switch": 6, "probe": 7}
 """Action name -> the code logged as ``anchor/controller_action``."""
 
 MODES = {"normal": 0, "weakened": 1, "suspended": 2, "fresh": 3}
@@ -132,6 +136,7 @@ class ControllerCore:
     signal_readings: list[float] = field(default_factory=list)  # anchor/fast_signal of the first anchors
     signal_found: bool = False  # their mean reached signal_floor: nothing to switch
     switched_to: str | None = None
+    probing: bool = False  # the fresh window in force is the signal probe
     events: list[ControllerAction] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -174,6 +179,15 @@ class ControllerCore:
         """Whether ``anchor/fast_signal`` is still needed: a fallback codec is set and no verdict yet."""
         return self.fallback_codec is not None and self.switched_to is None and not self.signal_found
 
+    def start_probe(self, step: int, *, can_switch: bool, latency: int | None) -> ControllerAction | None:
+        """Before a run's first step: ``probe`` (module doc) when a verdict is wanted, the cuts can
+        be switched and the recipe's first anchor would come later than the next step."""
+        if self.steps_seen or self.events or not (self.wants_signal and can_switch) or (latency or 0) <= 1:
+            return None
+        self.mode, self.fresh_left, self.fresh_cadence, self.probing = "fresh", self.signal_patience + 1, 1, True
+        return self._act(step, "probe", self.strength,
+                         f"measuring the fast circuit's signal: latency/cadence 1/1 for {self.fresh_left} steps")
+
     def check_signal(self, step: int, fast_signal: float | None, *, can_switch: bool) -> ControllerAction | None:
         """An anchor's ``fast_signal`` (None: none arrived this step) in. After ``signal_patience``
         readings: their mean below ``signal_floor`` gives ``switch`` (see the module doc), else
@@ -191,6 +205,7 @@ class ControllerCore:
         assert self.fallback_codec is not None
         self.switched_to = self.fallback_codec
         self.mode, self.fresh_left, self.stale_streak, self.calm_streak = "suspended", 0, 0, 0
+        self.probing = False
         return self._act(step, "switch", 0.0,
                          f"mean fast_signal {mean:+.2f} over {len(self.signal_readings)} anchors < "
                          f"{self.signal_floor:+.2f}: the fast circuit carries no signal; codec -> {self.fallback_codec}, "
@@ -224,6 +239,10 @@ class ControllerCore:
             self.fresh_left -= 1
             if self.fresh_left > 0:
                 return None
+            if self.probing:  # the probe leaves the strength as it found it
+                self.probing = False
+                self.mode = "normal" if self.strength >= 1.0 else ("suspended" if self.strength == 0.0 else "weakened")
+                return self._act(step, "restore", self.strength, "signal probe over: the recipe's latency/cadence")
             self.mode, self.calm_streak = "weakened", 0
             return self._act(step, "restore", self.min_strength, "fresh window over: the recipe's latency/cadence")
 
@@ -287,7 +306,7 @@ class ControllerCore:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for name in ("strength", "mode", "rewards", "start", "stale_streak", "calm_streak", "fresh_left", "fresh_used",
                      "fresh_cadence", "last_decline_step", "steps_seen", "signal_readings", "signal_found",
-                     "switched_to"):
+                     "switched_to", "probing"):
             if name in state:
                 setattr(self, name, state[name])
         self.rewards = [float(r) for r in self.rewards]
@@ -346,6 +365,7 @@ class AnchorController(Callback):
         self.log_metrics = log
         self._schedule: AnchorSchedule | None = None  # the recipe's, captured before the first change
         self._sent = self._fast = self._dense = 0.0  # boundary bytes of the run so far (this process's view)
+        self._probe: ControllerAction | None = None  # a probe started before this step
 
     @property
     def state_key(self) -> str:
@@ -394,8 +414,16 @@ class AnchorController(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         anchor = self.find_anchor(trainer, pl_module)
-        if anchor is not None:
-            self._apply(anchor, trainer)
+        if anchor is None:
+            return
+        if anchor.circuit is not None and self._schedule is None:
+            self._schedule = anchor.circuit.schedule
+        latency = None if self._schedule is None else self._schedule.latency_at(trainer.global_step)
+        before = self.core.strength
+        self._probe = self.core.start_probe(rl_step(trainer), can_switch=self._can_switch(trainer), latency=latency)
+        if self._probe is not None:
+            self._warn(self._probe.line(before))
+        self._apply(anchor, trainer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -430,9 +458,10 @@ class AnchorController(Callback):
         if action is not None:
             self._warn(action.line(before))
         self._apply(anchor, trainer)
+        self._probe = None
         if self.log_metrics:
             kwargs = {"on_step": True, "on_epoch": False, "batch_size": 1}
-            last = action or switch
+            last = action or switch or self._probe
             pl_module.log("anchor/controller_action", float(ACTIONS[last.kind] if last else 0), **kwargs)
             pl_module.log("anchor/controller_actions", float(len(self.core.events)), **kwargs)
             pl_module.log("anchor/controller_mode", float(MODES[self.core.mode]), **kwargs)
