@@ -240,6 +240,14 @@ def test_without_an_anchor_the_callback_does_nothing() -> None:
 
 
 # ----------------------------------------------------------------------------- in a run
+def assert_same_metrics(rows: dict, resumed: dict, steps: int) -> None:
+    """Every logged metric but wall-clock ones equal, step by step (a resumed run against a whole one)."""
+    wall = ("time/", "throughput/", "epoch")
+    for step in range(steps):
+        assert {k: v for k, v in resumed[step].items() if not k.startswith(wall)} == {
+            k: v for k, v in rows[step].items() if not k.startswith(wall)}, step
+
+
 def _train(root, steps: int, resume: str | None = None):  # noqa: ANN001, ANN202
     from tclightning.run import run
     from tests.conftest import FAST
@@ -264,11 +272,7 @@ def test_a_robust_run_logs_documented_metrics_and_resumes_exactly(tmp_path) -> N
     assert {"anchor/controller_action", "anchor/fast_cosine", "anchor/correction_ratio", "anchor/strength"} <= logged
     _train(tmp_path / "b", 3)
     summary_b, resumed = _train(tmp_path / "b", 6, resume="last")
-    rows_b = read_metrics(Path(summary_b["run_dir"]) / "metrics.csv")
-    wall = ("time/", "throughput/", "epoch")
-    for step in range(6):
-        assert {k: v for k, v in rows_b[step].items() if not k.startswith(wall)} == {
-            k: v for k, v in rows[step].items() if not k.startswith(wall)}, step
+    assert_same_metrics(rows, read_metrics(Path(summary_b["run_dir"]) / "metrics.csv"), steps=6)
     assert resumed.core.state_dict() == whole.core.state_dict()
 
 
@@ -300,9 +304,5 @@ def test_a_switched_run_logs_the_switch_and_resumes_exactly(tmp_path) -> None:  
     assert rows[4]["anchor/strength"] == 0.0
     _switching_run(tmp_path / "b", 3)
     summary_b, resumed = _switching_run(tmp_path / "b", 6, resume="last")  # the checkpoint holds the lowrank cuts
-    rows_b = read_metrics(Path(summary_b["run_dir"]) / "metrics.csv")
-    wall = ("time/", "throughput/", "epoch")
-    for step in range(6):
-        assert {k: v for k, v in rows_b[step].items() if not k.startswith(wall)} == {
-            k: v for k, v in rows[step].items() if not k.startswith(wall)}, step
+    assert_same_metrics(rows, read_metrics(Path(summary_b["run_dir"]) / "metrics.csv"), steps=6)
     assert resumed.core.state_dict() == whole.core.state_dict()

@@ -88,6 +88,11 @@ FRESH_CADENCES = (1, 2, 5)
 """Cadences a fresh window tries, densest first (then the recipe's own)."""
 
 
+def _mode_for(strength: float) -> str:
+    """The mode a strength stands for outside a fresh window: 1 normal, 0 suspended, else weakened."""
+    return "normal" if strength >= 1.0 else ("suspended" if strength == 0.0 else "weakened")
+
+
 @dataclass
 class ControllerAction:
     """One decision: at RL ``step``, ``kind`` (a key of ``ACTIONS``), the strength after it, and why."""
@@ -158,7 +163,7 @@ class ControllerCore:
                 "cos_floor, signal_floor in [-1, 1])")
         if self.steps_seen == 0 and not self.events:  # a new run: the anchor's term starts at start_strength
             self.strength = float(self.start_strength)
-            self.mode = "normal" if self.strength >= 1.0 else ("suspended" if self.strength == 0.0 else "weakened")
+            self.mode = _mode_for(self.strength)
 
     # ------------------------------------------------------------------ signals
     def decline(self) -> float | None:
@@ -241,7 +246,7 @@ class ControllerCore:
                 return None
             if self.probing:  # the probe leaves the strength as it found it
                 self.probing = False
-                self.mode = "normal" if self.strength >= 1.0 else ("suspended" if self.strength == 0.0 else "weakened")
+                self.mode = _mode_for(self.strength)
                 return self._act(step, "restore", self.strength, "signal probe over: the recipe's latency/cadence")
             self.mode, self.calm_streak = "weakened", 0
             return self._act(step, "restore", self.min_strength, "fresh window over: the recipe's latency/cadence")
