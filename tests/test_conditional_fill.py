@@ -230,3 +230,139 @@ def test_bench_codec_times_the_fill_side_by_side_with_zero() -> None:
         timed = bench_codec(tokens=64, dim=48, k=6, repeats=1, warmup=0, codec_name=name)
         assert timed["codec"] == name and timed["decode_over_zero_fill"] > 0
         assert timed["payload_bytes_per_token"] == 6 * 4
+
+
+# -- conditioning on the token ---------------------------------------------------------------------
+
+
+def token_mixture(n: int, tokens: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x = mu_t + z W^T``: one mean per token id, one shared rank-R covariance."""
+    g = torch.Generator().manual_seed(seed)
+    means = 3 * torch.randn(tokens, D, generator=g)
+    w = torch.randn(D, R, generator=g)
+    ids = torch.randint(0, tokens, (n,), generator=g)
+    return means[ids] + torch.randn(n, R, generator=g) @ w.T, ids
+
+
+def test_token_means_make_a_token_mixture_exact() -> None:
+    """The fill given the token is exact on ``x = mu_t + z W^T``; one mean for all tokens is not."""
+    x, ids = token_mixture(3000, tokens=5)
+    by_token = PRFCodec(D, K, fill="conditional", cond_rank=R, cond_stat_tokens=4000)
+    by_token.cond.token_prior = 1e-9  # type: ignore[union-attr]  # no shrinkage: the raw token means
+    pooled = PRFCodec(D, K, fill="conditional", cond_rank=R, cond_stat_tokens=4000, cond_token_slots=0)
+    for codec in (by_token, pooled):
+        codec.observe_dense(x[:2000], token_ids=ids[:2000])
+        codec.commit_step()
+    key = CodecKey(seed=0, step=3, cut=1)
+    test, test_ids = x[2000:].unsqueeze(0), ids[2000:].unsqueeze(0)
+    got = by_token.decode(by_token.encode(test, key), key, token_ids=test_ids)
+    assert (got - test).abs().max() < 1e-3 * test.abs().max()
+    pooled_error = (pooled.decode(pooled.encode(test, key), key, token_ids=test_ids) - test).abs().mean()
+    assert pooled_error > 100 * (got - test).abs().mean()
+    # without ids the same codec centres every token on the global mean
+    blind = by_token.decode(by_token.encode(test, key), key)
+    assert (blind - test).abs().mean() > 100 * (got - test).abs().mean()
+
+
+def test_token_means_learn_from_decoded_values_and_shrink_to_the_mean() -> None:
+    x, ids = token_mixture(8000, tokens=3, seed=1)
+    codec = PRFCodec(D, K, fill="conditional", cond_rank=R, fill_momentum=0.5, cond_stat_tokens=2000)
+    for step in range(4):
+        key = CodecKey(seed=0, step=step, cut=1)
+        part = slice(step * 2000, (step + 1) * 2000)
+        codec.decode(codec.encode(x[part].unsqueeze(0), key), key, token_ids=ids[part].unsqueeze(0))
+        codec.commit_step()
+    cond = codec.cond
+    assert cond is not None and cond.active and cond.token_means is not None
+    assert cond.slots_used == 3
+    for t in range(3):  # each token's mean from its decoded channels alone
+        truth = x[ids == t].mean(0)
+        assert (cond.token_means[int(cond.slot_of[t])] - truth).abs().max() < 0.1 * truth.abs().max()
+    # an id never seen, and the unused slots, sit on the global mean
+    rows = cond._slots(torch.tensor([[0, 7]]))
+    assert int(rows[0, 1]) == cond.token_slots
+    torch.testing.assert_close(cond.token_means[-1], cond.mean)
+    torch.testing.assert_close(cond.token_means[3], cond.mean)
+
+
+def test_ids_past_the_slot_budget_use_the_global_mean() -> None:
+    x, ids = token_mixture(600, tokens=4, seed=2)
+    codec = PRFCodec(D, K, fill="conditional", cond_rank=R, cond_token_slots=2)
+    codec.observe_dense(x, token_ids=ids)
+    codec.commit_step()
+    cond = codec.cond
+    assert cond is not None and cond.slots_used == 2
+    assert sorted(int(t) for t in torch.nonzero(cond.slot_of >= 0)) == [0, 1]  # ascending ids first
+    assert cond._slots(torch.tensor([2, 3])).tolist() == [2, 2]
+
+
+def test_token_state_round_trips_exactly() -> None:
+    x, ids = token_mixture(3000, tokens=6, seed=3)
+    codec = PRFCodec(D, K, fill="conditional", cond_rank=R)
+    for step in range(3):
+        key = CodecKey(seed=0, step=step, cut=1)
+        part = slice(step * 1000, (step + 1) * 1000)
+        codec.decode(codec.encode(x[part].unsqueeze(0), key), key, token_ids=ids[part].unsqueeze(0))
+        codec.commit_step()
+    key = CodecKey(seed=0, step=9, cut=1)
+    payload, test_ids = codec.encode(x[:40].unsqueeze(0), key), ids[:40].unsqueeze(0)
+    before = codec.decode(payload, key, token_ids=test_ids)
+    restored = PRFCodec(D, K, fill="conditional", cond_rank=R)
+    restored.load_state_dict(codec.state_dict())
+    assert torch.equal(restored.decode(payload, key, token_ids=test_ids), before)
+    for c in (codec, restored):  # and both keep learning alike, new ids included
+        c.cond.pending = None  # type: ignore[union-attr]
+        c.decode(payload, key, token_ids=test_ids + 10)
+        c.commit_step()
+    assert restored.cond.slots_used == codec.cond.slots_used > 6  # type: ignore[union-attr]
+    assert torch.equal(restored.decode(payload, key, token_ids=test_ids), codec.decode(payload, key, token_ids=test_ids))
+    with pytest.raises(ValueError, match="fill_tokens"):
+        PRFCodec(D, K, fill="conditional", cond_rank=R).load_state_dict(
+            PRFCodec(D, K, fill="conditional", cond_rank=R, cond_token_slots=0).state_dict()
+            or _pooled_state(x))
+
+
+def _pooled_state(x: torch.Tensor) -> dict:
+    pooled = PRFCodec(D, K, fill="conditional", cond_rank=R, cond_token_slots=0)
+    pooled.observe_dense(x[:200])
+    pooled.commit_step()
+    return pooled.state_dict()
+
+
+def test_a_stage_chain_decodes_with_the_token_ids_like_the_cut_set() -> None:
+    """The stages of a multi-process pipeline get the batch's ids as the hooked model does."""
+    import copy
+
+    import transformers
+
+    from tclightning.pipeline import CutSet
+    from tclightning.pipeline.layout import resolve_layout
+    from tclightning.pipeline.stage import StageModule
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=20)).eval()
+    ids = torch.randint(0, 20, (6, 12))
+    mask = torch.ones_like(ids)
+    config = PipelineConfig(stages=2, layout="all", k=4, fill="conditional", fill_rank=4)
+    with torch.no_grad(), CutSet(model, config) as cuts:
+        with cuts.bypassed(), cuts.observing_dense(model, mask, ids):
+            model(input_ids=ids)
+        cuts.set_step(1)
+        codec = cuts.boundaries[0].forward_codec
+        assert codec.cond.active and codec.cond.slots_used == len(ids.unique())  # type: ignore[attr-defined]
+        expected = model(input_ids=ids).logits[:, -5:-1].log_softmax(-1)
+        received = copy.deepcopy(codec)
+    specs = resolve_layout(config, 2, 32)
+    first = StageModule(model, 0, specs, send_codec=received, recv_codec=None, seed=config.seed)
+    last = StageModule(model, 1, specs, send_codec=None, recv_codec=received, seed=config.seed)
+    first.step = last.step = 1
+    completion = ids[:, -4:]
+    kwargs = {"attention_mask": mask, "position_ids": torch.arange(12).expand(6, 12), "rows": torch.arange(6),
+              "completion_ids": completion, "completion_mask": torch.ones_like(completion, dtype=torch.float)}
+    with torch.no_grad():
+        logp = last(first(ids, **kwargs), **kwargs, input_ids=ids)
+        blind = last(first(ids, **kwargs), **kwargs)
+    torch.testing.assert_close(logp, expected.gather(-1, completion.unsqueeze(-1)).squeeze(-1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(blind, logp)

@@ -64,7 +64,8 @@ def bench_codec(
     settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``, ``fill``).
 
     ``fill``: the decode fill timed (``zero``, ``mean``, ``conditional``: warm rank-``fill_rank``
-    PPCA statistics, set directly). With a fill other than ``zero`` the zero-fill decode is timed
+    PPCA statistics and one mean per token id, fitted on the first 4096 tokens of ``x``, whose
+    ids are drawn from 1024 distinct values and handed to every decode). With a fill other than ``zero`` the zero-fill decode is timed
     in the same rounds too: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
     ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side.
 
@@ -85,7 +86,9 @@ def bench_codec(
         raise ValueError(f"codec must be one of {', '.join(BENCH_CODECS)}, got {codec_name}")
     if codec_name != "prf" and fill != "zero":
         raise ValueError(f"--fill applies to prf only (got codec {codec_name} with fill {fill})")
-    codec: Any = _warm_codec(dim, k, fill, fill_rank, generator) if codec_name == "prf" else _fitted_basis(codec_name, x, k)
+    token_ids = torch.randint(0, TOKEN_IDS, (1, tokens), generator=generator).to(target)
+    codec: Any = (_warm_codec(x, k, fill, fill_rank, token_ids, generator) if codec_name == "prf"
+                  else _fitted_basis(codec_name, x, k))
     zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
@@ -96,12 +99,14 @@ def bench_codec(
         forget()
         return codec.encode(x, key)
 
+    side_information = {"token_ids": token_ids} if fill == "conditional" else {}
+
     def decode_in_process() -> Any:  # indices cached by the encode that produced the payload
-        return codec.decode(payload, key)
+        return codec.decode(payload, key, **side_information)
 
     def decode_at_receiver() -> Any:
         forget()
-        return codec.decode(payload, key)
+        return codec.decode(payload, key, **side_information)
 
     def indices() -> Any:
         return zero_codec.indexer.indices(key, 1, tokens, target)
@@ -179,13 +184,20 @@ def _fitted_basis(name: str, x: torch.Tensor, k: int) -> Any:
     return codec
 
 
-def _warm_codec(dim: int, k: int, fill: str, rank: int, generator: torch.Generator) -> PRFCodec:
+TOKEN_IDS = 1024
+"""Distinct token ids in the timed batch: every one has its own mean in the conditional fill."""
+
+
+def _warm_codec(x: torch.Tensor, k: int, fill: str, rank: int, token_ids: torch.Tensor,
+                generator: torch.Generator) -> PRFCodec:
     """A PRF codec whose stateful fill is warm (the cost of the steady state, not of the cold start)."""
-    codec = PRFCodec(dim, k, fill=fill, cond_rank=min(rank, dim))
+    dim = x.shape[-1]
+    codec = PRFCodec(dim, k, fill=fill, cond_rank=min(rank, dim), cond_token_slots=TOKEN_IDS)
     if fill == "mean":
         mean = torch.randn(dim, generator=generator)
         codec.load_state_dict({"mean": mean, "seen": torch.ones(dim, dtype=torch.bool)})
     elif fill == "conditional":
-        factor = torch.randn(dim, min(rank, dim), generator=generator)
-        codec.set_statistics(torch.randn(dim, generator=generator), factor=factor, noise=1.0)
+        fitted = slice(0, min(4096, x.shape[0]))
+        codec.observe_dense(x[fitted].float(), token_ids=token_ids[0, fitted])
+        codec.commit_step()
     return codec

@@ -38,9 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cuts.add_argument("--prompts", type=int, default=2, help="task prompts in the batch (default 2)")
     cuts.add_argument("--group-size", type=int, default=None,
                       help="completions per prompt (default: the recipe's sampler.group_size)")
-    cuts.add_argument("--warmup-prompts", type=int, default=16,
+    cuts.add_argument("--warmup-prompts", type=int, default=64,
                       help="other task prompts whose completions warm codecs with state (fills, bases) "
-                           "before the measured batch, as earlier steps of a run would (default 16)")
+                           "before the measured batch, as earlier steps of a run would (default 64)")
+    cuts.add_argument("--warmup-steps", type=int, default=4,
+                      help="steps the warm-up prompts are folded in over, one share per step as in a run "
+                           "(default 4)")
     cuts.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-cuts/)")
     cuts.add_argument("--step", type=int, default=0, help="PRF key step used for every configuration (default 0)")
     cuts.add_argument("--threads", type=int, default=None,
@@ -63,6 +66,8 @@ def run_cuts(args: argparse.Namespace) -> int:
         raise TclightningError(f"--group-size must be >= 1, got {args.group_size}")
     if args.warmup_prompts < 1:
         raise TclightningError(f"--warmup-prompts must be >= 1, got {args.warmup_prompts}")
+    if args.warmup_steps < 1:
+        raise TclightningError(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts"
 
@@ -99,7 +104,8 @@ def run_cuts(args: argparse.Namespace) -> int:
         warmup = sampler.generate(model, [e.prompt for e in held_out], group_size=group_size,
                                   seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 1))
     sampled = time.perf_counter()
-    rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step, warmup=warmup)
+    rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step, warmup=warmup,
+                      warmup_steps=args.warmup_steps)
     scored = time.perf_counter()
 
     meta = {
@@ -118,6 +124,7 @@ def run_cuts(args: argparse.Namespace) -> int:
         "temperature": recipe.sampler.temperature,
         "step": args.step,
         "warmup_sequences": warmup.num_sequences if warmup is not None else 0,
+        "warmup_steps": args.warmup_steps if warmup is not None else 0,
         "timing": f"load {loaded - started:.0f} s, sample {sampled - loaded:.0f} s, score {scored - sampled:.0f} s",
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +184,8 @@ def markdown_header(meta: dict[str, Any]) -> str:
         f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
         f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
         f"temperature {meta['temperature']}, PRF step {meta['step']}."
-        + (f" Codec state warmed on {meta['warmup_sequences']} other completions." if meta.get("warmup_sequences") else "")
+        + (f" Codec state warmed on {meta['warmup_sequences']} other completions over {meta['warmup_steps']} steps."
+           if meta.get("warmup_sequences") else "")
         + f" {meta['timing']}.\n"
     )
 

@@ -90,9 +90,11 @@ class Codec(ABC):
         """Sender side: ``[B, L, d]`` (or ``[T, d]``) -> payload."""
 
     @abstractmethod
-    def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:
+    def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None,
+               token_ids: Tensor | None = None) -> Tensor:
         """Receiver side: payload -> ``[B, L, d]``. ``token_mask`` ([B, L], True = real token) only
-        tells stateful fills which tokens to learn from."""
+        tells stateful fills which tokens to learn from; ``token_ids`` ([B, L], the batch's input
+        ids, which every stage holds) is side information a fill may condition on."""
 
     @abstractmethod
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
@@ -114,11 +116,11 @@ class Codec(ABC):
         sides then hand what crossed to :meth:`observe_dense`."""
         return False
 
-    def observe_dense(self, tokens: Tensor) -> None:
+    def observe_dense(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
         """Dense boundary activations both sides of the cut hold (``[T, d]`` real tokens: the
-        anchor's dense pass, or a step that crossed dense). Called with identical tensors on the
-        sender and the receiver, so state fitted from them agrees without a byte sent. No-op by
-        default."""
+        anchor's dense pass, or a step that crossed dense) and, if known, their ``[T]`` token ids.
+        Called with identical tensors on the sender and the receiver, so state fitted from them
+        agrees without a byte sent. No-op by default."""
 
     def observe_sent(self, tokens: Tensor) -> None:
         """Sender side only: the real tokens ``[T, d]`` this side just encoded (no grad). No-op by

@@ -18,7 +18,8 @@ class IdentityCodec(Codec):
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         return x
 
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         return payload
 
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:

@@ -159,7 +159,8 @@ class SVDCodec(Codec):
         basis, mean = self.basis.to(x.device, x.dtype), self.mean.to(x.device, x.dtype)
         return (x - mean) @ basis
 
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         if not self.calibrated:
             raise RuntimeError("svd codec: decode before calibration")
         assert self.basis is not None and self.mean is not None
@@ -260,7 +261,8 @@ class AdaptiveLowRankCodec(Codec):
             return x
         return (x - self.mean.to(x.device, x.dtype)) @ self.basis.to(x.device, x.dtype)
 
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return payload
         basis = self.basis.to(payload.device, payload.dtype)
@@ -271,7 +273,7 @@ class AdaptiveLowRankCodec(Codec):
 
     # -- what each side learns from -------------------------------------------------------------
 
-    def observe_dense(self, tokens: Tensor) -> None:
+    def observe_dense(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
         self.shared.add(tokens)
 
     @torch.no_grad()
@@ -431,7 +433,8 @@ class HybridCodec(AdaptiveLowRankCodec):
         picked = residual.gather(-1, self._residual_channels(key, x))
         return torch.cat([coefficients, picked], dim=-1)
 
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return payload
         low = super().decode(payload[..., : self.rank], key)
@@ -472,7 +475,8 @@ class PowerSGDCodec(Codec):
             self._q = q
         return p.to(x.dtype), q.to(x.dtype)
 
-    def decode(self, payload: tuple[Tensor, Tensor], key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: tuple[Tensor, Tensor], key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         """``P Q^T`` as ``[N, d]``; the caller reshapes to the gradient's shape."""
         p, q = payload
         return p @ q.T

@@ -207,7 +207,9 @@ class PRFCodec(Codec):
     decoded values (and of any dense activations given to :meth:`observe_dense`), decayed by
     ``1 - fill_momentum`` per step and refitted by :meth:`commit_step`. Cold start: until the
     channel pairs have been seen together ``cond_min_pairs`` times on average, it fills the
-    per-channel mean of the decoded values (zero before the first commit).
+    per-channel mean of the decoded values (zero before the first commit). Given the token ids of
+    the message (``decode(..., token_ids=)``, which every GRPO stage holds), the fill centres each
+    token on its own id's mean (``cond_token_slots`` ids; 0: one mean for all).
     Bytes: ``k * element_size`` per token, exactly (no indices, no padding).
     """
 
@@ -225,6 +227,7 @@ class PRFCodec(Codec):
         cond_min_pairs: float = 4.0,
         cond_ridge: float = 0.0,
         cond_stat_tokens: int = 1024,
+        cond_token_slots: int = 1024,
     ) -> None:
         super().__init__(dim)
         if fill not in FILLS:
@@ -247,7 +250,7 @@ class PRFCodec(Codec):
         # receiver-side PPCA statistics (fill="conditional")
         self.cond: ConditionalStats | None = (
             ConditionalStats(dim, rank=cond_rank, decay=1.0 - fill_momentum, min_pairs=cond_min_pairs,
-                             ridge=cond_ridge, stat_tokens=cond_stat_tokens)
+                             ridge=cond_ridge, stat_tokens=cond_stat_tokens, token_slots=cond_token_slots)
             if fill == "conditional" else None
         )
 
@@ -277,7 +280,8 @@ class PRFCodec(Codec):
         values = _Gather.apply(rows, idx)
         return values if x.dim() == 3 else values.squeeze(0)
 
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
+               token_ids: Tensor | None = None) -> Tensor:
         values = as_rows(payload)
         batch, length, k = values.shape
         if k != self.k:
@@ -288,8 +292,8 @@ class PRFCodec(Codec):
             out = _ScatterOnto.apply(src, idx, values.new_zeros(batch, length, self.dim))
         elif self.fill == "conditional":
             assert self.cond is not None
-            out = self.cond.fill(values, idx)
-            self.cond.observe(idx, values, token_mask)
+            out = self.cond.fill(values, idx, token_ids)
+            self.cond.observe(idx, values, token_mask, token_ids)
         else:
             fill = self._fill_vector(values)
             out = fill.expand(batch, length, self.dim).clone()
@@ -335,12 +339,12 @@ class PRFCodec(Codec):
         self._pending_sum.index_add_(0, flat_idx, values.detach().reshape(-1).float())
         self._pending_count.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.float32))
 
-    def observe_dense(self, x: Tensor, token_mask: Tensor | None = None) -> None:
-        """Conditional fill: fold dense activations the receiver holds (``[B, L, d]`` or ``[T, d]``)
-        into the pending statistics (every channel pair observed); used at the next commit. The
-        other fills ignore them."""
+    def observe_dense(self, x: Tensor, token_ids: Tensor | None = None, token_mask: Tensor | None = None) -> None:
+        """Conditional fill: fold dense activations the receiver holds (``[B, L, d]`` or ``[T, d]``,
+        with their token ids if known) into the pending statistics (every channel pair observed);
+        used at the next commit. The other fills ignore them."""
         if self.cond is not None:  # the other fills learn from decoded values only
-            self.cond.observe_dense(x, token_mask)
+            self.cond.observe_dense(x, token_ids, token_mask)
 
     def set_statistics(self, mean: Tensor, cov: Tensor | None = None, *, factor: Tensor | None = None,
                        noise: float = 0.0) -> None:
@@ -412,8 +416,10 @@ class ConditionalStats:
     Estimation (zero bytes on the wire): available-case pairwise moments. Each decoded token adds
     its k values to the per-channel sums and ``v v^T`` to the k x k pairs it covers (counts
     likewise, ``O(tokens * k^2)`` index-adds); a dense token given to :meth:`observe_dense` covers
-    every pair. At most ``stat_tokens`` (1024) real tokens per step are used (the first ones decoded,
-    so micro-batches in row order see the same tokens as one whole-batch message).
+    every pair. At most ``stat_tokens`` (1024) decoded and ``dense_stat_tokens`` (8192) dense real
+    tokens per step are used (the first ones, so micro-batches in row order see the same tokens as
+    one whole-batch message; a dense token costs one ``d x d`` rank-one update, a decoded one
+    ``k^2`` scattered adds, slower per value on a CPU).
     :meth:`commit` decays the committed moments by ``decay`` (= 1 - fill_momentum), adds the
     pending ones, and refits:
     ``mu_i = sum_i / n_i``, ``Sigma_ij = E[x_i x_j] - mu_i mu_j`` over the tokens that saw both (0 for
@@ -426,20 +432,41 @@ class ConditionalStats:
     decoded tokens, 2,170 at d = 128, k = 6 and 1,610 at d = 1536, k = 77; before that the fill is
     the per-channel mean of the decoded values (the ``mean`` fill's estimate; zero before the
     first commit). Statistics given by :meth:`set_statistics` are used at once.
+
+    Token means (``token_slots > 0``): every stage of a GRPO trainer holds the batch's token ids
+    (the rollouts reach every rank before the step), so the receiver conditions on the token too.
+    The model becomes a Gaussian mixture with one component per token id ``t`` and a shared
+    covariance: ``x | t ~ N(mu_t, Sigma_w)``, and the fill is the formula above with ``mu_t`` in
+    place of ``mu``. ``mu_t`` is shrunk towards the global mean by ``token_prior`` pseudo-tokens,
+    ``mu_t = (sum_t + prior mu) / (n_t + prior)`` per channel, so a rare token falls back to ``mu``;
+    ``Sigma_w`` is the pooled within-token covariance, ``Sigma - sum_t w_t (m_t - mu)(m_t - mu)^T``
+    with ``m_t`` the token's raw mean and ``w_t`` its share of the observations (exact for dense
+    observations: the law of total covariance). Up to ``token_slots`` distinct ids get a mean, in
+    order of first sight; other ids, and a decode without ids, use ``mu``.
     """
 
     def __init__(self, dim: int, *, rank: int = 16, decay: float = 0.9, min_pairs: float = 4.0,
-                 ridge: float = 0.0, stat_tokens: int = 1024) -> None:
+                 ridge: float = 0.0, stat_tokens: int = 1024, dense_stat_tokens: int = 8192,
+                 token_slots: int = 1024, token_prior: float = 4.0) -> None:
         if not 1 <= rank <= dim:
             raise ValueError(f"conditional fill rank must be in [1, d={dim}], got {rank}")
-        if ridge < 0 or min_pairs < 0 or stat_tokens < 1 or not 0.0 <= decay < 1.0:
-            raise ValueError("conditional fill: need ridge >= 0, min_pairs >= 0, stat_tokens >= 1, 0 <= decay < 1")
+        if ridge < 0 or min_pairs < 0 or min(stat_tokens, dense_stat_tokens) < 1 or not 0.0 <= decay < 1.0:
+            raise ValueError("conditional fill: need ridge >= 0, min_pairs >= 0, stat_tokens >= 1, "
+                             "dense_stat_tokens >= 1, 0 <= decay < 1")
+        if token_slots < 0 or token_prior <= 0:
+            raise ValueError("conditional fill: need token_slots >= 0 and token_prior > 0")
         self.dim, self.rank, self.decay = dim, rank, decay
-        self.min_pairs, self.ridge, self.stat_tokens = min_pairs, ridge, stat_tokens
-        self.moments: dict[str, Tensor] | None = None  # committed: sum [d], count [d], outer [d,d], pairs [d,d]
+        self.min_pairs, self.ridge = min_pairs, ridge
+        self.stat_tokens, self.dense_stat_tokens = stat_tokens, dense_stat_tokens
+        self.token_slots, self.token_prior = token_slots, token_prior
+        # committed: sum [d], count [d], outer [d,d], pairs [d,d] (+ token_sum, token_count [slots, d])
+        self.moments: dict[str, Tensor] | None = None
         self.pending: dict[str, Tensor] | None = None
-        self.pending_tokens = 0  # tokens in ``pending`` (at most stat_tokens per step)
+        self.pending_tokens = {"decoded": 0, "dense": 0}  # tokens in ``pending`` by kind (budgets per step)
+        self.slot_of = torch.full((0,), -1, dtype=torch.long)  # token id -> slot, -1 = none
+        self.slots_used = 0
         self.mean: Tensor | None = None  # [d]
+        self.token_means: Tensor | None = None  # [slots + 1, d]; the last row is ``mean``
         self.factor: Tensor | None = None  # W [d, r]
         self.noise = 0.0  # s2
         self.active = False
@@ -450,66 +477,117 @@ class ConditionalStats:
         """Moment buffers: float64 when committed, float32 while pending (float32 index-adds are ~5x
         faster on CPU; one message's sums are small)."""
         d = self.dim
-        return {
+        buffers = {
             "sum": torch.zeros(d, dtype=dtype, device=device),
             "count": torch.zeros(d, dtype=dtype, device=device),
             "outer": torch.zeros(d, d, dtype=dtype, device=device),
             "pairs": torch.zeros(d, d, dtype=dtype, device=device),
         }
+        if self.token_slots:
+            buffers["token_sum"] = torch.zeros(self.token_slots, d, dtype=dtype, device=device)
+            buffers["token_count"] = torch.zeros(self.token_slots, d, dtype=dtype, device=device)
+        return buffers
 
     def _pending(self, device: torch.device) -> dict[str, Tensor]:
         if self.pending is None or self.pending["sum"].device != device:
             self.pending = self._zeros(device, torch.float32)
-            self.pending_tokens = 0
+            self.pending_tokens = {"decoded": 0, "dense": 0}
         return self.pending
 
-    def _budget(self, tokens: int) -> int:
-        """How many of the next ``tokens`` tokens still fit in this step's ``stat_tokens``."""
-        used = self.pending_tokens if self.pending is not None else 0
-        return max(0, min(tokens, self.stat_tokens - used))
+    def _budget(self, tokens: int, kind: str) -> int:
+        """How many of the next ``tokens`` tokens of ``kind`` (``decoded`` | ``dense``) still fit in
+        this step's budget."""
+        used = self.pending_tokens[kind] if self.pending is not None else 0
+        limit = self.stat_tokens if kind == "decoded" else self.dense_stat_tokens
+        return max(0, min(tokens, limit - used))
 
-    def _add(self, dense: Tensor, seen: Tensor) -> None:
-        """Add ``[N, d]`` values (zero where unseen) and their ``[N, d]`` 0/1 mask to the pending moments."""
-        take = self._budget(dense.shape[0])
+    def _assign_slots(self, token_ids: Tensor) -> Tensor:
+        """Slots of ``token_ids`` (any shape), giving new ids the free slots in order of first sight
+        (ascending id within one call); -1 for ids left without a slot."""
+        ids = token_ids.reshape(-1).long().cpu()
+        if ids.numel() and int(ids.min()) < 0:
+            raise ValueError("token ids must be non-negative")
+        top = int(ids.max()) + 1 if ids.numel() else 0
+        if top > self.slot_of.numel():
+            self.slot_of = torch.cat([self.slot_of, self.slot_of.new_full((top - self.slot_of.numel(),), -1)])
+        new = torch.unique(ids[self.slot_of[ids] < 0])[: self.token_slots - self.slots_used]
+        self.slot_of[new] = torch.arange(self.slots_used, self.slots_used + new.numel())
+        self.slots_used += new.numel()
+        return self.slot_of[ids].view(token_ids.shape).to(token_ids.device)
+
+    def _slots(self, token_ids: Tensor) -> Tensor:
+        """Slots of ``token_ids`` for decoding: the mean row of each id (``token_slots``, the global
+        mean's row, for ids without a slot). Assigns no slot."""
+        ids = token_ids.long()
+        table = self.slot_of.to(ids.device)
+        known = ids < table.numel()
+        slots = table[torch.where(known, ids, torch.zeros_like(ids))] if table.numel() else torch.full_like(ids, -1)
+        return torch.where(known & (slots >= 0), slots, torch.full_like(ids, self.token_slots))
+
+    def _add(self, dense: Tensor, seen: Tensor, token_ids: Tensor | None = None) -> None:
+        """Add ``[N, d]`` values (zero where unseen), their ``[N, d]`` 0/1 mask and (optionally) their
+        ``[N]`` token ids to the pending moments."""
+        take = self._budget(dense.shape[0], "dense")
         if take == 0:
             return
         p = self._pending(dense.device)
-        self.pending_tokens += take
+        self.pending_tokens["dense"] += take
         dense, seen = dense[:take].float(), seen[:take].float()
         p["sum"] += dense.sum(0)
         p["count"] += seen.sum(0)
         p["outer"] += dense.T @ dense
         p["pairs"] += seen.T @ seen
+        if self.token_slots and token_ids is not None:
+            slots = self._assign_slots(token_ids.reshape(-1)[:take])
+            has = slots >= 0
+            p["token_sum"].index_add_(0, slots[has], dense[has])
+            p["token_count"].index_add_(0, slots[has], seen[has])
 
     @torch.no_grad()
-    def observe(self, idx: Tensor, values: Tensor, token_mask: Tensor | None) -> None:
-        """Decoded tokens: ``idx``/``values`` ``[B, L, k]`` (only real tokens when a mask is known)."""
+    def observe(self, idx: Tensor, values: Tensor, token_mask: Tensor | None,
+                token_ids: Tensor | None = None) -> None:
+        """Decoded tokens: ``idx``/``values`` ``[B, L, k]`` and their token ids ``[B, L]`` if known
+        (only real tokens when a mask is known)."""
+        if token_ids is not None and token_ids.shape != idx.shape[:2]:
+            token_ids = None
         if token_mask is not None and token_mask.shape == idx.shape[:2]:
             keep = token_mask.to(torch.bool)
             idx, values = idx[keep], values[keep]
+            token_ids = token_ids[keep] if token_ids is not None else None
         k = idx.shape[-1]
-        take = self._budget(idx.numel() // k)
+        take = self._budget(idx.numel() // k, "decoded")
         if take == 0:
             return
         idx = idx.reshape(-1, k)[:take]
         values = values.detach().reshape(-1, k)[:take].float()
         p, flat = self._pending(values.device), idx.reshape(-1)
-        self.pending_tokens += take
+        self.pending_tokens["decoded"] += take
+        ones = torch.ones_like(flat, dtype=torch.float32)
         p["sum"].index_add_(0, flat, values.reshape(-1))
-        p["count"].index_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        p["count"].index_add_(0, flat, ones)
         # the k x k pairs of each token: O(tokens * k^2) index-adds, not a [tokens, d] x [d, tokens] product
         pair = (idx[:, :, None] * self.dim + idx[:, None, :]).reshape(-1)
         p["outer"].view(-1).index_add_(0, pair, (values[:, :, None] * values[:, None, :]).reshape(-1))
         p["pairs"].view(-1).index_add_(0, pair, torch.ones_like(pair, dtype=torch.float32))
+        if self.token_slots and token_ids is not None:
+            slots = self._assign_slots(token_ids.reshape(-1)[:take])
+            has = slots >= 0
+            cell = (slots[has, None] * self.dim + idx[has]).reshape(-1)
+            p["token_sum"].view(-1).index_add_(0, cell, values[has].reshape(-1))
+            p["token_count"].view(-1).index_add_(0, cell, ones.view(-1, k)[has].reshape(-1))
 
     @torch.no_grad()
-    def observe_dense(self, x: Tensor, token_mask: Tensor | None = None) -> None:
+    def observe_dense(self, x: Tensor, token_ids: Tensor | None = None, token_mask: Tensor | None = None) -> None:
+        """Dense activations ``[B, L, d]`` or ``[T, d]`` and, if known, their token ids (``[B, L]`` or
+        ``[T]``, the shape of ``x`` without channels)."""
         rows = as_rows(x.detach())
+        ids = None if token_ids is None or token_ids.numel() != rows.numel() // self.dim else token_ids.reshape(rows.shape[:2])
         if token_mask is not None and token_mask.shape == rows.shape[:2]:
-            flat = rows[token_mask.to(torch.bool)]
+            keep = token_mask.to(torch.bool)
+            flat, ids = rows[keep], (ids[keep] if ids is not None else None)
         else:
             flat = rows.reshape(-1, self.dim)
-        self._add(flat, torch.ones_like(flat, dtype=torch.float32))
+        self._add(flat, torch.ones_like(flat, dtype=torch.float32), ids)
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -521,7 +599,7 @@ class ConditionalStats:
         for name, value in self.pending.items():
             self.moments[name].mul_(self.decay).add_(value.double())
             value.zero_()
-        self.pending_tokens = 0
+        self.pending_tokens = {"decoded": 0, "dense": 0}
         self._refit()
 
     def _refit(self) -> None:
@@ -534,8 +612,26 @@ class ConditionalStats:
         off = pairs.sum() - pairs.diagonal().sum()
         coverage = float(off / (self.dim * (self.dim - 1))) if self.dim > 1 else float(pairs.sum())
         self.mean = mean.float()
+        if "token_sum" in m:
+            cov = cov - self._between_tokens(mean)
+            count = m["token_count"]
+            shrunk = (m["token_sum"] + self.token_prior * mean) / (count + self.token_prior)
+            self.token_means = torch.cat([shrunk, mean[None]]).float()
         self._fit((cov + cov.T) / 2)
         self.active = coverage >= self.min_pairs
+
+    def _between_tokens(self, mean: Tensor) -> Tensor:
+        """``sum_t w_t (m_t - mu)(m_t - mu)^T``: the covariance the token means explain (``m_t`` the
+        raw per-channel token means, ``w_t`` each token's share of the observations)."""
+        assert self.moments is not None
+        count = self.moments["token_count"]
+        seen = count > 0
+        deviation = torch.where(seen, self.moments["token_sum"] / count.clamp_min(1e-12) - mean, torch.zeros_like(count))
+        weight = count.mean(1)
+        total = float(weight.sum())
+        if total == 0.0:
+            return torch.zeros_like(self.moments["outer"])
+        return (deviation.T * (weight / total)) @ deviation
 
     def _fit(self, cov: Tensor) -> None:
         """``W`` and ``s2`` of the rank-r PPCA fit of a symmetric ``[d, d]`` covariance."""
@@ -552,6 +648,7 @@ class ConditionalStats:
         if (cov is None) == (factor is None):
             raise ValueError("give exactly one of cov and factor")
         self.mean = mean.detach().float().reshape(self.dim)
+        self.token_means = None  # one mean for every token until the next commit with observed data
         if cov is not None:
             self._fit(cov.detach())
         else:
@@ -561,27 +658,37 @@ class ConditionalStats:
 
     # -- decode --------------------------------------------------------------------------------
 
-    def fill(self, values: Tensor, idx: Tensor) -> Tensor:
+    def _base(self, batch: int, length: int, device: torch.device, token_ids: Tensor | None) -> Tensor | None:
+        """The mean each token is filled around, ``[B*L, d]`` float32: its token's mean when ids are
+        given and token means are fitted, else the global mean (None before the first commit)."""
+        if self.mean is None:
+            return None
+        if self.token_means is not None and token_ids is not None and token_ids.shape == (batch, length):
+            return self.token_means.to(device).index_select(0, self._slots(token_ids.to(device)).reshape(-1))
+        return self.mean.to(device).expand(batch * length, self.dim)
+
+    def fill(self, values: Tensor, idx: Tensor, token_ids: Tensor | None = None) -> Tensor:
         """``x_hat`` ``[B, L, d]``: ``values`` at ``idx``, the conditional mean (or, in the cold start,
-        the mean) elsewhere; differentiable in ``values``."""
+        the mean) elsewhere, around each token's mean when ``token_ids`` ``[B, L]`` are given;
+        differentiable in ``values``."""
         batch, length, k = values.shape
-        if not self.active or self.factor is None:
-            if self.mean is None:
-                base = values.new_zeros(batch, length, self.dim)
+        base = self._base(batch, length, values.device, token_ids)
+        if not self.active or self.factor is None or base is None:
+            if base is None:
+                start = values.new_zeros(batch, length, self.dim)
             else:
-                base = self.mean.to(values.device, values.dtype).expand(batch, length, self.dim).clone()
-            return _ScatterOnto.apply(values, idx, base)
-        assert self.mean is not None
-        mean = self.mean.to(values.device)
+                start = base.to(values.dtype).reshape(batch, length, self.dim).clone()
+            return _ScatterOnto.apply(values, idx, start)
         factor = self.factor.to(values.device)
         rank = factor.shape[1]
-        w_s = factor.index_select(0, idx.reshape(-1)).view(batch, length, k, rank)
-        centred = values.float() - mean.index_select(0, idx.reshape(-1)).view(batch, length, k)
+        flat_idx = idx.reshape(-1, k)
+        w_s = factor.index_select(0, flat_idx.reshape(-1)).view(batch, length, k, rank)
+        centred = values.float() - base.gather(-1, flat_idx).view(batch, length, k)
         gram = w_s.transpose(-1, -2) @ w_s
         gram = gram + (self.noise + self.ridge) * torch.eye(rank, device=values.device)
         rhs = (w_s.transpose(-1, -2) @ centred.unsqueeze(-1))
         z = torch.linalg.solve(gram, rhs).squeeze(-1)  # [B, L, r]
-        full = torch.addmm(mean, z.reshape(-1, rank), factor.T).view(batch, length, self.dim)
+        full = torch.addmm(base, z.reshape(-1, rank), factor.T).view(batch, length, self.dim)
         return full.scatter(-1, idx, values.float()).to(values.dtype)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -592,6 +699,11 @@ class ConditionalStats:
         state: dict[str, Any] = {"fill": "conditional", "active": self.active, "noise": self.noise}
         if self.mean is not None:
             state["cond_mean"] = self.mean.cpu()
+        if self.token_means is not None:
+            state["cond_token_means"] = self.token_means.cpu().clone()
+        if self.token_slots:
+            state["cond_slot_of"] = self.slot_of.clone()
+            state["cond_slots_used"] = self.slots_used
         if self.factor is not None:
             state["cond_factor"] = self.factor.cpu()
         if self.moments is not None:
@@ -605,10 +717,15 @@ class ConditionalStats:
         self.active, self.noise = bool(state["active"]), float(state["noise"])
         self.mean = state["cond_mean"].float() if "cond_mean" in state else None
         self.factor = state["cond_factor"].float() if "cond_factor" in state else None
-        names = ("sum", "count", "outer", "pairs")
+        self.token_means = state["cond_token_means"].float().clone() if "cond_token_means" in state else None
+        if self.token_slots and "cond_slot_of" not in state and "moment_sum" in state:
+            raise ValueError("codec state has no token means (saved with pipeline.fill_tokens=0?)")
+        self.slot_of = state["cond_slot_of"].long().clone() if "cond_slot_of" in state else torch.full((0,), -1, dtype=torch.long)
+        self.slots_used = int(state.get("cond_slots_used", 0))
+        names = ("sum", "count", "outer", "pairs") + (("token_sum", "token_count") if self.token_slots else ())
         if all(f"moment_{name}" in state for name in names):
             self.moments = {name: state[f"moment_{name}"].double().clone() for name in names}
         else:
             self.moments = None
         self.pending = None
-        self.pending_tokens = 0
+        self.pending_tokens = {"decoded": 0, "dense": 0}

@@ -97,7 +97,7 @@ class LocalBackend:
                 param.copy_(weight)
         clone.zero_grad(set_to_none=True)
         # in a pipeline this dense pass is traffic the anchor sends anyway: codecs learn from it
-        tap = self.cuts.observing_dense(clone, rollouts.attention_mask) if self.cuts else contextlib.nullcontext()
+        tap = self.cuts.observing_dense(clone, rollouts.attention_mask, rollouts.input_ids) if self.cuts else contextlib.nullcontext()
         with tap:
             logp, _ = self._logprobs(clone, rollouts, self.temperature)
         loss_fn(logp, torch.arange(logp.shape[0])).backward()

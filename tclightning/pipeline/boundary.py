@@ -146,9 +146,11 @@ class Boundary:
     def dim(self) -> int:
         return self.forward_codec.dim
 
-    def __call__(self, x: Tensor, key: CodecKey, token_mask: Tensor | None = None) -> Tensor:
+    def __call__(self, x: Tensor, key: CodecKey, token_mask: Tensor | None = None,
+                 token_ids: Tensor | None = None) -> Tensor:
         """``x`` [B, L, d] at the sender -> ``x_hat`` at the receiver, with the backward message
-        routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count."""
+        routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count;
+        ``token_ids`` [B, L] are the batch's tokens, which the receiver holds (a fill may use them)."""
         tokens = count_tokens(x, token_mask)
         codec = self.forward_codec
         if isinstance(codec, SVDCodec) and not codec.calibrated:
@@ -161,16 +163,17 @@ class Boundary:
                     codec.observe_dense(real)
                 codec.observe_sent(real)
         if self.backward_codec is None or not x.requires_grad:
-            return self._chain_rule(x, key, token_mask, tokens)
-        return _SeparateBackward.apply(x, self, key, token_mask, tokens)
+            return self._chain_rule(x, key, token_mask, tokens, token_ids)
+        return _SeparateBackward.apply(x, self, key, token_mask, tokens, token_ids)
 
-    def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int) -> Tensor:
+    def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int,
+                    token_ids: Tensor | None = None) -> Tensor:
         codec = self.forward_codec
         payload = self.wire.send_forward(self.ordinal, codec.encode(x, key))
         self._record(FORWARD, payload, tokens)
         if isinstance(payload, Tensor) and payload.requires_grad:
             payload.register_hook(self._gradient_hook(tokens))
-        return codec.decode(payload, key, token_mask=token_mask)
+        return codec.decode(payload, key, token_mask=token_mask, token_ids=token_ids)
 
     def _gradient_hook(self, tokens: int) -> Callable[[Tensor], Tensor]:
         def send_gradient(grad: Tensor) -> Tensor:
@@ -201,12 +204,13 @@ class _SeparateBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, boundary: Boundary, key: CodecKey, token_mask: Tensor | None, tokens: int
+        ctx: Any, x: Tensor, boundary: Boundary, key: CodecKey, token_mask: Tensor | None, tokens: int,
+        token_ids: Tensor | None,
     ) -> Tensor:  # type: ignore[override]
         ctx.boundary, ctx.key, ctx.tokens = boundary, key, tokens
-        x_hat = boundary._chain_rule(x, key, token_mask, tokens)  # grad mode is off inside forward
+        x_hat = boundary._chain_rule(x, key, token_mask, tokens, token_ids)  # grad mode is off inside forward
         return x_hat.clone() if x_hat is x else x_hat  # a Function must not hand its input back as is
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return ctx.boundary.send_gradient_separately(grad, ctx.key, ctx.tokens), None, None, None, None
+        return ctx.boundary.send_gradient_separately(grad, ctx.key, ctx.tokens), None, None, None, None, None

@@ -66,6 +66,11 @@ class PipelineConfig:
     """``conditional`` fill: rank r of the PPCA model of the activations (at most d; d - 1 is the
     exact Gaussian conditional mean, one k x k solve per token instead of r x r)."""
 
+    fill_tokens: int = 1024
+    """``conditional`` fill: how many distinct token ids get their own mean (in order of first sight).
+    Every stage holds the batch's token ids, so the fill centres each token on its id's mean
+    (``x | token ~ N(mu_token, Sigma_within)``); other ids use the global mean. 0: one mean for all."""
+
     fill_momentum: float = 0.1
     """EMA weight of the newest tick in the ``mean`` fill (``conditional``: its moments decay by
     1 - fill_momentum per step)."""
@@ -164,6 +169,8 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
         if self.fill_rank < 1:
             raise TclightningError(f"pipeline.fill_rank must be >= 1, got {self.fill_rank}")
+        if self.fill_tokens < 0:
+            raise TclightningError(f"pipeline.fill_tokens must be >= 0, got {self.fill_tokens}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")
         if self.replicas < 1:

@@ -8,7 +8,8 @@ Token identity for the PRF key: row = batch index (+ ``row_offset``), position =
 ``[B, L]`` input (so left-padded prompts followed by right-padded completions are keyed by
 column, independent of the padding). Bytes are counted for real tokens only: the mask is the
 ``attention_mask`` passed to the model's forward (2-D [B, L]) unless ``set_token_mask`` gave one
-of the same shape; with neither, every token counts.
+of the same shape; with neither, every token counts. The forward's ``input_ids`` reach the
+decoders as side information (``Codec.decode(token_ids=)``): every stage holds the batch's tokens.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tclightning.codecs import AdaptiveLowRankCodec, Codec, CodecKey, make_codec
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
 from tclightning.pipeline.config import PipelineConfig
-from tclightning.pipeline.layout import CutSpec, resolve_layout
+from tclightning.pipeline.layout import CutSpec, cut_codec, resolve_layout
 
 _LAYER_PATHS = ("model.layers", "layers", "model.decoder.layers", "transformer.h")
 
@@ -92,7 +93,7 @@ class CutSet:
         self.wire: Wire = wire if wire is not None else LoopbackWire()
         self.meter = WireMeter([spec.layer for spec in self.specs])
         self.boundaries = [
-            Boundary(spec.ordinal, self._codec(spec.codec, spec), self._backward_codec(spec), self.wire, self.meter)
+            Boundary(spec.ordinal, cut_codec(self.config, spec, self.dim), self._backward_codec(spec), self.wire, self.meter)
             for spec in self.specs
         ]
         self.step = 0
@@ -100,6 +101,7 @@ class CutSet:
         self._bypass_depth = 0
         self._token_mask: Tensor | None = None
         self._forward_mask: Tensor | None = None
+        self._forward_ids: Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if self.boundaries:
             capture = _tagged(lambda module, args, kwargs: self._capture_mask(module, args, kwargs))
@@ -111,20 +113,6 @@ class CutSet:
                 self._handles.append(layers[spec.layer].register_forward_hook(hook))
 
     # -- construction ------------------------------------------------------------------------
-
-    def _codec(self, name: str, spec: CutSpec) -> Codec:
-        cfg = self.config
-        return make_codec(
-            name,
-            self.dim,
-            k=spec.k,
-            fill=cfg.fill,
-            rescale=cfg.rescale,
-            fill_momentum=cfg.fill_momentum,
-            fill_rank=cfg.fill_rank,
-            rank=spec.rank,
-            refresh_every=cfg.refresh_every, refresh_tolerance=cfg.refresh_tolerance,
-        )
 
     def _backward_codec(self, spec: CutSpec) -> Codec | None:
         if spec.backward_codec is None:
@@ -139,9 +127,16 @@ class CutSet:
     def _capture_mask(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._forward_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._forward_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() else None
 
     def _release_mask(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_mask = None
+        self._forward_ids = None
+
+    def _ids_for(self, hidden: Tensor) -> Tensor | None:
+        ids = self._forward_ids
+        return ids.to(hidden.device) if ids is not None and ids.shape == hidden.shape[:2] else None
 
     def _mask_for(self, hidden: Tensor) -> Tensor | None:
         shape = hidden.shape[:2]
@@ -160,7 +155,7 @@ class CutSet:
             else:
                 hidden_rows = hidden
             key = CodecKey(seed=self.config.seed, step=self.step, cut=spec.layer, row_offset=self.row_offset)
-            received = boundary(hidden_rows, key, self._mask_for(hidden_rows))
+            received = boundary(hidden_rows, key, self._mask_for(hidden_rows), self._ids_for(hidden_rows))
             received = received.reshape(hidden.shape)
             return (received, *output[1:]) if isinstance(output, tuple) else received
 
@@ -199,22 +194,25 @@ class CutSet:
         self.config, self.specs = config, specs
         for boundary, spec in zip(self.boundaries, specs):
             if spec.compressed:
-                boundary.forward_codec = self._codec(spec.codec, spec)
+                boundary.forward_codec = cut_codec(self.config, spec, self.dim)
                 boundary.backward_codec = self._backward_codec(spec)
 
     @contextlib.contextmanager
-    def observing_dense(self, model: nn.Module, attention_mask: Tensor) -> Iterator[None]:
+    def observing_dense(self, model: nn.Module, attention_mask: Tensor,
+                        input_ids: Tensor | None = None) -> Iterator[None]:
         """While a dense forward of ``model`` runs (a hook-free copy of this model, or this model
         under :meth:`bypassed`), hand each cut's activations at real tokens (``attention_mask`` [B,
-        L]) to :meth:`observe_dense`."""
+        L]), with their ids from ``input_ids`` [B, L] if given, to :meth:`observe_dense`."""
         real = attention_mask.bool()
+        ids = input_ids[real] if input_ids is not None else None
         _, layers = find_decoder_layers(model)
 
         def tap(ordinal: int) -> Any:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 hidden = output[0] if isinstance(output, tuple) else output
                 if hidden.dim() == 3 and hidden.shape[:2] == real.shape:
-                    self.observe_dense(ordinal, hidden.detach()[real.to(hidden.device)])
+                    self.observe_dense(ordinal, hidden.detach()[real.to(hidden.device)],
+                                       ids.to(hidden.device) if ids is not None else None)
             return hook
 
         handles = [layers[spec.layer].register_forward_hook(tap(spec.ordinal)) for spec in self.specs]
@@ -224,11 +222,12 @@ class CutSet:
             for handle in handles:
                 handle.remove()
 
-    def observe_dense(self, ordinal: int, tokens: Tensor) -> None:
+    def observe_dense(self, ordinal: int, tokens: Tensor, token_ids: Tensor | None = None) -> None:
         """Dense activations at cut ``ordinal`` (``[T, d]`` real tokens, e.g. from the anchor's
-        dense pass): statistics for codecs that learn from them (lowrank/hybrid bases, the
-        conditional fill). Nothing is counted: in a pipeline they crossed as the anchor's traffic."""
-        self.boundaries[ordinal].forward_codec.observe_dense(tokens.detach())
+        dense pass, and their ``[T]`` ids if known): statistics for codecs that learn from them
+        (lowrank/hybrid bases, the conditional fill). Nothing is counted: in a pipeline they
+        crossed as the anchor's traffic."""
+        self.boundaries[ordinal].forward_codec.observe_dense(tokens.detach(), token_ids)
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:

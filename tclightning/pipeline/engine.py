@@ -36,7 +36,7 @@ from tclightning.pipeline.boundary import WireMeter
 from tclightning.pipeline.comm import StageComm, StageFailure, payload_stage
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import boundary_width, codec_metrics, find_decoder_layers
-from tclightning.pipeline.layout import CutSpec, resolve_layout
+from tclightning.pipeline.layout import CutSpec, cut_codec, resolve_layout
 from tclightning.pipeline.stage import StageModule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -153,10 +153,7 @@ class PipelineEngine:
     # -- construction ------------------------------------------------------------------------
 
     def _codec(self, spec: CutSpec) -> Codec:
-        cfg = self.config
-        return make_codec(spec.codec, self.dim, k=spec.k, fill=cfg.fill, rescale=cfg.rescale,
-                          fill_momentum=cfg.fill_momentum, fill_rank=cfg.fill_rank, rank=spec.rank,
-                          refresh_every=cfg.refresh_every, refresh_tolerance=cfg.refresh_tolerance)
+        return cut_codec(self.config, spec, self.dim)
 
     @property
     def is_first(self) -> bool:
@@ -291,6 +288,7 @@ class PipelineEngine:
             "rows": torch.arange(rows, device=self.device) if batch_rows is None else batch_rows.to(self.device),
             "completion_ids": inputs.completion_ids,
             "completion_mask": inputs.completion_mask,
+            **({} if self.is_first else {"input_ids": inputs.input_ids}),
         }
         args = (inputs.input_ids,) if self.is_first else ()
         stage_module.want_entropy = with_entropy and self.is_last

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from tclightning.codecs import budget_k
+from tclightning.codecs import Codec, budget_k, make_codec
 from tclightning.errors import TclightningError
 from tclightning.pipeline.config import PipelineConfig
 
@@ -123,3 +123,13 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
             )
         )
     return cuts
+
+
+def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
+    """The forward codec of cut ``spec`` (``spec.codec`` at ``spec.k`` / ``spec.rank``), with the
+    fill and basis-refresh settings of ``config``."""
+    return make_codec(
+        spec.codec, dim, k=spec.k, fill=config.fill, rescale=config.rescale,
+        fill_momentum=config.fill_momentum, fill_rank=config.fill_rank, fill_tokens=config.fill_tokens,
+        rank=spec.rank, refresh_every=config.refresh_every, refresh_tolerance=config.refresh_tolerance,
+    )

@@ -59,10 +59,11 @@ class StageModule(nn.Module):
     decodes its input cut (None on the first). The modules are shared with ``model`` (no copy):
     an optimizer step on the stage updates the model it was cut from.
 
-    ``forward(x, *, attention_mask, position_ids, rows, completion_ids, completion_mask)``:
+    ``forward(x, *, attention_mask, position_ids, rows, completion_ids, completion_mask, input_ids)``:
     ``x`` is ``input_ids`` [B, L] on the first stage, else the packed payload [T, k_in]; ``rows``
-    [B] are the global row indices of this micro-batch (the PRF key's rows). Returns the packed
-    payload [T, k_out], or on the last stage the completion log-probs [B, Lc] (0 on padding).
+    [B] are the global row indices of this micro-batch (the PRF key's rows); ``input_ids`` [B, L]
+    (every rank holds the batch) are the decoder's side information. Returns the packed payload
+    [T, k_out], or on the last stage the completion log-probs [B, Lc] (0 on padding).
     """
 
     def __init__(
@@ -134,17 +135,20 @@ class StageModule(nn.Module):
         rows: Tensor,
         completion_ids: Tensor,
         completion_mask: Tensor,
+        input_ids: Tensor | None = None,
     ) -> Tensor:
         if self.is_first:
             assert self.embed_tokens is not None
             hidden = self.embed_tokens(x)
         else:
             assert self.recv_codec is not None and self.recv_spec is not None
+            real_ids = pack(input_ids, attention_mask) if input_ids is not None else None
             for codec in (self.recv_tap, self.recv_codec if self.recv_codec.crosses_dense else None):
                 if codec is not None:  # the same [T, d] tokens the sender observed
-                    codec.observe_dense(x.detach())
+                    codec.observe_dense(x.detach(), real_ids)
             received = unpack(x, attention_mask)
-            hidden = self.recv_codec.decode(received, self._key(self.recv_spec, rows), token_mask=attention_mask.bool())
+            hidden = self.recv_codec.decode(received, self._key(self.recv_spec, rows),
+                                            token_mask=attention_mask.bool(), token_ids=input_ids)
         masks = self._masks(hidden, attention_mask, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         layer_types = getattr(self.config, "layer_types", None)

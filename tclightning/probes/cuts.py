@@ -80,6 +80,7 @@ def price_cuts(
     *,
     step: int = 0,
     warmup: Rollouts | None = None,
+    warmup_steps: int = 1,
 ) -> list[dict[str, Any]]:
     """Gap and bytes per token of each configuration of :func:`probe_configurations`.
 
@@ -93,10 +94,11 @@ def price_cuts(
       original train/eval mode. The weights are not touched.
     * Codecs with state (the ``mean`` and ``conditional`` fills, the ``lowrank``/``hybrid``/``svd``
       bases) are warmed first on ``warmup`` -- other completions, as a run's codecs learn from
-      earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic):
-      the batch's dense activations at each cut (what an anchor's dense pass hands the codecs),
-      one compressed forward at key ``step + 1``, then the step change that folds them in. That
-      warming is not counted.
+      earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic).
+      ``warmup``'s rows are split into ``warmup_steps`` consecutive steps, each folded in as a run
+      folds a step: its dense activations at each cut (what an anchor's dense pass hands the
+      codecs), one compressed forward at key ``step + 1 + i``, then the step change. That warming
+      is not counted.
     * Bytes: the CutSet's own meter (real tokens of the forward's ``attention_mask``), divided
       by the number of real tokens in the batch; forward only (no backward runs here).
 
@@ -125,7 +127,7 @@ def price_cuts(
                 flags = tuple(spec.compressed for spec in cuts.specs)
                 if flags not in cache:
                     cache[flags] = _score(model, rollouts, cuts, temperature, step, tokens,
-                                          warmup.to(device) if warmup is not None else rollouts)
+                                          warmup.to(device) if warmup is not None else rollouts, warmup_steps)
                 measured = cache[flags]
                 compressed = [spec for spec in cuts.specs if spec.compressed]
             finally:
@@ -159,15 +161,18 @@ def is_stateful(config: PipelineConfig) -> bool:
 
 
 def _score(model: nn.Module, rollouts: Rollouts, cuts: Any, temperature: float, step: int, tokens: int,
-           warmup: Rollouts) -> dict:
+           warmup: Rollouts, warmup_steps: int) -> dict:
     """One compressed re-score of the batch under installed ``cuts``: gap/* and bytes per token
     (stateful codecs warmed on ``warmup`` first, see :func:`price_cuts`)."""
     if cuts.compressed and is_stateful(cuts.config):
-        with cuts.bypassed(), cuts.observing_dense(model, warmup.attention_mask):
-            completion_logps(model, warmup, temperature)
-        cuts.set_step(step + 1)
-        completion_logps(model, warmup, temperature)
-        cuts.set_step(step)  # folds what the warm-up showed into the codecs' state
+        rows = torch.arange(warmup.num_sequences)
+        for offset, part in enumerate(torch.tensor_split(rows, min(warmup_steps, len(rows)))):
+            chunk = warmup.select(part)
+            with cuts.bypassed(), cuts.observing_dense(model, chunk.attention_mask, chunk.input_ids):
+                completion_logps(model, chunk, temperature)
+            cuts.set_step(step + 1 + offset)  # folds the step before
+            completion_logps(model, chunk, temperature)
+        cuts.set_step(step)  # folds the last warm-up step into the codecs' state
     cuts.reset_stats()
     logp_trainer, _ = completion_logps(model, rollouts, temperature)
     wire = cuts.metrics()

@@ -297,6 +297,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.fill": one_of("zero", "mean", "conditional"),  # = tclightning.codecs.FILLS (tested)
     "pipeline.fill_momentum": number(0.0, 1.0, low_open=True),
     "pipeline.fill_rank": positive(),
+    "pipeline.fill_tokens": integer(0),
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
     "pipeline.refresh_every": integer(0),
