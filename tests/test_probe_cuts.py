@@ -137,3 +137,29 @@ def test_stateful_codecs_are_warmed_on_other_completions_before_the_measured_bat
     assert held_out["solo:1"]["bytes_fwd_per_token"] == K * 4 + 2 * DIM * 4
     assert held_out["all"]["gap/abs_mean"] != in_sample["all"]["gap/abs_mean"]
     assert held_out["dense"]["gap/abs_mean"] == in_sample["dense"]["gap/abs_mean"]
+
+
+def test_the_warm_up_is_folded_in_one_step_per_share(model_and_rollouts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warmup_steps`` splits the warm-up rows into that many steps, each folded by a step change;
+    a stateless codec's rows do not depend on it."""
+    from tclightning.codecs.prf import ConditionalStats
+
+    model, rollouts = model_and_rollouts
+    commits: list[int] = []
+    fold = ConditionalStats.commit
+
+    def counting(self: ConditionalStats) -> None:
+        if self.pending is not None and self.pending_tokens["dense"] > 0:  # a share's dense pass folded
+            commits.append(self.pending_tokens["dense"])
+        fold(self)
+
+    monkeypatch.setattr(ConditionalStats, "commit", counting)
+    config = PipelineConfig(stages=4, codec="prf", k=K, fill="conditional", fill_rank=4)
+    in_three = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=3))
+    per_configuration = len(commits)
+    commits.clear()
+    in_one = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=1))
+    assert per_configuration == 3 * len(commits)  # three dense folds per warmed codec instead of one
+    assert in_three["all"]["gap/abs_mean"] != in_one["all"]["gap/abs_mean"]
+    zero = [by_name(price_cuts(model, rollouts, BASE, step=3, warmup_steps=n))["all"]["gap/abs_mean"] for n in (1, 3)]
+    assert zero[0] == zero[1]

@@ -184,7 +184,7 @@ def markdown_header(meta: dict[str, Any]) -> str:
         f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
         f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
         f"temperature {meta['temperature']}, PRF step {meta['step']}."
-        + (f" Codec state warmed on {meta['warmup_sequences']} other completions over {meta['warmup_steps']} steps."
+        + (f" Codec state warmed on {meta['warmup_sequences']} other completions over {meta['warmup_steps']} step{'s' * (meta['warmup_steps'] != 1)}."
            if meta.get("warmup_sequences") else "")
         + f" {meta['timing']}.\n"
     )

@@ -688,8 +688,13 @@ class ConditionalStats:
         gram = gram + (self.noise + self.ridge) * torch.eye(rank, device=values.device)
         rhs = (w_s.transpose(-1, -2) @ centred.unsqueeze(-1))
         z = torch.linalg.solve(gram, rhs).squeeze(-1)  # [B, L, r]
-        full = torch.addmm(base, z.reshape(-1, rank), factor.T).view(batch, length, self.dim)
-        return full.scatter(-1, idx, values.float()).to(values.dtype)
+        # in place where base is a fresh gather: a new [B*L, d] output costs more than the product
+        if base.is_contiguous():
+            full = base.addmm_(z.reshape(-1, rank), factor.T)
+        else:
+            full = torch.addmm(base, z.reshape(-1, rank), factor.T)
+        full = full.view(batch, length, self.dim).scatter_(-1, idx, values.float())
+        return full.to(values.dtype)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
