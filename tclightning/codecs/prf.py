@@ -538,7 +538,7 @@ class ConditionalStats:
         p["outer"] += dense.T @ dense
         p["pairs"] += seen.T @ seen
         if self.token_slots and token_ids is not None:
-            slots = self._assign_slots(token_ids.reshape(-1)[:take])
+            slots = self._assign_slots(token_ids.reshape(-1)[:take]).to(dense.device)
             has = slots >= 0
             p["token_sum"].index_add_(0, slots[has], dense[has])
             p["token_count"].index_add_(0, slots[has], seen[has])
@@ -570,7 +570,7 @@ class ConditionalStats:
         p["outer"].view(-1).index_add_(0, pair, (values[:, :, None] * values[:, None, :]).reshape(-1))
         p["pairs"].view(-1).index_add_(0, pair, torch.ones_like(pair, dtype=torch.float32))
         if self.token_slots and token_ids is not None:
-            slots = self._assign_slots(token_ids.reshape(-1)[:take])
+            slots = self._assign_slots(token_ids.reshape(-1)[:take]).to(values.device)
             has = slots >= 0
             cell = (slots[has, None] * self.dim + idx[has]).reshape(-1)
             p["token_sum"].view(-1).index_add_(0, cell, values[has].reshape(-1))
