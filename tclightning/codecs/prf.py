@@ -520,9 +520,10 @@ class ConditionalStats:
         mean's row, for ids without a slot). Assigns no slot."""
         ids = token_ids.long()
         table = self.slot_of.to(ids.device)
-        known = ids < table.numel()
-        slots = table[torch.where(known, ids, torch.zeros_like(ids))] if table.numel() else torch.full_like(ids, -1)
-        return torch.where(known & (slots >= 0), slots, torch.full_like(ids, self.token_slots))
+        slots = torch.full_like(ids, -1)
+        inside = ids < table.numel()
+        slots[inside] = table[ids[inside]]
+        return slots.masked_fill_(slots < 0, self.token_slots)
 
     def _add(self, dense: Tensor, seen: Tensor, token_ids: Tensor | None = None) -> None:
         """Add ``[N, d]`` values (zero where unseen), their ``[N, d]`` 0/1 mask and (optionally) their

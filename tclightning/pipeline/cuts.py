@@ -104,8 +104,8 @@ class CutSet:
         self._forward_ids: Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         if self.boundaries:
-            capture = _tagged(lambda module, args, kwargs: self._capture_mask(module, args, kwargs))
-            release = _tagged(lambda module, args, output: self._release_mask(module, args, output))
+            capture = _tagged(lambda module, args, kwargs: self._capture_inputs(module, args, kwargs))
+            release = _tagged(lambda module, args, output: self._release_inputs(module, args, output))
             self._handles.append(body.register_forward_pre_hook(capture, with_kwargs=True))
             self._handles.append(body.register_forward_hook(release, always_call=True))
             for boundary, spec in zip(self.boundaries, self.specs):
@@ -124,13 +124,13 @@ class CutSet:
 
     # -- hooks -------------------------------------------------------------------------------
 
-    def _capture_mask(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _capture_inputs(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._forward_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._forward_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() else None
 
-    def _release_mask(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _release_inputs(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_mask = None
         self._forward_ids = None
 
