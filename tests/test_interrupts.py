@@ -70,15 +70,22 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_resume_continues(tmp_path: Pat
 
 
 def test_sigkill_then_resume_keeps_numbering(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "trainer.steps=12", "trainer.checkpoint_every=3")
+    # A long run, killed once it has passed a checkpoint: the wait's condition stays true until
+    # the kill, so a slow or loaded machine cannot miss it (a 12-step run could finish first).
+    proc = _start(tmp_path, "trainer.steps=500", "trainer.checkpoint_every=3", "trainer.val_every=0")
     run_dir = _run_dir(tmp_path)
-    _wait_for(lambda: (run_dir / "checkpoints" / "step-000006.ckpt").exists() and len(_steps(run_dir)) >= 7)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    _wait_for(lambda: last.exists() and len(_steps(run_dir)) >= 7)
     proc.kill()
     proc.wait(timeout=60)
+    logged = _steps(run_dir)
+    saved = load_checkpoint(last)["tclightning"]["rl_step"]
+    assert saved % 3 == 0 and 0 < saved <= len(logged) < 500  # killed mid-run, after a checkpoint
+    target = len(logged) + 2  # past every row the killed run wrote
     resumed = subprocess.run(
-        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=12",
-         "trainer.checkpoint_every=3", "--resume", "last"],
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, f"trainer.steps={target}",
+         "trainer.checkpoint_every=3", "trainer.val_every=0", "--resume", "last"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _steps(run_dir) == list(range(12))
+    assert _steps(run_dir) == list(range(target))  # no row lost or repeated across the kill
