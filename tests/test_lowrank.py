@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tclightning.bench.launch import run_ranks
-from tclightning.codecs import AdaptiveLowRankCodec, CodecKey, HybridCodec, make_codec
+from tclightning.codecs import AdaptiveLowRankCodec, CodecKey, HybridCodec, TokenMoments, make_codec
 from tclightning.errors import TclightningError
 from tclightning.grpo.logprobs import completion_logps
 from tclightning.grpo.summary import read_metrics
@@ -123,6 +123,89 @@ def test_a_basis_that_still_fits_is_kept_and_a_drifted_one_is_refitted() -> None
     assert torch.equal(sender.basis, receiver.basis) and sender.version == receiver.version == 3
 
 
+def token_mixture(n: int, tokens: int = 12, dim: int = 32, rank: int = 3, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` rows ``m_t + z A`` (``A`` of rank ``rank``, one far-apart mean per token id) and their
+    ids: inside a rank-``rank`` span around each token's mean, far from any one affine span."""
+    gen = torch.Generator().manual_seed(seed)
+    means = 5 * torch.randn(tokens, dim, generator=gen)
+    directions = torch.randn(rank, dim, generator=gen)
+    ids = torch.randint(0, tokens, (n,), generator=gen) * 7 + 3  # sparse, unordered ids
+    return means[(ids - 3) // 7] + torch.randn(n, rank, generator=gen) @ directions, ids
+
+
+def test_token_moments_group_by_id_deterministically_and_give_the_within_covariance() -> None:
+    x, ids = token_mixture(500)
+    whole, parts = TokenMoments(32, token_prior=1e-9), TokenMoments(32, token_prior=1e-9)
+    whole.add(x, ids)
+    for chunk in range(0, 500, 128):
+        parts.add(x[chunk:chunk + 128], ids[chunk:chunk + 128])
+    assert torch.equal(whole.ids, torch.unique(ids)) and torch.equal(parts.ids, whole.ids)
+    torch.testing.assert_close(parts.token_total, whole.token_total)
+    assert torch.equal(parts.token_count, whole.token_count) and whole.by_token
+    # the within-token covariance: the second moment of x about each token's own mean
+    _, means = whole.token_means()
+    own = means[torch.searchsorted(whole.ids, ids)]
+    expected = (x.double() - own).T @ (x.double() - own) / 500
+    eigenvalues = whole.spectrum()[1]
+    torch.testing.assert_close(eigenvalues, torch.linalg.eigvalsh(expected), rtol=1e-6, atol=1e-8)
+    assert float(eigenvalues[:-3].abs().max()) < 1e-8  # rank 3 within each token
+    # the same tokens in the same order: bit-identical moments (what the two sides of a cut rely on)
+    again = TokenMoments(32)
+    for chunk in range(0, 500, 128):
+        again.add(x[chunk:chunk + 128], ids[chunk:chunk + 128])
+    assert torch.equal(again.token_total, parts.token_total) and torch.equal(again.outer, parts.outer)
+    # one row without its id: the plain covariance applies
+    mixed = TokenMoments(32)
+    mixed.add(x, ids)
+    mixed.add(x[:1])
+    assert not mixed.by_token
+
+
+def test_token_centres_make_a_token_mixture_exact_at_rank_r() -> None:
+    x, ids = token_mixture(600)
+    for slots, exact in ((1024, True), (0, False)):
+        codec = AdaptiveLowRankCodec(32, 3, token_slots=slots, token_prior=1e-9)  # unshrunk: exact centres
+        codec.observe_dense(x, ids)
+        codec.fit_shared(1)
+        fresh, fresh_ids = token_mixture(60, seed=0)
+        fresh, fresh_ids = fresh.reshape(3, 20, 32), fresh_ids.reshape(3, 20)
+        payload = codec.encode(fresh, KEY, token_ids=fresh_ids)
+        assert payload.shape == (3, 20, 3)  # r values per token, whatever the centres
+        error = (codec.decode(payload, KEY, token_ids=fresh_ids) - fresh).abs().max()
+        assert (error < 1e-3) == exact, (slots, float(error))
+    assert codec.ship_bytes() == (32 * 3 + 32) * 4
+    centred = AdaptiveLowRankCodec(32, 3, token_slots=1024, token_prior=1e-9)
+    centred.observe_dense(x, ids)
+    centred.fit_shared(1)
+    assert centred.ship_bytes() == (32 * 3 + 32 + 12 * 33) * 4  # plus (d + 1) values per centre
+    # an id without a centre falls back to the global mean; ids must match the tokens' shape
+    unseen = centred.offsets(torch.tensor([[4, 3]]), torch.zeros(1, 2, 32))
+    assert unseen is not None and unseen[0, 0].abs().sum() == 0 and unseen[0, 1].abs().sum() > 0
+    with pytest.raises(ValueError, match="token ids of shape"):
+        centred.encode(fresh, KEY, token_ids=fresh_ids[:, :5])
+
+
+def test_token_centres_keep_the_most_frequent_ids_and_move_with_a_refit() -> None:
+    x, ids = token_mixture(600)
+    # 12 ids; room for 5
+    codec = AdaptiveLowRankCodec(32, 3, token_slots=5, refresh_every=1, refresh_tolerance=0.0)
+    codec.observe_dense(x, ids)
+    codec.fit_shared(1)
+    distinct, counts = torch.unique(ids, return_counts=True)
+    order = torch.argsort(-counts, stable=True)[:5]
+    assert torch.equal(codec.token_ids, torch.sort(distinct[order]).values)
+    # the same tokens shifted by +1 everywhere: a shared refit moves mean and offsets, keeps the ids
+    before = codec.token_ids.clone()
+    codec.observe_dense(x + 1.0, ids)
+    codec.fit_shared(2)
+    assert torch.equal(codec.token_ids, before)
+    restored = AdaptiveLowRankCodec(32, 3, token_slots=5)
+    restored.load_state_dict(codec.state_dict())
+    probe, probe_ids = x[:40].reshape(2, 20, 32) + 1.0, ids[:40].reshape(2, 20)
+    assert torch.equal(restored.decode(restored.encode(probe, KEY, token_ids=probe_ids), KEY, token_ids=probe_ids),
+                       codec.decode(codec.encode(probe, KEY, token_ids=probe_ids), KEY, token_ids=probe_ids))
+
+
 def test_hybrid_sends_exactly_k_values_and_covers_every_residual_channel() -> None:
     dim, k, rank = 32, 6, 3
     codec = make_codec("hybrid", dim, k=k, rank=rank)
@@ -165,22 +248,23 @@ CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "refresh_eve
 SHIP_STEP, SHARED_STEP = 3, 5
 
 
-def dense_tokens(model: torch.nn.Module, layer: int) -> torch.Tensor:
-    """The dense boundary after ``layer`` at real tokens (what the anchor's pass sends)."""
+def dense_tokens(model: torch.nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense boundary after ``layer`` at real tokens (what the anchor's pass sends), and their ids."""
     batch = rollouts()
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                     position_ids=batch.position_ids, output_hidden_states=True)
-    return out.hidden_states[layer + 1][batch.attention_mask.bool()]
+    real = batch.attention_mask.bool()
+    return out.hidden_states[layer + 1][real], batch.input_ids[real]
 
 
-def one_process() -> dict[str, Any]:
+def one_process(basis_tokens: int) -> dict[str, Any]:
     """Steps 0..5 with the cuts as hooks: cold start at 0, fit at 1, ship at 3, the anchor's dense
     traffic during step 3, shared refit at 5."""
     model = tiny_llama()
     batch = rollouts()
     bases, metrics = {}, {}
-    with CutSet(model, PipelineConfig(**CONFIG)) as cuts:
+    with CutSet(model, PipelineConfig(**CONFIG, basis_tokens=basis_tokens)) as cuts:
         codec = cuts.boundaries[0].forward_codec
         for step in range(6):
             cuts.reset_stats()
@@ -189,19 +273,20 @@ def one_process() -> dict[str, Any]:
             logp.sum().backward()
             if step == SHIP_STEP:
                 with cuts.bypassed():
-                    cuts.observe_dense(0, dense_tokens(model, cuts.specs[0].layer))
+                    cuts.observe_dense(0, *dense_tokens(model, cuts.specs[0].layer))
             metrics[step] = cuts.metrics()
             bases[step] = (codec.basis.clone() if codec.basis is not None else None, codec.version)
         final = completion_logps(model, batch)[0].detach()
-    return {"bases": bases, "metrics": metrics, "logp": final}
+        table = codec.token_ids
+    return {"bases": bases, "metrics": metrics, "logp": final, "centres": 0 if table is None else table.numel()}
 
 
-def lowrank_worker(rank: int, world_size: int) -> dict[str, Any]:
+def lowrank_worker(rank: int, world_size: int, basis_tokens: int) -> dict[str, Any]:
     from tclightning.grpo.update import MicrobatchLoss
     from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
-    engine = PipelineEngine(model, PipelineConfig(**CONFIG, timeout_s=30))
+    engine = PipelineEngine(model, PipelineConfig(**CONFIG, basis_tokens=basis_tokens, timeout_s=30))
     batch = rollouts()
     inputs = StageInputs.from_rollouts(batch)
     codec = engine.module.send_codec if rank == 0 else engine.module.recv_codec
@@ -219,13 +304,16 @@ def lowrank_worker(rank: int, world_size: int) -> dict[str, Any]:
             engine.dense_gradient(snapshot, inputs, loss_fn)
         metrics[step] = engine.metrics()
         bases[step] = (codec.basis.clone() if codec.basis is not None else None, codec.version)
+        if codec.token_ids is not None:
+            bases[step] += (codec.token_ids.clone(), codec.token_offsets.clone())
     logp, _ = engine.run(inputs)
-    return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict()}
+    return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict(),
+            "basis_tokens": basis_tokens}
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> tuple[dict[str, Any], dict[str, Any]]:
-    outcomes = run_ranks(lowrank_worker, 2, timeout_s=30)
+@pytest.fixture(scope="module", params=[0, 1024], ids=["one-centre", "token-centres"])
+def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+    outcomes = run_ranks(lowrank_worker, 2, request.param, timeout_s=30)
     for outcome in outcomes:
         assert outcome.error is None, outcome.trace
     return outcomes[0].value, outcomes[1].value
@@ -233,17 +321,20 @@ def two_ranks() -> tuple[dict[str, Any], dict[str, Any]]:
 
 def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(two_ranks: Any) -> None:
     sender, receiver = two_ranks
-    ref = one_process()
+    ref = one_process(sender["basis_tokens"])
     versions = {step: ref["bases"][step][1] for step in range(6)}
     assert versions == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3}  # cold start, fit, -, ship, -, shared refit
     for step in range(6):
-        basis_s, version_s = sender["bases"][step]
-        basis_r, version_r = receiver["bases"][step]
+        basis_s, version_s = sender["bases"][step][:2]
+        basis_r, version_r = receiver["bases"][step][:2]
         assert version_s == version_r == versions[step]
         if basis_s is None:
             assert basis_r is None and step == 0
             continue
         assert torch.equal(basis_s, basis_r), step  # the two sides: bit for bit
+        assert len(sender["bases"][step]) == len(receiver["bases"][step]) == (4 if sender["basis_tokens"] else 2)
+        for table_s, table_r in zip(sender["bases"][step][2:], receiver["bases"][step][2:], strict=True):
+            assert torch.equal(table_s, table_r), step  # the token centres too
         torch.testing.assert_close(basis_s, ref["bases"][step][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(receiver["logp"], ref["logp"], rtol=1e-4, atol=1e-5)
     # bytes: dense at the cold start, r values per token after, the shipped basis at step 3 only
@@ -252,7 +343,7 @@ def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(t
         m = rank_result["metrics"]
         assert m[0]["wire/cut0/bytes_fwd"] == tokens * 64 * 4 == ref["metrics"][0]["wire/cut0/bytes_fwd"]
         assert m[1]["wire/cut0/bytes_fwd"] == tokens * 5 * 4
-        shipped = 4 + (64 * 5 + 64) * 4  # the refit flag and the basis
+        shipped = 4 + (64 * 5 + 64 + ref["centres"] * 65) * 4  # the refit flag, the basis, the token centres
         assert m[SHIP_STEP]["wire/basis_bytes"] == shipped == ref["metrics"][SHIP_STEP]["wire/basis_bytes"]
         assert m[SHIP_STEP]["wire/cut0/bytes_fwd"] == tokens * 5 * 4 + shipped
         assert m[SHARED_STEP]["wire/basis_bytes"] == 0.0  # the anchor's traffic refreshed it for free
@@ -262,8 +353,9 @@ def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(t
 
 def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path) -> None:
     """A one-process CutSet and a two-process checkpoint both restore the basis and its windows."""
+    config = PipelineConfig(**CONFIG, basis_tokens=two_ranks[0]["basis_tokens"])
     ref_model, batch = tiny_llama(), rollouts()
-    with CutSet(ref_model, PipelineConfig(**CONFIG)) as cuts:
+    with CutSet(ref_model, config) as cuts:
         for step in range(3):
             cuts.set_step(step)
             completion_logps(ref_model, batch)
@@ -272,7 +364,7 @@ def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path)
         expected = completion_logps(ref_model, batch)[0]
         expected_basis = cuts.boundaries[0].forward_codec.basis.clone()
     model = tiny_llama()
-    with CutSet(model, PipelineConfig(**CONFIG)) as resumed:
+    with CutSet(model, config) as resumed:
         resumed.load_state_dict(torch.load(tmp_path / "cuts.pt", weights_only=True))
         resumed.set_step(3)  # a shipped refit from the restored window
         assert torch.equal(resumed.boundaries[0].forward_codec.basis, expected_basis)
@@ -281,6 +373,10 @@ def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path)
     state = two_ranks[0]["state"]
     assert state["forward"][0]["version"] == 3 and state["sender"][0]["version"] == 3
     assert torch.equal(state["forward"][0]["basis"], state["sender"][0]["basis"])
+    for name in ("token_ids", "token_offsets"):
+        assert (state["forward"][0][name] is None) == (not two_ranks[0]["basis_tokens"])
+        if state["forward"][0][name] is not None:
+            assert torch.equal(state["forward"][0][name], state["sender"][0][name])
 
 
 def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path: Path) -> None:

@@ -57,12 +57,14 @@ def make_codec(
     rank: int | None = None,
     refresh_every: int = 10,
     refresh_tolerance: float = 0.02,
+    basis_tokens: int = 0,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf`` and ``hybrid``; the rank (default: that same budget; ``hybrid``:
     half of it) for ``svd``/``lowrank``/``hybrid``/``powersgd``; ``fill_rank`` / ``fill_tokens``: the PPCA rank of
     ``prf``'s conditional fill and how many token ids get their own mean; ``refresh_every`` /
-    ``refresh_tolerance``: the basis refresh checks of ``lowrank``/``hybrid``."""
+    ``refresh_tolerance``: the basis refresh checks of ``lowrank``/``hybrid``; ``basis_tokens``: how
+    many token ids get their own centre there."""
     if name == "identity":
         return IdentityCodec(dim)
     budget = budget_k(dim, rate=rate, k=k)
@@ -73,10 +75,10 @@ def make_codec(
         return SVDCodec(dim, rank or budget)
     if name == "lowrank":
         return AdaptiveLowRankCodec(dim, rank or budget, refresh_every=refresh_every,
-                                    refresh_tolerance=refresh_tolerance)
+                                    refresh_tolerance=refresh_tolerance, token_slots=basis_tokens)
     if name == "hybrid":
         return HybridCodec(dim, budget, rank or max(1, budget // 2), refresh_every=refresh_every,
-                           refresh_tolerance=refresh_tolerance)
+                           refresh_tolerance=refresh_tolerance, token_slots=basis_tokens)
     if name == "powersgd":
         return PowerSGDCodec(dim, rank or budget)
     raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")

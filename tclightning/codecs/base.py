@@ -86,8 +86,10 @@ class Codec(ABC):
         self.dim = dim
 
     @abstractmethod
-    def encode(self, x: Tensor, key: CodecKey) -> Payload:
-        """Sender side: ``[B, L, d]`` (or ``[T, d]``) -> payload."""
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Payload:
+        """Sender side: ``[B, L, d]`` (or ``[T, d]``) -> payload. ``token_ids`` (``x``'s shape
+        without channels) is side information both sides hold; a codec that uses it is given the
+        same ids by :meth:`decode`."""
 
     @abstractmethod
     def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None,
@@ -122,9 +124,9 @@ class Codec(ABC):
         Called with identical tensors on the sender and the receiver, so state fitted from them
         agrees without a byte sent. No-op by default."""
 
-    def observe_sent(self, tokens: Tensor) -> None:
-        """Sender side only: the real tokens ``[T, d]`` this side just encoded (no grad). No-op by
-        default."""
+    def observe_sent(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
+        """Sender side only: the real tokens ``[T, d]`` this side just encoded (no grad) and, if
+        known, their ``[T]`` token ids. No-op by default."""
 
     def step_metrics(self) -> dict[str, float]:
         """Codec-specific per-step figures (logged as ``wire/cut{i}/<name>``); empty by default."""

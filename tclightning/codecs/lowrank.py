@@ -22,46 +22,109 @@ from tclightning.codecs.base import Codec, CodecKey, as_rows
 from tclightning.codecs.prf import PRFIndexer, fold32, mix32
 
 
+TOKEN_PRIOR = 4.0
+"""Pseudo-observations shrinking a token's centre towards the global mean: a token seen n times in
+a window moves its centre by ``n / (n + 4)`` of the way to its own mean."""
+
+
+def segment_sums(ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(distinct ids ascending [n], per-id row sums [n, d], per-id counts [n])`` of ``rows``
+    ``[T, d]`` grouped by ``ids`` ``[T]``. A stable sort and a cumulative sum, not ``index_add_``:
+    the same inputs give bit-identical sums on any device (GPU atomics would not), which the two
+    sides of a cut rely on."""
+    order = torch.argsort(ids, stable=True)
+    distinct, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    running = rows[order].cumsum(0)
+    ends = counts.cumsum(0) - 1
+    sums = running[ends].clone()
+    sums[1:] -= running[ends[:-1]]
+    return distinct, sums, counts.to(rows.dtype)
+
+
 class TokenMoments:
-    """First and second moments of boundary tokens in float64: ``n``, ``sum x`` [d], ``sum x x^T`` [d, d].
+    """First and second moments of boundary tokens in float64: ``n``, ``sum x`` [d], ``sum x x^T`` [d, d],
+    and, when every row came with its token id, per-id sums ``S_t`` and counts ``n_t``.
 
     Adding the same tokens in the same order gives bit-identical moments, which is what lets the
-    two sides of a cut fit the same basis from traffic they both saw without sending it."""
+    two sides of a cut fit the same basis from traffic they both saw without sending it.
 
-    def __init__(self, dim: int) -> None:
+    With token ids the covariance is the within-token one, about each token's shrunk mean
+    ``m_t = (S_t + prior m) / (n_t + prior)`` (``m`` the global mean):
+    ``W = sum x x^T / n - sum_t (S_t m_t^T + m_t S_t^T - n_t m_t m_t^T) / n`` -- exactly the second
+    moment of ``x - m_t``, so its trailing eigenvalues are what a fresh basis around fresh token
+    centres loses."""
+
+    def __init__(self, dim: int, token_prior: float = TOKEN_PRIOR) -> None:
         self.dim = dim
+        self.token_prior = token_prior
         self.count = 0
         self.total: Tensor | None = None
         self.outer: Tensor | None = None
+        self.with_ids = 0  # rows that came with token ids
+        self.ids: Tensor | None = None  # distinct ids seen, ascending [n]
+        self.token_total: Tensor | None = None  # [n, d]
+        self.token_count: Tensor | None = None  # [n]
         self._spectrum: tuple[Tensor, Tensor, Tensor] | None = None  # cached until the moments change
 
     @torch.no_grad()
-    def add(self, tokens: Tensor) -> None:
-        """Fold in ``tokens`` ([..., d], every row a token)."""
+    def add(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
+        """Fold in ``tokens`` ([..., d], every row a token) and, optionally, their ids (one per row)."""
         rows = tokens.detach().reshape(-1, self.dim).double()
         if rows.shape[0] == 0:
             return
         if self.total is None or self.outer is None or self.total.device != rows.device:
+            self.clear()
             self.total = rows.new_zeros(self.dim)
             self.outer = rows.new_zeros(self.dim, self.dim)
-            self.count = 0
         self.count += rows.shape[0]
         self._spectrum = None
         self.total += rows.sum(0)
         self.outer += rows.T @ rows
+        if token_ids is None or token_ids.numel() != rows.shape[0]:
+            return
+        ids = token_ids.reshape(-1).to(rows.device, torch.long)
+        counts = rows.new_ones(rows.shape[0], 1)
+        if self.ids is not None and self.token_total is not None and self.token_count is not None:
+            # merge: the earlier per-id sums are rows of their own, weighted by their counts
+            ids = torch.cat([self.ids, ids])
+            rows = torch.cat([self.token_total, rows])
+            counts = torch.cat([self.token_count[:, None], counts])
+        self.ids, self.token_total, _ = segment_sums(ids, rows)
+        self.token_count = segment_sums(ids, counts)[1][:, 0]
+        self.with_ids += token_ids.numel()
+
+    @property
+    def by_token(self) -> bool:
+        """Whether every row came with its token id (the within-token fit applies)."""
+        return self.count > 0 and self.with_ids == self.count and self.ids is not None
 
     def clear(self) -> None:
         self.count, self.total, self.outer, self._spectrum = 0, None, None, None
+        self.with_ids, self.ids, self.token_total, self.token_count = 0, None, None, None
+
+    def token_means(self) -> tuple[Tensor, Tensor]:
+        """``(ids [n], m_t [n, d])``: each seen token's mean shrunk towards the global mean."""
+        assert self.by_token and self.total is not None
+        assert self.ids is not None and self.token_total is not None and self.token_count is not None
+        mean = self.total / self.count
+        return self.ids, (self.token_total + self.token_prior * mean) / (self.token_count[:, None] + self.token_prior)
 
     def spectrum(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(mean, eigenvalues ascending, eigenvectors)`` of the centred covariance
-        ``sum x x^T / n - mean mean^T`` (float64), computed once per set of moments: a refresh
-        check and the refit it decides on share one eigendecomposition."""
+        ``sum x x^T / n - mean mean^T`` (float64; the within-token ``W`` when :attr:`by_token`),
+        computed once per set of moments: a refresh check and the refit it decides on share one
+        eigendecomposition."""
         if self.count < 2 or self.total is None or self.outer is None:
             raise ValueError("a basis needs at least 2 tokens")
         if self._spectrum is None:
             mean = self.total / self.count
-            covariance = self.outer / self.count - torch.outer(mean, mean)
+            if self.by_token:
+                assert self.token_total is not None and self.token_count is not None
+                means = self.token_means()[1]
+                cross = self.token_total.T @ means
+                covariance = (self.outer - cross - cross.T + (means.T * self.token_count) @ means) / self.count
+            else:
+                covariance = self.outer / self.count - torch.outer(mean, mean)
             eigenvalues, eigenvectors = torch.linalg.eigh((covariance + covariance.T) / 2)
             self._spectrum = (mean, eigenvalues, eigenvectors)
         return self._spectrum
@@ -85,8 +148,9 @@ class TokenMoments:
         """How much less of these tokens' energy a fresh rank-r fit would lose than ``(basis,
         mean)`` does, as a share of their energy about ``mean``:
         ``(lost(U, mu) - lost(fresh fit)) / sum ||x - mu||^2`` with ``lost(U, mu) = sum ||(x - mu)
-        - (x - mu) U U^T||^2``; a fresh fit (its own mean, top-r eigenvectors) loses the trailing
-        eigenvalues. 0 when the current basis is as good as a refit (>= 0 up to rounding)."""
+        - (x - mu) U U^T||^2``; a fresh fit (its own mean or token means, top-r eigenvectors) loses
+        the trailing eigenvalues. 0 when the current basis is as good as a refit (>= 0 up to
+        rounding)."""
         assert self.total is not None and self.outer is not None and self.count > 0
         u, mu = basis.to(self.outer), mean.to(self.outer)
         centre = self.total / self.count
@@ -102,14 +166,19 @@ class TokenMoments:
     def state_dict(self) -> dict[str, Any]:
         if self.total is None:
             return {}
-        return {"count": self.count, "total": self.total.cpu(), "outer": self.outer.cpu()}  # type: ignore[union-attr]
+        state: dict[str, Any] = {"count": self.count, "total": self.total.cpu(), "outer": self.outer.cpu()}  # type: ignore[union-attr]
+        if self.ids is not None:
+            state.update(with_ids=self.with_ids, ids=self.ids.cpu(), token_total=self.token_total.cpu(),  # type: ignore[union-attr]
+                         token_count=self.token_count.cpu())  # type: ignore[union-attr]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not state:
-            self.clear()
-        else:
+        self.clear()
+        if state:
             self.count, self.total, self.outer = int(state["count"]), state["total"], state["outer"]
-            self._spectrum = None
+            if "ids" in state:
+                self.with_ids, self.ids = int(state["with_ids"]), state["ids"]
+                self.token_total, self.token_count = state["token_total"], state["token_count"]
 
 
 class SVDCodec(Codec):
@@ -152,7 +221,7 @@ class SVDCodec(Codec):
         """One-off bytes to ship the basis and mean: ``(d * r + d) * element_size``."""
         return (self.dim * self.rank + self.dim) * dtype.itemsize
 
-    def encode(self, x: Tensor, key: CodecKey) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
         if not self.calibrated:
             self.calibrate(x)
         assert self.basis is not None and self.mean is not None
@@ -211,15 +280,26 @@ class AdaptiveLowRankCodec(Codec):
         encoded (:meth:`observe_sent`) and sends a 4-byte flag, then, if it refitted, ``U`` and
         ``mu``: ``(d r + d) * 4`` bytes, all counted on the wire (:meth:`basis_message`).
 
-    ``step_metrics()``: ``energy_kept`` = ``sum ||(x - mu) U||^2 / sum ||x - mu||^2`` over the
-    step's sent tokens (the share of the batch's energy about ``mu`` the basis keeps, so drift is
-    visible), and ``basis_bytes`` shipped this step.
+    **Token centres** (``token_slots > 0``): every stage of a GRPO trainer holds the batch's token
+    ids, so both sides can centre each token on its own id's mean instead of one ``mu``:
+    ``payload = (x - mu - tau_t) U``, ``x_hat = mu + tau_t + payload U^T`` with ``tau_t`` the
+    token's offset (0 for ids without one), and ``U`` fitted to the within-token covariance
+    (:class:`TokenMoments`). Zero extra bytes per token; the table (up to ``token_slots`` ids, the
+    most frequent first) is fitted with the basis from the same tokens, so both sides build it
+    alike, and a shipped refit carries it (``n (d + 1) * 4`` more bytes, counted). Statistics are
+    gathered on ``x - tau_t``, so a refit moves each seen token's offset by its shrunk mean shift
+    (``token_prior``, :data:`TOKEN_PRIOR`).
+
+    ``step_metrics()``: ``energy_kept`` = ``sum ||(x - c) U||^2 / sum ||x - c||^2`` over the
+    step's sent tokens, ``c`` each token's centre (the share of the batch's energy about its
+    centres the basis keeps, so drift is visible), and ``basis_bytes`` shipped this step.
     """
 
     name = "lowrank"
     learns_from_traffic = True
 
-    def __init__(self, dim: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02) -> None:
+    def __init__(self, dim: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
+                 token_slots: int = 0, token_prior: float = TOKEN_PRIOR) -> None:
         super().__init__(dim)
         if not 1 <= rank <= dim:
             raise ValueError(f"rank must be in [1, d={dim}], got {rank}")
@@ -227,15 +307,20 @@ class AdaptiveLowRankCodec(Codec):
             raise ValueError(f"refresh_every must be >= 0, got {refresh_every}")
         if not 0.0 <= refresh_tolerance <= 1.0:
             raise ValueError(f"refresh_tolerance must be in [0, 1], got {refresh_tolerance}")
+        if token_slots < 0:
+            raise ValueError(f"token_slots must be >= 0, got {token_slots}")
         self.rank = rank
+        self.token_slots = token_slots
+        self.token_ids: Tensor | None = None  # [n] long, ascending: the ids with an offset
+        self.token_offsets: Tensor | None = None  # [n, d] float32: tau_t
         self.refresh_every = refresh_every
         self.refresh_tolerance = refresh_tolerance
         self.checked_step = -1  # the last refresh check (identical on both sides)
         self.basis: Tensor | None = None  # [d, r] float32, orthonormal columns
         self.mean: Tensor | None = None  # [d] float32
         self.version = 0  # fits so far (identical on both sides)
-        self.shared = TokenMoments(dim)  # dense tokens both sides saw since the last fit
-        self.window = TokenMoments(dim)  # sender only: tokens it encoded since the last fit
+        self.shared = TokenMoments(dim, token_prior)  # dense tokens both sides saw since the last fit
+        self.window = TokenMoments(dim, token_prior)  # sender only: tokens it encoded since the last fit
         self._kept = 0.0
         self._energy = 0.0
         self._shipped = 0
@@ -254,34 +339,64 @@ class AdaptiveLowRankCodec(Codec):
     def width(self) -> int:
         return self.rank if self.calibrated else self.dim
 
-    def encode(self, x: Tensor, key: CodecKey) -> Tensor:
+    def offsets(self, token_ids: Tensor | None, like: Tensor) -> Tensor | None:
+        """``tau_t`` for each token of ``like`` (``[..., d]``, ids ``[...]``): zero rows for ids
+        without an offset; None without a table or ids (every token then centres on ``mu``)."""
+        if self.token_ids is None or self.token_offsets is None or token_ids is None:
+            return None
+        if token_ids.shape != like.shape[:-1]:
+            raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(like.shape)}")
+        ids, table = token_ids.to(like.device).long(), self.token_ids.to(like.device)
+        position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
+        known = (table[position] == ids).unsqueeze(-1)
+        return self.token_offsets.to(like.device, like.dtype)[position] * known
+
+    def centre(self, token_ids: Tensor | None, like: Tensor) -> Tensor:
+        """Each token's centre ``mu + tau_t`` (broadcastable to ``like``)."""
+        assert self.mean is not None
+        mean = self.mean.to(like.device, like.dtype)
+        offsets = self.offsets(token_ids, like)
+        return mean if offsets is None else mean + offsets
+
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         if self.basis is None or self.mean is None:
             return x
-        return (x - self.mean.to(x.device, x.dtype)) @ self.basis.to(x.device, x.dtype)
+        return (x - self.centre(token_ids, x)) @ self.basis.to(x.device, x.dtype)
 
     def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
                token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return payload
         basis = self.basis.to(payload.device, payload.dtype)
-        return self.mean.to(payload.device, payload.dtype) + payload[..., : self.rank] @ basis.T
+        low = payload[..., : self.rank] @ basis.T
+        return self.centre(token_ids, low) + low
 
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         return tokens * self.width * dtype.itemsize
 
     # -- what each side learns from -------------------------------------------------------------
 
+    def _statistics_rows(self, tokens: Tensor, token_ids: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """What the moments gather: ``[T, d]`` rows less their token offsets, with their ids (None
+        when the codec keeps no token centres, so those moments are the plain ones)."""
+        rows = tokens.detach().reshape(-1, self.dim)
+        if not self.token_slots or token_ids is None:
+            return rows, None
+        ids = token_ids.reshape(-1)
+        offsets = self.offsets(ids, rows)
+        return (rows if offsets is None else rows - offsets), ids
+
     def observe_dense(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
-        self.shared.add(tokens)
+        self.shared.add(*self._statistics_rows(tokens, token_ids))
 
     @torch.no_grad()
-    def observe_sent(self, tokens: Tensor) -> None:
+    def observe_sent(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
         if self.basis is None or self.mean is None:
             return
-        rows = tokens.detach().reshape(-1, self.dim).float()
-        self.window.add(rows)
+        rows, ids = self._statistics_rows(tokens.float(), token_ids)
+        self.window.add(rows, ids)
         centred = rows - self.mean.to(rows.device)
         self._kept += float((centred @ self.basis.to(rows.device)).pow(2).sum())
         self._energy += float(centred.pow(2).sum())
@@ -308,7 +423,7 @@ class AdaptiveLowRankCodec(Codec):
         Returns whether the basis changed (the same answer on both sides)."""
         refit = self.basis is None or self._drifted(self.shared)
         if refit:
-            self._install(*self.shared.principal_basis(self.rank)[:2])
+            self._refit(self.shared)
         self._checked(step)
         return refit
 
@@ -317,21 +432,34 @@ class AdaptiveLowRankCodec(Codec):
         install and return ``cat(U.flatten(), mu)`` (float32) to ship, else None (keep)."""
         message = None
         if self._drifted(self.window):
-            basis, mean, _ = self.window.principal_basis(self.rank)
-            self._install(basis, mean)
-            message = torch.cat([basis.reshape(-1), mean]).float()
+            self._refit(self.window)
+            message = self._message()
         self._shipped += FLAG_BYTES + (self.ship_bytes() if message is not None else 0)
         self._checked(step)
         return message
+
+    def _message(self) -> Tensor:
+        """``cat(U.flatten(), mu, ids, tau.flatten())`` (float32; ids are exact below 2^24)."""
+        assert self.basis is not None and self.mean is not None
+        parts = [self.basis.reshape(-1), self.mean]
+        if self.token_ids is not None and self.token_offsets is not None:
+            parts += [self.token_ids.float(), self.token_offsets.reshape(-1)]
+        return torch.cat(parts).float()
 
     def load_basis_message(self, message: Tensor | None, step: int) -> None:
         """Receiver: install what :meth:`basis_message` sent (None: the sender kept its basis)."""
         if message is not None:
             flat = message.detach().float().cpu()
             size = self.dim * self.rank
-            if flat.numel() != size + self.dim:
-                raise ValueError(f"basis message has {flat.numel()} values, expected {size + self.dim}")
-            self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size:].clone())
+            tokens, extra = divmod(flat.numel() - size - self.dim, self.dim + 1)
+            if tokens < 0 or extra or (tokens and not self.token_slots):
+                raise ValueError(f"basis message has {flat.numel()} values, expected {size + self.dim} "
+                                 f"plus (d + 1) per token centre")
+            if tokens:
+                table = flat[size + self.dim:]
+                self.token_ids = table[:tokens].round().long()
+                self.token_offsets = table[tokens:].reshape(tokens, self.dim).clone()
+            self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size : size + self.dim].clone())
         self._checked(step)
 
     def refresh(self, step: int) -> int:
@@ -347,8 +475,37 @@ class AdaptiveLowRankCodec(Codec):
         return 0
 
     def ship_bytes(self) -> int:
-        """Bytes of one shipped basis: ``(d r + d) * 4`` (float32)."""
-        return (self.dim * self.rank + self.dim) * 4
+        """Bytes of the basis as it would ship now: ``(d r + d + n (d + 1)) * 4`` (float32; ``n``
+        token centres)."""
+        tokens = 0 if self.token_ids is None else self.token_ids.numel()
+        return (self.dim * self.rank + self.dim + tokens * (self.dim + 1)) * 4
+
+    def _refit(self, moments: TokenMoments) -> None:
+        """Fit basis, mean and (with token centres) the offsets from ``moments`` and install them."""
+        basis, mean, _ = moments.principal_basis(self.rank)
+        if self.token_slots and moments.by_token:
+            ids, means = moments.token_means()
+            assert moments.token_count is not None and moments.total is not None
+            shift = means - moments.total / moments.count  # m_t - m
+            self._move_offsets(ids.cpu(), shift.float().cpu(), moments.token_count.cpu())
+        self._install(basis, mean)
+
+    def _move_offsets(self, ids: Tensor, shift: Tensor, counts: Tensor) -> None:
+        """Add each seen id's mean shift ``m_t - m`` to its offset; new ids take free slots, the
+        most frequent first (ties: the smaller id)."""
+        table = self.token_ids if self.token_ids is not None else ids.new_zeros(0)
+        offsets = self.token_offsets if self.token_offsets is not None else shift.new_zeros(0, self.dim)
+        position = torch.searchsorted(table, ids).clamp_max(max(table.numel() - 1, 0))
+        known = (table[position] == ids) if table.numel() else torch.zeros_like(ids, dtype=torch.bool)
+        offsets = offsets.clone()
+        offsets.index_add_(0, position[known], shift[known])
+        fresh = (~known).nonzero().squeeze(1)
+        order = torch.argsort(-counts[fresh], stable=True)[: self.token_slots - table.numel()]
+        fresh = fresh[order]
+        merged = torch.cat([table, ids[fresh]])
+        order = torch.argsort(merged)
+        self.token_ids = merged[order]
+        self.token_offsets = torch.cat([offsets, shift[fresh]])[order]
 
     def _install(self, basis: Tensor, mean: Tensor) -> None:
         self.basis, self.mean = basis.float().cpu(), mean.float().cpu()
@@ -376,6 +533,8 @@ class AdaptiveLowRankCodec(Codec):
         return {
             "basis": None if self.basis is None else self.basis.clone(),
             "mean": None if self.mean is None else self.mean.clone(),
+            "token_ids": None if self.token_ids is None else self.token_ids.clone(),
+            "token_offsets": None if self.token_offsets is None else self.token_offsets.clone(),
             "version": self.version,
             "checked_step": self.checked_step,
             "shared": self.shared.state_dict(),
@@ -386,13 +545,14 @@ class AdaptiveLowRankCodec(Codec):
         if not state:
             return
         self.basis, self.mean = state["basis"], state["mean"]
+        self.token_ids, self.token_offsets = state.get("token_ids"), state.get("token_offsets")
         self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
         self.shared.load_state_dict(state.get("shared", {}))
         self.window.load_state_dict(state.get("window", {}))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, refresh_every={self.refresh_every}, "
-                f"refresh_tolerance={self.refresh_tolerance})")
+                f"refresh_tolerance={self.refresh_tolerance}, token_slots={self.token_slots})")
 
 
 class HybridCodec(AdaptiveLowRankCodec):
@@ -407,10 +567,12 @@ class HybridCodec(AdaptiveLowRankCodec):
 
     name = "hybrid"
 
-    def __init__(self, dim: int, k: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02) -> None:
+    def __init__(self, dim: int, k: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
+                 token_slots: int = 0) -> None:
         if not 1 <= rank < k <= dim:
             raise ValueError(f"hybrid needs 1 <= rank < k <= d (d={dim}), got rank={rank}, k={k}")
-        super().__init__(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance)
+        super().__init__(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance,
+                         token_slots=token_slots)
         self.k = k
         self.indexer = PRFIndexer(dim, k - rank)
 
@@ -423,11 +585,11 @@ class HybridCodec(AdaptiveLowRankCodec):
         return self.indexer.indices(key, rows.shape[0], rows.shape[1], rows.device).view(
             *like.shape[:-1], self.k - self.rank)
 
-    def encode(self, x: Tensor, key: CodecKey) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return super().encode(x, key)
         basis = self.basis.to(x.device, x.dtype)
-        centred = x - self.mean.to(x.device, x.dtype)
+        centred = x - self.centre(token_ids, x)
         coefficients = centred @ basis
         residual = centred - coefficients @ basis.T
         picked = residual.gather(-1, self._residual_channels(key, x))
@@ -437,7 +599,7 @@ class HybridCodec(AdaptiveLowRankCodec):
                token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return payload
-        low = super().decode(payload[..., : self.rank], key)
+        low = super().decode(payload[..., : self.rank], key, token_ids=token_ids)
         idx = self._residual_channels(key, low)
         return low + torch.zeros_like(low).scatter(-1, idx, payload[..., self.rank :])
 
@@ -466,7 +628,7 @@ class PowerSGDCodec(Codec):
         return torch.randn(self.dim, self.rank, generator=generator).to(device)
 
     @torch.no_grad()
-    def encode(self, x: Tensor, key: CodecKey) -> tuple[Tensor, Tensor]:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         matrix = as_rows(x).reshape(-1, self.dim).float()
         q = self._q if self._q is not None and self._q.device == matrix.device else self._initial_q(key, matrix.device)
         p, _ = torch.linalg.qr(matrix @ q)

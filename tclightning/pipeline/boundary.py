@@ -159,9 +159,12 @@ class Boundary:
         if codec.learns_from_traffic:
             with torch.no_grad():
                 real = x[token_mask.bool()] if token_mask is not None else x.reshape(-1, x.shape[-1])
+                real_ids = None
+                if token_ids is not None and token_ids.shape == x.shape[:-1]:
+                    real_ids = token_ids[token_mask.bool()] if token_mask is not None else token_ids.reshape(-1)
                 if codec.crosses_dense:  # one process: sender and receiver are this one codec
-                    codec.observe_dense(real)
-                codec.observe_sent(real)
+                    codec.observe_dense(real, real_ids)
+                codec.observe_sent(real, real_ids)
         if self.backward_codec is None or not x.requires_grad:
             return self._chain_rule(x, key, token_mask, tokens, token_ids)
         return _SeparateBackward.apply(x, self, key, token_mask, tokens, token_ids)
@@ -169,7 +172,7 @@ class Boundary:
     def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int,
                     token_ids: Tensor | None = None) -> Tensor:
         codec = self.forward_codec
-        payload = self.wire.send_forward(self.ordinal, codec.encode(x, key))
+        payload = self.wire.send_forward(self.ordinal, codec.encode(x, key, token_ids=token_ids))
         self._record(FORWARD, payload, tokens)
         if isinstance(payload, Tensor) and payload.requires_grad:
             payload.register_hook(self._gradient_hook(tokens))

@@ -85,12 +85,18 @@ class PipelineConfig:
     refresh_every: int = 10
     """``lowrank`` / ``hybrid``: steps between basis refresh checks (0 = keep the first fit). A check
     is free when the anchor's dense pass fed both sides since the last one; otherwise the sender
-    decides and sends a 4-byte flag, plus the basis, ``(d r + d) * 4`` bytes, if it refits (all
-    counted in ``wire/bytes_fwd``)."""
+    decides and sends a 4-byte flag, plus the basis, ``(d r + d) * 4`` bytes (and any token
+    centres), if it refits (all counted in ``wire/bytes_fwd``)."""
 
     refresh_tolerance: float = 0.02
     """``lowrank`` / ``hybrid``: refit only when a fresh fit would lose at least this share less
     of the recent tokens' energy than the current basis (0 = refit at every check)."""
+
+    basis_tokens: int = 0
+    """``lowrank`` / ``hybrid``: how many token ids get their own centre (the most frequent in the
+    tokens a fit sees). Every stage holds the batch's token ids, so both sides centre each token
+    on its id's mean and fit the basis to the within-token covariance: zero bytes per token; a
+    shipped refit adds ``n (d + 1) * 4`` bytes for the table. 0: one mean for all tokens."""
 
     seed: int = 0
     """PRF key seed shared by sender and receiver (never sent)."""
@@ -169,6 +175,8 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.timeout_s must be > 0, got {self.timeout_s}")
         if self.fill_rank < 1:
             raise TclightningError(f"pipeline.fill_rank must be >= 1, got {self.fill_rank}")
+        if self.basis_tokens < 0:
+            raise TclightningError(f"pipeline.basis_tokens must be >= 0, got {self.basis_tokens}")
         if self.fill_tokens < 0:
             raise TclightningError(f"pipeline.fill_tokens must be >= 0, got {self.fill_tokens}")
         if not 0.0 < self.fill_momentum <= 1.0:

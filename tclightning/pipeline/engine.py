@@ -188,20 +188,21 @@ class PipelineEngine:
                 recv.fit_shared(step)
             elif action == "ship":
                 what = f"receiving the basis refresh of cut {self.rank - 1}"
-                refit = bool(self.comm.recv(1, torch.float32, self.rank - 1, what)[0] > 0)
-                message = self.comm.recv(recv.ship_bytes() // 4, torch.float32, self.rank - 1, what) if refit else None
+                size = int(self.comm.recv(1, torch.float32, self.rank - 1, what)[0])  # 0: kept
+                message = self.comm.recv(size, torch.float32, self.rank - 1, what) if size else None
                 recv.load_basis_message(message, step)
         if isinstance(send, AdaptiveLowRankCodec):
             action = send.plan_refresh(step)
             if action == "fit":
                 send.fit_shared(step)
-            elif action == "ship":  # a keep/refit flag, then the basis if refitted
+            elif action == "ship":  # a flag (the message's length, 0 = kept), then the basis if refitted
                 message = send.basis_message(step)
                 what = f"sending the basis refresh of cut {self.rank}"
-                self.comm.send(torch.tensor([0.0 if message is None else 1.0], device=self.device), self.rank + 1, what)
+                size = 0 if message is None else message.numel()
+                self.comm.send(torch.tensor([float(size)], device=self.device), self.rank + 1, what)
                 if message is not None:
                     self.comm.send(message.to(self.device), self.rank + 1, what)
-                self.meter.record_setup(self.rank, FLAG_BYTES + (0 if message is None else send.ship_bytes()))
+                self.meter.record_setup(self.rank, FLAG_BYTES + size * 4)
 
     def set_temperature(self, temperature: float) -> None:
         """The sampler's temperature, for the last stage's log-probs (before any forward)."""

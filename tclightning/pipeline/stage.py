@@ -164,23 +164,26 @@ class StageModule(nn.Module):
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if not self.is_last:
             assert self.send_codec is not None and self.send_spec is not None
-            self._observe_sent(hidden, attention_mask)
-            return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows)), attention_mask)
+            ids = x if self.is_first else input_ids  # the batch's tokens, which every stage holds
+            self._observe_sent(hidden, attention_mask, ids)
+            return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows), token_ids=ids), attention_mask)
         return self._completion_logps(hidden, completion_ids, completion_mask)
 
     @torch.no_grad()
-    def _observe_sent(self, hidden: Tensor, attention_mask: Tensor) -> None:
-        """The sender's side of what codecs learn from: real tokens ``[T, d]`` (``pack`` order)."""
+    def _observe_sent(self, hidden: Tensor, attention_mask: Tensor, input_ids: Tensor | None) -> None:
+        """The sender's side of what codecs learn from: real tokens ``[T, d]`` (``pack`` order) and
+        their ids (what the receiver's side observes with them)."""
         codec = self.send_codec
         assert codec is not None
         if self.send_tap is None and not codec.learns_from_traffic:
             return
         real = pack(hidden.detach(), attention_mask)
+        real_ids = pack(input_ids, attention_mask) if input_ids is not None else None
         if self.send_tap is not None:
-            self.send_tap.observe_dense(real)
+            self.send_tap.observe_dense(real, real_ids)
         if codec.crosses_dense:
-            codec.observe_dense(real)
-        codec.observe_sent(real)
+            codec.observe_dense(real, real_ids)
+        codec.observe_sent(real, real_ids)
 
     def _completion_logps(self, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:
         """``completion_logps`` on the last stage: tempered log-softmax at each completion token."""

@@ -302,6 +302,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.rank": positive(optional=True),
     "pipeline.refresh_every": integer(0),
     "pipeline.refresh_tolerance": share(),
+    "pipeline.basis_tokens": integer(0),
     "pipeline.seed": seed(),
     "pipeline.microbatches": positive(),
     "pipeline.schedule": one_of("gpipe", "1f1b"),
