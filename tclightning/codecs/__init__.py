@@ -57,7 +57,7 @@ def make_codec(
     rank: int | None = None,
     refresh_every: int = 10,
     refresh_tolerance: float = 0.02,
-    basis_tokens: int = 0,
+    basis_tokens: int = 1024,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf`` and ``hybrid``; the rank (default: that same budget; ``hybrid``:

@@ -92,7 +92,7 @@ class PipelineConfig:
     """``lowrank`` / ``hybrid``: refit only when a fresh fit would lose at least this share less
     of the recent tokens' energy than the current basis (0 = refit at every check)."""
 
-    basis_tokens: int = 0
+    basis_tokens: int = 1024
     """``lowrank`` / ``hybrid``: how many token ids get their own centre (the most frequent in the
     tokens a fit sees). Every stage holds the batch's token ids, so both sides centre each token
     on its id's mean and fit the basis to the within-token covariance: zero bytes per token; a
