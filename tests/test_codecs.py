@@ -259,3 +259,12 @@ def test_bench_codec_cli_reports_the_issue_keys(capsys: pytest.CaptureFixture[st
     for key in ("clone_ms", "encode_ms", "decode_ms", "payload_bytes_per_token", "dense_bytes_per_token"):
         assert key in result
     assert result["payload_bytes_per_token"] == 16 and result["dense_bytes_per_token"] == 128
+
+
+@pytest.mark.parametrize("codec_name", ["lowrank", "hybrid"])
+def test_bench_codec_times_the_bases_with_their_token_centres(codec_name: str) -> None:
+    from tclightning.bench.codec import bench_codec
+
+    result = bench_codec(tokens=2048, dim=32, k=4, repeats=1, warmup=0, codec_name=codec_name)
+    assert result["codec"] == codec_name and result["payload_bytes_per_token"] == 16
+    assert result["decode_over_zero_fill"] > 0  # timed beside the zero-fill PRF decode

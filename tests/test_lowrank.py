@@ -206,6 +206,26 @@ def test_token_centres_keep_the_most_frequent_ids_and_move_with_a_refit() -> Non
                        codec.decode(codec.encode(probe, KEY, token_ids=probe_ids), KEY, token_ids=probe_ids))
 
 
+def test_the_drift_check_does_not_count_what_fresh_token_means_absorb_in_sample() -> None:
+    """A window from the same token mixture: fresh per-token means fitted on its few rows per token
+    would 'gain' by absorbing its noise; the check keeps the current centres, so the basis is kept."""
+    torch.manual_seed(0)
+    x, ids = token_mixture(660)
+    x = x + 0.3 * torch.randn(660, 32)
+    codec = AdaptiveLowRankCodec(32, 3, token_slots=1024, refresh_every=1, refresh_tolerance=0.02)
+    codec.observe_dense(x[:600], ids[:600])
+    codec.fit_shared(1)
+    codec.observe_sent(x[600:], ids[600:])
+    window = codec.window
+    rows = x[600:].double() - codec.offsets(ids[600:], x[600:]).double() - codec.mean.double()
+    energy = float(rows.pow(2).sum()) / 60
+    lost_now = energy - float((rows @ codec.basis.double()).pow(2).sum()) / 60
+    in_sample = (lost_now - float(window.spectrum(within_tokens=True)[1].clamp_min(0)[:-3].sum())) / energy
+    fair = window.refit_gain(codec.basis, codec.mean)
+    assert fair < 0.01 < in_sample
+    assert codec.basis_message(2) is None and codec.version == 1  # kept
+
+
 def test_hybrid_sends_exactly_k_values_and_covers_every_residual_channel() -> None:
     dim, k, rank = 32, 6, 3
     codec = make_codec("hybrid", dim, k=k, rank=rank)

@@ -69,9 +69,10 @@ def bench_codec(
     in the same rounds too: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
     ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side.
 
-    ``codec_name``: ``prf`` (default), or ``lowrank`` / ``hybrid`` with a basis fitted on ``x``
-    (rank ``k``; hybrid: ``k // 2`` plus ``k - k // 2`` residual coordinates); their decode is
-    timed beside the zero-fill PRF decode of the same budget, as for a fill."""
+    ``codec_name``: ``prf`` (default), or ``lowrank`` / ``hybrid`` with a basis and token centres
+    fitted on ``x`` and its ids (rank ``k``; hybrid: ``k // 2`` plus ``k - k // 2`` residual
+    coordinates), the ids handed to every encode and decode; their decode is timed beside the
+    zero-fill PRF decode of the same budget, as for a fill."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     if fill not in FILLS:
@@ -88,18 +89,21 @@ def bench_codec(
         raise ValueError(f"--fill applies to prf only (got codec {codec_name} with fill {fill})")
     token_ids = torch.randint(0, TOKEN_IDS, (1, tokens), generator=generator).to(target)
     codec: Any = (_warm_codec(x, k, fill, fill_rank, token_ids, generator) if codec_name == "prf"
-                  else _fitted_basis(codec_name, x, k))
+                  else _fitted_basis(codec_name, x, k, token_ids))
     zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
-    payload = codec.encode(x, key)
+    # the batch's token ids: side information of the conditional fill and of the bases' token centres
+    side_information: dict[str, Any] = {"token_ids": token_ids} if fill == "conditional" else {}
+    if codec_name != "prf":  # a basis codec takes one id per row of x, on both sides
+        side_information = {"token_ids": token_ids.reshape(-1)}
+    sender_side = side_information if codec_name != "prf" else {}
+    payload = codec.encode(x, key, **sender_side)
     forget = getattr(codec, "clear_cache", lambda: None)  # PRF caches the indices encode generated
 
     def encode() -> Any:
         forget()
-        return codec.encode(x, key)
-
-    side_information = {"token_ids": token_ids} if fill == "conditional" else {}
+        return codec.encode(x, key, **sender_side)
 
     def decode_in_process() -> Any:  # indices cached by the encode that produced the payload
         return codec.decode(payload, key, **side_information)
@@ -176,10 +180,11 @@ def bench_codec(
     }
 
 
-def _fitted_basis(name: str, x: torch.Tensor, k: int) -> Any:
-    """A ``lowrank`` / ``hybrid`` codec with its basis fitted on ``x`` (the steady state)."""
+def _fitted_basis(name: str, x: torch.Tensor, k: int, token_ids: torch.Tensor) -> Any:
+    """A ``lowrank`` / ``hybrid`` codec with its basis and token centres fitted on ``x`` and its
+    ``token_ids`` (the steady state)."""
     codec = make_codec(name, x.shape[-1], k=k)
-    codec.observe_dense(x.float())
+    codec.observe_dense(x.float(), token_ids.reshape(-1))  # x: [tokens, d]
     codec.fit_shared(1)
     return codec
 

@@ -64,7 +64,7 @@ class TokenMoments:
         self.ids: Tensor | None = None  # distinct ids seen, ascending [n]
         self.token_total: Tensor | None = None  # [n, d]
         self.token_count: Tensor | None = None  # [n]
-        self._spectrum: tuple[Tensor, Tensor, Tensor] | None = None  # cached until the moments change
+        self._spectra: dict[bool, tuple[Tensor, Tensor, Tensor]] = {}  # by within_tokens, until the moments change
 
     @torch.no_grad()
     def add(self, tokens: Tensor, token_ids: Tensor | None = None) -> None:
@@ -77,7 +77,7 @@ class TokenMoments:
             self.total = rows.new_zeros(self.dim)
             self.outer = rows.new_zeros(self.dim, self.dim)
         self.count += rows.shape[0]
-        self._spectrum = None
+        self._spectra = {}
         self.total += rows.sum(0)
         self.outer += rows.T @ rows
         if token_ids is None or token_ids.numel() != rows.shape[0]:
@@ -99,7 +99,7 @@ class TokenMoments:
         return self.count > 0 and self.with_ids == self.count and self.ids is not None
 
     def clear(self) -> None:
-        self.count, self.total, self.outer, self._spectrum = 0, None, None, None
+        self.count, self.total, self.outer, self._spectra = 0, None, None, {}
         self.with_ids, self.ids, self.token_total, self.token_count = 0, None, None, None
 
     def token_means(self) -> tuple[Tensor, Tensor]:
@@ -109,16 +109,16 @@ class TokenMoments:
         mean = self.total / self.count
         return self.ids, (self.token_total + self.token_prior * mean) / (self.token_count[:, None] + self.token_prior)
 
-    def spectrum(self) -> tuple[Tensor, Tensor, Tensor]:
+    def spectrum(self, within_tokens: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """``(mean, eigenvalues ascending, eigenvectors)`` of the centred covariance
-        ``sum x x^T / n - mean mean^T`` (float64; the within-token ``W`` when :attr:`by_token`),
-        computed once per set of moments: a refresh check and the refit it decides on share one
-        eigendecomposition."""
+        ``sum x x^T / n - mean mean^T`` (float64), or of the within-token ``W`` (``within_tokens``;
+        None: when :attr:`by_token`), computed once per set of moments and kind."""
         if self.count < 2 or self.total is None or self.outer is None:
             raise ValueError("a basis needs at least 2 tokens")
-        if self._spectrum is None:
+        within = self.by_token if within_tokens is None else within_tokens and self.by_token
+        if within not in self._spectra:
             mean = self.total / self.count
-            if self.by_token:
+            if within:
                 assert self.token_total is not None and self.token_count is not None
                 means = self.token_means()[1]
                 cross = self.token_total.T @ means
@@ -126,8 +126,8 @@ class TokenMoments:
             else:
                 covariance = self.outer / self.count - torch.outer(mean, mean)
             eigenvalues, eigenvectors = torch.linalg.eigh((covariance + covariance.T) / 2)
-            self._spectrum = (mean, eigenvalues, eigenvectors)
-        return self._spectrum
+            self._spectra[within] = (mean, eigenvalues, eigenvectors)
+        return self._spectra[within]
 
     @torch.no_grad()
     def principal_basis(self, rank: int) -> tuple[Tensor, Tensor, float]:
@@ -148,9 +148,12 @@ class TokenMoments:
         """How much less of these tokens' energy a fresh rank-r fit would lose than ``(basis,
         mean)`` does, as a share of their energy about ``mean``:
         ``(lost(U, mu) - lost(fresh fit)) / sum ||x - mu||^2`` with ``lost(U, mu) = sum ||(x - mu)
-        - (x - mu) U U^T||^2``; a fresh fit (its own mean or token means, top-r eigenvectors) loses
-        the trailing eigenvalues. 0 when the current basis is as good as a refit (>= 0 up to
-        rounding)."""
+        - (x - mu) U U^T||^2``; a fresh fit (its own mean, top-r eigenvectors of the plain
+        covariance) loses the trailing eigenvalues. 0 when the current basis is as good as a refit
+        (>= 0 up to rounding). With token ids the rows are already centred on the current token
+        centres, and the fresh fit keeps them: fresh per-token means fitted in-sample would absorb
+        the window's noise (a rare token's few rows) and ask for refits that do not pay, each of
+        which moves the channel the layers around the cut have adapted to."""
         assert self.total is not None and self.outer is not None and self.count > 0
         u, mu = basis.to(self.outer), mean.to(self.outer)
         centre = self.total / self.count
@@ -159,7 +162,7 @@ class TokenMoments:
         if energy <= 0:
             return 0.0
         lost_now = energy - float(torch.trace(u.T @ about_mu @ u))
-        eigenvalues = self.spectrum()[1].clamp_min(0)
+        eigenvalues = self.spectrum(within_tokens=False)[1].clamp_min(0)
         lost_fresh = float(eigenvalues[: max(0, self.dim - u.shape[1])].sum())
         return (lost_now - lost_fresh) / energy
 
