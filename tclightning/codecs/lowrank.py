@@ -316,6 +316,7 @@ class AdaptiveLowRankCodec(Codec):
         self.token_slots = token_slots
         self.token_ids: Tensor | None = None  # [n] long, ascending: the ids with an offset
         self.token_offsets: Tensor | None = None  # [n, d] float32: tau_t
+        self._centre_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.refresh_every = refresh_every
         self.refresh_tolerance = refresh_tolerance
         self.checked_step = -1  # the last refresh check (identical on both sides)
@@ -345,7 +346,7 @@ class AdaptiveLowRankCodec(Codec):
     def offsets(self, token_ids: Tensor | None, like: Tensor) -> Tensor | None:
         """``tau_t`` for each token of ``like`` (``[..., d]``, ids ``[...]``): zero rows for ids
         without an offset; None without a table or ids (every token then centres on ``mu``)."""
-        if self.token_ids is None or self.token_offsets is None or token_ids is None:
+        if self.token_ids is None or self.token_offsets is None or token_ids is None or not self.token_ids.numel():
             return None
         if token_ids.shape != like.shape[:-1]:
             raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(like.shape)}")
@@ -354,27 +355,55 @@ class AdaptiveLowRankCodec(Codec):
         known = (table[position] == ids).unsqueeze(-1)
         return self.token_offsets.to(like.device, like.dtype)[position] * known
 
-    def centre(self, token_ids: Tensor | None, like: Tensor) -> Tensor:
-        """Each token's centre ``mu + tau_t`` (broadcastable to ``like``)."""
+    def _slots(self, token_ids: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor | None:
+        """Each token's row in :meth:`_centres` (flat ``[N]``): its id's row, or ``n`` (the global
+        mean) for ids without one; None without a table or ids. ``shape``: the tokens' shape."""
+        if self.token_ids is None or token_ids is None or not self.token_ids.numel():
+            return None
+        if token_ids.shape != shape:
+            raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(shape)}")
+        ids, table = token_ids.to(device).long().reshape(-1), self.token_ids.to(device)
+        position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
+        return torch.where(table[position] == ids, position, table.numel())
+
+    def _centres(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[n + 1, d]``: ``mu + tau_t`` for each id of the table, then ``mu`` (cached per device)."""
+        assert self.mean is not None and self.token_offsets is not None
+        key = (device, dtype)
+        if key not in self._centre_cache:
+            table = torch.cat([self.mean + self.token_offsets, self.mean[None]])
+            self._centre_cache = {key: table.to(device, dtype)}
+        return self._centre_cache[key]
+
+    def centred(self, x: Tensor, token_ids: Tensor | None) -> Tensor:
+        """``x - c`` for tokens ``x`` ``[..., d]``, ``c`` each token's centre (differentiable in ``x``)."""
         assert self.mean is not None
-        mean = self.mean.to(like.device, like.dtype)
-        offsets = self.offsets(token_ids, like)
-        return mean if offsets is None else mean + offsets
+        slots = self._slots(token_ids, x.shape[:-1], x.device)
+        if slots is None:
+            return x - self.mean.to(x.device, x.dtype)
+        # one fresh gather, negated and added to in place: no [N, d] temporaries besides it
+        base = self._centres(x.device, x.dtype).index_select(0, slots)
+        return base.neg_().add_(x.reshape(-1, self.dim)).view(x.shape)
 
     def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         if self.basis is None or self.mean is None:
             return x
-        return (x - self.centre(token_ids, x)) @ self.basis.to(x.device, x.dtype)
+        return self.centred(x, token_ids) @ self.basis.to(x.device, x.dtype)
 
     def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
                token_ids: Tensor | None = None) -> Tensor:
         if self.basis is None or self.mean is None:
             return payload
         basis = self.basis.to(payload.device, payload.dtype)
-        low = payload[..., : self.rank] @ basis.T
-        return self.centre(token_ids, low) + low
+        coefficients = payload[..., : self.rank]
+        slots = self._slots(token_ids, payload.shape[:-1], payload.device)
+        if slots is None:
+            return self.mean.to(payload.device, payload.dtype) + coefficients @ basis.T
+        # the centres gathered fresh, then ``coefficients U^T`` added in place
+        base = self._centres(payload.device, payload.dtype).index_select(0, slots)
+        return base.addmm_(coefficients.reshape(-1, self.rank), basis.T).view(*payload.shape[:-1], self.dim)
 
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
         return tokens * self.width * dtype.itemsize
@@ -512,6 +541,7 @@ class AdaptiveLowRankCodec(Codec):
 
     def _install(self, basis: Tensor, mean: Tensor) -> None:
         self.basis, self.mean = basis.float().cpu(), mean.float().cpu()
+        self._centre_cache = {}
         self.version += 1
 
     def _checked(self, step: int) -> None:
@@ -549,6 +579,7 @@ class AdaptiveLowRankCodec(Codec):
             return
         self.basis, self.mean = state["basis"], state["mean"]
         self.token_ids, self.token_offsets = state.get("token_ids"), state.get("token_offsets")
+        self._centre_cache = {}
         self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
         self.shared.load_state_dict(state.get("shared", {}))
         self.window.load_state_dict(state.get("window", {}))
@@ -592,7 +623,7 @@ class HybridCodec(AdaptiveLowRankCodec):
         if self.basis is None or self.mean is None:
             return super().encode(x, key)
         basis = self.basis.to(x.device, x.dtype)
-        centred = x - self.centre(token_ids, x)
+        centred = self.centred(x, token_ids)
         coefficients = centred @ basis
         residual = centred - coefficients @ basis.T
         picked = residual.gather(-1, self._residual_channels(key, x))
