@@ -93,11 +93,12 @@ def bench_codec(
     zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
-    # the batch's token ids: side information of the conditional fill and of the bases' token centres
-    side_information: dict[str, Any] = {"token_ids": token_ids} if fill == "conditional" else {}
-    if codec_name != "prf":  # a basis codec takes one id per row of x, on both sides
-        side_information = {"token_ids": token_ids.reshape(-1)}
-    sender_side = side_information if codec_name != "prf" else {}
+    # the batch's token ids: side information of the conditional fill (receiver) and of the bases'
+    # token centres (one id per row of x, on both sides)
+    sender_side: dict[str, Any] = {}
+    receiver_side: dict[str, Any] = {"token_ids": token_ids} if fill == "conditional" else {}
+    if codec_name != "prf":
+        sender_side = receiver_side = {"token_ids": token_ids.reshape(-1)}
     payload = codec.encode(x, key, **sender_side)
     forget = getattr(codec, "clear_cache", lambda: None)  # PRF caches the indices encode generated
 
@@ -106,11 +107,11 @@ def bench_codec(
         return codec.encode(x, key, **sender_side)
 
     def decode_in_process() -> Any:  # indices cached by the encode that produced the payload
-        return codec.decode(payload, key, **side_information)
+        return codec.decode(payload, key, **receiver_side)
 
     def decode_at_receiver() -> Any:
         forget()
-        return codec.decode(payload, key, **side_information)
+        return codec.decode(payload, key, **receiver_side)
 
     def indices() -> Any:
         return zero_codec.indexer.indices(key, 1, tokens, target)

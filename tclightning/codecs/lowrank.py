@@ -346,14 +346,12 @@ class AdaptiveLowRankCodec(Codec):
     def offsets(self, token_ids: Tensor | None, like: Tensor) -> Tensor | None:
         """``tau_t`` for each token of ``like`` (``[..., d]``, ids ``[...]``): zero rows for ids
         without an offset; None without a table or ids (every token then centres on ``mu``)."""
-        if self.token_ids is None or self.token_offsets is None or token_ids is None or not self.token_ids.numel():
+        slots = self._slots(token_ids, like.shape[:-1], like.device)
+        if slots is None:
             return None
-        if token_ids.shape != like.shape[:-1]:
-            raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(like.shape)}")
-        ids, table = token_ids.to(like.device).long(), self.token_ids.to(like.device)
-        position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
-        known = (table[position] == ids).unsqueeze(-1)
-        return self.token_offsets.to(like.device, like.dtype)[position] * known
+        assert self.token_offsets is not None
+        table = torch.cat([self.token_offsets, self.token_offsets.new_zeros(1, self.dim)])
+        return table.to(like.device, like.dtype).index_select(0, slots).view(like.shape)
 
     def _slots(self, token_ids: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor | None:
         """Each token's row in :meth:`_centres` (flat ``[N]``): its id's row, or ``n`` (the global
@@ -461,7 +459,7 @@ class AdaptiveLowRankCodec(Codec):
 
     def basis_message(self, step: int) -> Tensor | None:
         """Sender: check the tokens it encoded since the last check; if the basis drifted, refit,
-        install and return ``cat(U.flatten(), mu)`` (float32) to ship, else None (keep)."""
+        install and return :meth:`_message` to ship, else None (keep)."""
         message = None
         if self._drifted(self.window):
             self._refit(self.window)
@@ -475,6 +473,8 @@ class AdaptiveLowRankCodec(Codec):
         assert self.basis is not None and self.mean is not None
         parts = [self.basis.reshape(-1), self.mean]
         if self.token_ids is not None and self.token_offsets is not None:
+            if self.token_ids.numel() and int(self.token_ids.max()) >= 2**24:
+                raise ValueError(f"token id {int(self.token_ids.max())} cannot ship as float32 (ids must be < 2^24)")
             parts += [self.token_ids.float(), self.token_offsets.reshape(-1)]
         return torch.cat(parts).float()
 
