@@ -270,7 +270,13 @@ def test_a_robust_run_logs_documented_metrics_and_resumes_exactly(tmp_path) -> N
     logged = set().union(*rows.values())
     assert undocumented(logged) == set()
     assert {"anchor/controller_action", "anchor/fast_cosine", "anchor/correction_ratio", "anchor/strength"} <= logged
-    _train(tmp_path / "b", 3)
+    interrupted, _ = _train(tmp_path / "b", 3)
+    # the checkpoint the resume starts from holds the cuts' token centres, not only their bases
+    from tclightning.callbacks.checkpointing import load_checkpoint
+
+    cuts = load_checkpoint(Path(interrupted["run_dir"]) / "checkpoints" / "last.ckpt")["tclightning"]["cuts"]
+    states = [state for state in cuts["forward"] if state]
+    assert states and all(state["token_ids"].numel() > 0 for state in states)
     summary_b, resumed = _train(tmp_path / "b", 6, resume="last")
     assert_same_metrics(rows, read_metrics(Path(summary_b["run_dir"]) / "metrics.csv"), steps=6)
     assert resumed.core.state_dict() == whole.core.state_dict()
