@@ -256,7 +256,7 @@ class SVDCodec(Codec):
 
 
 FLAG_BYTES = 4
-"""A refresh check without shared traffic: the sender's keep/refit flag (one float32)."""
+"""A refresh check without shared traffic: the sender's flag, the refit message's length (one int32; 0 = kept)."""
 
 
 class AdaptiveLowRankCodec(Codec):

@@ -188,7 +188,7 @@ class PipelineEngine:
                 recv.fit_shared(step)
             elif action == "ship":
                 what = f"receiving the basis refresh of cut {self.rank - 1}"
-                size = int(self.comm.recv(1, torch.float32, self.rank - 1, what)[0])  # 0: kept
+                size = int(self.comm.recv(1, torch.int32, self.rank - 1, what)[0])  # 0: kept
                 message = self.comm.recv(size, torch.float32, self.rank - 1, what) if size else None
                 recv.load_basis_message(message, step)
         if isinstance(send, AdaptiveLowRankCodec):
@@ -199,7 +199,7 @@ class PipelineEngine:
                 message = send.basis_message(step)
                 what = f"sending the basis refresh of cut {self.rank}"
                 size = 0 if message is None else message.numel()
-                self.comm.send(torch.tensor([float(size)], device=self.device), self.rank + 1, what)
+                self.comm.send(torch.tensor([size], dtype=torch.int32, device=self.device), self.rank + 1, what)
                 if message is not None:
                     self.comm.send(message.to(self.device), self.rank + 1, what)
                 self.meter.record_setup(self.rank, FLAG_BYTES + size * 4)
