@@ -83,14 +83,13 @@ class TokenMoments:
         if token_ids is None or token_ids.numel() != rows.shape[0]:
             return
         ids = token_ids.reshape(-1).to(rows.device, torch.long)
-        counts = rows.new_ones(rows.shape[0], 1)
+        weighted = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)  # the count as a last column
         if self.ids is not None and self.token_total is not None and self.token_count is not None:
             # merge: the earlier per-id sums are rows of their own, weighted by their counts
             ids = torch.cat([self.ids, ids])
-            rows = torch.cat([self.token_total, rows])
-            counts = torch.cat([self.token_count[:, None], counts])
-        self.ids, self.token_total, _ = segment_sums(ids, rows)
-        self.token_count = segment_sums(ids, counts)[1][:, 0]
+            weighted = torch.cat([torch.cat([self.token_total, self.token_count[:, None]], 1), weighted])
+        self.ids, sums, _ = segment_sums(ids, weighted)  # one sort for sums and counts
+        self.token_total, self.token_count = sums[:, :-1].contiguous(), sums[:, -1].contiguous()
         self.with_ids += token_ids.numel()
 
     @property
@@ -316,7 +315,7 @@ class AdaptiveLowRankCodec(Codec):
         self.token_slots = token_slots
         self.token_ids: Tensor | None = None  # [n] long, ascending: the ids with an offset
         self.token_offsets: Tensor | None = None  # [n, d] float32: tau_t
-        self._centre_cache: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._table_cache: dict[tuple[str, torch.device, torch.dtype], Tensor] = {}
         self.refresh_every = refresh_every
         self.refresh_tolerance = refresh_tolerance
         self.checked_step = -1  # the last refresh check (identical on both sides)
@@ -349,12 +348,10 @@ class AdaptiveLowRankCodec(Codec):
         slots = self._slots(token_ids, like.shape[:-1], like.device)
         if slots is None:
             return None
-        assert self.token_offsets is not None
-        table = torch.cat([self.token_offsets, self.token_offsets.new_zeros(1, self.dim)])
-        return table.to(like.device, like.dtype).index_select(0, slots).view(like.shape)
+        return self._table("offsets", like.device, like.dtype).index_select(0, slots).view(like.shape)
 
     def _slots(self, token_ids: Tensor | None, shape: torch.Size, device: torch.device) -> Tensor | None:
-        """Each token's row in :meth:`_centres` (flat ``[N]``): its id's row, or ``n`` (the global
+        """Each token's row in :meth:`_table` (flat ``[N]``): its id's row, or ``n`` (the global
         mean) for ids without one; None without a table or ids. ``shape``: the tokens' shape."""
         if self.token_ids is None or token_ids is None or not self.token_ids.numel():
             return None
@@ -364,14 +361,19 @@ class AdaptiveLowRankCodec(Codec):
         position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
         return torch.where(table[position] == ids, position, table.numel())
 
-    def _centres(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """``[n + 1, d]``: ``mu + tau_t`` for each id of the table, then ``mu`` (cached per device)."""
+    def _table(self, kind: str, device: torch.device, dtype: torch.dtype) -> Tensor:
+        """``[n + 1, d]`` rows looked up by :meth:`_slots`, cached until the next fit: ``centres``
+        (``mu + tau_t`` for each id of the table, then ``mu``) or ``offsets`` (``tau_t``, then 0)."""
         assert self.mean is not None and self.token_offsets is not None
-        key = (device, dtype)
-        if key not in self._centre_cache:
-            table = torch.cat([self.mean + self.token_offsets, self.mean[None]])
-            self._centre_cache = {key: table.to(device, dtype)}
-        return self._centre_cache[key]
+        key = (kind, device, dtype)
+        if key not in self._table_cache:
+            if kind == "centres":
+                table = torch.cat([self.mean + self.token_offsets, self.mean[None]])
+            else:
+                table = torch.cat([self.token_offsets, self.token_offsets.new_zeros(1, self.dim)])
+            self._table_cache = {k: v for k, v in self._table_cache.items() if k[0] != kind}  # one device per kind
+            self._table_cache[key] = table.to(device, dtype)
+        return self._table_cache[key]
 
     def centred(self, x: Tensor, token_ids: Tensor | None) -> Tensor:
         """``x - c`` for tokens ``x`` ``[..., d]``, ``c`` each token's centre (differentiable in ``x``)."""
@@ -380,7 +382,7 @@ class AdaptiveLowRankCodec(Codec):
         if slots is None:
             return x - self.mean.to(x.device, x.dtype)
         # one fresh gather, negated and added to in place: no [N, d] temporaries besides it
-        base = self._centres(x.device, x.dtype).index_select(0, slots)
+        base = self._table("centres", x.device, x.dtype).index_select(0, slots)
         return base.neg_().add_(x.reshape(-1, self.dim)).view(x.shape)
 
     def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
@@ -400,7 +402,7 @@ class AdaptiveLowRankCodec(Codec):
         if slots is None:
             return self.mean.to(payload.device, payload.dtype) + coefficients @ basis.T
         # the centres gathered fresh, then ``coefficients U^T`` added in place
-        base = self._centres(payload.device, payload.dtype).index_select(0, slots)
+        base = self._table("centres", payload.device, payload.dtype).index_select(0, slots)
         return base.addmm_(coefficients.reshape(-1, self.rank), basis.T).view(*payload.shape[:-1], self.dim)
 
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
@@ -541,7 +543,7 @@ class AdaptiveLowRankCodec(Codec):
 
     def _install(self, basis: Tensor, mean: Tensor) -> None:
         self.basis, self.mean = basis.float().cpu(), mean.float().cpu()
-        self._centre_cache = {}
+        self._table_cache = {}
         self.version += 1
 
     def _checked(self, step: int) -> None:
@@ -579,7 +581,7 @@ class AdaptiveLowRankCodec(Codec):
             return
         self.basis, self.mean = state["basis"], state["mean"]
         self.token_ids, self.token_offsets = state.get("token_ids"), state.get("token_offsets")
-        self._centre_cache = {}
+        self._table_cache = {}
         self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
         self.shared.load_state_dict(state.get("shared", {}))
         self.window.load_state_dict(state.get("window", {}))

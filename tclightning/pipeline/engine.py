@@ -133,8 +133,8 @@ class PipelineEngine:
         self.model = model
         self.dtype = next(model.parameters()).dtype
         is_last = self.rank == self.world_size - 1
-        send_codec = None if is_last else self._codec(self.specs[self.rank])
-        recv_codec = None if self.rank == 0 else self._codec(self.specs[self.rank - 1])
+        send_codec = None if is_last else cut_codec(self.config, self.specs[self.rank], self.dim)
+        recv_codec = None if self.rank == 0 else cut_codec(self.config, self.specs[self.rank - 1], self.dim)
         self.module = StageModule(
             model, self.rank, self.specs, send_codec=send_codec, recv_codec=recv_codec,
             seed=config.seed, temperature=temperature,
@@ -151,9 +151,6 @@ class PipelineEngine:
         self._dense_stage: StageModule | None = None
 
     # -- construction ------------------------------------------------------------------------
-
-    def _codec(self, spec: CutSpec) -> Codec:
-        return cut_codec(self.config, spec, self.dim)
 
     @property
     def is_first(self) -> bool:
