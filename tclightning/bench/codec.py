@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tclightning.codecs.base import CodecKey
+from tclightning.codecs.context import context_keys
 from tclightning.codecs import make_codec
 from tclightning.codecs.prf import FILLS, PRFCodec
 
@@ -87,7 +88,8 @@ def bench_codec(
         raise ValueError(f"codec must be one of {', '.join(BENCH_CODECS)}, got {codec_name}")
     if codec_name != "prf" and fill != "zero":
         raise ValueError(f"--fill applies to prf only (got codec {codec_name} with fill {fill})")
-    token_ids = torch.randint(0, TOKEN_IDS, (1, tokens), generator=generator).to(target)
+    # context keys (each token and the one before it), as every cut receives them
+    token_ids = context_keys(torch.randint(0, TOKEN_IDS, (1, tokens), generator=generator)).to(target)
     codec: Any = (_warm_codec(x, k, fill, fill_rank, token_ids, generator) if codec_name == "prf"
                   else _fitted_basis(codec_name, x, k, token_ids))
     zero_codec = PRFCodec(dim, k)
@@ -191,7 +193,8 @@ def _fitted_basis(name: str, x: torch.Tensor, k: int, token_ids: torch.Tensor) -
 
 
 TOKEN_IDS = 1024
-"""Distinct token ids in the timed batch: every one has its own mean in the conditional fill."""
+"""Distinct token ids in the timed batch: every one has its own mean in the conditional fill (and
+each pair of the first 4,096 tokens its own pair mean)."""
 
 
 def _warm_codec(x: torch.Tensor, k: int, fill: str, rank: int, token_ids: torch.Tensor,

@@ -54,6 +54,7 @@ def make_codec(
     fill_momentum: float = 0.1,
     fill_rank: int = 16,
     fill_tokens: int = 1024,
+    fill_pairs: int = 4096,
     rank: int | None = None,
     refresh_every: int = 10,
     refresh_tolerance: float = 0.02,
@@ -62,7 +63,7 @@ def make_codec(
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf`` and ``hybrid``; the rank (default: that same budget; ``hybrid``:
     half of it) for ``svd``/``lowrank``/``hybrid``/``powersgd``; ``fill_rank`` / ``fill_tokens``: the PPCA rank of
-    ``prf``'s conditional fill and how many token ids get their own mean; ``refresh_every`` /
+    ``prf``'s conditional fill and how many token ids (``fill_pairs``: token pairs) get their own mean; ``refresh_every`` /
     ``refresh_tolerance``: the basis refresh checks of ``lowrank``/``hybrid``; ``basis_tokens``: how
     many token ids get their own centre there."""
     if name == "identity":
@@ -70,7 +71,8 @@ def make_codec(
     budget = budget_k(dim, rate=rate, k=k)
     if name == "prf":
         return PRFCodec(dim, budget, fill=fill, rescale=rescale, fill_momentum=fill_momentum,
-                        cond_rank=min(fill_rank, dim), cond_token_slots=fill_tokens)
+                        cond_rank=min(fill_rank, dim), cond_token_slots=fill_tokens,
+                        cond_pair_slots=fill_pairs)
     if name == "svd":
         return SVDCodec(dim, rank or budget)
     if name == "lowrank":

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tclightning.codecs.base import Codec, CodecKey, as_rows
+from tclightning.codecs.context import ID_LIMIT, token_of
 from tclightning.codecs.prf import PRFIndexer, fold32, mix32
 
 
@@ -43,7 +44,8 @@ def segment_sums(ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 class TokenMoments:
     """First and second moments of boundary tokens in float64: ``n``, ``sum x`` [d], ``sum x x^T`` [d, d],
-    and, when every row came with its token id, per-id sums ``S_t`` and counts ``n_t``.
+    and, when every row came with its token id, per-id sums ``S_t`` and counts ``n_t`` (a context
+    key counts as its token: :func:`~tclightning.codecs.context.token_of`).
 
     Adding the same tokens in the same order gives bit-identical moments, which is what lets the
     two sides of a cut fit the same basis from traffic they both saw without sending it.
@@ -82,7 +84,7 @@ class TokenMoments:
         self.outer += rows.T @ rows
         if token_ids is None or token_ids.numel() != rows.shape[0]:
             return
-        ids = token_ids.reshape(-1).to(rows.device, torch.long)
+        ids = token_of(token_ids.reshape(-1).to(rows.device))
         weighted = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], 1)  # the count as a last column
         if self.ids is not None and self.token_total is not None and self.token_count is not None:
             # merge: the earlier per-id sums are rows of their own, weighted by their counts
@@ -357,7 +359,7 @@ class AdaptiveLowRankCodec(Codec):
             return None
         if token_ids.shape != shape:
             raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(shape)}")
-        ids, table = token_ids.to(device).long().reshape(-1), self.token_ids.to(device)
+        ids, table = token_of(token_ids.to(device)).reshape(-1), self.token_ids.to(device)
         position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
         return torch.where(table[position] == ids, position, table.numel())
 
@@ -475,7 +477,7 @@ class AdaptiveLowRankCodec(Codec):
         assert self.basis is not None and self.mean is not None
         parts = [self.basis.reshape(-1), self.mean]
         if self.token_ids is not None and self.token_offsets is not None:
-            if self.token_ids.numel() and int(self.token_ids.max()) >= 2**24:
+            if self.token_ids.numel() and int(self.token_ids.max()) >= ID_LIMIT:
                 raise ValueError(f"token id {int(self.token_ids.max())} cannot ship as float32 (ids must be < 2^24)")
             parts += [self.token_ids.float(), self.token_offsets.reshape(-1)]
         return torch.cat(parts).float()

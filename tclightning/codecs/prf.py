@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from tclightning.codecs.base import Codec, CodecKey, as_rows
+from tclightning.codecs.context import KeySlots, has_context, token_of
 
 MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: separates hash rounds
@@ -209,7 +210,8 @@ class PRFCodec(Codec):
     channel pairs have been seen together ``cond_min_pairs`` times on average, it fills the
     per-channel mean of the decoded values (zero before the first commit). Given the token ids of
     the message (``decode(..., token_ids=)``, which every GRPO stage holds), the fill centres each
-    token on its own id's mean (``cond_token_slots`` ids; 0: one mean for all).
+    token on its own id's mean (``cond_token_slots`` ids; 0: one mean for all), and, given context
+    keys, on its pair's mean (``cond_pair_slots`` pairs of a token and the one before it; 0: none).
     Bytes: ``k * element_size`` per token, exactly (no indices, no padding).
     """
 
@@ -228,6 +230,7 @@ class PRFCodec(Codec):
         cond_ridge: float = 0.0,
         cond_stat_tokens: int = 1024,
         cond_token_slots: int = 1024,
+        cond_pair_slots: int = 4096,
     ) -> None:
         super().__init__(dim)
         if fill not in FILLS:
@@ -250,7 +253,8 @@ class PRFCodec(Codec):
         # receiver-side PPCA statistics (fill="conditional")
         self.cond: ConditionalStats | None = (
             ConditionalStats(dim, rank=cond_rank, decay=1.0 - fill_momentum, min_pairs=cond_min_pairs,
-                             ridge=cond_ridge, stat_tokens=cond_stat_tokens, token_slots=cond_token_slots)
+                             ridge=cond_ridge, stat_tokens=cond_stat_tokens, token_slots=cond_token_slots,
+                             pair_slots=cond_pair_slots)
             if fill == "conditional" else None
         )
 
@@ -443,30 +447,38 @@ class ConditionalStats:
     with ``m_t`` the token's raw mean and ``w_t`` its share of the observations (exact for dense
     observations: the law of total covariance). Up to ``token_slots`` distinct ids get a mean, in
     order of first sight; other ids, and a decode without ids, use ``mu``.
+
+    Pair means (``pair_slots > 0``): given :func:`~tclightning.codecs.context.context_keys` (the
+    token and the one before it), a token is centred on its pair's mean, shrunk towards its token's:
+    ``mu_p = (sum_p + prior mu_t) / (n_p + prior)`` per channel. Up to ``pair_slots`` pairs get one,
+    in order of first sight; other pairs use ``mu_t``. ``Sigma_w`` stays the within-token covariance.
     """
 
     def __init__(self, dim: int, *, rank: int = 16, decay: float = 0.9, min_pairs: float = 4.0,
                  ridge: float = 0.0, stat_tokens: int = 1024, dense_stat_tokens: int = 8192,
-                 token_slots: int = 1024, token_prior: float = 4.0) -> None:
+                 token_slots: int = 1024, token_prior: float = 4.0, pair_slots: int = 0) -> None:
         if not 1 <= rank <= dim:
             raise ValueError(f"conditional fill rank must be in [1, d={dim}], got {rank}")
         if ridge < 0 or min_pairs < 0 or min(stat_tokens, dense_stat_tokens) < 1 or not 0.0 <= decay < 1.0:
             raise ValueError("conditional fill: need ridge >= 0, min_pairs >= 0, stat_tokens >= 1, "
                              "dense_stat_tokens >= 1, 0 <= decay < 1")
-        if token_slots < 0 or token_prior <= 0:
-            raise ValueError("conditional fill: need token_slots >= 0 and token_prior > 0")
+        if token_slots < 0 or pair_slots < 0 or token_prior <= 0:
+            raise ValueError("conditional fill: need token_slots >= 0, pair_slots >= 0 and token_prior > 0")
         self.dim, self.rank, self.decay = dim, rank, decay
         self.min_pairs, self.ridge = min_pairs, ridge
         self.stat_tokens, self.dense_stat_tokens = stat_tokens, dense_stat_tokens
         self.token_slots, self.token_prior = token_slots, token_prior
-        # committed: sum [d], count [d], outer [d,d], pairs [d,d] (+ token_sum, token_count [slots, d])
+        self.pair_slots = pair_slots if token_slots else 0  # a pair's mean shrinks towards its token's
+        # committed: sum [d], count [d], outer [d,d], pairs [d,d] (+ token_sum, token_count [slots, d],
+        # pair_sum, pair_count [pair slots, d])
         self.moments: dict[str, Tensor] | None = None
         self.pending: dict[str, Tensor] | None = None
         self.pending_tokens = {"decoded": 0, "dense": 0}  # tokens in ``pending`` by kind (budgets per step)
-        self.slot_of = torch.full((0,), -1, dtype=torch.long)  # token id -> slot, -1 = none
-        self.slots_used = 0
+        self.tokens = KeySlots(token_slots)  # token id -> row of the token tables
+        self.pairs = KeySlots(self.pair_slots)  # context key -> row of the pair tables
+        self.pair_parent = torch.zeros(0, dtype=torch.long)  # each pair's token row (token_slots: none)
         self.mean: Tensor | None = None  # [d]
-        self.token_means: Tensor | None = None  # [slots + 1, d]; the last row is ``mean``
+        self.token_means: Tensor | None = None  # [slots + 1 + pairs given a row, d]: tokens, ``mean``, pairs
         self.factor: Tensor | None = None  # W [d, r]
         self.noise = 0.0  # s2
         self.active = False
@@ -483,9 +495,10 @@ class ConditionalStats:
             "outer": torch.zeros(d, d, dtype=dtype, device=device),
             "pairs": torch.zeros(d, d, dtype=dtype, device=device),
         }
-        if self.token_slots:
-            buffers["token_sum"] = torch.zeros(self.token_slots, d, dtype=dtype, device=device)
-            buffers["token_count"] = torch.zeros(self.token_slots, d, dtype=dtype, device=device)
+        for level, slots in (("token", self.token_slots), ("pair", self.pair_slots)):
+            if slots:
+                buffers[f"{level}_sum"] = torch.zeros(slots, d, dtype=dtype, device=device)
+                buffers[f"{level}_count"] = torch.zeros(slots, d, dtype=dtype, device=device)
         return buffers
 
     def _pending(self, device: torch.device) -> dict[str, Tensor]:
@@ -501,29 +514,52 @@ class ConditionalStats:
         limit = self.stat_tokens if kind == "decoded" else self.dense_stat_tokens
         return max(0, min(tokens, limit - used))
 
-    def _assign_slots(self, token_ids: Tensor) -> Tensor:
-        """Slots of ``token_ids`` (any shape), giving new ids the free slots in order of first sight
-        (ascending id within one call); -1 for ids left without a slot."""
-        ids = token_ids.reshape(-1).long().cpu()
-        if ids.numel() and int(ids.min()) < 0:
+    def _assign_slots(self, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """``(token rows, pair rows)`` of ``keys`` ``[N]`` (token ids or context keys), giving new
+        ids and pairs the free rows in order of first sight (ascending within one call); -1 where
+        none is left (and for every pair row without pair slots or context)."""
+        if keys.numel() and int(keys.min()) < 0:
             raise ValueError("token ids must be non-negative")
-        top = int(ids.max()) + 1 if ids.numel() else 0
-        if top > self.slot_of.numel():
-            self.slot_of = torch.cat([self.slot_of, self.slot_of.new_full((top - self.slot_of.numel(),), -1)])
-        new = torch.unique(ids[self.slot_of[ids] < 0])[: self.token_slots - self.slots_used]
-        self.slot_of[new] = torch.arange(self.slots_used, self.slots_used + new.numel())
-        self.slots_used += new.numel()
-        return self.slot_of[ids].view(token_ids.shape).to(token_ids.device)
+        token_rows = self.tokens.assign(token_of(keys))
+        pair_rows = torch.full_like(token_rows, -1)
+        if self.pair_slots:
+            context = has_context(keys)
+            pair_rows[context] = self.pairs.assign(keys[context])
+            if len(self.pairs) > self.pair_parent.numel():  # new pairs: remember their token's row
+                parent = torch.full((len(self.pairs),), self.token_slots, dtype=torch.long)
+                parent[: self.pair_parent.numel()] = self.pair_parent
+                given = pair_rows >= 0
+                parent[pair_rows[given].cpu()] = token_rows[given].cpu().masked_fill(token_rows[given].cpu() < 0,
+                                                                                    self.token_slots)
+                self.pair_parent = parent
+        return token_rows, pair_rows
 
-    def _slots(self, token_ids: Tensor) -> Tensor:
-        """Slots of ``token_ids`` for decoding: the mean row of each id (``token_slots``, the global
-        mean's row, for ids without a slot). Assigns no slot."""
-        ids = token_ids.long()
-        table = self.slot_of.to(ids.device)
-        slots = torch.full_like(ids, -1)
-        inside = ids < table.numel()
-        slots[inside] = table[ids[inside]]
-        return slots.masked_fill_(slots < 0, self.token_slots)
+    def _slots(self, keys: Tensor) -> Tensor:
+        """Rows of :attr:`token_means` for decoding ``keys`` (any shape): the pair's row, else the
+        token's, else the global mean's (``token_slots``). Assigns no slot."""
+        rows = self.tokens.lookup(token_of(keys))
+        rows = rows.masked_fill_(rows < 0, self.token_slots)
+        if self.pair_slots and len(self.pairs):
+            pair = self.pairs.lookup(keys.long())
+            rows = torch.where(pair >= 0, pair + self.token_slots + 1, rows)
+        return rows
+
+    def _add_to_levels(self, p: dict[str, Tensor], keys: Tensor, rows: Tensor, seen: Tensor,
+                       channels: Tensor | None = None) -> None:
+        """Per-token and per-pair sums and counts of ``rows`` ``[N, c]`` (``seen`` alike) into ``p``:
+        at every channel (``channels`` None) or at ``channels`` ``[N, c]``."""
+        for level, slots in zip(("token", "pair"), self._assign_slots(keys.reshape(-1))):
+            slots = slots.to(rows.device)
+            has = slots >= 0
+            if f"{level}_sum" not in p or not bool(has.any()):
+                continue
+            if channels is None:
+                p[f"{level}_sum"].index_add_(0, slots[has], rows[has])
+                p[f"{level}_count"].index_add_(0, slots[has], seen[has])
+            else:
+                cell = (slots[has, None] * self.dim + channels[has]).reshape(-1)
+                p[f"{level}_sum"].view(-1).index_add_(0, cell, rows[has].reshape(-1))
+                p[f"{level}_count"].view(-1).index_add_(0, cell, seen[has].reshape(-1))
 
     def _add(self, dense: Tensor, seen: Tensor, token_ids: Tensor | None = None) -> None:
         """Add ``[N, d]`` values (zero where unseen), their ``[N, d]`` 0/1 mask and (optionally) their
@@ -539,10 +575,7 @@ class ConditionalStats:
         p["outer"] += dense.T @ dense
         p["pairs"] += seen.T @ seen
         if self.token_slots and token_ids is not None:
-            slots = self._assign_slots(token_ids.reshape(-1)[:take]).to(dense.device)
-            has = slots >= 0
-            p["token_sum"].index_add_(0, slots[has], dense[has])
-            p["token_count"].index_add_(0, slots[has], seen[has])
+            self._add_to_levels(p, token_ids.reshape(-1)[:take], dense, seen)
 
     @torch.no_grad()
     def observe(self, idx: Tensor, values: Tensor, token_mask: Tensor | None,
@@ -571,11 +604,7 @@ class ConditionalStats:
         p["outer"].view(-1).index_add_(0, pair, (values[:, :, None] * values[:, None, :]).reshape(-1))
         p["pairs"].view(-1).index_add_(0, pair, torch.ones_like(pair, dtype=torch.float32))
         if self.token_slots and token_ids is not None:
-            slots = self._assign_slots(token_ids.reshape(-1)[:take]).to(values.device)
-            has = slots >= 0
-            cell = (slots[has, None] * self.dim + idx[has]).reshape(-1)
-            p["token_sum"].view(-1).index_add_(0, cell, values[has].reshape(-1))
-            p["token_count"].view(-1).index_add_(0, cell, ones.view(-1, k)[has].reshape(-1))
+            self._add_to_levels(p, token_ids.reshape(-1)[:take], values, ones.view(-1, k), channels=idx)
 
     @torch.no_grad()
     def observe_dense(self, x: Tensor, token_ids: Tensor | None = None, token_mask: Tensor | None = None) -> None:
@@ -616,8 +645,13 @@ class ConditionalStats:
         if "token_sum" in m:
             cov = cov - self._between_tokens(mean)
             count = m["token_count"]
-            shrunk = (m["token_sum"] + self.token_prior * mean) / (count + self.token_prior)
-            self.token_means = torch.cat([shrunk, mean[None]]).float()
+            shrunk = torch.cat([(m["token_sum"] + self.token_prior * mean) / (count + self.token_prior), mean[None]])
+            if "pair_sum" in m:  # each pair's mean shrunk towards its token's (the pairs given a row)
+                used = self.pair_parent.numel()
+                parent = shrunk[self.pair_parent.to(shrunk.device)]
+                pairs = (m["pair_sum"][:used] + self.token_prior * parent) / (m["pair_count"][:used] + self.token_prior)
+                shrunk = torch.cat([shrunk, pairs])
+            self.token_means = shrunk.float()
         self._fit((cov + cov.T) / 2)
         self.active = coverage >= self.min_pairs
 
@@ -708,8 +742,10 @@ class ConditionalStats:
         if self.token_means is not None:
             state["cond_token_means"] = self.token_means.cpu().clone()
         if self.token_slots:
-            state["cond_slot_of"] = self.slot_of.clone()
-            state["cond_slots_used"] = self.slots_used
+            state["cond_token_keys"] = self.tokens.state_dict()
+        if self.pair_slots:
+            state["cond_pair_keys"] = self.pairs.state_dict()
+            state["cond_pair_parent"] = self.pair_parent.clone()
         if self.factor is not None:
             state["cond_factor"] = self.factor.cpu()
         if self.moments is not None:
@@ -724,11 +760,18 @@ class ConditionalStats:
         self.mean = state["cond_mean"].float() if "cond_mean" in state else None
         self.factor = state["cond_factor"].float() if "cond_factor" in state else None
         self.token_means = state["cond_token_means"].float().clone() if "cond_token_means" in state else None
-        if self.token_slots and "cond_slot_of" not in state and "moment_sum" in state:
-            raise ValueError("codec state has no token means (saved with pipeline.fill_tokens=0?)")
-        self.slot_of = state["cond_slot_of"].long().clone() if "cond_slot_of" in state else torch.full((0,), -1, dtype=torch.long)
-        self.slots_used = int(state.get("cond_slots_used", 0))
+        if "cond_slot_of" in state:  # an id -> slot array (older checkpoints): the ids in slot order
+            slot_of = state["cond_slot_of"].long()
+            ids = torch.nonzero(slot_of >= 0).squeeze(1)
+            state = {**state, "cond_token_keys": ids[torch.argsort(slot_of[ids])]}
+        for level, slots in (("token", self.token_slots), ("pair", self.pair_slots)):
+            if slots and f"cond_{level}_keys" not in state and "moment_sum" in state:
+                raise ValueError(f"codec state has no {level} means (saved with pipeline.fill_{level}s=0?)")
+        self.tokens.load_state_dict(state.get("cond_token_keys", torch.zeros(0, dtype=torch.long)))
+        self.pairs.load_state_dict(state.get("cond_pair_keys", torch.zeros(0, dtype=torch.long)))
+        self.pair_parent = state.get("cond_pair_parent", torch.zeros(0, dtype=torch.long)).long().clone()
         names = ("sum", "count", "outer", "pairs") + (("token_sum", "token_count") if self.token_slots else ())
+        names += ("pair_sum", "pair_count") if self.pair_slots else ()
         if all(f"moment_{name}" in state for name in names):
             self.moments = {name: state[f"moment_{name}"].double().clone() for name in names}
         else:

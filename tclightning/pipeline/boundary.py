@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from tclightning.codecs import BACKWARD_STREAM, Codec, CodecKey, Payload, SVDCodec
+from tclightning.codecs.context import context_keys
 
 FORWARD = "fwd"
 BACKWARD = "bwd"
@@ -150,8 +151,11 @@ class Boundary:
                  token_ids: Tensor | None = None) -> Tensor:
         """``x`` [B, L, d] at the sender -> ``x_hat`` at the receiver, with the backward message
         routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count;
-        ``token_ids`` [B, L] are the batch's tokens, which the receiver holds (a fill may use them)."""
+        ``token_ids`` [B, L] are the batch's tokens, which the receiver holds (a fill may use them;
+        they reach the codec as :func:`context_keys`)."""
         tokens = count_tokens(x, token_mask)
+        if token_ids is not None and token_ids.shape == x.shape[:-1]:
+            token_ids = context_keys(token_ids)
         codec = self.forward_codec
         if isinstance(codec, SVDCodec) and not codec.calibrated:
             codec.calibrate(x[token_mask.bool()] if token_mask is not None else x)

@@ -71,6 +71,11 @@ class PipelineConfig:
     Every stage holds the batch's token ids, so the fill centres each token on its id's mean
     (``x | token ~ N(mu_token, Sigma_within)``); other ids use the global mean. 0: one mean for all."""
 
+    fill_pairs: int = 4096
+    """``conditional`` fill: how many distinct pairs (a token and the one before it) get their own
+    mean, shrunk towards the token's (in order of first sight; other pairs use the token's mean).
+    0: token means only. Receiver memory: two ``[fill_pairs, d]`` float64 tables."""
+
     fill_momentum: float = 0.1
     """EMA weight of the newest tick in the ``mean`` fill (``conditional``: its moments decay by
     1 - fill_momentum per step)."""
@@ -177,8 +182,11 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.fill_rank must be >= 1, got {self.fill_rank}")
         if self.basis_tokens < 0:
             raise TclightningError(f"pipeline.basis_tokens must be >= 0, got {self.basis_tokens}")
+
         if self.fill_tokens < 0:
             raise TclightningError(f"pipeline.fill_tokens must be >= 0, got {self.fill_tokens}")
+        if self.fill_pairs < 0:
+            raise TclightningError(f"pipeline.fill_pairs must be >= 0, got {self.fill_pairs}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")
         if self.replicas < 1:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from tclightning.codecs import AdaptiveLowRankCodec, Codec, CodecKey, make_codec
+from tclightning.codecs.context import context_keys
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
 from tclightning.pipeline.config import PipelineConfig
@@ -202,9 +203,9 @@ class CutSet:
                         input_ids: Tensor | None = None) -> Iterator[None]:
         """While a dense forward of ``model`` runs (a hook-free copy of this model, or this model
         under :meth:`bypassed`), hand each cut's activations at real tokens (``attention_mask`` [B,
-        L]), with their ids from ``input_ids`` [B, L] if given, to :meth:`observe_dense`."""
+        L]), with their :func:`context_keys` from ``input_ids`` [B, L] if given, to :meth:`observe_dense`."""
         real = attention_mask.bool()
-        ids = input_ids[real] if input_ids is not None else None
+        ids = context_keys(input_ids)[real] if input_ids is not None else None
         _, layers = find_decoder_layers(model)
 
         def tap(ordinal: int) -> Any:

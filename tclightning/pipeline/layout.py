@@ -131,6 +131,7 @@ def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
     return make_codec(
         spec.codec, dim, k=spec.k, fill=config.fill, rescale=config.rescale,
         fill_momentum=config.fill_momentum, fill_rank=config.fill_rank, fill_tokens=config.fill_tokens,
+        fill_pairs=config.fill_pairs,
         rank=spec.rank, refresh_every=config.refresh_every, refresh_tolerance=config.refresh_tolerance,
         basis_tokens=config.basis_tokens,
     )

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tclightning.codecs import Codec, CodecKey
+from tclightning.codecs.context import context_keys
 from tclightning.errors import TclightningError
 from tclightning.pipeline.cuts import find_decoder_layers
 from tclightning.pipeline.layout import CutSpec
@@ -137,18 +138,20 @@ class StageModule(nn.Module):
         completion_mask: Tensor,
         input_ids: Tensor | None = None,
     ) -> Tensor:
+        ids = x if self.is_first else input_ids  # the batch's tokens, which every stage holds
+        keys = context_keys(ids) if ids is not None else None  # the codecs' side information, keyed before packing
         if self.is_first:
             assert self.embed_tokens is not None
             hidden = self.embed_tokens(x)
         else:
             assert self.recv_codec is not None and self.recv_spec is not None
-            real_ids = pack(input_ids, attention_mask) if input_ids is not None else None
+            real_keys = pack(keys, attention_mask) if keys is not None else None
             for codec in (self.recv_tap, self.recv_codec if self.recv_codec.crosses_dense else None):
                 if codec is not None:  # the same [T, d] tokens the sender observed
-                    codec.observe_dense(x.detach(), real_ids)
+                    codec.observe_dense(x.detach(), real_keys)
             received = unpack(x, attention_mask)
             hidden = self.recv_codec.decode(received, self._key(self.recv_spec, rows),
-                                            token_mask=attention_mask.bool(), token_ids=input_ids)
+                                            token_mask=attention_mask.bool(), token_ids=keys)
         masks = self._masks(hidden, attention_mask, position_ids)
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
         layer_types = getattr(self.config, "layer_types", None)
@@ -164,21 +167,20 @@ class StageModule(nn.Module):
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         if not self.is_last:
             assert self.send_codec is not None and self.send_spec is not None
-            ids = x if self.is_first else input_ids  # the batch's tokens, which every stage holds
-            self._observe_sent(hidden, attention_mask, ids)
-            return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows), token_ids=ids), attention_mask)
+            self._observe_sent(hidden, attention_mask, keys)
+            return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows), token_ids=keys), attention_mask)
         return self._completion_logps(hidden, completion_ids, completion_mask)
 
     @torch.no_grad()
-    def _observe_sent(self, hidden: Tensor, attention_mask: Tensor, input_ids: Tensor | None) -> None:
+    def _observe_sent(self, hidden: Tensor, attention_mask: Tensor, keys: Tensor | None) -> None:
         """The sender's side of what codecs learn from: real tokens ``[T, d]`` (``pack`` order) and
-        their ids (what the receiver's side observes with them)."""
+        their context keys (what the receiver's side observes with them)."""
         codec = self.send_codec
         assert codec is not None
         if self.send_tap is None and not codec.learns_from_traffic:
             return
         real = pack(hidden.detach(), attention_mask)
-        real_ids = pack(input_ids, attention_mask) if input_ids is not None else None
+        real_ids = pack(keys, attention_mask) if keys is not None else None
         if self.send_tap is not None:
             self.send_tap.observe_dense(real, real_ids)
         if codec.crosses_dense:

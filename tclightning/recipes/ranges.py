@@ -298,6 +298,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.fill_momentum": number(0.0, 1.0, low_open=True),
     "pipeline.fill_rank": positive(),
     "pipeline.fill_tokens": integer(0),
+    "pipeline.fill_pairs": integer(0),
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
     "pipeline.refresh_every": integer(0),
