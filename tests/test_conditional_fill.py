@@ -316,6 +316,14 @@ def test_token_state_round_trips_exactly() -> None:
         c.commit_step()
     assert len(restored.cond.tokens) == len(codec.cond.tokens) > 6  # type: ignore[union-attr]
     assert torch.equal(restored.decode(payload, key, token_ids=test_ids), codec.decode(payload, key, token_ids=test_ids))
+    # an older checkpoint kept an id -> slot array: it loads to the same slots
+    state = codec.state_dict()
+    slot_of = torch.full((int(state["cond_token_keys"].max()) + 1,), -1, dtype=torch.long)
+    slot_of[state.pop("cond_token_keys")] = torch.arange(len(codec.cond.tokens))  # type: ignore[union-attr]
+    older = PRFCodec(D, K, fill="conditional", cond_rank=R)
+    older.load_state_dict({**state, "cond_slot_of": slot_of})
+    assert torch.equal(older.cond.tokens.keys, codec.cond.tokens.keys)  # type: ignore[union-attr]
+    assert torch.equal(older.decode(payload, key, token_ids=test_ids), codec.decode(payload, key, token_ids=test_ids))
     with pytest.raises(ValueError, match="fill_tokens"):
         PRFCodec(D, K, fill="conditional", cond_rank=R).load_state_dict(
             PRFCodec(D, K, fill="conditional", cond_rank=R, cond_token_slots=0).state_dict()

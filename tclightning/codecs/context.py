@@ -61,13 +61,14 @@ class KeySlots:
 
     def lookup(self, keys: Tensor) -> Tensor:
         """The slot of each key (any shape), -1 for keys without one. Gives no slot."""
+        keys = keys.long()
         if not len(self):
             return torch.full_like(keys, -1, dtype=torch.long)
         if self._sorted is None:
             order = torch.argsort(self.keys)
             self._sorted = (self.keys[order], order)
         table, slots = (t.to(keys.device) for t in self._sorted)
-        position = torch.searchsorted(table, keys.long()).clamp_max(table.numel() - 1)
+        position = torch.searchsorted(table, keys).clamp_max(table.numel() - 1)
         return torch.where(table[position] == keys, slots[position], -1)
 
     def assign(self, keys: Tensor) -> Tensor:
@@ -77,7 +78,7 @@ class KeySlots:
         if new.numel():
             self.keys = torch.cat([self.keys, new])
             self._sorted = None
-        return self.lookup(keys.long())
+        return self.lookup(keys)
 
     def state_dict(self) -> Tensor:
         return self.keys.clone()

@@ -529,8 +529,8 @@ class ConditionalStats:
                 parent = torch.full((len(self.pairs),), self.token_slots, dtype=torch.long)
                 parent[: self.pair_parent.numel()] = self.pair_parent
                 given = pair_rows >= 0
-                parent[pair_rows[given].cpu()] = token_rows[given].cpu().masked_fill(token_rows[given].cpu() < 0,
-                                                                                    self.token_slots)
+                token_row = token_rows[given].cpu()
+                parent[pair_rows[given].cpu()] = token_row.masked_fill(token_row < 0, self.token_slots)
                 self.pair_parent = parent
         return token_rows, pair_rows
 

@@ -182,7 +182,6 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.fill_rank must be >= 1, got {self.fill_rank}")
         if self.basis_tokens < 0:
             raise TclightningError(f"pipeline.basis_tokens must be >= 0, got {self.basis_tokens}")
-
         if self.fill_tokens < 0:
             raise TclightningError(f"pipeline.fill_tokens must be >= 0, got {self.fill_tokens}")
         if self.fill_pairs < 0:
