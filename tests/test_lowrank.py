@@ -278,13 +278,13 @@ def dense_tokens(model: torch.nn.Module, layer: int) -> tuple[torch.Tensor, torc
     return out.hidden_states[layer + 1][real], batch.input_ids[real]
 
 
-def one_process(basis_tokens: int) -> dict[str, Any]:
+def one_process(setup: dict[str, Any]) -> dict[str, Any]:
     """Steps 0..5 with the cuts as hooks: cold start at 0, fit at 1, ship at 3, the anchor's dense
-    traffic during step 3, shared refit at 5."""
+    traffic during step 3, shared refit at 5. ``setup``: more :class:`PipelineConfig` keys."""
     model = tiny_llama()
     batch = rollouts()
     bases, metrics = {}, {}
-    with CutSet(model, PipelineConfig(**CONFIG, basis_tokens=basis_tokens)) as cuts:
+    with CutSet(model, PipelineConfig(**CONFIG, **setup)) as cuts:
         codec = cuts.boundaries[0].forward_codec
         for step in range(6):
             cuts.reset_stats()
@@ -301,12 +301,12 @@ def one_process(basis_tokens: int) -> dict[str, Any]:
     return {"bases": bases, "metrics": metrics, "logp": final, "centres": 0 if table is None else table.numel()}
 
 
-def lowrank_worker(rank: int, world_size: int, basis_tokens: int) -> dict[str, Any]:
+def lowrank_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[str, Any]:
     from tclightning.grpo.update import MicrobatchLoss
     from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
-    engine = PipelineEngine(model, PipelineConfig(**CONFIG, basis_tokens=basis_tokens, timeout_s=30))
+    engine = PipelineEngine(model, PipelineConfig(**CONFIG, **setup, timeout_s=30))
     batch = rollouts()
     inputs = StageInputs.from_rollouts(batch)
     codec = engine.module.send_codec if rank == 0 else engine.module.recv_codec
@@ -327,11 +327,12 @@ def lowrank_worker(rank: int, world_size: int, basis_tokens: int) -> dict[str, A
         if codec.token_ids is not None:
             bases[step] += (codec.token_ids.clone(), codec.token_offsets.clone())
     logp, _ = engine.run(inputs)
-    return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict(),
-            "basis_tokens": basis_tokens}
+    return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict(), "setup": setup}
 
 
-@pytest.fixture(scope="module", params=[0, 1024], ids=["one-centre", "token-centres"])
+@pytest.fixture(scope="module", params=[{"basis_tokens": 0}, {"basis_tokens": 1024},
+                                        {"basis_tokens": 1024, "payload_dtype": "float16"}],
+                ids=["one-centre", "token-centres", "float16-payload"])
 def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, Any]]:
     outcomes = run_ranks(lowrank_worker, 2, request.param, timeout_s=30)
     for outcome in outcomes:
@@ -341,7 +342,8 @@ def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str,
 
 def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(two_ranks: Any) -> None:
     sender, receiver = two_ranks
-    ref = one_process(sender["basis_tokens"])
+    ref = one_process(sender["setup"])
+    centres = sender["setup"]["basis_tokens"] > 0
     versions = {step: ref["bases"][step][1] for step in range(6)}
     assert versions == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3}  # cold start, fit, -, ship, -, shared refit
     for step in range(6):
@@ -352,20 +354,24 @@ def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(t
             assert basis_r is None and step == 0
             continue
         assert torch.equal(basis_s, basis_r), step  # the two sides: bit for bit
-        assert len(sender["bases"][step]) == len(receiver["bases"][step]) == (4 if sender["basis_tokens"] else 2)
+        assert len(sender["bases"][step]) == len(receiver["bases"][step]) == (4 if centres else 2)
         for table_s, table_r in zip(sender["bases"][step][2:], receiver["bases"][step][2:], strict=True):
             assert torch.equal(table_s, table_r), step  # the token centres too
         torch.testing.assert_close(basis_s, ref["bases"][step][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(receiver["logp"], ref["logp"], rtol=1e-4, atol=1e-5)
-    # bytes: dense at the cold start, r values per token after, the shipped basis at step 3 only
+    # bytes: dense at the cold start, r values per token after (each in the wire dtype, against the
+    # dense boundary in float32), the shipped basis (float32) at step 3 only
     tokens = int(rollouts().attention_mask.sum())
+    value = 2 if sender["setup"].get("payload_dtype") else 4
     for rank_result in (sender, receiver):
         m = rank_result["metrics"]
-        assert m[0]["wire/cut0/bytes_fwd"] == tokens * 64 * 4 == ref["metrics"][0]["wire/cut0/bytes_fwd"]
-        assert m[1]["wire/cut0/bytes_fwd"] == tokens * 5 * 4
+        assert m[0]["wire/cut0/bytes_fwd"] == tokens * 64 * value == ref["metrics"][0]["wire/cut0/bytes_fwd"]
+        assert m[1]["wire/cut0/bytes_fwd"] == tokens * 5 * value == ref["metrics"][1]["wire/cut0/bytes_fwd"]
+        assert m[1]["wire/cut0/bytes_bwd"] == tokens * 5 * value == ref["metrics"][1]["wire/cut0/bytes_bwd"]
+        assert m[1]["wire/dense_bytes_fwd"] == tokens * 64 * 4 == ref["metrics"][1]["wire/dense_bytes_fwd"]
         shipped = 4 + (64 * 5 + 64 + ref["centres"] * 65) * 4  # the refit flag, the basis, the token centres
         assert m[SHIP_STEP]["wire/basis_bytes"] == shipped == ref["metrics"][SHIP_STEP]["wire/basis_bytes"]
-        assert m[SHIP_STEP]["wire/cut0/bytes_fwd"] == tokens * 5 * 4 + shipped
+        assert m[SHIP_STEP]["wire/cut0/bytes_fwd"] == tokens * 5 * value + shipped
         assert m[SHARED_STEP]["wire/basis_bytes"] == 0.0  # the anchor's traffic refreshed it for free
         assert 0.0 < m[2]["wire/energy_kept"] <= 1.0
         assert m[2]["wire/energy_kept"] == pytest.approx(ref["metrics"][2]["wire/energy_kept"], rel=1e-4)
@@ -373,7 +379,7 @@ def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(t
 
 def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path) -> None:
     """A one-process CutSet and a two-process checkpoint both restore the basis and its windows."""
-    config = PipelineConfig(**CONFIG, basis_tokens=two_ranks[0]["basis_tokens"])
+    config = PipelineConfig(**CONFIG, **two_ranks[0]["setup"])
     ref_model, batch = tiny_llama(), rollouts()
     with CutSet(ref_model, config) as cuts:
         for step in range(3):
@@ -394,7 +400,7 @@ def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path)
     assert state["forward"][0]["version"] == 3 and state["sender"][0]["version"] == 3
     assert torch.equal(state["forward"][0]["basis"], state["sender"][0]["basis"])
     for name in ("token_ids", "token_offsets"):
-        assert (state["forward"][0][name] is None) == (not two_ranks[0]["basis_tokens"])
+        assert (state["forward"][0][name] is None) == (not two_ranks[0]["setup"]["basis_tokens"])
         if state["forward"][0][name] is not None:
             assert torch.equal(state["forward"][0][name], state["sender"][0][name])
 

@@ -60,6 +60,10 @@ def payload_nbytes(payload: Payload) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""Narrower dtypes a payload may cross in (``pipeline.payload_dtype``)."""
+
+
 def dense_bytes(tokens: int, dim: int, dtype: torch.dtype) -> int:
     """Bytes of the uncompressed boundary: ``tokens * d * element_size``."""
     return tokens * dim * dtype.itemsize
@@ -79,6 +83,10 @@ class Codec(ABC):
     """False for codecs that may only be used as a separate backward codec (powersgd)."""
     learns_from_traffic: bool = False
     """True for codecs that want :meth:`observe_sent` / :meth:`observe_dense` calls (lowrank, hybrid)."""
+    wire_dtype: torch.dtype | None = None
+    """The dtype the payload crosses in (None: the activations'). A narrower one (float16, bfloat16)
+    halves a float32 model's payload bytes; the receiver decodes the rounded values, and the
+    gradient message, the gradient w.r.t. the payload, crosses in it too."""
 
     def __init__(self, dim: int) -> None:
         if dim <= 0:
@@ -105,6 +113,18 @@ class Codec(ABC):
     def payload_bytes_per_token(self, dtype: torch.dtype) -> float:
         """Wire bytes per token for a large message (per-message overheads amortised away)."""
         return float(self.payload_bytes(1, dtype))
+
+    def to_wire(self, payload: Payload) -> Payload:
+        """``payload`` as it crosses: cast to :attr:`wire_dtype` (differentiable, so the gradient
+        message is cast back the same way); tuples pass as they are."""
+        if self.wire_dtype is None or not isinstance(payload, Tensor):
+            return payload
+        return payload.to(self.wire_dtype)
+
+    def as_received(self, tokens: Tensor) -> Tensor:
+        """What the receiver holds of ``tokens`` sent as they are (a basis codec's cold start): the
+        values rounded to :attr:`wire_dtype`, in their own dtype."""
+        return tokens if self.wire_dtype is None else tokens.to(self.wire_dtype).to(tokens.dtype)
 
     @property
     def width(self) -> int:

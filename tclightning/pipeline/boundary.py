@@ -167,7 +167,7 @@ class Boundary:
                 if token_ids is not None and token_ids.shape == x.shape[:-1]:
                     real_ids = token_ids[token_mask.bool()] if token_mask is not None else token_ids.reshape(-1)
                 if codec.crosses_dense:  # one process: sender and receiver are this one codec
-                    codec.observe_dense(real, real_ids)
+                    codec.observe_dense(codec.as_received(real), real_ids)
                 codec.observe_sent(real, real_ids)
         if self.backward_codec is None or not x.requires_grad:
             return self._chain_rule(x, key, token_mask, tokens, token_ids)
@@ -176,26 +176,29 @@ class Boundary:
     def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int,
                     token_ids: Tensor | None = None) -> Tensor:
         codec = self.forward_codec
-        payload = self.wire.send_forward(self.ordinal, codec.encode(x, key, token_ids=token_ids))
-        self._record(FORWARD, payload, tokens)
+        payload = self.wire.send_forward(self.ordinal, codec.to_wire(codec.encode(x, key, token_ids=token_ids)))
+        self._record(FORWARD, payload, tokens, x.dtype)
         if isinstance(payload, Tensor) and payload.requires_grad:
-            payload.register_hook(self._gradient_hook(tokens))
+            payload.register_hook(self._gradient_hook(tokens, x.dtype))
+        if isinstance(payload, Tensor) and payload.dtype != x.dtype:  # crossed in a narrower wire dtype
+            payload = payload.to(x.dtype)
         return codec.decode(payload, key, token_mask=token_mask, token_ids=token_ids)
 
-    def _gradient_hook(self, tokens: int) -> Callable[[Tensor], Tensor]:
+    def _gradient_hook(self, tokens: int, dense_dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
         def send_gradient(grad: Tensor) -> Tensor:
             message = self.wire.send_backward(self.ordinal, grad)
-            self._record(BACKWARD, message, tokens)
+            self._record(BACKWARD, message, tokens, dense_dtype)
             return message  # type: ignore[return-value]
 
         return send_gradient
 
-    def _record(self, direction: str, message: Payload, tokens: int) -> None:
+    def _record(self, direction: str, message: Payload, tokens: int, dense_dtype: torch.dtype | None = None) -> None:
+        """Count ``message`` (bytes at its own dtype) against the dense boundary in ``dense_dtype``
+        (the activations'; default the message's)."""
         codec = self.forward_codec if direction == FORWARD or self.backward_codec is None else self.backward_codec
         dtype = (message[0] if isinstance(message, tuple) else message).dtype
-        self.meter.record(
-            self.ordinal, direction, codec.payload_bytes(tokens, dtype), tokens * self.dim * dtype.itemsize
-        )
+        dense = tokens * self.dim * (dense_dtype or dtype).itemsize
+        self.meter.record(self.ordinal, direction, codec.payload_bytes(tokens, dtype), dense)
 
     def send_gradient_separately(self, grad: Tensor, key: CodecKey, tokens: int) -> Tensor:
         """Backward through a separate codec: ``g_x = dec_bwd(wire(enc_bwd(g)))``."""

@@ -135,16 +135,21 @@ def payload_stage(
     dtype: torch.dtype,
     meter: WireMeter,
     link_bits_per_s: float | None,
+    in_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Any:
     """A ``PipelineStage`` of ``module`` whose messages of micro-batch ``i`` are ``in_shapes[i]``
-    (received) and ``out_shapes[i]`` (sent), every send counted in ``meter`` and paced to
-    ``link_bits_per_s`` when given (the class is built on first use: importing pipelining is not free)."""
+    (received, in ``in_dtype``) and ``out_shapes[i]`` (sent, in ``out_dtype``; both default to the
+    model's ``dtype``), every send counted in ``meter`` against the dense boundary in ``dtype`` and
+    paced to ``link_bits_per_s`` when given (the class is built on first use: importing pipelining
+    is not free)."""
     global _PAYLOAD_STAGE
     if _PAYLOAD_STAGE is None:
         _PAYLOAD_STAGE = _make_payload_stage_class()
     return _PAYLOAD_STAGE(
         module, device=comm.device, group=comm.group, in_shapes=in_shapes, out_shapes=out_shapes, dtype=dtype,
-        meter=meter, watch=comm.watch, link_bits_per_s=link_bits_per_s,
+        in_dtype=in_dtype or dtype, out_dtype=out_dtype or dtype, meter=meter, watch=comm.watch,
+        link_bits_per_s=link_bits_per_s,
     )
 
 
@@ -166,6 +171,8 @@ def _make_payload_stage_class() -> type:
             in_shapes: list[tuple[int, int]],
             out_shapes: list[tuple[int, int]],
             dtype: torch.dtype,
+            in_dtype: torch.dtype,
+            out_dtype: torch.dtype,
             meter: WireMeter,
             watch: Watch,
             link_bits_per_s: float | None,
@@ -173,12 +180,12 @@ def _make_payload_stage_class() -> type:
             example_in = (
                 torch.zeros(1, 1, dtype=torch.long)
                 if module.is_first
-                else torch.zeros(1, 1, dtype=dtype, requires_grad=True)
+                else torch.zeros(1, 1, dtype=in_dtype, requires_grad=True)
             )
             example_out = (
                 torch.zeros(1, 1, dtype=torch.float32, requires_grad=True)
                 if module.is_last
-                else torch.zeros(1, 1, dtype=dtype, requires_grad=True)
+                else torch.zeros(1, 1, dtype=out_dtype, requires_grad=True)
             )
             # Static metadata: no shape-inference forward (it would run the codecs on dummy data).
             super().__init__(
@@ -186,6 +193,7 @@ def _make_payload_stage_class() -> type:
                 input_args=example_in, output_args=example_out, group=group,
             )
             self.in_shapes, self.out_shapes, self.dtype = in_shapes, out_shapes, dtype
+            self.in_dtype, self.out_dtype = in_dtype, out_dtype
             self.meter, self.watch, self.link_bits_per_s = meter, watch, link_bits_per_s
 
         def _rank_of(self, stage: int) -> int:
@@ -194,14 +202,14 @@ def _make_payload_stage_class() -> type:
         def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
             if not self.is_first:
                 info = self.args_recv_info[fwd_chunk_id][0]
-                info.buffer = torch.empty(self.in_shapes[fwd_chunk_id], dtype=self.dtype, device=self.device)
+                info.buffer = torch.empty(self.in_shapes[fwd_chunk_id], dtype=self.in_dtype, device=self.device)
                 self.watch.expect([self._rank_of(self.stage_index - 1)], f"the forward message of micro-batch {fwd_chunk_id}")
             return super().get_fwd_recv_ops(fwd_chunk_id)
 
         def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
             if self.has_backward and not self.is_last:
                 info = self.grad_recv_info[bwd_chunk_id][0]
-                info.buffer = torch.empty(self.out_shapes[bwd_chunk_id], dtype=self.dtype, device=self.device)
+                info.buffer = torch.empty(self.out_shapes[bwd_chunk_id], dtype=self.out_dtype, device=self.device)
                 self.watch.expect([self._rank_of(self.stage_index + 1)], f"the gradient message of micro-batch {bwd_chunk_id}")
             return super().get_bwd_recv_ops(bwd_chunk_id)
 
@@ -220,7 +228,7 @@ def _make_payload_stage_class() -> type:
             for op in ops:
                 tensor = op.tensor
                 sent = tensor.numel() * tensor.element_size()
-                self.meter.record(cut, direction, sent, tensor.shape[0] * dim * tensor.element_size())
+                self.meter.record(cut, direction, sent, tensor.shape[0] * dim * self.dtype.itemsize)
                 self.watch.expect([op.peer], f"sending the {direction} message across cut {cut}")
                 if self.link_bits_per_s:  # software-paced link: the serialisation delay of the message
                     time.sleep(sent * 8 / self.link_bits_per_s)

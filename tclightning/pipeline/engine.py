@@ -164,6 +164,10 @@ class PipelineEngine:
         """Values per token of a message at a cut (a basis codec sends d until its first fit)."""
         return self.dim if codec is None else codec.width
 
+    def _wire_dtype(self, codec: Codec | None) -> torch.dtype:
+        """The dtype a message at a cut crosses in (the model's unless the codec narrows it)."""
+        return self.dtype if codec is None or codec.wire_dtype is None else codec.wire_dtype
+
     # -- the loop's knobs (the CutSet ones) ----------------------------------------------------
 
     def set_step(self, step: int) -> None:
@@ -274,7 +278,8 @@ class PipelineEngine:
         stage = payload_stage(
             stage_module, self.comm,
             in_shapes=[(t, in_width) for t in tokens], out_shapes=[(t, out_width) for t in tokens],
-            dtype=self.dtype, meter=meter if meter is not None else self.meter,
+            dtype=self.dtype, in_dtype=self._wire_dtype(stage_module.recv_codec),
+            out_dtype=self._wire_dtype(stage_module.send_codec), meter=meter if meter is not None else self.meter,
             link_bits_per_s=self.link_bits_per_s,
         )
         # 1F1B needs a micro-batch per stage; a smaller batch (a replica's share) runs as GPipe

@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from tclightning.codecs import Codec, budget_k, make_codec
+from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
 from tclightning.pipeline.config import PipelineConfig
 
@@ -128,10 +129,13 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
 def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
     """The forward codec of cut ``spec`` (``spec.codec`` at ``spec.k`` / ``spec.rank``), with the
     fill and basis-refresh settings of ``config``."""
-    return make_codec(
+    codec = make_codec(
         spec.codec, dim, k=spec.k, fill=config.fill, rescale=config.rescale,
         fill_momentum=config.fill_momentum, fill_rank=config.fill_rank, fill_tokens=config.fill_tokens,
         fill_pairs=config.fill_pairs,
         rank=spec.rank, refresh_every=config.refresh_every, refresh_tolerance=config.refresh_tolerance,
         basis_tokens=config.basis_tokens,
     )
+    if config.payload_dtype is not None and spec.codec != "identity":
+        codec.wire_dtype = WIRE_DTYPES[config.payload_dtype]
+    return codec

@@ -145,6 +145,7 @@ class StageModule(nn.Module):
             hidden = self.embed_tokens(x)
         else:
             assert self.recv_codec is not None and self.recv_spec is not None
+            x = x.to(next(self.layers.parameters()).dtype)  # from the wire dtype (a no-op without one)
             real_keys = pack(keys, attention_mask) if keys is not None else None
             for codec in (self.recv_tap, self.recv_codec if self.recv_codec.crosses_dense else None):
                 if codec is not None:  # the same [T, d] tokens the sender observed
@@ -168,7 +169,8 @@ class StageModule(nn.Module):
         if not self.is_last:
             assert self.send_codec is not None and self.send_spec is not None
             self._observe_sent(hidden, attention_mask, keys)
-            return pack(self.send_codec.encode(hidden, self._key(self.send_spec, rows), token_ids=keys), attention_mask)
+            payload = self.send_codec.encode(hidden, self._key(self.send_spec, rows), token_ids=keys)
+            return self.send_codec.to_wire(pack(payload, attention_mask))
         return self._completion_logps(hidden, completion_ids, completion_mask)
 
     @torch.no_grad()
@@ -183,8 +185,8 @@ class StageModule(nn.Module):
         real_ids = pack(keys, attention_mask) if keys is not None else None
         if self.send_tap is not None:
             self.send_tap.observe_dense(real, real_ids)
-        if codec.crosses_dense:
-            codec.observe_dense(real, real_ids)
+        if codec.crosses_dense:  # what the receiver will hold of it
+            codec.observe_dense(codec.as_received(real), real_ids)
         codec.observe_sent(real, real_ids)
 
     def _completion_logps(self, hidden: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> Tensor:

@@ -96,6 +96,12 @@ def one_of(*options: str) -> Rule:
     return rule
 
 
+def optional_one_of(*options: str) -> Rule:
+    """One of the named strings, or null."""
+    named = one_of(*options)
+    return lambda value: None if value is None else named(value)
+
+
 def text(*, nonempty: bool = False, optional: bool = False) -> Rule:
     """A string (non-blank with ``nonempty``); null only with ``optional``."""
 
@@ -299,6 +305,7 @@ RANGES: dict[str, Rule] = {
     "pipeline.fill_rank": positive(),
     "pipeline.fill_tokens": integer(0),
     "pipeline.fill_pairs": integer(0),
+    "pipeline.payload_dtype": optional_one_of("float16", "bfloat16"),  # = tclightning.codecs.base.WIRE_DTYPES (tested)
     "pipeline.rescale": flag,
     "pipeline.rank": positive(optional=True),
     "pipeline.refresh_every": integer(0),
