@@ -176,6 +176,42 @@ def test_bytes_counted_equal_the_formula_for_real_tokens(batch: tuple) -> None:
     assert torch.equal(bypassed, token_logps(model, ids, mask))
 
 
+def test_a_narrower_payload_dtype_halves_the_bytes_and_rounds_both_messages(batch: tuple) -> None:
+    """``payload_dtype``: the compressed cut's payload and its gradient cross in bfloat16 (counted at
+    2 bytes a value, against the dense boundary in float32); dense cuts keep the model's dtype."""
+    ids, mask = batch
+    real = int(mask.sum())
+    model = tiny_llama()
+    config = PipelineConfig(layout="shallow", k=8, payload_dtype="bfloat16")
+    with CutSet(model, config) as cuts:
+        token_logps(model, ids, mask).sum().backward()
+        m = cuts.metrics()
+        assert m["wire/cut0/bytes_fwd"] == m["wire/cut0/bytes_bwd"] == real * 8 * 2
+        assert m["wire/cut1/bytes_fwd"] == real * DIM * 4  # a dense cut: no codec, no cast
+        assert m["wire/dense_bytes_fwd"] == 3 * real * DIM * 4
+        codec = cuts.boundaries[0].forward_codec
+        assert codec.wire_dtype == torch.bfloat16 and cuts.boundaries[1].forward_codec.wire_dtype is None
+    # what the receiver decodes is the payload rounded to bfloat16; the gradient message likewise
+    x = torch.randn(2, 5, DIM, requires_grad=True)
+    boundary = Boundary(0, codec, None, LoopbackWire(), WireMeter([0]))
+    key = CodecKey(seed=0, step=0, cut=0)
+    out = boundary(x, key)
+    rounded = codec.encode(x.detach(), key).to(torch.bfloat16).float()
+    assert torch.equal(out, codec.decode(rounded, key)) and not torch.equal(out, codec.decode(codec.encode(x, key), key))
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    kept = codec.indices(key, 2, 5, "cpu")
+    expected = torch.zeros_like(x).scatter_(-1, kept, grad.gather(-1, kept).to(torch.bfloat16).float())
+    assert torch.equal(x.grad, expected)
+    with pytest.raises(TclightningError, match="pipeline.payload_dtype must be one of float16, bfloat16"):
+        PipelineConfig(payload_dtype="int8").validate()
+    from tclightning.codecs.base import WIRE_DTYPES
+    from tclightning.recipes.ranges import RANGES
+
+    rule = RANGES["pipeline.payload_dtype"]  # the recipe check mirrors WIRE_DTYPES
+    assert all(rule(name) is None for name in [*WIRE_DTYPES, None]) and rule("int8") is not None
+
+
 def test_gradient_checkpointing_keeps_gradients_and_counts_once(batch: tuple) -> None:
     ids, mask = batch
     model = tiny_llama().train()
