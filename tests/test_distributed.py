@@ -34,6 +34,7 @@ CASES = {
     "dense-gpipe": {"layout": "dense", "schedule": "gpipe"},
     "prf-1f1b": {"layout": "all", "k": 5, "schedule": "1f1b"},
     "prf-mean-fill": {"layout": "all", "k": 5, "fill": "mean"},
+    "prf-bfloat16": {"layout": "all", "k": 5, "payload_dtype": "bfloat16"},  # messages cross in bfloat16
 }
 
 
@@ -297,7 +298,7 @@ def test_two_ranks_match_one_process_loss_gradients_and_bytes(two_ranks: Any, ca
         for key, value in ref["wire"].items():
             assert wire[key] == value, (case, key, wire[key], value)
     tokens = int(rollouts().attention_mask.sum())
-    per_token = 5 * 4 if case.startswith("prf") else DIM * 4
+    per_token = DIM * 4 if not case.startswith("prf") else 5 * (2 if "bfloat16" in case else 4)
     assert ref["wire"]["wire/bytes_fwd"] == ref["wire"]["wire/bytes_bwd"] == tokens * per_token
 
 
