@@ -87,8 +87,10 @@ class PipelineConfig:
     payload_dtype: str | None = None
     """The dtype compressed cuts' messages cross in: ``float16`` | ``bfloat16`` | null (the
     activations' dtype). On a float32 model a 16-bit payload halves the bytes per value, so a basis
-    codec can send twice the coefficients at the same bytes (``rate=0.04, payload_dtype=float16``
-    costs what ``rate=0.02`` does in float32). The gradient message crosses in it too."""
+    codec can send twice the coefficients at the same bytes (``rate=0.04, payload_dtype=bfloat16``
+    costs what ``rate=0.02`` does in float32). The gradient message crosses in it too, which is why
+    bfloat16 (float32's range) is the safer choice: gradient values often lie below float16's
+    smallest normal number."""
 
     rank: int | None = None
     """Basis rank r for ``svd`` / ``lowrank`` / ``powersgd`` (None = the budget k: equal bytes per
@@ -191,11 +193,11 @@ class PipelineConfig:
             raise TclightningError(f"pipeline.basis_tokens must be >= 0, got {self.basis_tokens}")
         if self.fill_tokens < 0:
             raise TclightningError(f"pipeline.fill_tokens must be >= 0, got {self.fill_tokens}")
+        if self.fill_pairs < 0:
+            raise TclightningError(f"pipeline.fill_pairs must be >= 0, got {self.fill_pairs}")
         if self.payload_dtype is not None and self.payload_dtype not in WIRE_DTYPES:
             raise TclightningError(f"pipeline.payload_dtype must be one of {', '.join(WIRE_DTYPES)} or null, "
                                    f"got {self.payload_dtype!r}")
-        if self.fill_pairs < 0:
-            raise TclightningError(f"pipeline.fill_pairs must be >= 0, got {self.fill_pairs}")
         if not 0.0 < self.fill_momentum <= 1.0:
             raise TclightningError(f"pipeline.fill_momentum must be in (0, 1], got {self.fill_momentum}")
         if self.replicas < 1:
