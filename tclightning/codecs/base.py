@@ -121,6 +121,12 @@ class Codec(ABC):
             return payload
         return payload.to(self.wire_dtype)
 
+    def from_wire(self, payload: Payload, dtype: torch.dtype) -> Payload:
+        """The received ``payload`` back in the activations' ``dtype`` (a no-op without a wire dtype)."""
+        if self.wire_dtype is None or not isinstance(payload, Tensor):
+            return payload
+        return payload.to(dtype)
+
     def as_received(self, tokens: Tensor) -> Tensor:
         """What the receiver holds of ``tokens`` sent as they are (a basis codec's cold start): the
         values rounded to :attr:`wire_dtype`, in their own dtype."""

@@ -46,6 +46,16 @@ def has_context(keys: Tensor) -> Tensor:
     return (keys.long() >> ID_BITS) > 0
 
 
+def sorted_rows(table: Tensor, keys: Tensor, *, missing: int) -> Tensor:
+    """The position of each of ``keys`` (any shape) in the ascending ``table`` [n], ``missing``
+    where it is absent."""
+    if not table.numel():
+        return torch.full_like(keys, missing, dtype=torch.long)
+    table = table.to(keys.device)
+    position = torch.searchsorted(table, keys).clamp_max(table.numel() - 1)
+    return torch.where(table[position] == keys, position, missing)
+
+
 class KeySlots:
     """Rows of a table for int64 keys, given in order of first sight (ascending key within one
     call) up to ``capacity``; a full table gives no more. Deterministic: the same calls in the same
@@ -63,13 +73,13 @@ class KeySlots:
         """The slot of each key (any shape), -1 for keys without one. Gives no slot."""
         keys = keys.long()
         if not len(self):
-            return torch.full_like(keys, -1, dtype=torch.long)
+            return torch.full_like(keys, -1)
         if self._sorted is None:
             order = torch.argsort(self.keys)
             self._sorted = (self.keys[order], order)
-        table, slots = (t.to(keys.device) for t in self._sorted)
-        position = torch.searchsorted(table, keys).clamp_max(table.numel() - 1)
-        return torch.where(table[position] == keys, slots[position], -1)
+        table, slots = self._sorted
+        position = sorted_rows(table, keys, missing=-1)
+        return torch.where(position >= 0, slots.to(keys.device)[position.clamp_min(0)], -1)
 
     def assign(self, keys: Tensor) -> Tensor:
         """The slot of each key (any shape), giving new keys the free slots first; -1 where none is left."""
@@ -87,4 +97,4 @@ class KeySlots:
         self.keys, self._sorted = keys.long().cpu().clone(), None
 
 
-__all__ = ["ID_BITS", "ID_LIMIT", "KeySlots", "context_keys", "has_context", "token_of"]
+__all__ = ["ID_BITS", "ID_LIMIT", "KeySlots", "context_keys", "has_context", "sorted_rows", "token_of"]

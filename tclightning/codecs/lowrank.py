@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from tclightning.codecs.base import Codec, CodecKey, as_rows
-from tclightning.codecs.context import ID_LIMIT, token_of
+from tclightning.codecs.context import ID_LIMIT, sorted_rows, token_of
 from tclightning.codecs.prf import PRFIndexer, fold32, mix32
 
 
@@ -359,9 +359,7 @@ class AdaptiveLowRankCodec(Codec):
             return None
         if token_ids.shape != shape:
             raise ValueError(f"token ids of shape {tuple(token_ids.shape)} for tokens of shape {tuple(shape)}")
-        ids, table = token_of(token_ids.to(device)).reshape(-1), self.token_ids.to(device)
-        position = torch.searchsorted(table, ids).clamp_max(table.numel() - 1)
-        return torch.where(table[position] == ids, position, table.numel())
+        return sorted_rows(self.token_ids, token_of(token_ids.to(device)).reshape(-1), missing=self.token_ids.numel())
 
     def _table(self, kind: str, device: torch.device, dtype: torch.dtype) -> Tensor:
         """``[n + 1, d]`` rows looked up by :meth:`_slots`, cached until the next fit: ``centres``
@@ -531,8 +529,8 @@ class AdaptiveLowRankCodec(Codec):
         most frequent first (ties: the smaller id)."""
         table = self.token_ids if self.token_ids is not None else ids.new_zeros(0)
         offsets = self.token_offsets if self.token_offsets is not None else shift.new_zeros(0, self.dim)
-        position = torch.searchsorted(table, ids).clamp_max(max(table.numel() - 1, 0))
-        known = (table[position] == ids) if table.numel() else torch.zeros_like(ids, dtype=torch.bool)
+        position = sorted_rows(table, ids, missing=-1)
+        known = position >= 0
         offsets = offsets.clone()
         offsets.index_add_(0, position[known], shift[known])
         fresh = (~known).nonzero().squeeze(1)

@@ -476,7 +476,6 @@ class ConditionalStats:
         self.pending_tokens = {"decoded": 0, "dense": 0}  # tokens in ``pending`` by kind (budgets per step)
         self.tokens = KeySlots(token_slots)  # token id -> row of the token tables
         self.pairs = KeySlots(self.pair_slots)  # context key -> row of the pair tables
-        self.pair_parent = torch.zeros(0, dtype=torch.long)  # each pair's token row (token_slots: none)
         self.mean: Tensor | None = None  # [d]
         self.token_means: Tensor | None = None  # [slots + 1 + pairs given a row, d]: tokens, ``mean``, pairs
         self.factor: Tensor | None = None  # W [d, r]
@@ -525,13 +524,6 @@ class ConditionalStats:
         if self.pair_slots:
             context = has_context(keys)
             pair_rows[context] = self.pairs.assign(keys[context])
-            if len(self.pairs) > self.pair_parent.numel():  # new pairs: remember their token's row
-                parent = torch.full((len(self.pairs),), self.token_slots, dtype=torch.long)
-                parent[: self.pair_parent.numel()] = self.pair_parent
-                given = pair_rows >= 0
-                token_row = token_rows[given].cpu()
-                parent[pair_rows[given].cpu()] = token_row.masked_fill(token_row < 0, self.token_slots)
-                self.pair_parent = parent
         return token_rows, pair_rows
 
     def _slots(self, keys: Tensor) -> Tensor:
@@ -647,8 +639,9 @@ class ConditionalStats:
             count = m["token_count"]
             shrunk = torch.cat([(m["token_sum"] + self.token_prior * mean) / (count + self.token_prior), mean[None]])
             if "pair_sum" in m:  # each pair's mean shrunk towards its token's (the pairs given a row)
-                used = self.pair_parent.numel()
-                parent = shrunk[self.pair_parent.to(shrunk.device)]
+                # a pair's token got its row (or none, for good) in the call that gave the pair its row
+                parent = shrunk[self._slots(token_of(self.pairs.keys)).to(shrunk.device)]
+                used = len(self.pairs)
                 pairs = (m["pair_sum"][:used] + self.token_prior * parent) / (m["pair_count"][:used] + self.token_prior)
                 shrunk = torch.cat([shrunk, pairs])
             self.token_means = shrunk.float()
@@ -745,7 +738,6 @@ class ConditionalStats:
             state["cond_token_keys"] = self.tokens.state_dict()
         if self.pair_slots:
             state["cond_pair_keys"] = self.pairs.state_dict()
-            state["cond_pair_parent"] = self.pair_parent.clone()
         if self.factor is not None:
             state["cond_factor"] = self.factor.cpu()
         if self.moments is not None:
@@ -769,7 +761,6 @@ class ConditionalStats:
                 raise ValueError(f"codec state has no {level} means (saved with pipeline.fill_{level}s=0?)")
         self.tokens.load_state_dict(state.get("cond_token_keys", torch.zeros(0, dtype=torch.long)))
         self.pairs.load_state_dict(state.get("cond_pair_keys", torch.zeros(0, dtype=torch.long)))
-        self.pair_parent = state.get("cond_pair_parent", torch.zeros(0, dtype=torch.long)).long().clone()
         names = ("sum", "count", "outer", "pairs") + (("token_sum", "token_count") if self.token_slots else ())
         names += ("pair_sum", "pair_count") if self.pair_slots else ()
         if all(f"moment_{name}" in state for name in names):

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from tclightning.codecs import BACKWARD_STREAM, Codec, CodecKey, Payload, SVDCodec
-from tclightning.codecs.context import context_keys
 
 FORWARD = "fwd"
 BACKWARD = "bwd"
@@ -151,11 +150,10 @@ class Boundary:
                  token_ids: Tensor | None = None) -> Tensor:
         """``x`` [B, L, d] at the sender -> ``x_hat`` at the receiver, with the backward message
         routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count;
-        ``token_ids`` [B, L] are the batch's tokens, which the receiver holds (a fill may use them;
-        they reach the codec as :func:`context_keys`)."""
+        ``token_ids`` [B, L] are the batch's tokens, which the receiver holds, as
+        :func:`~tclightning.codecs.context.context_keys` (a fill may use them; plain ids are keys
+        without context)."""
         tokens = count_tokens(x, token_mask)
-        if token_ids is not None and token_ids.shape == x.shape[:-1]:
-            token_ids = context_keys(token_ids)
         codec = self.forward_codec
         if isinstance(codec, SVDCodec) and not codec.calibrated:
             codec.calibrate(x[token_mask.bool()] if token_mask is not None else x)
@@ -180,9 +178,7 @@ class Boundary:
         self._record(FORWARD, payload, tokens, x.dtype)
         if isinstance(payload, Tensor) and payload.requires_grad:
             payload.register_hook(self._gradient_hook(tokens, x.dtype))
-        if isinstance(payload, Tensor) and payload.dtype != x.dtype:  # crossed in a narrower wire dtype
-            payload = payload.to(x.dtype)
-        return codec.decode(payload, key, token_mask=token_mask, token_ids=token_ids)
+        return codec.decode(codec.from_wire(payload, x.dtype), key, token_mask=token_mask, token_ids=token_ids)
 
     def _gradient_hook(self, tokens: int, dense_dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
         def send_gradient(grad: Tensor) -> Tensor:
@@ -192,12 +188,12 @@ class Boundary:
 
         return send_gradient
 
-    def _record(self, direction: str, message: Payload, tokens: int, dense_dtype: torch.dtype | None = None) -> None:
+    def _record(self, direction: str, message: Payload, tokens: int, dense_dtype: torch.dtype) -> None:
         """Count ``message`` (bytes at its own dtype) against the dense boundary in ``dense_dtype``
-        (the activations'; default the message's)."""
+        (the activations')."""
         codec = self.forward_codec if direction == FORWARD or self.backward_codec is None else self.backward_codec
         dtype = (message[0] if isinstance(message, tuple) else message).dtype
-        dense = tokens * self.dim * (dense_dtype or dtype).itemsize
+        dense = tokens * self.dim * dense_dtype.itemsize
         self.meter.record(self.ordinal, direction, codec.payload_bytes(tokens, dtype), dense)
 
     def send_gradient_separately(self, grad: Tensor, key: CodecKey, tokens: int) -> Tensor:
@@ -205,7 +201,7 @@ class Boundary:
         assert self.backward_codec is not None
         backward_key = dataclasses.replace(key, stream=BACKWARD_STREAM)
         message = self.wire.send_backward(self.ordinal, self.backward_codec.encode(grad, backward_key))
-        self._record(BACKWARD, message, tokens)
+        self._record(BACKWARD, message, tokens, grad.dtype)
         return self.backward_codec.decode(message, backward_key).reshape(grad.shape).to(grad.dtype)
 
 

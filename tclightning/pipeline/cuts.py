@@ -129,7 +129,8 @@ class CutSet:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         self._forward_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self._forward_ids = ids if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point() else None
+        is_ids = isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point()
+        self._forward_ids = context_keys(ids) if is_ids else None  # once per forward, for every cut
 
     def _release_inputs(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_mask = None

@@ -145,7 +145,7 @@ class StageModule(nn.Module):
             hidden = self.embed_tokens(x)
         else:
             assert self.recv_codec is not None and self.recv_spec is not None
-            x = x.to(next(self.layers.parameters()).dtype)  # from the wire dtype (a no-op without one)
+            x = self.recv_codec.from_wire(x, next(self.layers.parameters()).dtype)
             real_keys = pack(keys, attention_mask) if keys is not None else None
             for codec in (self.recv_tap, self.recv_codec if self.recv_codec.crosses_dense else None):
                 if codec is not None:  # the same [T, d] tokens the sender observed
