@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tclightning.grpo.advantages import group_advantages, zero_variance_groups
+from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
 from tclightning.grpo.loss import aggregate, gap_metrics, k3_kl, policy_loss
 
 # float32 exp/log against float64 math: a few ulp, and vector kernels (SLEEF, SVML, plain libm)
@@ -23,6 +23,20 @@ def test_group_advantages_normalise_within_each_group() -> None:
     # group 2 has no variance: all advantages 0 (mean removed; 0 / eps-floored std)
     assert adv[4:].abs().max() == 0
     assert zero_variance_groups(rewards, 4).tolist() == [False, True]
+
+
+def test_reward_sem_counts_each_group_as_one_cluster() -> None:
+    # two groups that disagree completely: group means 1 and 0, std 0.7071, sem 0.5 -- far above
+    # the 0.19 that eight independent draws would claim (std 0.535 / sqrt(8))
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert reward_sem(rewards, group_size=4) == pytest.approx(0.5)
+    # groups that agree with each other: their means are equal, so the batch mean has no error
+    assert reward_sem(torch.tensor([1.0, 0.0, 1.0, 0.0]), group_size=2) == pytest.approx(0.0)
+    # one group: the completions are all there is, std / sqrt(n)
+    assert reward_sem(torch.tensor([1.0, 0.0, 1.0, 0.0]), group_size=4) == pytest.approx(0.57735 / 2, rel=1e-4)
+    assert reward_sem(torch.tensor([1.0]), group_size=1) == 0.0
+    with pytest.raises(ValueError, match="groups of 3"):
+        reward_sem(torch.ones(8), group_size=3)
 
 
 def test_dr_grpo_advantages_are_not_scaled() -> None:

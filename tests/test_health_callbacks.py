@@ -129,6 +129,18 @@ def test_gap_monitor_warns_at_step_zero_and_writes_tensorboard_text(tmp_path):
     assert [e.step for e in acc.Scalars("health/state")][:1] == [0]
 
 
+def test_a_rising_gap_is_information_in_the_timeline_not_a_console_warning(tmp_path):
+    def schedule(step: int) -> dict[str, float]:
+        return {**healthy(step), "gap/abs_mean": 0.16 if step < 10 else 0.30}
+
+    monitor = GapMonitor(actions=["log", "warn"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HealthWarning)  # any console warning fails the test
+        trainer(tmp_path, [monitor], 30).fit(TinyModule(schedule), loader(32))
+    assert [(e.rule, e.severity) for e in monitor.detector.events if e.kind == "fired"] == [("gap.trend", "info")]
+    assert set(logged(tmp_path, "health/gap").values()) == {0.0}
+
+
 def test_name_mapping_and_rl_steps_under_manual_optimisation(tmp_path):
     names = {"reward/mean": "train/reward"}
     monitor = CollapseDetector(metric_names=names)

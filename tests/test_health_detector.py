@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from tclightning.health import (
+    EntropyRule,
     GapLevelRule,
+    GapTrendRule,
     GradNormSpikeRule,
     HealthDetector,
     HealthState,
@@ -146,8 +148,110 @@ def test_reward_drop_needs_more_than_noise_and_escalates_below_start():
         level = 0.4 + 0.2 * min(t, 60) / 60 - (0.012 * (t - 80) if t > 80 else 0.0)
         states.append(d.update(t, {"reward/mean": level + rng.normal(0, 0.03)}).state)
     assert max(states[:80]) == HealthState.HEALTHY
-    assert d.first_warning_step is not None and 80 < d.first_warning_step < 95
+    # a fall from the peak must last peak_steps=5 steps (healthy real runs dip for 4-6): 95 here
+    assert d.first_warning_step is not None and 80 < d.first_warning_step <= 95
     assert d.first_collapse_step is not None and d.first_collapse_step > d.first_warning_step
+
+
+def _batches(values, sem=0.045):
+    """Per-step rows as the GRPO module logs them: the batch mean and its own standard error."""
+    return [{"reward/mean": v, "reward/sem": sem} for v in values]
+
+
+def test_reward_fall_at_the_batch_error_decides_in_two_steps():
+    """A fall of 0.2 at se 0.045 is over 4 se a step: warned on the second low step, called
+    collapsing once the 3-step mean is 0.15 below the start (the fall the library scores)."""
+    d = HealthDetector([RewardDropRule()])
+    rows = _batches([0.40, 0.38, 0.42, 0.40, 0.39, 0.41, 0.40, 0.20, 0.18, 0.20, 0.19])
+    states = [d.update(t, m).state for t, m in enumerate(rows)]
+    assert max(states[:8]) == HealthState.HEALTHY
+    assert states[8] == HealthState.WARNING and states[9] == HealthState.COLLAPSING
+    finding = d.findings[0]
+    assert "below its start 0.398" in finding.message and "standard error" in finding.message
+    assert finding.values["evidence"] >= 8.0
+
+
+def test_one_bad_batch_never_warns_alone():
+    """A heavy tail of single bad batches (seen near the ceiling in healthy runs) does not decide:
+    one step's evidence is capped at what a step exactly at the fallen level gives."""
+    d = HealthDetector([RewardDropRule()])
+    values = [0.40] * 10 + [0.0] + [0.40] * 10 + [0.05] + [0.40] * 10
+    assert all(d.update(t, m).state == HealthState.HEALTHY for t, m in enumerate(_batches(values)))
+
+
+def test_reward_error_from_std_and_count_when_no_sem():
+    """A trainer that logs reward/std and reward/count: the error is std / sqrt(count) from step 1."""
+    d = HealthDetector([RewardDropRule()])
+    rows = [{"reward/mean": v, "reward/std": 0.5, "reward/count": 128.0}
+            for v in [0.4, 0.4, 0.4, 0.4, 0.4, 0.15, 0.15, 0.15]]
+    states = [d.update(t, m).state for t, m in enumerate(rows)]
+    assert states[5] == HealthState.HEALTHY and states[6] >= HealthState.WARNING
+    assert states[7] == HealthState.COLLAPSING
+
+
+def test_a_run_that_breaks_at_once_collapses_by_its_fall():
+    """Reward 0.34 then nothing (grpo.lr=1e3): the fall of the library's definition is step 3."""
+    d = HealthDetector()
+    states = [d.update(t, m).state for t, m in enumerate(_batches([0.34, 0.0, 0.0, 0.0], sem=0.046))]
+    assert states[3] == HealthState.COLLAPSING
+
+
+def test_accuracy_drop_uses_the_binomial_error_and_needs_two_evaluations():
+    rule = RewardDropRule.for_accuracy()
+    d = HealthDetector([rule])
+    assert d.update(0, {"val/accuracy": 0.92, "val/count": 128.0}).state == HealthState.HEALTHY
+    # one evaluation far below never decides alone (held-out accuracy wanders between evaluations)
+    assert d.update(50, {"val/accuracy": 0.05, "val/count": 128.0}).state == HealthState.HEALTHY
+    v = d.update(100, {"val/accuracy": 0.04, "val/count": 128.0})
+    assert v.state == HealthState.COLLAPSING and v.findings[0].rule == "accuracy.drop"
+
+
+def test_state_dict_of_the_drop_rule_resumes_exactly():
+    values = [0.4, 0.42, 0.38, 0.41, 0.4, 0.39, 0.3, 0.25, 0.22, 0.2, 0.4, 0.41]
+    whole = HealthDetector([RewardDropRule()])
+    for t, m in enumerate(_batches(values)):
+        whole.update(t, m)
+    first = HealthDetector([RewardDropRule()])
+    for t, m in enumerate(_batches(values[:7])):
+        first.update(t, m)
+    second = HealthDetector([RewardDropRule()])
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for t, m in enumerate(_batches(values[7:]), start=7):
+        second.update(t, m)
+    assert second.summary() == whole.summary()
+
+
+def test_information_findings_are_reported_and_leave_the_state_alone():
+    """A rising gap is information: an ``info`` event in the timeline, never a warning state."""
+    d = HealthDetector([GapTrendRule()])
+    for t in range(30):
+        v = d.update(t, {"gap/abs_mean": 0.16 if t < 10 else 0.30})
+    assert d.state == HealthState.HEALTHY and d.first_warning_step is None
+    fired = [e for e in d.events if e.kind == "fired"]
+    assert [(e.rule, e.severity) for e in fired] == [("gap.trend", "info")]
+    assert v.reasons.startswith("[info] gap.trend:")
+
+
+def test_gap_above_the_band_warns_only_when_it_was_there_from_the_start():
+    later = HealthDetector([GapLevelRule()])
+    for t in range(20):
+        later.update(t, {"gap/abs_mean": 0.2 if t < 10 else 0.7})
+    assert later.state == HealthState.HEALTHY and later.findings[0].severity == HealthState.HEALTHY
+    # a compressed run whose first step is a dense cold start (gap 0), then at full size
+    early = HealthDetector([GapLevelRule()])
+    states = [early.update(t, {"gap/abs_mean": g}).state for t, g in enumerate([0.0, 0.7, 0.7, 0.7])]
+    assert states[-1] == HealthState.WARNING and "since the start" in early.findings[0].message
+
+
+def test_entropy_collapse_paid_by_reward_is_learning_not_collapse():
+    def run(reward_gain):
+        d = HealthDetector([EntropyRule()])
+        for t in range(60):
+            d.update(t, {"policy/entropy": 0.9 if t < 10 else 0.02,
+                         "reward/mean": 0.4 + (reward_gain if t >= 10 else 0.0) + 0.01 * (-1) ** t})
+        return d.state
+    assert run(reward_gain=0.5) == HealthState.HEALTHY  # deterministic and right: learned
+    assert run(reward_gain=0.0) == HealthState.COLLAPSING  # deterministic for nothing
 
 
 def test_reward_dead_and_grad_spikes_collapse():

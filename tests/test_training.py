@@ -13,10 +13,10 @@ from tclightning.run import run
 from tests.conftest import FAST, CrashAt
 
 CANONICAL_DENSE_TAGS = {
-    "reward/mean", "reward/std", "response/length_mean", "response/length_max", "response/truncated_frac",
+    "reward/mean", "reward/std", "reward/sem", "reward/count", "response/length_mean", "response/length_max", "response/truncated_frac",
     "policy/entropy", "policy/clip_frac", "policy/grad_norm", "loss/policy", "loss/kl",
     "gap/abs_mean", "gap/k3", "gap/max", "gap/outside_5x_frac", "gap/logp_corr", "gap/prob_abs_mean",
-    "time/sample_s", "time/train_s", "throughput/tokens_per_s", "val/accuracy",
+    "time/sample_s", "time/train_s", "throughput/tokens_per_s", "val/accuracy", "val/count",
 }
 
 

@@ -16,9 +16,9 @@ class GapMonitor(HealthMonitor):
     coupling=True``: :class:`~tclightning.health.rules.GapLevelRule` on ``gap/abs_mean``
     (``abs_mean_band``, 0.5 nats: a measured agentic run died at 0.61, dense engines sit at 0.006)
     and on ``gap/k3`` (``k3_band``, 0.2), which also gives the "full size before the first update"
-    warning at the first step; :class:`~tclightning.health.rules.GapTrendRule` (``rise_warn``:
-    +50% on the start); :class:`~tclightning.health.rules.LengthGapCouplingRule`; NaN/Inf in the
-    gap metrics.
+    warning at the first step (a gap that crosses the band only later is information);
+    :class:`~tclightning.health.rules.GapTrendRule` (``rise_warn``: +50% on the start, information);
+    :class:`~tclightning.health.rules.LengthGapCouplingRule`; NaN/Inf in the gap metrics.
     ``rules`` replaces the whole set. Other arguments:
     :class:`~tclightning.callbacks.health_actions.HealthMonitor`.
     """

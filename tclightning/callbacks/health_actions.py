@@ -61,6 +61,7 @@ from tclightning.health.names import (
     to_user_names,
 )
 from tclightning.health.rules import HealthState, Rule
+from tclightning.health.rules.base import INFO, parse_severity
 
 ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
 
@@ -295,7 +296,7 @@ class HealthMonitor(Callback):
         """Whether another warning monitor of the trainer holds this finding open at least as
         severe: it printed it (or one before it did), so this one records it silently."""
         key = f"{event.rule}:{event.metric}"
-        severity = HealthState[event.severity.upper()]
+        severity = parse_severity(event.severity)
         for other in self._monitors(trainer):
             if other is self or "warn" not in other.actions:
                 continue
@@ -311,7 +312,9 @@ class HealthMonitor(Callback):
         events = [e for e in verdict.events if e.kind != "cleared"]
         if "warn" in self.actions:
             for event in events:
-                if event.kind in ("fired", "escalated") and not self._reported_elsewhere(trainer, event):
+                # information (a rising gap) goes to the timeline and TensorBoard text, not the console
+                if (event.kind in ("fired", "escalated") and event.severity != INFO
+                        and not self._reported_elsewhere(trainer, event)):
                     self._warn(f"[{self.name}] step {step}: {event.severity} ({event.rule}) {self._user(event.message)}")
         if not verdict.events:
             return

@@ -28,7 +28,7 @@ class LengthFeedbackMonitor(HealthMonitor):
         window: int = 20,
         growth_warn: float = 0.12,
         drift_growth_warn: float = 0.2,
-        truncation_rise_warn: float = 0.05,
+        truncation_rise_warn: float = 0.1,
         truncation_collapse: float = 0.5,
         rules: Sequence[Rule] | None = None,
         name: str = "length",

@@ -108,7 +108,7 @@ def _print_timeline(path: str, rows: list, result, all_events: bool, shown: dict
     steps = [step for step, _ in rows]
     names = sorted({name for _, metrics in rows for name in metrics})
     console.print(f"[bold]{escape(str(path))}[/bold]: {len(rows)} steps ({steps[0]}..{steps[-1]}), {len(names)} metrics")
-    colour = {"healthy": "green", "warning": "yellow", "collapsing": "red"}
+    colour = {"healthy": "green", "info": "cyan", "warning": "yellow", "collapsing": "red"}
     width = max((len(e.rule) for e in result.events), default=8)
     for event in result.events:
         if not all_events and event.kind in ("cleared", "recovered"):

@@ -28,3 +28,24 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor
     """``[P]`` bool: groups whose rewards are all equal (their advantages carry no signal)."""
     grouped = rewards.view(-1, group_size)
     return grouped.eq(grouped[:, :1]).all(dim=1)
+
+
+def reward_sem(rewards: torch.Tensor, group_size: int) -> float:
+    """Standard error of the batch's mean reward, with each group of ``group_size`` as one cluster.
+
+    Completions of one prompt share its difficulty, so they are not independent draws: the
+    mean of ``P`` groups has variance ``var(group means) / P`` (the cluster-robust estimate, which
+    counts the prompt term and the within-group term ``sigma^2 / G`` together). With a single
+    group it falls back to ``std / sqrt(n)``; 0.0 for one completion. The health rules test
+    each step's reward against this error (``reward/sem``).
+    """
+    flat = rewards.double().reshape(-1)
+    if flat.numel() < 2:
+        return 0.0
+    if group_size < 1 or flat.numel() % group_size:
+        raise ValueError(f"{flat.numel()} rewards do not split into groups of {group_size}")
+    groups = flat.numel() // group_size
+    if groups < 2:
+        return float(flat.std() / flat.numel() ** 0.5)
+    means = flat.view(groups, group_size).mean(dim=1)
+    return float(means.std() / groups**0.5)

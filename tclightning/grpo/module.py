@@ -50,7 +50,7 @@ from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import checkpoint_allow_list
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
-from tclightning.grpo.advantages import group_advantages, zero_variance_groups
+from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.grpo.logprobs import completion_logps
@@ -357,6 +357,8 @@ class GRPOModule(L.LightningModule):
         return {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "reward/sem": reward_sem(rewards, self.sampler_cfg.group_size),
+            "reward/count": float(rewards.numel()),
             "response/length_mean": float(lengths.mean()),
             "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(rollouts.truncated.float().mean()),
@@ -413,8 +415,10 @@ class GRPOModule(L.LightningModule):
             accuracy, length = torch.tensor(math.nan), torch.tensor(math.nan)
         else:
             accuracy, length = self.val_accuracy.compute(), self.val_length.compute()
+        count = float(self.val_accuracy.weight)  # the problems scored (the accuracy's binomial error)
         self._val_nonfinite = False
         self.log("val/accuracy", accuracy, prog_bar=True)
+        self.log("val/count", count)
         self.log("val/length_mean", length)
         self.val_accuracy.reset()
         self.val_length.reset()
@@ -527,7 +531,8 @@ class GRPOModule(L.LightningModule):
             raise NonFiniteError(f"training stopped before its first step: {err}") from None
         rewards = torch.cat([r for r, _ in results])
         lengths = torch.cat([n for _, n in results])
-        metrics = {"val/accuracy": float(rewards.mean()), "val/length_mean": float(lengths.mean())}
+        metrics = {"val/accuracy": float(rewards.mean()), "val/count": float(rewards.numel()),
+                   "val/length_mean": float(lengths.mean())}
         for logger in self.loggers:
             logger.log_metrics(metrics, step=0)
 

@@ -18,11 +18,13 @@ from typing import Any
 
 from tclightning.health.history import MetricHistory
 from tclightning.health.rules import Finding, HealthState, Rule, default_rules
+from tclightning.health.rules.base import severity_label
 
 
 @dataclass(frozen=True)
 class HealthEvent:
-    """One line of the timeline. ``kind`` is fired | escalated | cleared | recovered."""
+    """One line of the timeline. ``kind`` is fired | escalated | cleared | recovered; ``severity``
+    is info | warning | collapsing (healthy for cleared and recovered)."""
 
     step: int
     kind: str
@@ -56,7 +58,7 @@ class Verdict:
     @property
     def reasons(self) -> str:
         """One line per open episode: ``[severity] rule: message``."""
-        return "\n".join(f"[{f.severity.label}] {f.rule}: {f.message}" for f in self.findings)
+        return "\n".join(f"[{severity_label(f.severity)}] {f.rule}: {f.message}" for f in self.findings)
 
     def state_ignoring(self, rules: Iterable[str]) -> HealthState:
         """The state computed without findings from ``rules`` (e.g. a tolerated standing gap)."""
@@ -168,9 +170,9 @@ class HealthDetector:
             del self.events[: len(self.events) - self.max_events]
         return Verdict(step, self._state, self.findings, tuple(new_events))
 
-    def _event(self, step: int, kind: str, finding: Finding, severity: HealthState | None = None) -> HealthEvent:
-        sev = finding.severity if severity is None else severity
-        return HealthEvent(step, kind, finding.rule, finding.metric, sev.label, "", finding.message, dict(finding.values))
+    def _event(self, step: int, kind: str, finding: Finding) -> HealthEvent:
+        label = finding.severity.label if kind == "cleared" else severity_label(finding.severity)
+        return HealthEvent(step, kind, finding.rule, finding.metric, label, "", finding.message, dict(finding.values))
 
     def summary(self) -> dict[str, Any]:
         """``{"first_warning_step", "first_collapse_step", "events"}`` (the ``--json`` output)."""

@@ -15,7 +15,12 @@ from tclightning.health.history import MetricHistory
 
 
 class HealthState(IntEnum):
-    """The verdict, logged as the scalar ``health/state``: 0 healthy, 1 warning, 2 collapsing."""
+    """The verdict, logged as the scalar ``health/state``: 0 healthy, 1 warning, 2 collapsing.
+
+    A finding at ``HEALTHY`` severity is *information* (label ``info``): reported in the timeline,
+    ``analyze health`` and TensorBoard text, never a warning state (e.g. a rising gap, which on
+    the library of real runs came before no collapse).
+    """
 
     HEALTHY = 0
     WARNING = 1
@@ -26,9 +31,21 @@ class HealthState(IntEnum):
         return self.name.lower()
 
 
+INFO = "info"
+"""The label of a finding at ``HEALTHY`` severity: information that does not change the state."""
+
+
+def severity_label(severity: HealthState) -> str:
+    """How a finding's severity is printed: ``info``, ``warning`` or ``collapsing``."""
+    return INFO if severity == HealthState.HEALTHY else severity.label
+
+
+def parse_severity(label: str) -> HealthState:
+    """Inverse of :func:`severity_label` (``healthy`` also reads as ``HEALTHY``)."""
+    return HealthState.HEALTHY if label == INFO else HealthState[label.upper()]
+
+
 @dataclass(frozen=True)
-
-
 class Finding:
     """One rule firing at one step: which rule, on which metric, how bad, and the numbers."""
 
