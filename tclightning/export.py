@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import tempfile
+from glob import escape as glob_escape
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +101,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
              if key.startswith(POLICY_PREFIX)}
     if not state:
         raise TclightningError(f"checkpoint {source}: holds no policy weights (no 'policy.*' in its state_dict)")
+    check_checkpoint_hparams(checkpoint, source)
     try:
         cfg = as_config(ModelConfig, model_hparams)
     except TclightningError as err:
@@ -117,6 +120,19 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
             f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})")
     model.load_state_dict(state, strict=True)
     return without_gguf_marker(model).eval(), tokenizer
+
+
+def check_checkpoint_hparams(checkpoint: Mapping[str, Any], source: str | os.PathLike = "checkpoint") -> None:
+    """Before any model is built from a checkpoint: it asks for no remote code and no model
+    larger than its weights (:func:`~tclightning.models.loading.check_checkpoint_model`), and its
+    hyper-parameters pass a recipe's validation
+    (:func:`~tclightning.recipes.loader.validate_checkpoint_hparams`). One line otherwise."""
+    from tclightning.models.loading import check_checkpoint_model
+    from tclightning.recipes.loader import validate_checkpoint_hparams
+
+    where = f"checkpoint {source}"
+    check_checkpoint_model(checkpoint, where, POLICY_PREFIX)
+    validate_checkpoint_hparams(checkpoint.get("hyper_parameters"), where)
 
 
 def without_gguf_marker(model: Any) -> Any:
@@ -175,9 +191,11 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     returns ``out``. ``step`` picks ``checkpoints/step-00000N.ckpt`` of a run directory
     (default: the newest readable checkpoint, see :func:`find_checkpoint`).
 
-    ``out`` must not exist or be empty, unless ``overwrite`` (then it is replaced). The folder is
-    written beside ``out`` first and moved into place at the end: a failed export leaves
-    nothing. Raises ``TclightningError`` (one line) for a missing or unreadable checkpoint, one
+    ``out`` must not exist or be empty, unless ``overwrite`` (then it is replaced), and must not
+    hold the checkpoint. The folder is written beside ``out`` first and moved into place at the
+    end (an existing ``out`` is swapped with it in one step, then deleted): a failed export leaves
+    nothing, a killed one leaves either export whole, and a staging folder that the next export
+    of the same ``out`` removes. Raises ``TclightningError`` (one line) for a missing or unreadable checkpoint, one
     that is not tclightning's, or a model source (a GGUF package, a hub name) that cannot be
     loaded here: the model is rebuilt from its source before the trained weights replace it.
     """
@@ -189,10 +207,15 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
     found = find_checkpoint(path, step)
+    source = found.checkpoint.resolve()
+    if source.is_relative_to(target.resolve()):
+        raise TclightningError(f"export: {target} holds the checkpoint it would export ({found.checkpoint}); "
+                               "writing there would replace it: choose a folder outside the run's checkpoints")
+    clear_abandoned_staging(target)
     checkpoint = load_checkpoint(found.checkpoint)
     model, tokenizer = policy_from_checkpoint(checkpoint, found.checkpoint)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, os.getpid()), dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
@@ -206,12 +229,74 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                       "model": checkpoint["hyper_parameters"]["model"]}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
         if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
+            # swap in one step, then delete the old export: a kill in between leaves the new export
+            # in place and the old one under the staging name, removed by the next export
+            exchange(staging, target)
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            os.replace(staging, target)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # the new export, not yet (or never) in place
         raise
     return target
+
+
+def _staging_prefix(target: Path, pid: int) -> str:
+    return f".{target.name}.export-{pid}-"
+
+
+def clear_abandoned_staging(target: Path) -> None:
+    """Remove the staging folders beside ``target`` that an export killed part-way left behind
+    (named after a process that is no longer running)."""
+    parent = target.parent
+    if not parent.is_dir():
+        return
+    marker = f".{target.name}.export-"
+    for folder in parent.glob(f"{glob_escape(marker)}*"):
+        pid = folder.name[len(marker):].split("-", 1)[0]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two folders atomically (Linux ``renameat2(RENAME_EXCHANGE)``); elsewhere, or where the
+    filesystem cannot, move ``b`` aside, ``a`` into place and the old ``b`` to ``a``'s name."""
+    if _renameat2_exchange(a, b):
+        return
+    aside = a.with_name(a.name + "-old")
+    os.replace(b, aside)
+    try:
+        os.replace(a, b)
+    except BaseException:
+        os.replace(aside, b)
+        raise
+    os.replace(aside, a)
+
+
+def _renameat2_exchange(a: Path, b: Path) -> bool:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return result == 0
 
 
 __all__ = ["ExportSource", "export_policy", "find_checkpoint", "policy_from_checkpoint"]

@@ -7,10 +7,11 @@ before the run directory is created.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RecipeConfig
 
@@ -72,20 +74,50 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     ckpt, step, notices = readable_checkpoint(requested.resolve())
     run_dir = ckpt.parent.parent
     if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file():
+        metrics = run_dir / "metrics.csv"
+        if metrics.exists() or metrics.is_symlink():  # the run appends to it: a FIFO would block
+            regular_file(metrics, "--resume: the run's metrics")
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
-    note = (f"{ckpt} is not inside a run directory tclightning created; continuing from it in a new "
+    return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))
+
+
+def _new_dir_note(ckpt: Path, fresh: Path) -> str:
+    """The notice of a resume from a checkpoint outside a run directory (the plan's last notice)."""
+    return (f"{ckpt} is not inside a run directory tclightning created; continuing from it in a new "
             f"run directory {fresh} (nothing beside the checkpoint is touched)")
-    return RunPlan(fresh, ckpt, step, (*notices, note))
 
 
 def new_run_dir(root: Path) -> Path:
-    """``root/<timestamp>`` (suffixed ``-1``, ``-2``... when taken); not created here."""
+    """``root/<timestamp>`` (suffixed ``-1``, ``-2``... when taken); not created here: a plan only
+    names it, and :func:`mark_run_dir` claims it (or the next free suffix, when another run started
+    in the same second took it in between)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir, n = root / stamp, 1
     while run_dir.exists():
         run_dir, n = root / f"{stamp}-{n}", n + 1
     return run_dir
+
+
+# A name new_run_dir picks: the timestamp, then an optional -N suffix.
+_RUN_NAME = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")
+
+
+def claim_run_dir(planned: Path) -> Path:
+    """Create ``planned`` (a name from :func:`new_run_dir`) and return it; when it exists by now
+    (another run took the name since it was planned), the next free suffix of the same timestamp
+    instead. Each try is one ``mkdir`` that fails if the name exists, so two runs never share a
+    directory, however close together they start."""
+    match = _RUN_NAME.fullmatch(planned.name)
+    stamp, n = (match.group(1), int(match.group(2) or 0) + 1) if match else (planned.name, 1)
+    planned.parent.mkdir(parents=True, exist_ok=True)
+    run_dir = planned
+    while True:
+        try:
+            run_dir.mkdir(exist_ok=False)
+            return run_dir
+        except FileExistsError:
+            run_dir, n = planned.parent / f"{stamp}-{n}", n + 1
 
 
 def readable_checkpoint(requested: Path) -> tuple[Path, int, tuple[str, ...]]:
@@ -136,7 +168,7 @@ def _last_logged_step(metrics: Path) -> int | None:
         return None
     try:
         return max(read_metrics(metrics), default=None)
-    except (OSError, KeyError, ValueError, csv.Error, UnicodeDecodeError):
+    except (OSError, KeyError, ValueError, csv.Error, UnicodeDecodeError, TclightningError):
         return None
 
 
@@ -155,12 +187,63 @@ def checkpoint_step(path: Path) -> int:
     return int(state["rl_step"])
 
 
-def mark_run_dir(run_dir: Path, recipe: RecipeConfig) -> None:
-    """Create ``run_dir`` with its :data:`RUN_MARKER` (kept if there already)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+RESUME_FIXED = ("model", "task", "pipeline", "anchor", "sampler.group_size", "trainer.strategy", "trainer.devices",
+                "trainer.num_nodes", "trainer.seed")
+"""What a resumed run keeps from its first part: a checkpoint of another model, codec layout or
+strategy cannot continue the same run (other keys, a learning rate say, may change)."""
+
+
+def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int) -> tuple[str, ...]:
+    """Compare the run's record ``recipe.yaml`` with the recipe a resume in place would run.
+
+    Raises ``TclightningError`` (one line, before anything is written) when a key of
+    :data:`RESUME_FIXED` differs; returns the other changed keys, for which the earlier record is
+    kept as ``recipe.before-step-<S>.yaml`` (``trainer.steps`` aside: extending a run is what a
+    resume is for). A run without a readable record returns ()."""
+    from tclightning.recipes.loader import read_record
+
+    before = read_record(run_dir / "recipe.yaml")
+    if before is None:
+        return ()
+    old_leaves, new_leaves = _leaves(before), _leaves(OmegaConf.to_container(cfg))
+    changed = [key for key in sorted(old_leaves.keys() | new_leaves.keys())
+               if old_leaves.get(key, _MISSING) != new_leaves.get(key, _MISSING) and key != "trainer.steps"]
+    for key in changed:
+        if any(key == fixed or key.startswith(fixed + ".") for fixed in RESUME_FIXED):
+            old, new = old_leaves.get(key, "unset"), new_leaves.get(key, "unset")
+            raise TclightningError(
+                f"--resume: key '{key}' was {old!r} for the {resume_step} steps in {run_dir}, the recipe now says "
+                f"{new!r}: a resumed run keeps its {', '.join(RESUME_FIXED)} (start a new run for the change)")
+    return tuple(changed)
+
+
+_MISSING = object()
+
+
+def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path:
+    """Create ``run_dir`` with its :data:`RUN_MARKER` (kept if there already); returns the directory.
+
+    ``new``: ``run_dir`` is a planned new run directory, claimed with :func:`claim_run_dir` (the
+    returned directory is then the one this run got, a later suffix if the planned name was
+    taken meanwhile). Otherwise ``run_dir`` may exist already (a resume in place, a launched rank).
+    """
+    if new:
+        run_dir = claim_run_dir(run_dir)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
     marker = run_dir / RUN_MARKER
     if not marker.exists():
         marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
+    return run_dir
 
 
 def require_hardware(recipe: RecipeConfig) -> None:
@@ -308,6 +391,13 @@ def run(
     plan = plan_run(recipe, resume)
     if resume is not None and plan.new_dir:  # a checkpoint outside a run directory: a new one
         require_writable_root(recipe)
+    changed: tuple[str, ...] = ()
+    if not plan.new_dir and plan.resume_step is not None:
+        changed = resume_changes(plan.run_dir, cfg, plan.resume_step)
+        if changed:
+            plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
+                                          f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
+                                          f"the earlier record is kept as recipe.before-step-{plan.resume_step}.yaml"))
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
         plan = RunPlan(Path(os.environ[RUN_DIR_ENV]), plan.ckpt_path, plan.resume_step, new_dir=plan.new_dir)
@@ -322,14 +412,22 @@ def run(
     quiet_lightning()
     torch.set_num_threads(intra_op_threads(recipe))
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    for notice in plan.notices:
-        print(f"note: {notice}", file=sys.stderr, flush=True)
     a_launched_rank = multiprocess and bool(os.environ.get(RUN_DIR_ENV))
     created = plan.new_dir and not a_launched_rank  # only a directory this run made is ever removed
-    mark_run_dir(plan.run_dir, recipe)
+    run_dir = mark_run_dir(plan.run_dir, recipe, new=created)
+    if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
+        notices = plan.notices
+        if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in
+            old, new = _new_dir_note(plan.ckpt_path, plan.run_dir), _new_dir_note(plan.ckpt_path, run_dir)
+            notices = tuple(new if n == old else n for n in notices)
+        plan = replace(plan, run_dir=run_dir, notices=notices)
+    for notice in plan.notices:
+        print(f"note: {notice}", file=sys.stderr, flush=True)
     if not a_launched_rank:
         print(f"run directory: {plan.run_dir}", flush=True)
     try:
+        if changed:  # the earlier steps' record stays beside the new one
+            os.replace(plan.run_dir / "recipe.yaml", plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
         (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
         started = time.perf_counter()
         module = build_module(recipe)

@@ -314,3 +314,63 @@ def test_user_callback_by_import_path_is_accepted(tmp_path: Path, monkeypatch: p
     callbacks = instantiate_callbacks(load_recipe(str(tmp_path / "ok.yaml")))
     assert [type(c).__name__ for c in callbacks][-1] == "Mine" and callbacks[-1].every == 3
 
+
+
+class _OneSecond:
+    """``datetime`` for ``tclightning.run`` whose clock stands still: every plan is made in the same second."""
+
+    @staticmethod
+    def now():
+        from datetime import datetime
+
+        return datetime(2024, 5, 6, 7, 8, 9)
+
+
+def test_two_runs_planned_in_the_same_second_get_two_run_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tclightning.run as run_module
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+
+    monkeypatch.setattr(run_module, "datetime", _OneSecond)
+    recipe = to_dataclass(load_recipe("tiny", [f"logging.root={tmp_path}/runs"]))
+    first, second = run_module.plan_run(recipe, None), run_module.plan_run(recipe, None)
+    assert first.run_dir == second.run_dir  # planning only names a directory; nothing is written yet
+    assert not (tmp_path / "runs").exists()
+    claimed = [run_module.mark_run_dir(plan.run_dir, recipe, new=True) for plan in (first, second)]
+    root = tmp_path / "runs" / "tiny"
+    assert claimed == [root / "20240506-070809", root / "20240506-070809-1"]
+    assert all((d / run_module.RUN_MARKER).is_file() for d in claimed)
+    # a third plan in that second names the next free suffix, and claims it
+    assert run_module.mark_run_dir(run_module.plan_run(recipe, None).run_dir, recipe, new=True) == root / "20240506-070809-2"
+
+
+def test_a_run_whose_planned_directory_is_taken_meanwhile_uses_the_next_and_removes_only_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another run started in the same second claims the planned name between plan and claim: this run
+    writes into the next suffix, and when it fails before saving anything it removes that one only."""
+    import tclightning.run as run_module
+
+    planned: list[Path] = []
+
+    def plan_then_taken(recipe, resume):
+        plan = real_plan(recipe, resume)
+        planned.append(plan.run_dir)
+        plan.run_dir.mkdir(parents=True)
+        (plan.run_dir / "other-run.txt").write_text("the other run's\n")
+        return plan
+
+    def fail(recipe):
+        raise RuntimeError("model build failed")
+
+    real_plan = run_module.plan_run
+    monkeypatch.setattr(run_module, "plan_run", plan_then_taken)
+    monkeypatch.setattr(run_module, "build_module", fail)
+    with pytest.raises(RuntimeError, match="model build failed"):
+        run_module.run("tiny", [f"logging.root={tmp_path}/runs"], quiet=True)
+    out = capsys.readouterr()
+    ours = planned[0].parent / f"{planned[0].name}-1"
+    assert f"run directory: {ours}\n" in out.out and f"removed {ours}" in out.err
+    assert not ours.exists()
+    assert [p.name for p in planned[0].iterdir()] == ["other-run.txt"]  # the other run's directory is untouched

@@ -198,3 +198,75 @@ def test_smollm2_gguf_policy_round_trips(tmp_path: Path) -> None:
     assert loaded.chat_template == tokenizer.chat_template
     assert loaded.padding_side == tokenizer.padding_side == "left" and loaded.pad_token == tokenizer.pad_token
     assert (transformers_logps(model, loaded, texts) - transformers_logps(policy.eval(), tokenizer, texts)).abs().max() <= 1e-6
+
+
+# --------------------------------------------------------------------- hostile checkpoints, unsafe targets
+def _crafted(run_dir: Path, tmp_path: Path, **model: object) -> Path:
+    """A copy of the run's last checkpoint whose model hyper-parameters are changed by ``model``."""
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    ckpt["hyper_parameters"]["model"] = {**ckpt["hyper_parameters"]["model"], **model}
+    path = tmp_path / "crafted.ckpt"
+    torch.save(ckpt, path)
+    return path
+
+
+def _remote_code_folder(tmp_path: Path) -> Path:
+    """A model folder whose code, if it ever ran, would leave a file behind."""
+    folder = tmp_path / "evil-model"
+    folder.mkdir()
+    ran = tmp_path / "remote-code-ran"
+    (folder / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": {
+        "AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}}))
+    (folder / "evil.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    return ran
+
+
+def test_a_checkpoint_never_turns_on_remote_code(run_dir: Path, tmp_path: Path) -> None:
+    ran = _remote_code_folder(tmp_path)
+    crafted = _crafted(run_dir, tmp_path, source="hf", name=str(tmp_path / "evil-model"), trust_remote_code=True)
+    with pytest.raises(TclightningError, match="trust_remote_code.*never turns on remote code"):
+        export_policy(crafted, tmp_path / "out")
+    with pytest.raises(TclightningError, match="never turns on remote code"):
+        GRPOModule.load_from_checkpoint(crafted)
+    assert not ran.exists() and not (tmp_path / "out").exists()
+
+
+def test_checkpoint_hyper_parameters_are_validated_as_a_recipe(run_dir: Path, tmp_path: Path) -> None:
+    huge = _crafted(run_dir, tmp_path, tiny={"hidden_size": 65536, "num_layers": 1024})
+    # refused before anything is allocated: the shape is not the weights' shape
+    with pytest.raises(TclightningError, match="hidden_size=65536 but its weights have 32"):
+        export_policy(huge, tmp_path / "out")
+    with pytest.raises(TclightningError, match="hidden_size=65536 but its weights have 32"):
+        GRPOModule.load_from_checkpoint(huge)
+    bad_dtype = _crafted(run_dir, tmp_path, dtype="float8")
+    with pytest.raises(TclightningError, match="key 'model.dtype'"):
+        export_policy(bad_dtype, tmp_path / "out")
+
+
+@pytest.mark.parametrize("inside", ["checkpoints", "."])
+def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) -> None:
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(TclightningError, match="holds the checkpoint it would export"):
+        export_policy(run_dir, run_dir / inside, overwrite=True)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: Path, tmp_path: Path) -> None:
+    from tclightning.export import exchange
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    # a staging folder that an export killed part-way left behind (its process is gone)
+    abandoned = tmp_path / ".policy.export-999999999-abc"
+    abandoned.mkdir()
+    (abandoned / "config.json").write_text("{}")
+    export_policy(run_dir, out, step=2, overwrite=True)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    assert not abandoned.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")] == []
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, text in ((a, "new"), (b, "old")):
+        folder.mkdir()
+        (folder / "f").write_text(text)
+    exchange(a, b)  # both folders exist at every moment of the swap
+    assert (b / "f").read_text() == "new" and (a / "f").read_text() == "old"

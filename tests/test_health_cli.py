@@ -106,3 +106,46 @@ def test_presets_instantiate(preset):
     assert len({cb.state_key for cb in callbacks}) == len(callbacks)
     if preset.stem == "collapse-guard":
         assert "rollback" in callbacks[-1].actions and callbacks[-1].rollback_lr_scale == 0.5
+
+
+@pytest.mark.parametrize(
+    "text, has",
+    [
+        ("step\n0\n1\n", "it has no metric values, only step"),
+        ("step,epoch\n0,0\n1,0\n", "it has no metric values, only step"),
+        ("step,foo,bar\n0,1,2\n1,1,2\n", "it has bar, foo"),
+        ("step,train/reward\n0,0.5\n1,0.5\n", "it has train/reward"),
+    ],
+    ids=["only-step", "only-bookkeeping", "unknown-columns", "unmapped-name"],
+)
+def test_a_csv_without_any_metric_the_rules_read_is_an_error_not_healthy(tmp_path, capsys, text, has):
+    from tclightning.cli.main import main
+
+    path = tmp_path / "m.csv"
+    path.write_text(text)
+    capsys.readouterr()
+    assert main(["analyze", "health", str(path)]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "healthy" not in out.out, out
+    assert lines[0].startswith(f"error: {path}: no metric columns the health rules read ({has}")
+    assert "--name CANONICAL=YOURS" in lines[0]
+    assert main(["analyze", "health", str(path), "--json"]) == 2  # the JSON verdict is refused alike
+    # mapped to a canonical name, the same file replays
+    if "train/reward" in text:
+        assert main(["analyze", "health", str(path), "--name", "reward/mean=train/reward", "--json"]) == 0
+
+
+def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path, capsys):
+    from tclightning.cli.main import main
+
+    plain = tmp_path / "plain.csv"
+    late_length_collapse(0).to_csv(plain)
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())  # Excel's "CSV UTF-8" starts with a BOM
+    assert read_run(excel) == read_run(plain)
+    capsys.readouterr()
+    assert main(["analyze", "health", str(plain), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert main(["analyze", "health", str(excel), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == expected and expected["first_warning_step"] is not None

@@ -156,8 +156,9 @@ def run_cli(argv: list[str]) -> int:
 def test_trl_csv_replay_finds_the_planted_collapse(tmp_path, capsys):
     path = tmp_path / "trl_log.csv"
     collapse_step = trl_csv(path)
-    assert run_cli(["health", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["first_warning_step"] is None  # TRL names unread without the preset
+    # TRL names unread without the preset: an error that says so, not a "healthy" for want of data
+    with pytest.raises(TclightningError, match="these look like trl names: add --names trl"):
+        run_cli(["health", str(path), "--json"])
     assert run_cli(["health", str(path), "--names", "trl", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["first_warning_step"] is not None and collapse_step - out["first_warning_step"] >= 10

@@ -171,3 +171,51 @@ def test_recipes_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "tiny" in out
     code, out, _ = _main(capsys, "recipes", "show", "tiny", "trainer.steps=3")
     assert code == 0 and "steps: 3" in out and "warmup:" in out
+
+
+# ------------------------------------------------------------------ bounded reading: nothing hangs
+ALIAS_BOMB = "\n".join(
+    ["name: bomb", "defaults: [tiny]", "description: x", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    + ["model: {tiny: {hidden_size: *a8}}"]
+)
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    assert len(ALIAS_BOMB) < 1000  # a billion values once expanded
+    with pytest.raises(RecipeError, match="more than 20000 values once its aliases are expanded"):
+        load_recipe(str(path))
+    path.write_text("name: loop\nmodel: &m {tiny: *m}\n")
+    with pytest.raises(RecipeError, match="refers to a value that holds it"):
+        load_recipe(str(path))
+    path.write_text("name: deep\nx: " + "[" * 40 + "]" * 40 + "\n")
+    with pytest.raises(RecipeError, match="nested deeper than 32 levels"):
+        load_recipe(str(path))
+
+
+def test_a_fifo_or_device_named_yaml_on_the_search_path_hangs_nothing(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "pipe.yaml")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", str(tmp_path))
+    listed = {info.path.name: info.description for info in list_recipes()}
+    assert "not a regular file" in listed["pipe.yaml"] and "not a regular file" in listed["zero.yaml"]
+    for name in ("pipe", "zero"):
+        with pytest.raises(RecipeError, match="not a regular file"):
+            load_recipe(name)
+    assert load_recipe("tiny").name == "tiny"
+
+
+def test_interpolations_and_invalid_yaml_values_are_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "interp.yaml"
+    path.write_text("name: interp\ndefaults: [tiny]\ngrpo: {lr: '${oc.env:HOME}'}\n")
+    with pytest.raises(RecipeError, match=r"key 'grpo.lr': holds an interpolation"):
+        load_recipe(str(path))
+    with pytest.raises(RecipeError, match=r"command line: override 'grpo.lr=\$\{oc.env:HOME\}'"):
+        load_recipe("tiny", ["grpo.lr=${oc.env:HOME}"])
+    with pytest.raises(RecipeError, match="override 'trainer.steps=\\[1,': the value is not valid YAML"):
+        load_recipe("tiny", ["trainer.steps=[1,"])

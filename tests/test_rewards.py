@@ -335,3 +335,33 @@ def test_verify_math_from_a_worker_thread() -> None:
     # 1.0 for a sympy-only equivalence: math-verify really ran (in a worker process).
     assert results == {"warm": 1.0, "wrong": 0.0, "hang": 0.0}
     assert times["after_warm"] < 0.5 + 1.0 + 1.5  # limit + kill grace + slack
+
+
+# U+2212 MINUS SIGN, U+2012 FIGURE DASH, U+2013 EN DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS
+MINUS_SIGNS = ("\u2212", "\u2012", "\u2013", "\ufe63", "\uff0d")
+
+
+@pytest.mark.parametrize("minus", MINUS_SIGNS, ids=lambda m: f"U+{ord(m):04X}")
+def test_a_typographic_minus_is_a_minus_in_the_gsm8k_reward(minus: str) -> None:
+    for completion in (f"The answer is {minus}5.", f"work\n#### {minus}5\n", rf"\boxed{{{minus}5}}", f"so {minus}5"):
+        assert verify_gsm8k(completion, "5") == 0.0, completion
+        assert verify_gsm8k(completion, "-5") == 1.0, completion
+    assert last_number(f"from 3 to {minus}1,250.5") == "-1250.5"
+    assert extract_answer_is(f"The answer is: {minus}72.") == "-72"
+
+
+def test_an_en_dash_between_numbers_stays_a_range() -> None:
+    # only a sign is read as minus: "10\u201320" is still 10 to 20, and a dash before a word is punctuation
+    assert last_number("pages 10\u201320") == "20"
+    assert verify_gsm8k("The answer is 5 \u2013 five apples.", "5") == 1.0
+
+
+@pytest.mark.parametrize("minus", MINUS_SIGNS, ids=lambda m: f"U+{ord(m):04X}")
+@pytest.mark.parametrize("answer_at", ["first", "last"])
+def test_a_typographic_minus_is_a_minus_in_the_arithmetic_reward(minus: str, answer_at: str) -> None:
+    from tclightning.tasks import Example, TaskConfig, build_task
+
+    task = build_task(TaskConfig(answer_at=answer_at))
+    completion = f"The answer is {minus}5."
+    assert task.reward(completion, Example("arithmetic/x/0", "3-8=", "5", "5")) == 0.0
+    assert task.reward(completion, Example("arithmetic/x/0", "3-8=", "-5", "-5")) == 1.0

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 
 
 def checkpoint_globals() -> list[Any]:
@@ -77,6 +78,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu", *, mmap:
     ``CheckpointRefused`` for one holding anything outside the allow-list. ``mmap=True`` maps the tensors instead of reading them (cheap to peek
     at, but the file must then not be rewritten in place while they are in use).
     """
+    regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     try:
         with checkpoint_allow_list():
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

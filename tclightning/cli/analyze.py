@@ -89,12 +89,46 @@ def run_health(args: argparse.Namespace) -> int:
     rows = read_run(args.path, names)
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
-    result = replay(rows, HealthDetector())
+    detector = HealthDetector()
+    _require_read_metrics(args.path, rows, detector, {c: y for y, c in names.items()})
+    result = replay(rows, detector)
     if args.json:
         print(json.dumps(result.summary(), allow_nan=False, default=str))
         return 0
     _print_timeline(args.path, rows, result, args.all_events, {c: y for y, c in names.items()})
     return 0
+
+
+def _rule_inputs(detector) -> set[str]:
+    """The canonical metrics the detector's rules read (the non-finite rule's counters included;
+    that rule also looks at every other metric, but only for NaN/Inf)."""
+    from tclightning.health.rules import NonFiniteRule
+
+    reads: set[str] = set()
+    for rule in detector.rules:
+        reads.update(rule.inputs)
+        if isinstance(rule, NonFiniteRule):
+            reads.update((*rule.skip_metrics, rule.skipped_step))
+    return reads
+
+
+def _require_read_metrics(path: str, rows: list, detector, shown: dict[str, str]) -> None:
+    """Refuse a file none of whose metrics a rule reads: its replay would say "healthy" for want of
+    data. ``shown``: canonical -> the column name the file has, for the message."""
+    from tclightning.health.names import matching_preset
+
+    reads = _rule_inputs(detector)
+    logged = sorted({name for _, metrics in rows for name in metrics})
+    if reads.intersection(logged):
+        return
+    has = [shown.get(name, name) for name in logged]
+    what = (f"it has {', '.join(has[:8])}" + (f" and {len(has) - 8} more" if len(has) > 8 else "")
+            if has else "it has no metric values, only step")
+    preset = matching_preset(has)
+    hint = (f"these look like {preset} names: add --names {preset}" if preset is not None else
+            "map yours with --name CANONICAL=YOURS; the rules read reward/mean, response/length_mean, "
+            "gap/abs_mean and the others in docs/metrics.md")
+    raise TclightningError(f"{path}: no metric columns the health rules read ({what}; {hint})")
 
 
 def _print_timeline(path: str, rows: list, result, all_events: bool, shown: dict[str, str] | None = None) -> None:

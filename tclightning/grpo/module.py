@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import random
 import time
 from collections.abc import Mapping
@@ -47,7 +48,7 @@ from tclightning.anchor.anchor import build_anchor
 from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
-from tclightning.callbacks.checkpointing import checkpoint_allow_list
+from tclightning.callbacks.checkpointing import checkpoint_allow_list, load_checkpoint
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
@@ -56,7 +57,7 @@ from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.grpo.logprobs import completion_logps
 from tclightning.grpo.update import grpo_update
 from tclightning.models.config import ModelConfig
-from tclightning.models.loading import load_model
+from tclightning.models.loading import check_checkpoint_model, load_model
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
@@ -451,6 +452,10 @@ class GRPOModule(L.LightningModule):
         recipe's ``model``, ``task``, ``sampler``, ``grpo``, ``anchor`` sections) with the trained
         weights in ``self.policy``; no warm-up runs and the global RNGs are left as they are.
         To take the policy out as a Hugging Face folder use :func:`tclightning.export.export_policy`."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and "model" not in kwargs:
+            # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
+            # larger than its weights (your own ``model=...`` argument is yours to decide)
+            check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=True), f"checkpoint {checkpoint_path}")
         with checkpoint_allow_list():
             return super().load_from_checkpoint(  # type: ignore[return-value]
                 checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,

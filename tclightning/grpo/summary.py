@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tclightning.files import regular_file
+
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
 """``health/state`` values 0, 1, 2 by name."""
 
@@ -17,7 +19,7 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately)."""
     merged: dict[int, dict[str, float]] = {}
-    with Path(path).open(newline="") as handle:
+    with regular_file(path, "metrics").open(newline="") as handle:
         for row in csv.DictReader(handle):
             step = int(float(row["step"]))
             for key, value in row.items():

@@ -39,7 +39,8 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
 
 def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
-    with path.open(newline="", encoding="utf-8") as fh:
+    # utf-8-sig: a byte-order mark before the header (Excel writes one) is not part of the first name
+    with path.open(newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")

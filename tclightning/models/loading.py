@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -41,6 +43,53 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)
+
+
+def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: str = "policy.") -> None:
+    """Before a model is built from a checkpoint's ``model`` hyper-parameters: a checkpoint is
+    data, so one asking for ``trust_remote_code`` is refused (remote code is turned on only by a
+    recipe or your own code), and a tiny model's shape must match the checkpoint's policy weights
+    (``state_dict`` keys under ``prefix``), so nothing larger is allocated. Raises
+    ``TclightningError`` (one line naming ``source`` and the key); a checkpoint without model
+    hyper-parameters is left to the caller."""
+    hparams = checkpoint.get("hyper_parameters")
+    model = hparams.get("model") if isinstance(hparams, Mapping) else None
+    if not isinstance(model, Mapping):
+        return
+    state = {key[len(prefix):]: value for key, value in checkpoint.get("state_dict", {}).items()
+             if key.startswith(prefix)}
+    if model.get("trust_remote_code") not in (None, False):
+        raise TclightningError(
+            f"{source}: key 'model.trust_remote_code': a checkpoint never turns on remote code (loading it would run "
+            "the model folder's own Python); set it in a recipe, or in your own code, to opt in")
+    if model.get("source", "tiny") == "tiny":
+        tiny = model.get("tiny") if isinstance(model.get("tiny"), Mapping) else {}
+        defaults = TinyModelConfig()
+        try:
+            cfg = TinyModelConfig(**{**{k: getattr(defaults, k) for k in vars(defaults)}, **tiny})
+        except TypeError as err:
+            raise TclightningError(f"{source}: key 'model.tiny': {err}") from None
+        problem = tiny_weights_mismatch(cfg, state)
+        if problem is not None:
+            raise TclightningError(f"{source}: its hyper-parameters do not describe its weights: {problem}")
+
+
+def tiny_weights_mismatch(cfg: TinyModelConfig, state: Mapping[str, Any]) -> str | None:
+    """Why the weights ``state`` (a tiny model's ``state_dict``, keys without the module prefix)
+    cannot be a model of ``cfg``'s shape, or None. Checked before the model is built, so a
+    checkpoint whose hyper-parameters ask for a far larger model than its weights allocates
+    nothing."""
+    embed = state.get("model.embed_tokens.weight")
+    if embed is None or getattr(embed, "ndim", 0) != 2:
+        return "its weights hold no token embedding (model.embed_tokens.weight)"
+    layers = {int(key.split(".")[2]) for key in state if key.startswith("model.layers.") and key.split(".")[2].isdigit()}
+    gate = state.get("model.layers.0.mlp.gate_proj.weight")
+    found = {"hidden_size": int(embed.shape[1]), "num_layers": len(layers),
+             "intermediate_size": int(gate.shape[0]) if gate is not None else None}
+    asked = {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "intermediate_size": cfg.intermediate_size}
+    wrong = [f"model.tiny.{key}={asked[key]} but its weights have {value}" for key, value in found.items()
+             if value is not None and value != asked[key]]
+    return "; ".join(wrong) or None
 
 
 def resolve_gguf(spec: str) -> tuple[str, str]:

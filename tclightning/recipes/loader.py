@@ -16,8 +16,9 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
+import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tclightning.errors import RecipeError
-from tclightning.recipes.ranges import problems
+from tclightning.recipes.ranges import RANGES, problems
 from tclightning.recipes.schema import RecipeConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -147,12 +148,37 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+MAX_YAML_BYTES = 1 << 20
+"""A recipe or callback preset file larger than this (1 MiB) is refused unread: recipes are ~1 KB."""
+
+MAX_YAML_NODES = 20_000
+"""Values a YAML document may hold once its aliases are expanded (an alias bomb of a few hundred
+bytes expands to billions; a recipe holds a few hundred)."""
+
+MAX_YAML_DEPTH = 32
+"""Nesting a YAML document may have (a recipe nests four deep)."""
+
+
 def _read_yaml(path: Path) -> Any:
-    """The YAML document in ``path`` (None for an empty file); one-line :class:`RecipeError` otherwise."""
+    """The YAML document in ``path`` (None for an empty file); one-line :class:`RecipeError` otherwise.
+
+    Bounded: only a regular file (a FIFO or a device named ``*.yaml`` is refused without opening
+    it, so nothing waits on it) of at most :data:`MAX_YAML_BYTES`, at most :data:`MAX_YAML_NODES`
+    values with aliases expanded and :data:`MAX_YAML_DEPTH` levels, and no OmegaConf
+    interpolation (``${...}``: a recipe holds values)."""
     try:
-        raw = path.read_bytes()
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise RecipeError("not a regular file (a recipe is a YAML text file)", file=str(path))
+        if info.st_size > MAX_YAML_BYTES:
+            raise RecipeError(f"{info.st_size} bytes: larger than a recipe can be ({MAX_YAML_BYTES} bytes)",
+                              file=str(path))
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_YAML_BYTES + 1)
     except OSError as err:
         raise RecipeError(f"cannot read: {err.strerror or err}", file=str(path)) from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise RecipeError(f"larger than a recipe can be ({MAX_YAML_BYTES} bytes)", file=str(path))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -161,12 +187,76 @@ def _read_yaml(path: Path) -> Any:
             file=str(path),
         ) from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        loader = _StrictLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_size(node, str(path))
+            data = loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise RecipeError(f"not valid YAML{where}: {' '.join(str(problem).split())}", file=str(path)) from None
+    except RecursionError:
+        raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=str(path)) from None
+    _refuse_interpolation(data, str(path))
+    return data
+
+
+def read_record(path: Path) -> dict | None:
+    """A run's resolved ``recipe.yaml`` as plain data (bounded as any recipe file), or None when
+    there is none or it cannot be read: the record is compared, never trusted to run."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    try:
+        data = _read_yaml(path)
+    except RecipeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _check_size(root: yaml.Node, source: str) -> None:
+    """Refuse a node graph that expands (aliases followed) past the node or depth bound, counted
+    without expanding it: each distinct node's expanded size is computed once."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # on the current path: met again, the document refers to itself
+    stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
+    while stack:
+        node, depth, done = stack.pop()
+        if depth > MAX_YAML_DEPTH:
+            raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source)
+        children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
+                    else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
+        if done:
+            open_nodes.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > MAX_YAML_NODES:
+                raise RecipeError(f"holds more than {MAX_YAML_NODES} values once its aliases are expanded "
+                                  "(a recipe holds a few hundred)", file=source)
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            raise RecipeError("an alias refers to a value that holds it (a recipe cannot contain itself)", file=source)
+        open_nodes.add(id(node))
+        stack.append((node, depth, True))
+        stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
+
+
+def _refuse_interpolation(data: Any, source: str, key: str = "") -> None:
+    if isinstance(data, str) and "${" in data:
+        raise RecipeError(f"holds an interpolation ({data!r}); recipes hold values, write the value itself",
+                          file=source, key=key or None)
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _refuse_interpolation(v, source, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _refuse_interpolation(v, source, f"{key}[{i}]")
 
 
 def _known_keys(node: Any) -> list[str]:
@@ -259,8 +349,15 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
             raise RecipeError(f"an override is not valid UTF-8: {raw!r}", file=COMMAND_LINE) from None
         if "=" not in override:
             raise RecipeError(f"overrides must look like key=value, got '{override}'", file=COMMAND_LINE)
+        if "${" in override.partition("=")[2]:
+            raise RecipeError("interpolations (${...}) are not taken from the command line; write the value itself",
+                              file=COMMAND_LINE, override=override)
     try:
         return OmegaConf.from_dotlist(list(overrides))
+    except yaml.YAMLError as err:
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise RecipeError(f"the value is not valid YAML: {problem}", file=COMMAND_LINE,
+                          override=overrides[0] if len(overrides) == 1 else None) from None
     except OmegaConfBaseException as err:
         message = (str(err).splitlines() or [type(err).__name__])[0]
         raise RecipeError(message, file=COMMAND_LINE, override=overrides[0] if len(overrides) == 1 else None) from None
@@ -312,6 +409,32 @@ def _credit(keys: Sequence[str], credited: dict[str, str]) -> str | None:
         if any(k == key or k.startswith(key + ".") or key.startswith(k + ".") for k in keys):
             found = override
     return found
+
+
+CHECKPOINT_SECTIONS = ("model", "task", "sampler", "grpo", "anchor")
+"""The recipe sections a tclightning checkpoint stores as its hyper-parameters."""
+
+
+def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
+    """A checkpoint's hyper-parameters checked as a recipe's: its :data:`CHECKPOINT_SECTIONS`
+    through the schema, every key of them in its range and the cross checks. Raises
+    :class:`RecipeError` naming ``source`` and the key. (What a checkpoint may never ask for,
+    remote code and a model larger than its weights, is
+    :func:`~tclightning.models.loading.check_checkpoint_model`.)"""
+    if not isinstance(hparams, Mapping):
+        raise RecipeError("not a tclightning checkpoint (no hyper-parameters)", file=source)
+    sections = {name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams}
+    model = sections.get("model")
+    if not isinstance(model, Mapping):
+        raise RecipeError("not a tclightning checkpoint (no model hyper-parameters)", file=source)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RecipeConfig), sections)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or None
+        raise RecipeError(" ".join(str(err).split("\n")[0].split())[:200], file=source, key=key) from None
+    keys = [key for key in RANGES if key.split(".", 1)[0] in sections]
+    for problem in problems(cfg, keys):
+        raise RecipeError(problem.message, file=source, key=problem.keys[0])
 
 
 def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = None) -> None:

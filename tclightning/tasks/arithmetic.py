@@ -25,6 +25,7 @@ from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 from tclightning.tasks.data import build_prompt, check_template
+from tclightning.tasks.rewards import normalize_minus
 
 ALPHABET = frozenset("0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()")
 OPERATIONS: dict[str, Callable[[int, int], int]] = {
@@ -45,16 +46,18 @@ _RESULT_WIDTH: dict[str, Callable[[int], int]] = {"+": lambda d: d + 1, "-": lam
 
 
 def first_integer(text: str) -> int | None:
-    """The first integer in ``text`` (a leading ``-`` counts), or None. Giant digit runs -> None."""
-    match = _FIRST_INTEGER.search(text.strip())
+    """The first integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
+    reads), or None. Giant digit runs -> None."""
+    match = _FIRST_INTEGER.search(normalize_minus(text.strip()))
     if match is None or len(match.group()) > 30:
         return None
     return int(match.group())
 
 
 def last_integer(text: str) -> int | None:
-    """The last integer in ``text`` (a leading ``-`` counts), or None. Giant digit runs -> None."""
-    matches = _FIRST_INTEGER.findall(text)
+    """The last integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
+    reads), or None. Giant digit runs -> None."""
+    matches = _FIRST_INTEGER.findall(normalize_minus(text))
     if not matches or len(matches[-1]) > 30:
         return None
     return int(matches[-1])

@@ -67,6 +67,19 @@ _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?", re.ASCII)
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
+# Minus signs other than ASCII "-" that models and word processors write: U+2212 MINUS SIGN,
+# U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS; and U+2013 EN
+# DASH, but only as a sign: right before a digit and not right after one ("10\u201320" is a range).
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2012": "-", "\ufe63": "-", "\uff0d": "-"})
+_EN_DASH_SIGN = re.compile(r"(?<![0-9])\u2013(?=[0-9])")
+
+
+def normalize_minus(text: str) -> str:
+    """``text`` with every minus-like sign as ASCII ``-`` (``"\u22125"`` -> ``"-5"``), so that
+    the number extractors (here and ``tasks.arithmetic``) read a sign however it was typed.
+    One character for one: offsets into ``text`` stay valid."""
+    text = text.translate(_MINUS_SIGNS)
+    return _EN_DASH_SIGN.sub("-", text) if "\u2013" in text else text
 
 
 def extract_boxed(text: str) -> str | None:
@@ -106,7 +119,7 @@ def last_number(text: str) -> str | None:
     if not isinstance(text, str):
         return None
     found = None
-    for found in _NUMBER.finditer(text):
+    for found in _NUMBER.finditer(normalize_minus(text)):
         pass
     return found.group().replace(",", "") if found else None
 
@@ -121,7 +134,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
         return None
     tail = text.rsplit("####", 1)[1].strip()
     line = tail.splitlines()[0] if tail else ""
-    match = _NUMBER.search(line.replace("$", ""))
+    match = _NUMBER.search(normalize_minus(line.replace("$", "")))
     return match.group().replace(",", "") if match else None
 
 
@@ -135,7 +148,7 @@ def extract_answer_is(text: str) -> str | None:
     if found is None:
         return None
     # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
-    match = _NUMBER.search(text, found.end(), found.end() + 32)
+    match = _NUMBER.search(normalize_minus(text[found.end() : found.end() + 32]))
     return match.group().replace(",", "") if match else None
 
 
