@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import TclightningError
+from tclightning.files import exchange
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -202,8 +203,16 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     from tclightning.callbacks.checkpointing import load_checkpoint
 
     target = Path(out).expanduser()
+    if target.is_symlink():  # a swap would replace the link, not the folder it names
+        raise TclightningError(f"export: {target} is a symbolic link; give the folder itself "
+                               f"({os.path.realpath(target)}) or a new path")
     if target.exists() and not target.is_dir():
         raise TclightningError(f"export: {target} is a file, expected a folder to write the model to")
+    for parent in target.absolute().parents:  # the folder would be created under a file
+        if parent.exists():
+            if not parent.is_dir():
+                raise TclightningError(f"export: cannot create {target}: {parent} is a file, not a folder")
+            break
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
     found = find_checkpoint(path, step)
@@ -266,37 +275,6 @@ def _running(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
-
-
-def exchange(a: Path, b: Path) -> None:
-    """Swap two folders atomically (Linux ``renameat2(RENAME_EXCHANGE)``); elsewhere, or where the
-    filesystem cannot, move ``b`` aside, ``a`` into place and the old ``b`` to ``a``'s name."""
-    if _renameat2_exchange(a, b):
-        return
-    aside = a.with_name(a.name + "-old")
-    os.replace(b, aside)
-    try:
-        os.replace(a, b)
-    except BaseException:
-        os.replace(aside, b)
-        raise
-    os.replace(aside, a)
-
-
-def _renameat2_exchange(a: Path, b: Path) -> bool:
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    return result == 0
 
 
 __all__ = ["ExportSource", "export_policy", "find_checkpoint", "policy_from_checkpoint"]

@@ -175,7 +175,7 @@ def _last_logged_step(metrics: Path) -> int | None:
 def checkpoint_step(path: Path) -> int:
     """The number of completed RL steps recorded in a tclightning checkpoint, read as data only
     (``load_checkpoint``); ``TclightningError`` for an unreadable, refused or foreign file."""
-    from tclightning.callbacks.checkpointing import load_checkpoint
+    from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
 
     try:
         ckpt = load_checkpoint(path, mmap=True)
@@ -183,7 +183,9 @@ def checkpoint_step(path: Path) -> int:
         raise type(err)(f"--resume: {err}") from None
     state = ckpt.get("tclightning")
     if not isinstance(state, dict) or not isinstance(state.get("rl_step"), int) or state["rl_step"] < 0:
-        raise TclightningError(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded)")
+        # it read whole, so it is not damaged: someone else's file, which no older file may replace
+        raise CheckpointRefused(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded); "
+                                "nothing was loaded")
     return int(state["rl_step"])
 
 
@@ -272,6 +274,21 @@ def require_writable_root(recipe: RecipeConfig) -> None:
         raise TclightningError(f"logging.root: {existing} is a file, expected a directory for run folders")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise TclightningError(f"logging.root: cannot create run folders in {existing} (not writable)")
+
+
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "GROUP_RANK", "OMPI_COMM_WORLD_SIZE")
+"""Variables one of which a multi-node launcher (torchrun, SLURM, Lightning's NODE_RANK, MPI) sets."""
+
+
+def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
+    """Refuse ``trainer.num_nodes > 1`` started by hand on one node: with no launcher the ranks
+    would wait for peers that never come (300 s, then a traceback)."""
+    nodes = recipe.trainer.num_nodes
+    if nodes > 1 and not any(os.environ.get(name) for name in LAUNCHER_ENV):
+        raise TclightningError(
+            f"trainer.num_nodes={nodes}: start it on every node with a launcher that tells each node its rank "
+            "(torchrun --nnodes ... --node_rank ..., SLURM srun, or NODE_RANK/MASTER_ADDR set): "
+            "none is set here, and the ranks would wait for peers that never come (docs/distributed.md)")
 
 
 def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
@@ -386,6 +403,7 @@ def run(
     user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref))), *extra_callbacks]
     require_hardware(recipe)
     require_pipeline_for_processes(recipe)
+    require_launcher_for_nodes(recipe)
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
         require_writable_root(recipe)
     plan = plan_run(recipe, resume)

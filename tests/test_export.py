@@ -21,6 +21,7 @@ from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
 from tclightning.export import PROVENANCE_FILE, export_policy, find_checkpoint
+from tclightning.files import exchange
 from tclightning.grpo.module import GRPOModule
 from tclightning.models.loading import load_model
 from tclightning.run import run
@@ -252,8 +253,6 @@ def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) 
 
 
 def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: Path, tmp_path: Path) -> None:
-    from tclightning.export import exchange
-
     out = tmp_path / "policy"
     export_policy(run_dir, out, step=1)
     # a staging folder that an export killed part-way left behind (its process is gone)
@@ -270,3 +269,15 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
         (folder / "f").write_text(text)
     exchange(a, b)  # both folders exist at every moment of the swap
     assert (b / "f").read_text() == "new" and (a / "f").read_text() == "old"
+
+
+def test_export_to_a_link_or_under_a_file_is_one_line(run_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(TclightningError, match="a-file is a file, not a folder"):
+        export_policy(run_dir, tmp_path / "a-file" / "out")
+    (tmp_path / "real").mkdir()
+    for name, points_to in (("dangling", tmp_path / "nowhere"), ("to-a-folder", tmp_path / "real")):
+        (tmp_path / name).symlink_to(points_to)
+        with pytest.raises(TclightningError, match="is a symbolic link"):
+            export_policy(run_dir, tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling", "real", "to-a-folder"]

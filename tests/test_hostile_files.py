@@ -74,3 +74,32 @@ def test_a_resume_with_a_new_learning_rate_keeps_the_earlier_record(run_dir: Pat
                  f"logging.root={run_dir.parent.parent}"], resume=str(copy), quiet=True)
     assert (copy / "recipe.before-step-2.yaml").read_text() == record
     assert "lr: 0.0001" in (copy / "recipe.yaml").read_text()
+
+
+@pytest.mark.parametrize("content", ["foreign-dict", "a-list"])
+def test_a_last_ckpt_that_reads_but_is_not_tclightnings_stops_the_resume(
+        run_dir: Path, tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    torch.save({"state_dict": {}} if content == "foreign-dict" else [1, 2, 3], copy / "checkpoints" / "last.ckpt")
+    crafted = (copy / "checkpoints" / "last.ckpt").read_bytes()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "last.ckpt" in err[0] and "not a" in err[0], err
+    assert (copy / "checkpoints" / "last.ckpt").read_bytes() == crafted  # not replaced by an older file
+
+
+def test_two_nodes_without_a_launcher_are_refused_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from tclightning.run import LAUNCHER_ENV
+
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--recipe", "fast-only-lowrank", *FAST, "trainer.num_nodes=2", "trainer.devices=1",
+                 "pipeline.stages=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trainer.num_nodes=2: start it on every node with a launcher" in err[0], err
+    assert not (tmp_path / "runs").exists()

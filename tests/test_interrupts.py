@@ -12,11 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.grpo.summary import read_metrics
 from tclightning.run import run
 from tests.conftest import FAST
-from tests.test_faults import assert_same_run
+from tests.test_faults import CtrlCAt, assert_same_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,3 +91,39 @@ def test_sigkill_then_resume_keeps_numbering(tmp_path: Path) -> None:
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert _steps(run_dir) == list(range(target))  # no row lost or repeated across the kill
+
+
+# Validation every 2 RL steps (after steps 2, 4, 6), so a stop can land on or between validations.
+VALIDATED = [*FAST, "trainer.val_every=2", "trainer.steps=6"]
+
+
+def _val_rows(run_dir: Path) -> list[tuple[int, dict[str, str]]]:
+    """Every validation row of ``metrics.csv`` in file order (duplicates kept): its step and values."""
+    with (run_dir / "metrics.csv").open(newline="") as handle:
+        return [(int(float(row["step"])), {k: v for k, v in row.items() if k.startswith("val/") and v})
+                for row in csv.DictReader(handle) if row.get("val/accuracy")]
+
+
+@pytest.fixture(scope="module")
+def validated_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run with validation on."""
+    root = tmp_path_factory.mktemp("validated")
+    return run("tiny", [*VALIDATED, f"logging.root={root}"], quiet=True)
+
+
+@pytest.mark.parametrize("stop_at", [2, 3], ids=["between-validations", "at-a-validation"])
+def test_ctrl_c_then_resume_validates_exactly_when_an_uninterrupted_run_does(
+        tmp_path: Path, validated_reference: dict, stop_at: int) -> None:
+    # Ctrl-C as step `stop_at` begins: that step finishes (stop_at + 1 steps done), then the run stops.
+    settings = [*VALIDATED, f"logging.root={tmp_path}"]
+    stopped = run("tiny", settings, quiet=True, extra_callbacks=[CtrlCAt(stop_at)])
+    run_dir = Path(stopped["run_dir"])
+    assert _steps(run_dir) == list(range(stop_at + 1))
+    reference_dir = Path(validated_reference["run_dir"])
+    done = stop_at + 1  # a validation row is logged at step (steps done - 1)
+    assert _val_rows(run_dir) == [r for r in _val_rows(reference_dir) if r[0] < done]  # none unscheduled
+    resumed = run("tiny", settings, resume="last", quiet=True)
+    assert Path(resumed["run_dir"]) == run_dir and _steps(run_dir) == list(range(6))
+    assert [step for step, _ in _val_rows(reference_dir)] == [0, 1, 3, 5]  # start, then every 2 steps
+    assert _val_rows(run_dir) == _val_rows(reference_dir)  # the same steps, the same values
+    assert resumed["val_accuracy_last"] == validated_reference["val_accuracy_last"]

@@ -219,3 +219,8 @@ def test_interpolations_and_invalid_yaml_values_are_one_line(tmp_path: Path) -> 
         load_recipe("tiny", ["grpo.lr=${oc.env:HOME}"])
     with pytest.raises(RecipeError, match="override 'trainer.steps=\\[1,': the value is not valid YAML"):
         load_recipe("tiny", ["trainer.steps=[1,"])
+
+
+def test_a_step_of_a_billion_completions_is_refused_before_anything_is_allocated() -> None:
+    with pytest.raises(RecipeError, match=r"override 'grpo.prompts_per_step=1000000000'.*per step, more than 1048576"):
+        load_recipe("tiny", ["grpo.prompts_per_step=1000000000"])

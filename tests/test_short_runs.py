@@ -99,6 +99,79 @@ def test_run_reuses_the_warmup_and_matches_a_run_without_cache(
         assert torch.equal(got[name], weight), name
 
 
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _entry_is_a_file(entry: Path) -> None:
+    entry.rename(entry.with_name(".moved-away"))
+    entry.write_text("not a folder\n")
+
+
+DAMAGE = {
+    "weights-truncated": lambda e: _truncate(e / "weights.pt"),
+    "weights-garbage": lambda e: (e / "weights.pt").write_bytes(os.urandom(4096)),
+    "weights-empty": lambda e: (e / "weights.pt").write_bytes(b""),
+    "weights-fifo": lambda e: _fifo(e / "weights.pt"),
+    "stats-missing": lambda e: (e / "stats.json").unlink(),
+    "stats-not-json": lambda e: (e / "stats.json").write_text("{\"warmup/steps\": 2,"),
+    "stats-missing-fields": lambda e: (e / "stats.json").write_text('{"warmup/seconds": 0.5}'),
+    "stats-fifo": lambda e: _fifo(e / "stats.json"),
+    "entry-is-a-file": _entry_is_a_file,
+    "entry-is-a-fifo": lambda e: (e.rename(e.with_name(".moved-away")), os.mkfifo(e)),
+}
+
+
+@pytest.mark.timeout(180)  # a FIFO opened for reading would wait forever: fail instead
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_warmup_cache_entry_is_trained_again_and_replaced(
+        damage: str, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TCLIGHTNING_CACHE", str(tmp_path / "cache"))
+    settings = [*FAST, "model.warmup.steps=2", "model.warmup.batch_size=4", "model.warmup.target_accuracy=0",
+                "trainer.steps=1", "trainer.val_every=0"]
+    first = run("tiny", [*settings, "logging.name=first"], quiet=True)
+    (entry,) = (tmp_path / "cache" / "warmup").iterdir()
+    trained = torch.load(entry / "weights.pt", weights_only=True)
+    DAMAGE[damage](entry)
+    capsys.readouterr()
+
+    # The new entry is written while the damaged one is still in place (never deleted first).
+    present_while_writing: list[bool] = []
+    save = torch.save
+
+    def spy(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and Path(f).parent.parent == entry.parent:
+            present_while_writing.append(os.path.lexists(entry))
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", spy)
+    second = run("tiny", [*settings, "logging.name=second"], quiet=True)
+    monkeypatch.setattr(torch, "save", save)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "cached supervised warm-up" in notes[0] and "unreadable" in notes[0], notes
+    assert "training it again" in notes[0] and str(entry) in notes[0]
+    assert "warmup/cached" not in second  # trained again, from the initial weights: the same result
+    assert {k: second[k] for k in ("warmup/steps", "warmup/loss_first", "warmup/loss_last")} == \
+        {k: first[k] for k in ("warmup/steps", "warmup/loss_first", "warmup/loss_last")}
+    assert present_while_writing == [True]
+    # Replaced in place: one whole entry, the weights training gives, nothing left beside it.
+    assert sorted(p.name for p in entry.parent.iterdir() if p.name != ".moved-away") == [entry.name]
+    assert entry.is_dir() and not entry.is_symlink()
+    repaired = torch.load(entry / "weights.pt", weights_only=True)
+    assert repaired.keys() == trained.keys() and all(torch.equal(repaired[k], trained[k]) for k in trained)
+
+    third = run("tiny", [*settings, "logging.name=third"], quiet=True)
+    assert third["warmup/cached"] == 1.0 and third["warmup/steps"] == 2
+    err = capsys.readouterr().err
+    assert "supervised warm-up reused from the cache" in err and "unreadable" not in err
+
+
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(
         run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run("tiny", [*FAST, "logging.progress=rich", "trainer.steps=3", "trainer.val_every=0",

@@ -84,8 +84,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu", *, mmap:
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
         raise checkpoint_error(path, err) from None
-    if not isinstance(ckpt, dict):
-        raise TclightningError(f"checkpoint {path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
+    if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)
+        raise CheckpointRefused(f"checkpoint {path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
     return ckpt
 
 
@@ -260,11 +260,18 @@ class StepCheckpoint(Checkpoint):
 
 class GracefulStop(L.Callback):
     """First Ctrl-C: finish the current RL step, then stop (``StepCheckpoint`` saves on the way
-    out). A second Ctrl-C interrupts at once."""
+    out). A second Ctrl-C interrupts at once.
+
+    The stop ends the run as SIGTERM does: the validation the schedule (``trainer.val_every``)
+    has at that step runs, and no other. Lightning validates on any ``trainer.should_stop``
+    (meant for early stopping), so a stop at a step without a scheduled validation turns
+    validation off for the few hooks left in this run: an interrupted-then-resumed run then logs
+    exactly the validations of one that never stopped."""
 
     def __init__(self) -> None:
         self.requested = False
         self._previous: Any = None
+        self._limit_val_batches: Any = None  # restored at the end of training when the stop changed it
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
@@ -280,9 +287,21 @@ class GracefulStop(L.Callback):
             self._previous = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.requested:
-            trainer.should_stop = True
+        if not self.requested or trainer.should_stop:
+            return
+        # Lightning's own decision, asked before the stop is set (it then reads `should_stop` as
+        # "validate now"): is a validation due at this step anyway?
+        try:
+            scheduled = trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+        except AttributeError:  # a Lightning without these internals: its own stop (one more validation)
+            scheduled = True
+        trainer.should_stop = True
+        if not scheduled:
+            self._limit_val_batches = trainer.limit_val_batches
+            trainer.limit_val_batches = 0  # no validation on the way out (enable_validation is False)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._limit_val_batches is not None:
+            trainer.limit_val_batches, self._limit_val_batches = self._limit_val_batches, None
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)

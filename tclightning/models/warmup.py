@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
+import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -17,6 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
+from tclightning.errors import TclightningError
+from tclightning.files import exchange, regular_file
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
 
@@ -213,6 +218,99 @@ def warmup_key(model: PreTrainedModel, formatter: PromptFormatter, prompts: Sequ
     })
 
 
+WEIGHTS, STATS = "weights.pt", "stats.json"
+REQUIRED_STATS = ("warmup/steps", "warmup/loss_first", "warmup/loss_last", "warmup/seconds")
+
+
+class UnreadableEntry(Exception):
+    """A cache entry that cannot be used as it is; the message says why, on one line."""
+
+
+def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The weights and statistics of the cache entry ``entry`` for ``model``, checked before
+    anything touches the model: every file a regular one (a FIFO is never opened: it would wait
+    forever), the statistics a JSON object with every field a warm-up writes, the weights loaded
+    as data only (``weights_only=True``) and exactly ``model``'s parameter names, shapes and dtypes
+    (so ``load_state_dict`` cannot fail half-way and leave the model half-loaded). Raises
+    :class:`UnreadableEntry` otherwise."""
+    if not entry.is_dir():
+        raise UnreadableEntry("not a folder")
+    for name in (DirectoryCache.COMPLETE, STATS, WEIGHTS):
+        try:
+            regular_file(entry / name, name)
+        except TclightningError as err:  # "weights.pt: is a named pipe (FIFO), not a regular file"
+            raise UnreadableEntry(str(err).replace(f"{name} {entry / name}", name).split("; nothing was")[0]) from None
+    try:
+        stats = json.loads((entry / STATS).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UnreadableEntry(f"{STATS}: {_one_line(err)}") from None
+    if not isinstance(stats, dict):
+        raise UnreadableEntry(f"{STATS}: not a JSON object")
+    missing = [k for k in REQUIRED_STATS if k not in stats]
+    if missing:
+        raise UnreadableEntry(f"{STATS}: no {', '.join(missing)}")
+    bad = [k for k, v in stats.items() if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise UnreadableEntry(f"{STATS}: not a number: {', '.join(bad)}")
+    steps = stats["warmup/steps"]
+    if not (math.isfinite(steps) and steps >= 1 and steps == int(steps)):
+        raise UnreadableEntry(f"{STATS}: warmup/steps is {steps}, not a step count")
+    try:
+        state = torch.load(entry / WEIGHTS, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - truncated, garbage, refused: all the same to a cache
+        # (torch's own message for a cut file can be as unhelpful as "Invalid argument")
+        raise UnreadableEntry(f"{WEIGHTS}: truncated, corrupted or not plain tensors") from None
+    want = model.state_dict()
+    if not isinstance(state, dict) or set(state) != set(want):
+        raise UnreadableEntry(f"{WEIGHTS}: not this model's weights")
+    for name, tensor in want.items():
+        got = state[name]
+        if not isinstance(got, torch.Tensor) or got.shape != tensor.shape or got.dtype != tensor.dtype:
+            raise UnreadableEntry(f"{WEIGHTS}: {name} is not this model's ({tuple(tensor.shape)}, {tensor.dtype})")
+    return state, {k: float(v) for k, v in stats.items()}
+
+
+def _one_line(err: BaseException) -> str:
+    """The first sentence of an error, on one line (torch's own messages run to paragraphs)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text.split(". ", 1)[0][:160]
+
+
+def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
+                   write: Callable[[Path], None]) -> None:
+    """Write a new entry beside the unreadable one and swap it into place in one step (never
+    deleting first: a reader sees the old entry or the new one, never none), then remove the old.
+    If another process replaced the entry since it was found unreadable (``seen`` is its
+    ``lstat``), its entry is kept. A cache that cannot be written only costs the saving."""
+    target = cache.path(key)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache.directory))
+    except OSError:
+        return
+    try:
+        write(tmp)
+        (tmp / DirectoryCache.COMPLETE).write_text("ok\n")
+        try:
+            now = os.lstat(target)
+        except FileNotFoundError:
+            now = None
+        if now is None:
+            os.replace(tmp, target)  # gone meanwhile: a plain rename
+        elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
+                                                                                  seen.st_mtime_ns):
+            exchange(tmp, target)  # tmp now holds the unreadable entry
+    except OSError:
+        pass
+    finally:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            try:
+                tmp.unlink()  # the unreadable entry was a file (or a FIFO)
+            except OSError:
+                pass
+
+
 def cached_supervised_warmup(
     model: PreTrainedModel,
     formatter: PromptFormatter,
@@ -234,7 +332,9 @@ def cached_supervised_warmup(
     (atomically, under ``<cache root>/warmup/<key>/``) unless the warm-up moved the global RNG,
     which a reload could not reproduce. ``use_cache=False``, ``cfg.cache = False`` or
     ``TCLIGHTNING_NO_CACHE=1`` trains without reading or writing the cache. An unreadable entry
-    is recomputed, and a cache that cannot be written only costs the saving.
+    (:func:`read_warmup_entry`: damaged files, a FIFO, a file in place of the folder) is named in
+    one ``note:`` line, trained again from the untouched initial weights and replaced atomically
+    (:func:`_replace_entry`); a cache that cannot be written only costs the saving.
     """
     if cfg.steps <= 0:
         return {}
@@ -243,15 +343,19 @@ def cached_supervised_warmup(
     started = time.perf_counter()
     cache = cache or DirectoryCache("warmup")
     key = warmup_key(model, formatter, prompts, solutions, cfg, context)
-    entry = cache.get(key)
-    if entry is not None:
+    entry = cache.path(key)
+    try:
+        seen: os.stat_result | None = os.lstat(entry)
+    except OSError:
+        seen = None  # a miss
+    if seen is not None:
         try:
-            state = torch.load(entry / "weights.pt", map_location="cpu", weights_only=True)
-            stats = json.loads((entry / "stats.json").read_text())
-            model.load_state_dict(state, strict=True)
-        except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError):
-            entry = None  # a damaged entry: train again (and replace nothing; it stays unreadable)
+            state, stats = read_warmup_entry(entry, model)
+        except UnreadableEntry as why:
+            print(f"note: the cached supervised warm-up {entry} is unreadable ({why}); training it again "
+                  "and replacing the entry", file=sys.stderr, flush=True)
         else:
+            model.load_state_dict(state, strict=True)
             print(f"note: supervised warm-up reused from the cache ({int(stats['warmup/steps'])} steps, {entry}; "
                   "--no-cache trains it again)", file=sys.stderr, flush=True)
             return {**stats, "warmup/cached": 1.0, "warmup/seconds": time.perf_counter() - started}
@@ -260,8 +364,11 @@ def cached_supervised_warmup(
     if torch.equal(rng, torch.get_rng_state()):
 
         def write(directory: Path) -> None:
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / "weights.pt")
-            (directory / "stats.json").write_text(json.dumps(stats, indent=1, sort_keys=True))
+            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / WEIGHTS)
+            (directory / STATS).write_text(json.dumps(stats, indent=1, sort_keys=True))
 
-        cache.put(key, write)
+        if seen is None:
+            cache.put(key, write)
+        else:
+            _replace_entry(cache, key, seen, write)
     return stats

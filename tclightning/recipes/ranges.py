@@ -418,8 +418,18 @@ def _model_source(cfg: DictConfig) -> Iterator[Problem]:
             yield Problem(("model.gguf_file",), f"no such file: {m.gguf_file}")
 
 
+MAX_COMPLETIONS = 2**20
+"""Completions one RL step may sample (prompts x group size): large GRPO steps sample ~16k; the
+bound keeps a typo from allocating before the first step says anything."""
+
+
 def _grpo(cfg: DictConfig) -> Iterator[Problem]:
     g = cfg.grpo
+    completions = g.prompts_per_step * cfg.sampler.group_size
+    if completions > MAX_COMPLETIONS:
+        yield Problem(("grpo.prompts_per_step", "sampler.group_size"),
+                      f"{g.prompts_per_step} prompts x {cfg.sampler.group_size} completions = {completions} per step, "
+                      f"more than {MAX_COMPLETIONS} (a step samples every one of them at once)")
     if g.mask_ratio_high > 0 and g.mask_ratio_low >= g.mask_ratio_high:
         yield Problem(("grpo.mask_ratio_low", "grpo.mask_ratio_high"),
                       f"mask_ratio_low {g.mask_ratio_low} must be below mask_ratio_high {g.mask_ratio_high}")
