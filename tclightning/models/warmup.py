@@ -8,8 +8,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -24,6 +26,19 @@ from tclightning.errors import TclightningError
 from tclightning.files import exchange, regular_file
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
+
+
+def _sigterm_interrupts() -> Any:
+    """Make SIGTERM interrupt the warm-up as Ctrl-C does (nothing is saved before the first RL
+    step, so there is nothing to finish): returns the handler to restore, or None off the main
+    thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 class WarmupInterrupted(Exception):
@@ -79,6 +94,7 @@ def supervised_warmup(
     model.train()
     started, losses, stats = time.perf_counter(), [], {}
     display = WarmupProgress(cfg) if progress else None
+    previous_sigterm = _sigterm_interrupts()
     try:
         for step in range(cfg.steps):
             _warmup_step(model, formatter, prompts, solutions, cfg, gen, optimizer, schedule, device, losses)
@@ -94,6 +110,8 @@ def supervised_warmup(
         raise WarmupInterrupted(f"interrupted during the supervised warm-up (step {len(losses)} of at most "
                                 f"{cfg.steps})") from None
     finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         if display is not None:
             display.close()
     model.train(was_training)
