@@ -103,3 +103,11 @@ def test_two_nodes_without_a_launcher_are_refused_at_once(monkeypatch: pytest.Mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trainer.num_nodes=2: start it on every node with a launcher" in err[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_analyze_health_refuses_a_fifo_metrics_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.mkfifo(tmp_path / "metrics.csv")
+    for given in (tmp_path / "metrics.csv", tmp_path):  # the file itself, and the run directory holding it
+        assert main(["analyze", "health", str(given)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is a named pipe (FIFO), not a regular file" in err[0], err

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 
 Row = tuple[int, dict[str, float]]
 
@@ -25,7 +26,7 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
     the same step are merged. ``names`` maps the file's column names to canonical names
     (``{"train/reward": "reward/mean"}``); unmapped columns keep their names.
     """
-    path = Path(path)
+    path = regular_file(path, "metrics")  # a FIFO named metrics.csv would wait forever
     try:
         return _read_metrics_csv(path, dict(names or {}))
     except UnicodeDecodeError as err:
@@ -75,6 +76,7 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     names = dict(names or {})
     merged: dict[int, dict[str, float]] = {}
     for file in files:
+        regular_file(file, "event file")
         acc = event_accumulator.EventAccumulator(str(file), size_guidance={event_accumulator.SCALARS: 0})
         try:
             acc.Reload()
@@ -97,7 +99,7 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
     p = Path(path)
     if not p.exists():
         raise TclightningError(f"{p}: no such file or directory")
-    if p.is_file():
+    if not p.is_dir():  # a file (a FIFO or a device is refused by the readers, never opened)
         if p.name.startswith("events.out.tfevents."):
             return read_tensorboard(p, names)
         return read_metrics_csv(p, names)
