@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from tclightning.health.detector import HealthDetector
+from tclightning.health.io import read_metrics_csv
 from tclightning.health.rules import HealthState
 
 LIBRARY = Path(__file__).parent / "health_library"
@@ -100,15 +101,9 @@ RUNS: tuple[LibraryRun, ...] = (
 
 # ----------------------------------------------------------------------------- reading
 def read_rows(path: Path, steps: int | None = None) -> list[tuple[int, dict[str, float]]]:
-    """``(step, metrics)`` rows in step order, train and validation rows of a step merged."""
-    merged: dict[int, dict[str, float]] = {}
-    with path.open(newline="") as fh:
-        for row in csv.DictReader(fh):
-            step = int(row["step"])
-            values = {k: float(v) for k, v in row.items() if k != "step" and v not in ("", None)}
-            merged.setdefault(step, {}).update(values)
-    ordered = sorted(merged.items())
-    return [(s, m) for s, m in ordered if steps is None or s < steps]
+    """``(step, metrics)`` rows in step order (train and validation rows of a step merged), the
+    first ``steps`` of them when given."""
+    return [(s, m) for s, m in read_metrics_csv(path) if steps is None or s < steps]
 
 
 def fall_step(rows: list[tuple[int, dict[str, float]]], drop: float = FALL_DROP) -> int | None:

@@ -64,9 +64,8 @@ def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: s
             "the model folder's own Python); set it in a recipe, or in your own code, to opt in")
     if model.get("source", "tiny") == "tiny":
         tiny = model.get("tiny") if isinstance(model.get("tiny"), Mapping) else {}
-        defaults = TinyModelConfig()
         try:
-            cfg = TinyModelConfig(**{**{k: getattr(defaults, k) for k in vars(defaults)}, **tiny})
+            cfg = TinyModelConfig(**tiny)
         except TypeError as err:
             raise TclightningError(f"{source}: key 'model.tiny': {err}") from None
         problem = tiny_weights_mismatch(cfg, state)

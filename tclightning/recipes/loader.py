@@ -16,7 +16,6 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
-import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +26,8 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from tclightning.errors import RecipeError
+from tclightning.errors import RecipeError, TclightningError
+from tclightning.files import regular_file
 from tclightning.recipes.ranges import RANGES, problems
 from tclightning.recipes.schema import RecipeConfig
 
@@ -167,12 +167,10 @@ def _read_yaml(path: Path) -> Any:
     values with aliases expanded and :data:`MAX_YAML_DEPTH` levels, and no OmegaConf
     interpolation (``${...}``: a recipe holds values)."""
     try:
-        info = path.stat()
-        if not stat.S_ISREG(info.st_mode):
-            raise RecipeError("not a regular file (a recipe is a YAML text file)", file=str(path))
-        if info.st_size > MAX_YAML_BYTES:
-            raise RecipeError(f"{info.st_size} bytes: larger than a recipe can be ({MAX_YAML_BYTES} bytes)",
-                              file=str(path))
+        regular_file(path, "recipe")
+    except TclightningError as err:  # the path is named once, by the RecipeError
+        raise RecipeError(str(err).replace(f"recipe {path}: ", "", 1), file=str(path)) from None
+    try:
         with path.open("rb") as fh:
             raw = fh.read(MAX_YAML_BYTES + 1)
     except OSError as err:
