@@ -2,16 +2,17 @@
 
     python benchmarks/anchor_ablation.py                  # about 10 minutes on the 2-core CI machine
     python benchmarks/anchor_ablation.py --steps 100 --only dense-layout-5-5
-    python benchmarks/anchor_ablation.py --only "robust-5-5" "lowrank trust 5/5"
+    python benchmarks/anchor_ablation.py --only "robust-5-5" "lowrank control_variate 5/5"
 
 Every run starts from the same supervised warm-up (the `tiny` recipe's, run once, one thread, as in
 `benchmarks/two_circuits.py`) and trains `--steps` RL steps of the `shallow-compressed` recipe with one
 change each. The rows with `pipeline.layout=dense` keep the signed_ema merger and its anchor but
 compress nothing, so `G_comp` *is* the fresh dense gradient: whatever they lose is the merger's, not
-the codec's. The rows after `dense P=64` measure the mergers that correct instead of override
-(`control_variate`, `masked`, `trust`) and the anchor controller, on the PRF recipe and on the
-low-rank fast circuit (`fast-only-lowrank`, whose gradient carries signal); `callbacks=[]` runs
-`robust-5-5`'s merger without its controller. Prints one JSON line per run and a markdown table;
+the codec's. The rows after `dense P=64` measure the merger that corrects instead of overriding
+(`control_variate`) and the anchor controller, on the PRF recipe and on the low-rank fast circuit
+(`fast-only-lowrank`, whose gradient carries signal); `callbacks=[]` runs `robust-5-5`'s merger
+without its controller. (The retired `masked` and `trust` mergers' results are in
+docs/anchor-ablation-table.md.) Prints one JSON line per run and a markdown table;
 `--out FILE` writes the table.
 """
 
@@ -43,15 +44,11 @@ ABLATION: list[tuple[str, str, list[str]]] = [
     # mergers that correct instead of override, and the anchor controller (docs/two-circuits.md)
     ("shallow control_variate 5/5", "shallow-compressed", ["anchor.merger=control_variate", "anchor.beta=0.5",
                                                            "anchor.cv_clip=0.25"]),
-    ("shallow masked 5/5", "shallow-compressed", ["anchor.merger=masked"]),
-    ("shallow trust 5/5", "shallow-compressed", ["anchor.merger=trust"]),
     ("shallow 5/5 + controller", "shallow-compressed", ["callback_presets=[monitoring,anchor-controller]"]),
     ("fast-only-lowrank", "fast-only-lowrank", []),
     ("lowrank signed_ema 5/5", "all-compressed-lowrank", []),
     ("lowrank control_variate 5/5", "robust-5-5", ["callbacks=[]"]),
     ("lowrank control_variate weight 0", "robust-5-5", ["callbacks=[]", "anchor.cv_weight=0"]),
-    ("lowrank masked 5/5", "robust-5-5", ["callbacks=[]", "anchor.merger=masked"]),
-    ("lowrank trust 5/5", "robust-5-5", ["callbacks=[]", "anchor.merger=trust"]),
     ("robust-5-5", "robust-5-5", []),
     ("robust-20-20", "robust-20-20", []),
 ]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch
 
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.loss import gap_metrics
 from tclightning.sampling.base import PromptFormatter, Rollouts
 from tclightning.sampling.config import SamplerConfig

@@ -34,7 +34,7 @@ LossFn = Callable[[Tensor, Tensor], Tensor]
 
 LogprobsFn = Callable[..., tuple[Tensor, Tensor | None]]
 """``logprobs(model, rollouts, temperature, with_entropy=False) -> (logp [B, Lc], entropy or None)``
-(``tclightning.grpo.logprobs.completion_logps``)."""
+(``tclightning.models.logprobs.completion_logps``)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,10 @@ class Backend(Protocol):
 
     def begin_step(self, step: int) -> None:
         """Start RL step ``step``: it is the PRF key's step at every cut for every forward of
-        the step (stateful fills fold in the last step's statistics on a change), and the wire
-        counters start from zero. The module calls it once per step: the only owner of the key."""
+        the step (stateful codecs fold in the last step's statistics on a change), and the wire
+        counters start from zero. It is the only setter of the key: the module calls it once per
+        RL step (for a module that never asks for a backend, the one-process ``PipelineStrategy``
+        calls it on one of its own, once per optimizer tick)."""
         ...
 
     def dense(self) -> AbstractContextManager[None]:
@@ -184,6 +186,6 @@ class BackendProvider(Protocol):
     """A strategy that runs the policy its own way (cuts in-graph, or one stage per process)."""
 
     def backend(self, request: BackendRequest) -> Backend:
-        """The backend for ``request``'s policy. A module that asks owns the PRF step key from
-        then on (:meth:`Backend.begin_step`)."""
+        """The backend for ``request``'s policy. A module that asks steps it from then on
+        (:meth:`Backend.begin_step`, the one setter of the PRF key's step)."""
         ...

@@ -91,8 +91,9 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
     ``hyper_parameters["model"]`` and given its ``policy.*`` weights (strictly: every weight must
     fit). ``source`` names the file in errors."""
     from tclightning.grpo.module import as_config
-    from tclightning.models.config import ModelConfig
+    from tclightning.models.config import RETIRED_KEYS, ModelConfig
     from tclightning.models.loading import load_model
+    from tclightning.settings import without_keys
 
     hparams = checkpoint.get("hyper_parameters")
     model_hparams = hparams.get("model") if isinstance(hparams, dict) else None
@@ -104,7 +105,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         raise TclightningError(f"checkpoint {source}: holds no policy weights (no 'policy.*' in its state_dict)")
     check_checkpoint_hparams(checkpoint, source)
     try:
-        cfg = as_config(ModelConfig, model_hparams)
+        cfg = as_config(ModelConfig, without_keys(model_hparams, RETIRED_KEYS))  # an earlier version's keys
     except TclightningError as err:
         raise TclightningError(f"checkpoint {source}: model hyper-parameters: {err}") from None
     # The seed only picks the random initial weights of a tiny model; the checkpoint's replace them.

@@ -63,7 +63,7 @@ SCALAR_LAYOUT: dict[str, dict[str, list]] = {
         "latency and cadence (ticks)": ["Multiline", ["anchor/latency", "anchor/cadence"]],
         "anchor vs fast gradient (cosine) and the anchor term's strength": [
             "Multiline", ["anchor/fast_cosine", "anchor/strength"]],
-        "anchor controller mode (0 normal, 1 weakened, 2 suspended, 3 fresh)": [
+        "anchor controller mode (0 full strength, 1 partial, 2 off, 3 probe)": [
             "Multiline", ["anchor/controller_mode"]],
     },
     "health": {
@@ -247,7 +247,7 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
     """
     from tclightning.errors import RecipeError
     from tclightning.recipes.loader import resolve_logger_class
-    from tclightning.recipes.ranges import LOGGERS
+    from tclightning.recipes.schema import LOGGERS
 
     run_dir = Path(run_dir)
     by_path = {path: name for name, (path, _) in LOGGERS.items()}

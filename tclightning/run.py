@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
-from tclightning.recipes.schema import RecipeConfig
+from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
 RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
 """Multi-process runs: the run directory every rank uses (set by rank 0 before Lightning launches
@@ -194,6 +194,10 @@ RESUME_FIXED = ("model", "task", "pipeline", "anchor", "sampler.group_size", "tr
 """What a resumed run keeps from its first part: a checkpoint of another model, codec layout or
 strategy cannot continue the same run (other keys, a learning rate say, may change)."""
 
+RESUME_RETIRED = RETIRED_KEYS
+"""Keys an earlier version's record may hold that no option reads now (each section's
+``RETIRED_KEYS``): left out of the comparison, so a run recorded with them resumes."""
+
 
 def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int) -> tuple[str, ...]:
     """Compare the run's record ``recipe.yaml`` with the recipe a resume in place would run.
@@ -209,7 +213,8 @@ def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int) -> tuple[st
         return ()
     old_leaves, new_leaves = _leaves(before), _leaves(OmegaConf.to_container(cfg))
     changed = [key for key in sorted(old_leaves.keys() | new_leaves.keys())
-               if old_leaves.get(key, _MISSING) != new_leaves.get(key, _MISSING) and key != "trainer.steps"]
+               if old_leaves.get(key, _MISSING) != new_leaves.get(key, _MISSING) and key != "trainer.steps"
+               and not (key in RESUME_RETIRED and key not in new_leaves)]
     for key in changed:
         if any(key == fixed or key.startswith(fixed + ".") for fixed in RESUME_FIXED):
             old, new = old_leaves.get(key, "unset"), new_leaves.get(key, "unset")

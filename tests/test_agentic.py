@@ -26,7 +26,7 @@ from tclightning.agentic.rollout import (
 )
 from tclightning.errors import TclightningError
 from tclightning.grpo.advantages import group_advantages
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.loss import gap_by_turn
 from tclightning.grpo.module import GRPOModule
 from tclightning.grpo.summary import read_metrics

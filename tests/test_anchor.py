@@ -83,18 +83,11 @@ def test_ema_update_and_sign_agreement() -> None:
         sign_agreement([t(1.0)], [t(1.0, 2.0)])
 
 
-def test_none_and_dense_mergers() -> None:
+def test_none_merger() -> None:
     g = [t(1.0, -2.0)]
     none = make_merger("none")
     none.observe([t(5.0, 5.0)])
     assert torch.equal(none.merge(g)[0], g[0]) and not none.needs_anchor
-    dense = make_merger("dense")
-    assert torch.equal(dense.merge(g)[0], g[0])  # nothing delivered: G_comp (the dense layout's gradient)
-    dense.observe([t(7.0, 8.0)])
-    grads = [g[0].clone()]
-    dense.merge_(grads)
-    assert torch.equal(grads[0], t(7.0, 8.0))  # G = M on the tick it arrived
-    assert torch.equal(dense.merge(g)[0], g[0])  # and only then
     with pytest.raises(TclightningError):
         make_merger("median")
     with pytest.raises(TclightningError):
@@ -174,15 +167,12 @@ def test_fixed_schedule() -> None:
         AnchorSchedule(latency=5, cadence=0)
 
 
-def test_la_warmup_schedule_geometric_and_linear() -> None:
+def test_la_warmup_schedule_steps_up_geometrically() -> None:
     s = AnchorSchedule(latency=20, cadence=20, warmup="la_warmup", warmup_ticks=100)
     assert s.stages() == [Stage(0, 1, 1), Stage(20, 2, 2), Stage(40, 4, 4), Stage(60, 8, 8), Stage(80, 16, 16),
                           Stage(100, 20, 20)]
     assert s.at(0) == (1, 1) and s.at(19) == (1, 1) and s.at(20) == (2, 2) and s.at(99) == (16, 16)
     assert s.at(100) == (20, 20)
-    lin = AnchorSchedule(latency=20, cadence=20, warmup="la_warmup", warmup_ticks=100, warmup_shape="linear",
-                         warmup_stages=5)
-    assert [(st.start, st.latency) for st in lin.stages()] == [(0, 1), (25, 6), (50, 10), (75, 15), (100, 20)]
     # cadence keeps the final ratio, stage 0 is always 1/1
     assert AnchorSchedule(latency=20, cadence=5, warmup="la_warmup", warmup_ticks=50).stages()[0] == Stage(0, 1, 1)
     assert AnchorSchedule(latency=20, cadence=5, warmup="la_warmup", warmup_ticks=50).at(50) == (20, 5)
@@ -198,7 +188,7 @@ def test_la_warmup_schedule_geometric_and_linear() -> None:
         AnchorSchedule(0, 2),
         AnchorSchedule(20, 20, "la_warmup", 100),
         AnchorSchedule(20, 5, "la_warmup", 60),
-        AnchorSchedule(20, 20, "la_warmup", 30, "linear", 4),
+        AnchorSchedule(20, 20, "la_warmup", 30),
     ],
 )
 def test_circuit_cadence_latency_and_memory_bound(schedule: AnchorSchedule) -> None:

@@ -12,9 +12,9 @@ import torch
 
 from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.grpo.config import GRPOConfig
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.loss import policy_loss
-from tclightning.grpo.update import MicrobatchLoss
+from tclightning.grpo.update import LossSettings, MicrobatchLoss
 from tclightning.pipeline import CutSet, LocalBackend, PipelineConfig, PipelineStrategy
 from tclightning.pipeline.backends import PipelineBackend
 from tclightning.pipeline.multiprocess import MultiProcessPipelineStrategy
@@ -45,6 +45,37 @@ def test_both_backends_and_both_strategies_are_declared() -> None:
 def test_the_module_and_the_anchor_callback_do_not_reach_into_the_strategy(path: str) -> None:
     source = (REPO / path).read_text()
     assert not re.search(r"getattr\([^)]*strategy", source), path
+
+
+def test_in_training_the_prf_step_is_set_only_by_backend_begin_step() -> None:
+    """One setter of the cuts' (and the engine's) step: the backends' ``begin_step``. The probes
+    and the link benchmark drive cuts of their own, outside any trainer."""
+    setters = {
+        str(path.relative_to(REPO))
+        for path in (REPO / "tclightning").rglob("*.py")
+        if path.parent.name not in ("probes", "bench") and re.search(r"\.set_step\(", path.read_text())
+    }
+    assert setters == {"tclightning/pipeline/backends.py"}
+
+
+def test_the_strategy_steps_a_module_that_never_asks_and_leaves_one_that_asked_alone() -> None:
+    from tests.test_pipeline import TinyPolicyModule, _trainer
+
+    class AskingModule(TinyPolicyModule):
+        """Takes its backend and steps it at 10 + batch_idx: the strategy must not set the step."""
+
+        def on_fit_start(self) -> None:
+            self.taken = self.trainer.strategy.backend(request(self.policy))
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            self.taken.begin_step(10 + batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    plain, asking = TinyPolicyModule(), AskingModule()
+    _trainer(PipelineStrategy(PipelineConfig(layout="all", k=8))).fit(plain)
+    _trainer(PipelineStrategy(PipelineConfig(layout="all", k=8))).fit(asking)
+    assert [s["step"] for s in plain.seen] == [0, 1]  # trainer.global_step, through the strategy's own backend
+    assert [s["step"] for s in asking.seen] == [10, 11]
 
 
 def batch(rows: int = 5, width: int = 6) -> dict[str, torch.Tensor]:
@@ -81,7 +112,7 @@ def test_one_call_with_every_row_is_policy_loss_bit_for_bit(aggregation: str, ca
     )
     (want,) = torch.autograd.grad(expected.loss, b["logp"])
     loss_fn = MicrobatchLoss(old_logp=old, advantages=b["advantages"], mask=b["mask"], logp_sampler=b["sampler"],
-                             ref_logp=ref, cfg=cfg, norm_length=8)
+                             ref_logp=ref, settings=LossSettings.of(cfg), norm_length=8)
     loss = loss_fn(b["logp"], torch.arange(5))
     (got,) = torch.autograd.grad(loss, b["logp"])
     assert torch.equal(loss, expected.loss) and torch.equal(got, want)
@@ -95,16 +126,16 @@ def test_micro_batches_sum_to_the_whole_and_a_nan_is_seen() -> None:
     b = batch()
     cfg = GRPOConfig(kl_coef=0.1)
     whole = MicrobatchLoss(old_logp=b["old"], advantages=b["advantages"], mask=b["mask"], logp_sampler=b["sampler"],
-                           ref_logp=b["ref"], cfg=cfg, norm_length=8)
+                           ref_logp=b["ref"], settings=LossSettings.of(cfg), norm_length=8)
     parts = MicrobatchLoss(old_logp=b["old"], advantages=b["advantages"], mask=b["mask"], logp_sampler=b["sampler"],
-                           ref_logp=b["ref"], cfg=cfg, norm_length=8)
+                           ref_logp=b["ref"], settings=LossSettings.of(cfg), norm_length=8)
     total = sum(parts(b["logp"][rows], rows) for rows in torch.tensor_split(torch.arange(5), 3))
     torch.testing.assert_close(total, whole(b["logp"], torch.arange(5)))
     bad = b["logp"].detach().clone()
     bad[0, 0] = float("nan")
     assert whole.finite and parts.finite
     nan = MicrobatchLoss(old_logp=b["old"], advantages=b["advantages"], mask=b["mask"], logp_sampler=b["sampler"],
-                         ref_logp=None, cfg=cfg, norm_length=8)
+                         ref_logp=None, settings=LossSettings.of(cfg), norm_length=8)
     nan(bad, torch.arange(5))
     assert not nan.finite  # the update makes no optimizer step on any rank for this tick
 

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from tclightning.cli.main import main
 from tclightning.recipes.loader import find_recipe, list_recipes
-from tclightning.recipes.ranges import RANGES, leaf_keys
+from tclightning.recipes.ranges import RULES, leaf_keys
 from tclightning.recipes.schema import RecipeConfig
+from tclightning.settings import settings
 
 
 
@@ -99,7 +100,7 @@ CASES: dict[str, Case] = {
     "lr-inf": override("grpo.lr=inf"),
     "beta-one": override("grpo.betas=[0.9,1.0]"),
     "clip-low-above-one": override("grpo.clip_low=1.5"),
-    "eps-zero": override("grpo.eps=0"),
+    "pipeline-codec-unknown": override("pipeline.codec=topk"),
     "group-size-one": override("sampler.group_size=1"),
     "steps-fraction": override("trainer.steps=1.5"),
     "steps-zero": override("trainer.steps=0"),
@@ -199,9 +200,12 @@ def test_overrides_are_credited_to_the_command_line_and_file_values_to_the_file(
     assert code == 2 and "mine.yaml: key 'model.tiny.num_heads'" in err and "command line" not in err
 
 
-def test_every_schema_key_has_a_range() -> None:
+def test_every_schema_key_has_a_range_and_a_help() -> None:
+    """Each key's rule and help sit beside its dataclass field; the walk over the dataclasses finds
+    the keys OmegaConf finds, in the same order."""
     keys = leaf_keys(OmegaConf.structured(RecipeConfig))
-    assert set(keys) == set(RANGES), (set(keys) ^ set(RANGES))
+    assert keys == list(RULES), (set(keys) ^ set(RULES))
+    assert all(s.help.strip() for s in settings(RecipeConfig)), [s.key for s in settings(RecipeConfig) if not s.help]
 
 
 def test_shipped_recipes_and_edges_of_the_ranges_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:

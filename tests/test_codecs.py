@@ -14,7 +14,6 @@ import torch
 from tclightning.codecs import (
     CodecKey,
     IdentityCodec,
-    PowerSGDCodec,
     PRFCodec,
     PRFIndexer,
     SVDCodec,
@@ -148,24 +147,6 @@ def test_prf_rescale_is_unbiased_over_keys() -> None:
     assert (mean - x).abs().max() < 0.15 * x.abs().max() + 0.1
 
 
-def test_prf_mean_fill_learns_channel_means_once_per_step() -> None:
-    dim, k = 24, 6
-    codec = PRFCodec(dim, k, fill="mean", fill_momentum=1.0)
-    channel_mean = torch.linspace(-3, 3, dim)
-    x = channel_mean + 0.01 * torch.randn(4, 50, dim)
-    key = CodecKey(0, 0, 0)
-    first = codec.decode(codec.encode(x, key), key)
-    again = codec.decode(codec.encode(x, key), key)
-    assert torch.equal(first, again)  # no change within a step
-    codec.commit_step()
-    key = CodecKey(0, 1, 0)
-    x_hat = codec.decode(codec.encode(x, key), key)
-    assert (x_hat - x).abs().max() < 0.1  # dropped channels now filled with their mean
-    restored = PRFCodec(dim, k, fill="mean")
-    restored.load_state_dict(codec.state_dict())
-    assert torch.equal(restored.decode(codec.encode(x, key), key), x_hat)
-
-
 def test_gradient_reaches_the_sender_only_through_kept_coordinates() -> None:
     codec = PRFCodec(40, 5, rescale=True)
     key = CodecKey(seed=9, step=2, cut=1)
@@ -216,15 +197,6 @@ def test_svd_codec_reconstructs_low_rank_activations() -> None:
     assert codec.payload_bytes(10, torch.float32) == 10 * 3 * 4
 
 
-def test_powersgd_is_exact_for_a_rank_r_gradient_and_counts_both_factors() -> None:
-    torch.manual_seed(0)
-    grad = torch.randn(50, 2) @ torch.randn(2, 24)
-    codec = PowerSGDCodec(24, 2)
-    p, q = codec.encode(grad, CodecKey(0, 0, 0))
-    assert torch.allclose(codec.decode((p, q), CodecKey(0, 0, 0)), grad, atol=1e-4)
-    assert payload_nbytes((p, q)) == codec.payload_bytes(50, torch.float32) == (50 * 2 + 24 * 2) * 4
-
-
 def test_bench_codec_cli_reports_the_issue_keys(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
@@ -261,10 +233,9 @@ def test_bench_codec_cli_reports_the_issue_keys(capsys: pytest.CaptureFixture[st
     assert result["payload_bytes_per_token"] == 16 and result["dense_bytes_per_token"] == 128
 
 
-@pytest.mark.parametrize("codec_name", ["lowrank", "hybrid"])
-def test_bench_codec_times_the_bases_with_their_token_centres(codec_name: str) -> None:
+def test_bench_codec_times_the_basis_with_its_token_centres() -> None:
     from tclightning.bench.codec import bench_codec
 
-    result = bench_codec(tokens=2048, dim=32, k=4, repeats=1, warmup=0, codec_name=codec_name)
-    assert result["codec"] == codec_name and result["payload_bytes_per_token"] == 16
+    result = bench_codec(tokens=2048, dim=32, k=4, repeats=1, warmup=0, codec_name="lowrank")
+    assert result["codec"] == "lowrank" and result["payload_bytes_per_token"] == 16
     assert result["decode_over_zero_fill"] > 0  # timed beside the zero-fill PRF decode

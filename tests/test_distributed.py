@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,8 +15,10 @@ import torch
 import transformers
 
 from tclightning.errors import TclightningError
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
+from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.loss import policy_loss
+from tclightning.grpo.update import LossSettings
 from tclightning.pipeline import CutSet, PipelineConfig
 from tclightning.bench.launch import run_ranks
 from tclightning.pipeline.stage import StageModule, pack, unpack
@@ -26,14 +27,10 @@ from tclightning.sampling.base import Rollouts
 DIM, LAYERS, VOCAB, STEP = 64, 4, 97, 7
 DIM_TINY = 128  # the `tiny` recipe's hidden size
 REPO = Path(__file__).resolve().parents[1]
-LOSS_CFG = SimpleNamespace(
-    clip_low=0.2, clip_high=0.28, loss_aggregation="token-mean", tis_cap=0.0, mask_ratio_low=0.0,
-    mask_ratio_high=0.0, kl_coef=0.0,
-)
+LOSS = LossSettings.of(GRPOConfig())  # token-mean, clip 0.2/0.28, no TIS, no ratio mask, no KL
 CASES = {
     "dense-gpipe": {"layout": "dense", "schedule": "gpipe"},
     "prf-1f1b": {"layout": "all", "k": 5, "schedule": "1f1b"},
-    "prf-mean-fill": {"layout": "all", "k": 5, "fill": "mean"},
     "prf-bfloat16": {"layout": "all", "k": 5, "payload_dtype": "bfloat16"},  # messages cross in bfloat16
 }
 
@@ -110,7 +107,7 @@ def stage_worker(rank: int, world_size: int, cases: list[str]) -> dict[str, Any]
                 old_logp = completion_logps(shadow, batch)[0] - 0.1
             loss_fn = MicrobatchLoss(
                 old_logp=old_logp, advantages=ADVANTAGES, mask=batch.completion_mask,
-                logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4,
+                logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4,
             )
         logp, _ = engine.run(StageInputs.from_rollouts(batch), loss_fn or no_loss)
         engine.reduce_tied_gradients()
@@ -184,12 +181,12 @@ def anchor_worker(rank: int) -> dict[str, Any]:
         loss_fn = None
         if engine.is_last:
             loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
-                                     logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+                                     logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4)
         engine.run(StageInputs.from_rollouts(batch), loss_fn or no_loss)
         engine.reduce_tied_gradients()
 
     def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
-        return anchor_gradient(backend, job, aggregation="token-mean", norm_length=4)
+        return anchor_gradient(backend, job, settings=LOSS, norm_length=4)
 
     from tclightning.backend import Backend
 
@@ -219,7 +216,7 @@ def anchor_reference() -> dict[str, Any]:
             policy_loss(logp, logp.detach(), ADVANTAGES, batch.completion_mask, norm_length=4).loss.backward()
 
         def anchor_m(job: Any) -> tuple[list[torch.Tensor], float]:
-            return anchor_gradient(backend, job, aggregation="token-mean", norm_length=4)
+            return anchor_gradient(backend, job, settings=LOSS, norm_length=4)
 
         return anchor_ticks(backend.owned_parameters(), names, g_comp, anchor_m)
 
@@ -365,7 +362,7 @@ def test_a_stage_chain_in_one_process_equals_the_model_with_cuts() -> None:
     from tclightning.pipeline.layout import resolve_layout
 
     model, batch = tiny_llama(), rollouts()
-    config = PipelineConfig(stages=4, layout="shallow", k=6, fill="zero")
+    config = PipelineConfig(stages=4, layout="shallow", k=6)
     specs = resolve_layout(config, LAYERS, DIM)
     codecs = [make_codec(s.codec, DIM, k=s.k) for s in specs]
     stages = [
@@ -454,7 +451,7 @@ def test_lightning_launches_two_stage_processes_and_resumes(tmp_path: Any) -> No
 
     args = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--quiet", "trainer.strategy=pipeline",
             "trainer.devices=2", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
-            "pipeline.k=8", "pipeline.fill=mean", "trainer.val_every=0", "trainer.checkpoint_every=1",
+            "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1",
             "model.warmup.steps=0", "logging.progress=none", "trainer.num_threads=1"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.run([*args, "trainer.steps=2"], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -86,8 +86,9 @@ def test_recipe_reference_lists_every_schema_key(site: Path) -> None:
     missing = [key for key in docs_gen.schema_keys() if key not in text]
     assert not missing, missing
     assert "grpo.clip_high" in text and "0.28" in text  # a default is shown
-    assert "P prompts per RL step" in text  # a trailing-comment help text
-    assert "Which cuts are compressed" in text  # a docstring-below help text (pipeline.layout)
+    assert "P prompts per RL step" in text  # a declared help text (grpo.prompts_per_step)
+    assert "which cuts are compressed" in text  # another (pipeline.layout)
+    assert "import path of a lightning Callback" in text  # a trailing-comment help text (CallbackSpec)
 
 
 @needs_mkdocs
@@ -112,14 +113,16 @@ def test_callback_reference_has_every_callback_and_argument(site: Path) -> None:
     assert "collapse-guard" in text and "rollback_lr_scale: 0.5" in text  # the presets
 
 
-def test_field_help_reads_the_three_comment_styles() -> None:
+def test_field_help_is_the_declared_setting_help_or_a_comment() -> None:
     from tclightning.grpo.config import GRPOConfig
     from tclightning.pipeline.config import PipelineConfig
+    from tclightning.recipes.schema import CallbackSpec
     from tclightning.tasks.config import TaskConfig
 
     assert docs_gen.field_help(GRPOConfig)["tis_cap"].startswith("token-level truncated importance sampling")
-    assert docs_gen.field_help(PipelineConfig)["k"] == "Budget in values per token; overrides ``rate``."
-    assert docs_gen.field_help(TaskConfig)["split"].startswith("Split used for training.")
+    assert docs_gen.field_help(PipelineConfig)["k"] == "budget in values per token; overrides ``rate``"
+    assert docs_gen.field_help(TaskConfig)["split"].startswith("split used for training.")
+    assert docs_gen.field_help(CallbackSpec)["class_path"].startswith("import path of a lightning Callback")
 
 
 def test_md_text_escapes_outside_code_only() -> None:

@@ -21,7 +21,7 @@ from tclightning.pipeline import CutSet, PipelineConfig
 from tests.test_distributed import (
     ADVANTAGES,
     ANCHOR_CASE,
-    LOSS_CFG,
+    LOSS,
     STEP,
     TURNS,
     anchor_ticks,
@@ -90,11 +90,11 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
         shadow = tiny_llama()
         with CutSet(shadow, config_for(ANCHOR_CASE)) as cuts, torch.no_grad():
             cuts.set_step(STEP)
-            from tclightning.grpo.logprobs import completion_logps
+            from tclightning.models.logprobs import completion_logps
 
             old_logp = completion_logps(shadow, batch)[0] - 0.1
     loss_fn = MicrobatchLoss(old_logp=old_logp, advantages=ADVANTAGES, mask=batch.completion_mask,
-                             logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+                             logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4)
     backend.begin_step(STEP)
     logp, _ = backend.forward_backward(batch, loss_fn)
     backend.clip_gradients(float("inf"))
@@ -112,12 +112,12 @@ def worker(rank: int, world_size: int) -> dict[str, Any]:
 
     def g_comp() -> None:
         fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
-                            logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+                            logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4)
         backend.forward_backward(batch, fn)
         backend.engine.reduce_tied_gradients()
 
     out["anchor"] = anchor_ticks(backend.owned_parameters(), names, g_comp,
-                                 lambda job: anchor_gradient(backend, job, aggregation="token-mean", norm_length=4))
+                                 lambda job: anchor_gradient(backend, job, settings=LOSS, norm_length=4))
     with torch.no_grad():
         for p, w in zip(backend.owned_parameters(), start):
             p.copy_(w)
@@ -242,11 +242,9 @@ def test_a_nan_on_one_replica_skips_every_rank_and_checkpoints_keep_one_copy(ran
 def test_replicas_refuse_stateful_codecs_and_wrong_process_counts(run_root: Any) -> None:
     from tclightning.run import run
 
-    with pytest.raises(TclightningError, match="pipeline.replicas=2 needs stateless codecs.*fill 'mean'"):
-        PipelineConfig(layout="all", fill="mean", replicas=2).validate()
-    with pytest.raises(TclightningError, match="codec 'lowrank'"):
+    with pytest.raises(TclightningError, match="pipeline.replicas=2 needs stateless codecs.*codec 'lowrank'"):
         PipelineConfig(layout="all", codec="lowrank", replicas=2).validate()
-    PipelineConfig(layout="dense", fill="mean", replicas=2).validate()  # dense cuts hold no state
+    PipelineConfig(layout="dense", codec="lowrank", replicas=2).validate()  # dense cuts hold no state
     with pytest.raises(TclightningError, match="replicas=2 x pipeline.stages=2 needs .* = 4 processes .got 2"):
         run("all-compressed", ["trainer.devices=2", "pipeline.stages=2", "pipeline.replicas=2"], quiet=True)
     assert not run_root.exists()

@@ -244,6 +244,18 @@ def test_checkpoint_hyper_parameters_are_validated_as_a_recipe(run_dir: Path, tm
         export_policy(bad_dtype, tmp_path / "out")
 
 
+@pytest.mark.parametrize("merger", ["signed_ema", "control_variate"])
+def test_a_checkpoint_of_an_anchor_run_exports(merger: str, run_dir: Path, tmp_path: Path) -> None:
+    """The anchor mergers need ``trainer.strategy: pipeline``, a section no checkpoint stores: that
+    check is a recipe's, and once refused every checkpoint of an anchor run."""
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    ckpt["hyper_parameters"]["anchor"] = {**ckpt["hyper_parameters"]["anchor"], "merger": merger}
+    path = tmp_path / "anchor.ckpt"
+    torch.save(ckpt, path)
+    export_policy(path, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
 @pytest.mark.parametrize("inside", ["checkpoints", "."])
 def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) -> None:
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

@@ -1,6 +1,5 @@
-"""The adaptive low-rank codec and the hybrid: exact in their span, both sides of a cut always hold
-the same basis (one process, two codec objects, two processes), exact-k hybrid messages that cover
-every residual channel, the refresh's bytes, and exact resume."""
+"""The adaptive low-rank codec: exact in its span, both sides of a cut always hold the same basis
+(one process, two codec objects, two processes), the refresh's bytes, and exact resume."""
 
 from __future__ import annotations
 
@@ -11,15 +10,15 @@ import pytest
 import torch
 
 from tclightning.bench.launch import run_ranks
-from tclightning.codecs import AdaptiveLowRankCodec, CodecKey, HybridCodec, TokenMoments, make_codec
+from tclightning.codecs import AdaptiveLowRankCodec, CodecKey, TokenMoments
 from tclightning.errors import TclightningError
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.summary import read_metrics
 from tclightning.pipeline import CutSet, PipelineConfig
 from tclightning.pipeline.layout import resolve_layout
 from tclightning.run import run
 from tests.conftest import FAST
-from tests.test_distributed import ADVANTAGES, LOSS_CFG, rollouts, tiny_llama
+from tests.test_distributed import ADVANTAGES, LOSS, rollouts, tiny_llama
 
 KEY = CodecKey(seed=3, step=1, cut=2)
 
@@ -226,40 +225,11 @@ def test_the_drift_check_does_not_count_what_fresh_token_means_absorb_in_sample(
     assert codec.basis_message(2) is None and codec.version == 1  # kept
 
 
-def test_hybrid_sends_exactly_k_values_and_covers_every_residual_channel() -> None:
-    dim, k, rank = 32, 6, 3
-    codec = make_codec("hybrid", dim, k=k, rank=rank)
-    assert isinstance(codec, HybridCodec)
-    x = in_span(200, dim, rank=8, seed=5).reshape(4, 50, dim)
-    codec.observe_dense(x.reshape(-1, dim))
-    codec.fit_shared(1)
-    covered = torch.zeros(dim, dtype=torch.bool)
-    for step in range(12):
-        key = CodecKey(seed=3, step=step, cut=2)
-        payload = codec.encode(x, key)
-        assert payload.shape == (4, 50, k) and codec.payload_bytes(200, torch.float32) == 200 * k * 4
-        x_hat = codec.decode(payload, key)
-        exact = (x_hat - x).abs() < 1e-4
-        covered |= exact.reshape(-1, dim).any(0)
-        # exact on the k - r drawn channels of every token (at least; in-span channels may be too)
-        assert int(exact.sum(-1).min()) >= k - rank
-        # better than the basis alone: the drawn residual coordinates are filled in exactly
-        low = AdaptiveLowRankCodec.decode(codec, payload[..., :rank], key)
-        assert (x_hat - x).pow(2).sum() < (low - x).pow(2).sum()
-    assert bool(covered.all())
-    with pytest.raises(ValueError, match="rank < k"):
-        HybridCodec(dim, k, k)
-
-
 def test_recipe_checks_name_the_setting() -> None:
-    with pytest.raises(TclightningError, match=r"pipeline.rank must be in \[1, 5\]"):
-        resolve_layout(PipelineConfig(layout="all", stages=2, codec="hybrid", k=6, rank=6), 4, 32)
-    with pytest.raises(TclightningError, match="backward_codec 'lowrank'"):
-        PipelineConfig(backward_codec="lowrank").validate()
     with pytest.raises(TclightningError, match="refresh_every"):
         PipelineConfig(refresh_every=-1).validate()
-    specs = resolve_layout(PipelineConfig(layout="all", stages=2, codec="hybrid", k=6), 4, 32)
-    assert specs[0].rank == 3 and specs[0].k == 6
+    specs = resolve_layout(PipelineConfig(layout="all", stages=2, codec="lowrank", k=6), 4, 32)
+    assert specs[0].rank == 6 and specs[0].k == 6  # the rank defaults to the budget: equal bytes per token
 
 
 # ------------------------------------------------------------------ in a model, and across processes
@@ -285,7 +255,7 @@ def one_process(setup: dict[str, Any]) -> dict[str, Any]:
     batch = rollouts()
     bases, metrics = {}, {}
     with CutSet(model, PipelineConfig(**CONFIG, **setup)) as cuts:
-        codec = cuts.boundaries[0].forward_codec
+        codec = cuts.boundaries[0].codec
         for step in range(6):
             cuts.reset_stats()
             cuts.set_step(step)
@@ -317,7 +287,7 @@ def lowrank_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[st
         loss_fn = no_loss
         if engine.is_last:
             loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
-                                     logp_sampler=batch.logp_sampler, ref_logp=None, cfg=LOSS_CFG, norm_length=4)
+                                     logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4)
         engine.run(inputs, loss_fn)
         if step == SHIP_STEP:
             snapshot = [p.detach().clone() for p in engine.owned_parameters()]
@@ -388,12 +358,12 @@ def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path)
         torch.save(cuts.state_dict(), tmp_path / "cuts.pt")
         cuts.set_step(3)
         expected = completion_logps(ref_model, batch)[0]
-        expected_basis = cuts.boundaries[0].forward_codec.basis.clone()
+        expected_basis = cuts.boundaries[0].codec.basis.clone()
     model = tiny_llama()
     with CutSet(model, config) as resumed:
         resumed.load_state_dict(torch.load(tmp_path / "cuts.pt", weights_only=True))
         resumed.set_step(3)  # a shipped refit from the restored window
-        assert torch.equal(resumed.boundaries[0].forward_codec.basis, expected_basis)
+        assert torch.equal(resumed.boundaries[0].codec.basis, expected_basis)
         torch.testing.assert_close(completion_logps(model, batch)[0], expected, rtol=0, atol=0)
     # the two-process checkpoint holds both sides: the sender's window and the receiver's basis
     state = two_ranks[0]["state"]
@@ -423,11 +393,11 @@ def test_switch_codec_rebuilds_the_compressed_cuts_and_a_resumed_cutset_follows(
     model, batch = tiny_llama(), rollouts()
     config = PipelineConfig(layout="shallow", shallow_count=1, stages=3, codec="prf", k=5)
     with CutSet(model, config) as cuts:
-        dense_cut = cuts.boundaries[1].forward_codec
+        dense_cut = cuts.boundaries[1].codec
         cuts.switch_codec("lowrank")
-        codec = cuts.boundaries[0].forward_codec
+        codec = cuts.boundaries[0].codec
         assert isinstance(codec, AdaptiveLowRankCodec) and codec.rank == 5 and codec.width == 64  # cold: dense
-        assert cuts.boundaries[1].forward_codec is dense_cut and cuts.config.codec == "lowrank"
+        assert cuts.boundaries[1].codec is dense_cut and cuts.config.codec == "lowrank"
         for step in range(3):  # cold start (dense) at step 0, then the fitted basis
             cuts.reset_stats()
             cuts.set_step(step)
@@ -438,7 +408,7 @@ def test_switch_codec_rebuilds_the_compressed_cuts_and_a_resumed_cutset_follows(
     assert state["codec"] == "lowrank"
     with CutSet(model, config) as resumed:  # built from the recipe (prf), then the checkpoint
         resumed.load_state_dict(state)
-        assert isinstance(resumed.boundaries[0].forward_codec, AdaptiveLowRankCodec)
+        assert isinstance(resumed.boundaries[0].codec, AdaptiveLowRankCodec)
         assert torch.equal(completion_logps(model, batch)[0].detach(), expected)
     with CutSet(model, PipelineConfig(layout="dense", stages=3)) as dense, pytest.raises(TclightningError,
                                                                                          match="no cut is compressed"):

@@ -1,4 +1,4 @@
-"""The correcting mergers (control_variate, masked, trust) on hand-made gradients, the anchor's
+"""The correcting merger (control_variate) on hand-made gradients, the anchor's
 strength and staleness signals, exact resume, and the fast circuit at a snapshot leaving the
 live codecs alone."""
 
@@ -16,14 +16,10 @@ from tclightning.anchor import (
     AnchorDelivery,
     AnchorSchedule,
     ControlVariateMerger,
-    MaskedMerger,
-    TrustMerger,
     build_anchor,
     control_variate_merge_,
     cosine,
     make_merger,
-    masked_merge_,
-    trust_factor,
 )
 from tclightning.anchor.config import AnchorConfig
 from tclightning.errors import TclightningError
@@ -82,48 +78,8 @@ def test_control_variate_ema_of_the_bias_and_missing_fast_gradient() -> None:
         merger.observe([t(1.0)])
 
 
-# ----------------------------------------------------------------------------- masked
-def test_masked_changes_only_confident_disagreeing_coordinates() -> None:
-    g = [t(1.0, -1.0, 2.0, -2.0)]
-    m_bar = [t(5.0, 5.0, -0.1, -5.0)]  # rms 4.33: 0.1 is not confident; coordinate 1 disagrees
-    out = [g[0].clone()]
-    share = masked_merge_(out, m_bar, alpha=0.25, kappa=1.0)
-    assert torch.allclose(out[0], t(1.0, 0.5, 2.0, -2.0))  # (2 alpha - 1) * -1 = 0.5 on the mask
-    assert share == pytest.approx(0.25)
-    merger = MaskedMerger(alpha=0.5, kappa=0.0)  # kappa 0: every disagreeing coordinate; alpha 0.5 zeroes it
-    assert torch.equal(merger.merge(g)[0], g[0])  # before any M: G_comp
-    merger.observe(m_bar)
-    assert torch.allclose(merger.merge(g)[0], t(1.0, 0.0, 0.0, -2.0))
-    assert merger.tick_metrics()["anchor/masked_frac"] == pytest.approx(0.5)
-
-
-# ----------------------------------------------------------------------------- trust
-def test_trust_factor() -> None:
-    assert trust_factor(None, 1.0) == 0.0  # one anchor only: no trust yet
-    assert trust_factor(1.0, 1.0) == 1.0
-    assert trust_factor(0.75, 0.5, floor=0.5) == pytest.approx(0.25)
-    assert trust_factor(0.9, -0.3) == 0.0  # a held sign against the fresh gradient gets nothing
-    assert trust_factor(0.4, 0.9, floor=0.5) == 0.0
-
-
-def test_trust_merger_follows_the_signals() -> None:
-    g = [t(1.0, -2.0, 0.5)]
-    merger = TrustMerger(alpha=0.25)
-    merger.observe([t(1.0, -1.0, 1.0)])
-    assert torch.equal(merger.merge(g)[0], g[0])  # first window: G_comp alone
-    assert merger.tick_metrics() == {"anchor/trust": 0.0}
-    merger.observe([t(1.0, -1.0, 1.0)])  # agrees with the last one: a = 1
-    assert merger.consecutive == 1.0
-    tau = cosine(g, [t(1.0, -1.0, 1.0)])
-    expected = g[0] + tau * 0.75 * (g[0].abs() * torch.sign(t(1.0, -1.0, 1.0)) - g[0])
-    assert torch.allclose(merger.merge(g)[0], expected)
-    assert merger.tick_metrics()["anchor/trust"] == pytest.approx(tau)
-    against = [-g[0]]  # the fresh gradient turned against the held anchor
-    assert torch.equal(merger.merge(against)[0], against[0])
-
-
 # ----------------------------------------------------------------------------- resume and errors
-@pytest.mark.parametrize("name", ["control_variate", "masked", "trust"])
+@pytest.mark.parametrize("name", ["control_variate", "signed_ema"])
 def test_exact_resume(name: str) -> None:
     gen = torch.Generator().manual_seed(0)
     shapes = [(3, 4), (5,)]
@@ -148,22 +104,17 @@ def test_exact_resume(name: str) -> None:
 def test_bad_merger_options_name_the_option() -> None:
     with pytest.raises(TclightningError, match="clip"):
         make_merger("control_variate", clip=-1.0)
-    with pytest.raises(TclightningError, match="kappa"):
-        make_merger("masked", kappa=-0.1)
-    with pytest.raises(TclightningError, match="floor"):
-        make_merger("trust", floor=1.0)
-    with pytest.raises(TclightningError, match="control_variate, masked, trust"):
+    with pytest.raises(TclightningError, match="choose one of none, signed_ema, control_variate"):
         make_merger("bogus")
+    for retired in ("dense", "masked", "trust"):
+        with pytest.raises(TclightningError, match=f"{retired} was tried and retired"):
+            make_merger(retired)
 
 
 def test_build_anchor_passes_the_recipe_options() -> None:
     anchor = build_anchor(AnchorConfig(merger="control_variate", cv_weight=0.5, cv_clip=0.25, beta=0.1))
     assert anchor is not None and isinstance(anchor.merger, ControlVariateMerger)
     assert (anchor.merger.weight, anchor.merger.clip, anchor.merger.beta) == (0.5, 0.25, 0.1)
-    anchor = build_anchor(AnchorConfig(merger="masked", mask_kappa=2.0))
-    assert anchor is not None and anchor.merger.kappa == 2.0
-    anchor = build_anchor(AnchorConfig(merger="trust", trust_floor=0.6))
-    assert anchor is not None and anchor.merger.floor == 0.6
 
 
 # ----------------------------------------------------------------------------- the Anchor object
@@ -223,16 +174,27 @@ def test_anchor_signals_and_fast_gradient() -> None:
     assert resumed.signal_metrics() == anchor.signal_metrics()
 
 
+def test_the_anchor_saves_none_of_the_settings_its_controller_owns() -> None:
+    anchor = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(5, 5)))
+    anchor.strength, anchor.measure_fast = 0.5, True  # what an anchor controller puts in before a step
+    anchor.circuit.schedule = AnchorSchedule(1, 1)
+    state = roundtrip(anchor.state_dict())
+    assert not {"strength", "measure_fast"} & state.keys() and "schedule" not in state["circuit"]
+    resumed = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(5, 5)))
+    resumed.load_state_dict({**state, "strength": 0.25, "measure_fast": True})  # an older checkpoint's keys
+    assert (resumed.strength, resumed.measure_fast, resumed.circuit.schedule) == (1.0, False, AnchorSchedule(5, 5))
+
+
 # ----------------------------------------------------------------------------- the fast circuit at a snapshot
 def _setup(layout: str, codec: str):  # noqa: ANN202
     from tests.test_distributed import rollouts, tiny_llama
 
     from tclightning.backend import BackendRequest
-    from tclightning.grpo.logprobs import completion_logps
+    from tclightning.models.logprobs import completion_logps
     from tclightning.pipeline import CutSet, LocalBackend, PipelineConfig
 
     model = tiny_llama()
-    cuts = CutSet(model, PipelineConfig(stages=2, layout=layout, codec=codec, k=5, fill="mean"))
+    cuts = CutSet(model, PipelineConfig(stages=2, layout=layout, codec=codec, k=5))
     backend = LocalBackend(BackendRequest(model, 1.0, completion_logps, lambda loss: loss.backward()), cuts)
     batch = rollouts()
 
@@ -242,10 +204,22 @@ def _setup(layout: str, codec: str):  # noqa: ANN202
     return model, cuts, backend, batch, loss_fn
 
 
+def _same(a: object, b: object) -> bool:
+    """Equal codec states: nested dicts and lists of tensors and plain values."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_the_fast_pass_at_a_snapshot_leaves_the_live_codecs_and_counters_alone() -> None:
-    model, cuts, backend, batch, loss_fn = _setup("all", "prf")
+    model, cuts, backend, batch, loss_fn = _setup("all", "lowrank")
     backend.begin_step(3)
-    backend.forward_backward(batch, loss_fn)  # the live circuit: fills and counters move
+    backend.forward_backward(batch, loss_fn)  # the cold start: dense, both sides fold it in
+    backend.begin_step(4)  # fits the basis
+    model.zero_grad(set_to_none=True)
+    backend.forward_backward(batch, loss_fn)  # the live circuit: its basis statistics and counters move
     snapshot = [p.detach().clone() for p in backend.owned_parameters()]
     grads = [p.grad.clone() for p in backend.owned_parameters()]
     state, wire = copy.deepcopy(cuts.state_dict()), cuts.metrics()
@@ -254,10 +228,7 @@ def test_the_fast_pass_at_a_snapshot_leaves_the_live_codecs_and_counters_alone()
     assert cuts.metrics() == wire
     after = cuts.state_dict()
     assert after["step"] == state["step"]
-    for a, b in zip(after["forward"], state["forward"]):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+    assert after["forward"][0]["basis"] is not None and _same(after["forward"], state["forward"])
     assert all(torch.equal(p.grad, g) for p, g in zip(backend.owned_parameters(), grads))
     # it is the fast circuit's gradient: the live policy's own compressed pass at the same weights
     model.zero_grad(set_to_none=True)
@@ -282,8 +253,30 @@ def test_the_recipe_check_refuses_what_cannot_run() -> None:
 
     with pytest.raises(RecipeError, match=r"'control_variate' runs the compressed circuit.*trainer.devices"):
         load_recipe("robust-5-5", ["trainer.devices=2"])
-    with pytest.raises(RecipeError, match=r"trust merges a compressed trainer's gradient"):
-        load_recipe("tiny", ["anchor.merger=trust"])
+    with pytest.raises(RecipeError, match=r"signed_ema merges a compressed trainer's gradient"):
+        load_recipe("tiny", ["anchor.merger=signed_ema"])
+    with pytest.raises(RecipeError, match="anchor.merger"):
+        load_recipe("robust-5-5", ["anchor.merger=trust"])  # retired
     with pytest.raises(RecipeError, match="anchor.trust_floor"):
-        load_recipe("robust-5-5", ["anchor.trust_floor=1.0"])
-    load_recipe("robust-5-5", ["trainer.devices=2", "anchor.merger=trust"])  # per coordinate: fine across processes
+        load_recipe("robust-5-5", ["anchor.trust_floor=0.6"])  # the retired merger's key is unknown now
+    load_recipe("robust-5-5", ["trainer.devices=2", "anchor.merger=signed_ema"])  # per coordinate: fine across processes
+
+
+def test_an_earlier_record_with_the_retired_mergers_keys_still_resumes_and_exports(tmp_path) -> None:  # noqa: ANN001
+    import yaml
+    from omegaconf import OmegaConf
+
+    from tclightning.recipes.loader import load_recipe, validate_checkpoint_hparams
+    from tclightning.run import resume_changes
+
+    cfg = load_recipe("robust-5-5")
+    record = OmegaConf.to_container(cfg)
+    record["anchor"].update(mask_kappa=1.0, trust_floor=0.5)  # what an earlier version recorded
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(record))
+    assert resume_changes(tmp_path, cfg, 5) == ()
+    record["anchor"]["merger"] = "trust"  # a run of a retired merger cannot continue
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(record))
+    with pytest.raises(TclightningError, match="key 'anchor.merger' was 'trust'"):
+        resume_changes(tmp_path, cfg, 5)
+    hparams = {name: record[name] for name in ("model", "task", "sampler", "grpo")}
+    validate_checkpoint_hparams({**hparams, "anchor": {"merger": "none", "mask_kappa": 1.0, "trust_floor": 0.5}}, "ckpt")

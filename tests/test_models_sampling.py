@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tclightning.errors import TclightningError
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.models.config import ModelConfig, TinyModelConfig
 from tclightning.models.loading import load_model
 from tclightning.sampling import PromptFormatter, SamplerConfig, build_sampler

@@ -23,7 +23,7 @@ from tclightning.sampling import PromptFormatter, build_sampler
 from tclightning.sampling.config import SamplerConfig
 
 DIM, LAYERS, K = 32, 4, 4
-BASE = PipelineConfig(stages=4, codec="prf", k=K, fill="zero")  # 4 layers / 4 stages: cuts after 0, 1, 2
+BASE = PipelineConfig(stages=4, codec="prf", k=K)  # 4 layers / 4 stages: cuts after 0, 1, 2
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_bytes_per_token_match_the_cutset_formula(rows) -> None:
 def test_probe_leaves_no_hooks_and_keeps_mode(model_and_rollouts) -> None:
     model, rollouts = model_and_rollouts
     model.train()
-    price_cuts(model, rollouts, PipelineConfig(stages=2, k=K, fill="mean"), step=0)
+    price_cuts(model, rollouts, PipelineConfig(stages=2, codec="lowrank", k=K), step=0)
     assert model.training
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -142,19 +142,19 @@ def test_stateful_codecs_are_warmed_on_other_completions_before_the_measured_bat
 def test_the_warm_up_is_folded_in_one_step_per_share(model_and_rollouts, monkeypatch: pytest.MonkeyPatch) -> None:
     """``warmup_steps`` splits the warm-up rows into that many steps, each folded by a step change;
     a stateless codec's rows do not depend on it."""
-    from tclightning.codecs.prf import ConditionalStats
+    from tclightning.codecs import AdaptiveLowRankCodec
 
     model, rollouts = model_and_rollouts
     commits: list[int] = []
-    fold = ConditionalStats.commit
+    fold = AdaptiveLowRankCodec.fit_shared
 
-    def counting(self: ConditionalStats) -> None:
-        if self.pending is not None and self.pending_tokens["dense"] > 0:  # a share's dense pass folded
-            commits.append(self.pending_tokens["dense"])
-        fold(self)
+    def counting(self: AdaptiveLowRankCodec, step: int) -> bool:
+        commits.append(self.shared.count)  # a share's dense pass folded
+        return fold(self, step)
 
-    monkeypatch.setattr(ConditionalStats, "commit", counting)
-    config = PipelineConfig(stages=4, codec="prf", k=K, fill="conditional", fill_rank=4)
+    monkeypatch.setattr(AdaptiveLowRankCodec, "fit_shared", counting)
+    # every step change checks (and, at tolerance 0, refits on) the share's dense tokens
+    config = PipelineConfig(stages=4, codec="lowrank", k=K, refresh_every=1, refresh_tolerance=0.0)
     in_three = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=3))
     per_configuration = len(commits)
     commits.clear()

@@ -36,7 +36,7 @@ from tclightning.sampling import PromptFormatter
 from tclightning.tasks import TaskConfig, build_task
 from tests.conftest import FAST
 
-BASE = PipelineConfig(stages=4, fill="zero")  # 4 layers: cuts after layers 0, 1, 2
+BASE = PipelineConfig(stages=4)  # 4 layers: cuts after layers 0, 1, 2
 RATES = [1.0, 0.5, 0.25, 0.05, 0.02]  # d = 64: k = 64, 32, 16, 3, 1
 
 

@@ -224,3 +224,40 @@ def test_interpolations_and_invalid_yaml_values_are_one_line(tmp_path: Path) -> 
 def test_a_step_of_a_billion_completions_is_refused_before_anything_is_allocated() -> None:
     with pytest.raises(RecipeError, match=r"override 'grpo.prompts_per_step=1000000000'.*per step, more than 1048576"):
         load_recipe("tiny", ["grpo.prompts_per_step=1000000000"])
+
+
+# ------------------------------------------------------------------ checkpoints: the sections they hold
+def test_checkpoint_hyper_parameters_run_only_the_checks_of_the_sections_they_hold() -> None:
+    """A checkpoint stores model, task, sampler, grpo and anchor, not trainer: the anchor mergers'
+    need for ``trainer.strategy: pipeline`` cannot be judged there (it was, against the schema's
+    default ``auto``, and refused every checkpoint of an anchor run), while a recipe still needs it."""
+    from dataclasses import asdict
+
+    from tclightning.anchor.config import AnchorConfig
+    from tclightning.models.config import ModelConfig
+    from tclightning.recipes.loader import validate_checkpoint_hparams
+
+    for merger in ("signed_ema", "control_variate"):
+        validate_checkpoint_hparams({"model": asdict(ModelConfig()), "anchor": asdict(AnchorConfig(merger=merger))},
+                                    "anchor.ckpt")
+        with pytest.raises(RecipeError, match="trainer.strategy: pipeline"):
+            load_recipe("tiny", [f"anchor.merger={merger}"])
+    with pytest.raises(RecipeError, match="anchor.ckpt: key 'anchor.merger'"):  # its own range still holds
+        validate_checkpoint_hparams({"model": asdict(ModelConfig()), "anchor": {"merger": "trust"}}, "anchor.ckpt")
+
+
+def test_checkpoint_hyper_parameters_of_an_earlier_version_hold_retired_keys() -> None:
+    from dataclasses import asdict
+
+    from tclightning.grpo.config import GRPOConfig
+    from tclightning.models.config import ModelConfig
+    from tclightning.recipes.loader import validate_checkpoint_hparams
+    from tclightning.recipes.schema import RETIRED_KEYS
+
+    model = asdict(ModelConfig())
+    model["warmup"]["cache"] = True
+    validate_checkpoint_hparams({"model": model, "grpo": {**asdict(GRPOConfig()), "eps": 1e-4},
+                                 "anchor": {"warmup_shape": "geometric", "mask_kappa": 1.0}}, "old.ckpt")
+    assert {"model.warmup.cache", "grpo.eps", "pipeline.compressed", "anchor.warmup_shape"} <= set(RETIRED_KEYS)
+    with pytest.raises(RecipeError, match="grpo.eps"):  # a retired key is no recipe key
+        load_recipe("tiny", ["grpo.eps=0.001"])

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -73,8 +72,8 @@ def test_warmup_cache_hit_is_bit_identical_and_a_changed_setting_misses(
     _, stats = _warm(warmup_parts, cache, cfg=replace(warmup_parts[4], lr=warmup_parts[4].lr / 2))
     assert "warmup/cached" not in stats and len(_entries(cache)) == 2  # another setting, another entry
 
-    _, stats = _warm(warmup_parts, cache, cfg=replace(warmup_parts[4], cache=False))
-    assert "warmup/cached" not in stats  # model.warmup.cache=false: trained again
+    _, stats = _warm(warmup_parts, cache, use_cache=False)
+    assert "warmup/cached" not in stats  # a bypass: trained again
     monkeypatch.setenv("TCLIGHTNING_NO_CACHE", "1")
     _, stats = _warm(warmup_parts, cache)
     assert "warmup/cached" not in stats and len(_entries(cache)) == 2
@@ -88,7 +87,9 @@ def test_run_reuses_the_warmup_and_matches_a_run_without_cache(
                 "trainer.steps=2", "trainer.val_every=0"]
     first = run("tiny", [*settings, "logging.name=first"], quiet=True)
     second = run("tiny", [*settings, "logging.name=second"], quiet=True)
-    fresh = run("tiny", [*settings, "logging.name=fresh", "model.warmup.cache=false"], quiet=True)
+    monkeypatch.setenv("TCLIGHTNING_NO_CACHE", "1")  # what `tclightning run --no-cache` sets
+    fresh = run("tiny", [*settings, "logging.name=fresh"], quiet=True)
+    monkeypatch.delenv("TCLIGHTNING_NO_CACHE")
     err = capsys.readouterr().err
     assert err.count("supervised warm-up reused from the cache") == 1
     assert "warmup/cached" not in first and second["warmup/cached"] == 1.0 and "warmup/cached" not in fresh
@@ -173,9 +174,10 @@ def test_a_damaged_warmup_cache_entry_is_trained_again_and_replaced(
 
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(
-        run_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        run_root: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TCLIGHTNING_NO_CACHE", "1")  # the warm-up's progress lines: trained, not reused
     run("tiny", [*FAST, "logging.progress=rich", "trainer.steps=3", "trainer.val_every=0",
-                 "model.warmup.steps=4", "model.warmup.batch_size=8", "model.warmup.cache=false"], quiet=True)
+                 "model.warmup.steps=4", "model.warmup.batch_size=8"], quiet=True)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("run directory: ") and Path(out[0].split(": ", 1)[1]).is_dir()
     assert any(line.startswith("supervised warm-up: stopped at step 4 of at most 4") for line in out)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.models.config import ModelConfig
 from tclightning.models.loading import load_model
 from tclightning.run import run

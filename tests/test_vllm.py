@@ -170,7 +170,7 @@ def test_seeds_are_per_row_and_reproducible(fake_vllm: SimpleNamespace, tiny: tu
     assert torch.equal(first.completion_ids, again.completion_ids) and first.texts == again.texts
     assert first.texts != other.texts
     # sampled log-probs are the tempered ones: re-scoring the tokens at T = 0.7 reproduces them
-    from tclightning.grpo.logprobs import completion_logps
+    from tclightning.models.logprobs import completion_logps
 
     logp, _ = completion_logps(model, first, 0.7)
     torch.testing.assert_close(logp, first.logp_sampler, atol=1e-4, rtol=0)

@@ -2,8 +2,9 @@
 
 * ``reference/recipe.md`` -- every recipe section, key, type, default and help text, read from
   the schema dataclasses (``tclightning/recipes/schema.py`` and the section dataclasses it
-  composes). Help text is the field's trailing ``#`` comment, the ``#`` comment block right
-  above it, or the string literal right below it (the three styles the config modules use).
+  composes). Help text is what the field declares with ``tclightning.settings.setting`` (its
+  range and help); for a field declared otherwise (``CallbackSpec``), its trailing ``#`` comment,
+  the ``#`` comment block right above it, or the string literal right below it.
 * ``reference/cli.md`` -- ``--help`` of ``tclightning`` and ``lightning`` and of every
   subcommand, from the argparse parsers themselves.
 * ``reference/callbacks.md`` -- constructor arguments of every public callback (from
@@ -72,7 +73,11 @@ def yaml_value(value: Any) -> str:
 
 # ----------------------------------------------------------------------------- recipe reference
 def field_help(cls: type) -> dict[str, str]:
-    """Help text of each dataclass field: trailing comment, comment block above, or docstring below."""
+    """Help text of each dataclass field: its declared setting help, else its trailing comment,
+    comment block above, or docstring below."""
+    from tclightning.settings import help_text
+
+    declared = {f.name: " ".join(text.split()) for f in dataclasses.fields(cls) if (text := help_text(f))}
     source = textwrap.dedent(inspect.getsource(cls))
     comments: dict[int, str] = {}  # 1-based line -> comment text
     code_lines: set[int] = set()
@@ -98,7 +103,7 @@ def field_help(cls: type) -> dict[str, str]:
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             parts.append(inspect.cleandoc(nxt.value.value))
         helps[node.target.id] = " ".join(" ".join(parts).split())
-    return helps
+    return {**helps, **declared}
 
 
 def field_types(cls: type) -> dict[str, str]:

@@ -2,8 +2,8 @@
 
 Pure logic, no Lightning: :mod:`~tclightning.anchor.anchor` (:class:`Anchor`, the feature in one
 object, built from the recipe by :func:`build_anchor`), :mod:`~tclightning.anchor.circuit`
-(schedule and pending jobs), :mod:`~tclightning.anchor.mergers` (``none``, ``dense``,
-``signed_ema``, ``control_variate``, ``masked``, ``trust``) and :mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``).
+(schedule and pending jobs), :mod:`~tclightning.anchor.mergers` (``none``, ``signed_ema``,
+``control_variate``) and :mod:`~tclightning.anchor.projectors` (``none``, ``damped_linear``, ``rank1``).
 The Lightning callback for any module is :class:`tclightning.callbacks.anchor_merge.AnchorMerge`.
 """
 
@@ -18,22 +18,16 @@ from tclightning.anchor.circuit import (
 from tclightning.anchor.mergers import (
     MERGERS,
     ControlVariateMerger,
-    DenseMerger,
-    MaskedMerger,
     Merger,
     NoneMerger,
     SignedEMAMerger,
-    TrustMerger,
     control_variate_merge_,
     cosine,
     ema_update,
     make_merger,
-    masked_merge_,
     sign_agreement,
     signed_ema_merge,
     signed_ema_merge_,
-    trust_factor,
-    trust_merge_,
 )
 from tclightning.anchor.projectors import (
     PROJECTORS,
@@ -55,14 +49,11 @@ __all__ = [
     "ControlVariateMerger",
     "AnchorSchedule",
     "DampedLinearProjector",
-    "DenseMerger",
-    "MaskedMerger",
     "Merger",
     "NoneMerger",
     "Projector",
     "Rank1Projector",
     "SignedEMAMerger",
-    "TrustMerger",
     "Stage",
     "build_anchor",
     "control_variate_merge_",
@@ -71,12 +62,9 @@ __all__ = [
     "ema_update",
     "make_merger",
     "make_projector",
-    "masked_merge_",
     "sign_agreement",
     "signed_ema_merge",
     "signed_ema_merge_",
     "staleness_factor",
     "top_direction",
-    "trust_factor",
-    "trust_merge_",
 ]

@@ -18,6 +18,9 @@
   method, measured online (``fast_readings``: this step's; ``fast_signal``: the latest);
 * the **strength** ``s`` in [0, 1] that an anchor controller turns:
   ``G = G_comp + s * (merge(G_comp) - G_comp)`` (1: the merger as is; 0: the anchor term off).
+  ``strength`` and ``measure_fast`` are settings, not state: their owner (the controller, which
+  checkpoints its own decisions) puts them in before every step, so :meth:`Anchor.state_dict`
+  does not save them, nor the circuit its schedule.
 
 Per optimizer tick the trainer calls :meth:`Anchor.tick` before its forward/backward and
 :meth:`Anchor.merge_` after clipping, right before ``optimizer.step()``. :func:`build_anchor` is
@@ -223,7 +226,7 @@ class Anchor:
 
     def signal_metrics(self) -> dict[str, float]:
         """This step's means of the per-tick signals (``anchor/fast_cosine`` and the merger's own,
-        e.g. ``anchor/trust``), ``anchor/consecutive_agreement`` once two anchors have arrived,
+        e.g. ``anchor/correction_ratio``), ``anchor/consecutive_agreement`` once two anchors have arrived,
         ``anchor/fast_signal`` (the latest reading) once one was measured, and ``anchor/strength``."""
         out = {key: sum(values) / len(values) for key, values in self.signals.items() if values}
         if self.consecutive is not None:
@@ -252,8 +255,6 @@ class Anchor:
             "anchors": self.anchors,
             "agreement": list(self.agreement),
             "coordinates": list(self.coordinates),
-            "strength": self.strength,
-            "measure_fast": self.measure_fast,
             "fast_signal": self.fast_signal,
             "fast_readings": list(self.fast_readings),
             "consecutive": self.consecutive,
@@ -261,13 +262,13 @@ class Anchor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (the schedule stays the constructor's)."""
+        """Restore what :meth:`state_dict` returned (the schedule stays the constructor's). An older
+        checkpoint's ``strength`` and ``measure_fast`` are ignored: the controller that set them
+        saves its decisions itself and puts them back before the next step."""
         if self.circuit is not None and state.get("circuit") is not None:
             self.circuit.load_state_dict(state["circuit"])
         new = state.get("new")
         self._delivered = None if new is None else AnchorDelivery(*new)
-        self.strength = float(state.get("strength", 1.0))
-        self.measure_fast = bool(state.get("measure_fast", False))
         fast_signal = state.get("fast_signal")
         self.fast_signal = None if fast_signal is None else float(fast_signal)
         self.fast_readings = [float(r) for r in state.get("fast_readings", [])]
@@ -285,19 +286,17 @@ class Anchor:
 
 def build_anchor(config: AnchorConfig) -> Anchor | None:
     """The run's anchor from the recipe's ``anchor`` section, or None when the merger needs no
-    anchor (``none``; ``dense``, whose layout makes ``G_comp`` the dense gradient already)."""
+    anchor (``none``)."""
     options: dict[str, Any] = {}
     if config.projector != "none":
         options["gamma"] = config.projector_gamma
     if config.projector == "rank1":
         options["window"] = config.projector_window
     merger = make_merger(config.merger, alpha=config.alpha, beta=config.beta, projector=config.projector,
-                         weight=config.cv_weight, clip=config.cv_clip, kappa=config.mask_kappa,
-                         floor=config.trust_floor, **options)
+                         weight=config.cv_weight, clip=config.cv_clip, **options)
     if not merger.needs_anchor:
         return None
-    schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks,
-                              config.warmup_shape, config.warmup_stages)
+    schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks)
     return Anchor(merger, AnchorCircuit(schedule))
 
 

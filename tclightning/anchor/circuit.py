@@ -29,7 +29,7 @@ Nothing else is kept: a delivered job is forgotten by the circuit.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -57,9 +57,8 @@ class AnchorSchedule:
     ``warmup="la_warmup"`` (``LA-WARMUP-V2``): the anchor starts fresh and steps up to the final
     ``latency/cadence`` over ``warmup_ticks`` ticks, in stages:
 
-    * ``warmup_shape="geometric"`` (default): stage latencies ``K_j = min(2**j, K)`` for
-      ``j = 0, 1, ...`` until ``K`` is reached (20 → 1, 2, 4, 8, 16, 20);
-      ``warmup_shape="linear"``: ``warmup_stages`` latencies ``K_j = round(1 + j (K - 1) / (n - 1))``.
+    * stage latencies ``K_j = min(2**j, K)`` for ``j = 0, 1, ...`` until ``K`` is reached
+      (20 → 1, 2, 4, 8, 16, 20);
     * cadence keeps the final ratio: ``C_j = max(1, round(K_j * C / K))``; stage 0 is always
       ``K=1, C=1`` (one tick late, every tick).
     * the ``n - 1`` warm-up stages split ``[0, warmup_ticks)`` evenly: stage ``j`` starts at tick
@@ -73,8 +72,6 @@ class AnchorSchedule:
     cadence: int = 5
     warmup: str = "none"
     warmup_ticks: int = 100
-    warmup_shape: str = "geometric"
-    warmup_stages: int = 5
 
     def __post_init__(self) -> None:
         if self.latency < 0:
@@ -86,23 +83,15 @@ class AnchorSchedule:
         if self.warmup == "la_warmup":
             if self.warmup_ticks < 0:
                 raise TclightningError(f"la_warmup: warmup_ticks must be >= 0, got {self.warmup_ticks}")
-            if self.warmup_shape not in ("geometric", "linear"):
-                raise TclightningError(f"la_warmup: warmup_shape must be geometric or linear, got {self.warmup_shape!r}")
-            if self.warmup_shape == "linear" and self.warmup_stages < 2:
-                raise TclightningError(f"la_warmup: warmup_stages must be >= 2, got {self.warmup_stages}")
 
     def stages(self) -> list[Stage]:
         """The stages in order (one stage without warm-up); the last one is the final ``K/C``."""
         final = Stage(0, self.latency, self.cadence)
         if self.warmup == "none" or self.warmup_ticks == 0 or self.latency <= 1:
             return [final]
-        if self.warmup_shape == "geometric":
-            lats = [1]
-            while lats[-1] < self.latency:
-                lats.append(min(2 * lats[-1], self.latency))
-        else:
-            n = self.warmup_stages
-            lats = sorted({round(1 + j * (self.latency - 1) / (n - 1)) for j in range(n)})
+        lats = [1]
+        while lats[-1] < self.latency:
+            lats.append(min(2 * lats[-1], self.latency))
         ramp = lats[:-1]  # the final latency is the last stage
         stages = []
         for j, k in enumerate(ramp):
@@ -220,9 +209,9 @@ class AnchorCircuit:
         return {"anchor/latency": float(latency), "anchor/cadence": float(cadence)}
 
     def state_dict(self) -> dict[str, Any]:
-        """Pending jobs (snapshot tensors and payloads included), the last record tick, the counters."""
+        """Pending jobs (snapshot tensors and payloads included), the last record tick, the counters
+        (not the schedule: the recipe's, or an anchor controller's, which saves its own decisions)."""
         return {
-            "schedule": asdict(self.schedule),
             "pending": [job.to_state() for job in self.pending],
             "last_record_tick": self.last_record_tick,
             "recorded": self.recorded,

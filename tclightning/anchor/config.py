@@ -1,37 +1,47 @@
-"""Anchor circuit section of a recipe."""
+"""Anchor circuit section of a recipe: each key with its range and help (:func:`tclightning.settings.setting`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tclightning.anchor.circuit import WARMUPS
+from tclightning.anchor.mergers import MERGERS
+from tclightning.anchor.projectors import PROJECTORS
+from tclightning.settings import integer, number, one_of, positive, setting, share
 
 
 @dataclass
 class AnchorConfig:
     """The dense, late anchor gradient ``M`` and how it is merged into the fast circuit's ``G_comp``.
 
-    ``merger``: ``none`` (the fast circuit alone), ``signed_ema`` (the sign(M) anchor:
-    ``M_bar <- beta M_bar + (1 - beta) M`` when an ``M`` arrives, then per coordinate
-    ``G = alpha G_comp + (1 - alpha) |G_comp| sign(M_hat)``, ``M_hat`` = projector(``M_bar``)), or
-    ``dense`` (the control: the trainer itself is dense, nothing to merge); the correcting
-    mergers ``control_variate`` (``G = G_comp + cv_weight * (M - G_hat)``, ``G_hat`` the fast
-    circuit at the anchor's snapshot), ``masked`` and ``trust`` (formulas in
+    ``merger``: ``none`` (the fast circuit alone; with the ``dense`` layout, the dense control),
+    ``signed_ema`` (the sign(M) anchor: ``M_bar <- beta M_bar + (1 - beta) M`` when an ``M``
+    arrives, then per coordinate ``G = alpha G_comp + (1 - alpha) |G_comp| sign(M_hat)``, ``M_hat``
+    = projector(``M_bar``)), or the correcting ``control_variate`` (``G = G_comp + cv_weight *
+    (M - G_hat)``, ``G_hat`` the fast circuit at the anchor's snapshot; formulas in
     :mod:`tclightning.anchor.mergers`). ``latency`` K and
     ``cadence`` C are in optimizer ticks ("5/5" = K=5, C=5). See docs/anchor.md.
     """
 
-    merger: str = "none"  # none | signed_ema | dense | control_variate | masked | trust
-    alpha: float = 0.25  # correction weight (stable in the original experiments, docs/anchor.md)
-    beta: float = 0.0  # anchor memory (0 = freshest)
-    latency: int = 5  # K: ticks between the snapshot and the delivery of its M
-    cadence: int = 5  # C: ticks between anchor snapshots
-    projector: str = "none"  # none | damped_linear | rank1 (staleness repair of M_bar)
-    projector_gamma: float = 0.5  # damping of damped_linear / rank1
-    projector_window: int = 8  # rank1: weight snapshots kept for the trajectory direction
-    warmup: str = "none"  # none | la_warmup (LA-WARMUP-V2: K/C start at 1/1 and step up)
-    warmup_ticks: int = 100  # la_warmup: the final K/C is in force from this tick on
-    warmup_shape: str = "geometric"  # la_warmup: geometric (1, 2, 4, ... K) | linear
-    warmup_stages: int = 5  # la_warmup, linear shape: number of latency stages
-    cv_weight: float = 1.0  # control_variate: weight of the compression-bias correction
-    cv_clip: float = 1.0  # control_variate: correction norm <= cv_clip * ||G_comp|| (0 = no bound)
-    mask_kappa: float = 1.0  # masked: confident where |M_bar| >= kappa * rms(M_bar) of its tensor
-    trust_floor: float = 0.5  # trust: consecutive-anchor agreement at which the trust is 0
+    merger: str = setting("none", one_of(MERGERS), " | ".join(MERGERS))
+    alpha: float = setting(0.25, share(), "correction weight (stable in the original experiments, docs/anchor.md)")
+    beta: float = setting(0.0, number(0.0, 1.0, high_open=True), "anchor memory (0 = freshest)")
+    latency: int = setting(5, integer(0), "K: ticks between the snapshot and the delivery of its M")
+    cadence: int = setting(5, positive(), "C: ticks between anchor snapshots")
+    projector: str = setting("none", one_of(PROJECTORS),
+                             f"{' | '.join(PROJECTORS)} (staleness repair of M_bar)")
+    projector_gamma: float = setting(0.5, number(0.0), "damping of damped_linear / rank1")
+    projector_window: int = setting(8, integer(2), "rank1: weight snapshots kept for the trajectory direction")
+    warmup: str = setting("none", one_of(WARMUPS),
+                          "none | la_warmup (LA-WARMUP-V2: K/C start at 1/1 and step up geometrically, 1, 2, 4, ... K)")
+    warmup_ticks: int = setting(100, integer(0), "la_warmup: the final K/C is in force from this tick on")
+    cv_weight: float = setting(1.0, number(0.0), "control_variate: weight of the compression-bias correction")
+    cv_clip: float = setting(1.0, number(0.0),
+                             "control_variate: correction norm <= cv_clip * ||G_comp|| (0 = no bound)")
+
+
+RETIRED_KEYS = ("mask_kappa", "trust_floor", "warmup_shape", "warmup_stages")
+"""Keys of the ``anchor`` section an earlier version saved that no option reads now: a run's record or
+a checkpoint that holds them is read without them. ``mask_kappa`` and ``trust_floor`` were read only by
+the retired ``masked`` and ``trust`` mergers; ``warmup_shape`` / ``warmup_stages`` chose la_warmup's
+never-measured ``linear`` ramp (``geometric``, the one LA-WARMUP-V2 ran, is the ramp now)."""

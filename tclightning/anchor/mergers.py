@@ -13,12 +13,8 @@ Each merger is a small stateful object with the same three calls:
 
 Names (``MERGERS``):
 
-* ``none``: ``G = G_comp`` (the fast circuit alone; ``M`` is ignored).
-* ``dense``: the control. ``G = M`` for a tick that received an ``M``, else ``G = G_comp``.
-  The dense control is run with the ``dense`` layout (no compressed cut), where ``G_comp`` *is*
-  the dense gradient at the current weights, so the merger passes it through and no anchor
-  circuit is needed (``needs_anchor`` is False); an ``M`` handed to it (e.g. a K=0 anchor in a
-  test) replaces ``G_comp`` outright.
+* ``none``: ``G = G_comp`` (the fast circuit alone; ``M`` is ignored). The dense control is the
+  ``dense`` pipeline layout with this merger: there ``G_comp`` *is* the dense gradient.
 * ``signed_ema(alpha, beta)``: the sign(M) anchor of the original two-circuit method. When an ``M`` arrives
   ``M_bar <- beta * M_bar + (1 - beta) * M`` (the first ``M`` initialises ``M_bar = M``; the
   signs are the same as starting from zero, and the projectors see an unbiased magnitude). Then
@@ -27,14 +23,11 @@ Names (``MERGERS``):
   arrives ``G = G_comp``. ``sign(0) = 0``: where ``M_hat`` is exactly 0 the correction term
   vanishes and ``G = alpha * G_comp``. Since ``|G| <= |G_comp|`` coordinate-wise, the merge never
   grows the gradient (clipping before or after it gives the same bound).
-
-The mergers below *correct* ``G_comp`` instead of overriding its direction: the fresh fast
-gradient keeps the lead, the late anchor only repairs what compression biases, and each has a
-guard that makes it fall back to ``G = G_comp`` where the anchor cannot be trusted. Each keeps
-the newest anchor direction for the online staleness signals (:meth:`Merger.reference`).
-
-* ``control_variate(weight, beta, clip)``: the anchor job also runs the *fast* (compressed)
-  circuit on its replay batch at the snapshot weights, ``G_hat = G_comp(theta(t-K))``, so the
+* ``control_variate(weight, beta, clip)``: *corrects* ``G_comp`` instead of overriding its
+  direction (the fresh fast gradient keeps the lead, the late anchor only repairs what
+  compression biases); it keeps the newest ``M`` for the online staleness signals
+  (:meth:`Merger.reference`). The anchor job also runs the *fast* (compressed) circuit on its
+  replay batch at the snapshot weights, ``G_hat = G_comp(theta(t-K))``, so the
   anchor delivers the compression bias on that batch, ``c = M - G_hat``. When it arrives
   ``c_bar <- beta * c_bar + (1 - beta) * c`` (the first ``c`` initialises ``c_bar``), and every
   later tick steps with::
@@ -45,25 +38,10 @@ the newest anchor direction for the online staleness signals (:meth:`Merger.refe
   fresh ``G_comp``; with no compression ``G_hat = M``, so ``c = 0`` and ``G = G_comp``, the
   dense gradient. With ``K = 0`` and ``weight = 1`` (no clip) the arrival tick steps with exactly
   ``M``. The bound keeps a stale correction from outweighing the fresh gradient.
-* ``masked(alpha, beta, kappa)``: ``M_bar`` as in ``signed_ema``; per tensor the anchor is
-  *confident* at coordinates with ``|M_bar| >= kappa * rms(M_bar)`` (the tensor's spread), and
-  the signed correction acts only where it is confident *and* disagrees with the fresh
-  gradient: ``mask = confident & sign(G_comp) != sign(M_bar)``, ``G = alpha G_comp +
-  (1 - alpha) |G_comp| sign(M_bar)`` on the mask (that is ``(2 alpha - 1) G_comp`` there) and
-  ``G = G_comp`` elsewhere. Where the anchor agrees with the fast circuit it adds nothing, so a
-  held sign never pushes a coordinate further than the fresh gradient does.
-* ``trust(alpha, beta, floor)``: ``signed_ema`` whose correction is scaled by a trust
-  ``tau`` in [0, 1] measured online at every tick::
 
-      G = G_comp + tau * (1 - alpha) * (|G_comp| sign(M_bar) - G_comp)
-      tau = clamp((a - floor) / (1 - floor), 0, 1) * clamp(cos(G_comp, M_bar), 0, 1)
-
-  ``a``: sign agreement of the last two anchors (``M`` against ``M_bar`` before it was folded
-  in; 0 until the second anchor, so the first window runs on ``G_comp`` alone), ``cos``: the
-  fresh fast gradient against the held anchor at this tick. A held sign that has turned
-  against the fresh gradient (``cos <= 0``: the anti-phase of a late anchor in an oscillating
-  run) gets no weight at all, so it cannot pump the optimizer's momentum; ``tau = 1`` is
-  ``signed_ema``.
+Retired: ``masked`` (the signed correction only where a confident anchor disagrees) and ``trust``
+(the signed correction scaled by an online trust), measured in docs/two-circuits.md, and
+``dense`` (``G = M`` on an arrival tick), a control the ``dense`` layout with ``none`` already is.
 """
 
 from __future__ import annotations
@@ -77,7 +55,9 @@ from torch import Tensor
 from tclightning.anchor.projectors import Projector, make_projector
 from tclightning.errors import TclightningError
 
-MERGERS = ("none", "dense", "signed_ema", "control_variate", "masked", "trust")
+MERGERS = ("none", "signed_ema", "control_variate")
+RETIRED_MERGERS = ("dense", "masked", "trust")
+"""Mergers measured and removed: named in the error a recipe or checkpoint asking for one gets."""
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -150,48 +130,6 @@ def control_variate_merge_(
     return c_norm * scale / g_norm if g_norm > 0 else 0.0
 
 
-def confident_disagreement(g_comp: Tensor, m_bar: Tensor, kappa: float) -> Tensor:
-    """The ``masked`` merger's mask for one tensor: ``|M_bar| >= kappa * rms(M_bar)`` and
-    ``sign(G_comp) != sign(M_bar)`` (a boolean tensor shaped like ``g_comp``)."""
-    m = m_bar.to(g_comp.device, torch.float32)
-    rms = m.pow(2).mean().sqrt()
-    confident = m.abs() >= kappa * rms if float(rms) > 0 else torch.zeros_like(m, dtype=torch.bool)
-    return confident & (torch.sign(g_comp).to(torch.float32) != torch.sign(m))
-
-
-def masked_merge_(grads: Sequence[Tensor], m_bar: Sequence[Tensor], alpha: float, kappa: float) -> float:
-    """In place: the ``signed_ema`` formula on :func:`confident_disagreement`'s mask, ``G_comp``
-    elsewhere. Returns the share of coordinates changed."""
-    _check_lengths(grads, m_bar, "G_comp", "M_bar")
-    changed = total = 0
-    for g, m in zip(grads, m_bar):
-        mask = confident_disagreement(g, m, kappa)
-        # on the mask sign(M_bar) = -sign(G_comp), so alpha g + (1-alpha)|g| sign(M_bar) = (2 alpha - 1) g
-        g.mul_(torch.where(mask, torch.tensor(2.0 * alpha - 1.0, dtype=g.dtype, device=g.device),
-                           torch.tensor(1.0, dtype=g.dtype, device=g.device)))
-        changed += int(mask.sum())
-        total += g.numel()
-    return changed / total if total else 0.0
-
-
-def trust_factor(consecutive_agreement: float | None, fast_cosine: float, floor: float = 0.5) -> float:
-    """``tau = clamp((a - floor) / (1 - floor), 0, 1) * clamp(cos, 0, 1)``; 0 while ``a`` is None."""
-    if consecutive_agreement is None or floor >= 1.0:
-        return 0.0
-    agree = min(max((consecutive_agreement - floor) / (1.0 - floor), 0.0), 1.0)
-    return agree * min(max(fast_cosine, 0.0), 1.0)
-
-
-def trust_merge_(grads: Sequence[Tensor], m_bar: Sequence[Tensor], alpha: float, tau: float) -> None:
-    """In place: ``G = G_comp + tau (1 - alpha) (|G_comp| sign(M_bar) - G_comp)``."""
-    _check_lengths(grads, m_bar, "G_comp", "M_bar")
-    if tau <= 0:
-        return
-    for g, m in zip(grads, m_bar):
-        corr = g.abs().mul_(torch.sign(m).to(g.device, g.dtype)).sub_(g)
-        g.add_(corr, alpha=tau * (1.0 - alpha))
-
-
 def _pick(tensors: Sequence[Tensor], index: Sequence[int] | None) -> list[Tensor]:
     return list(tensors) if index is None else [tensors[i] for i in index]
 
@@ -226,7 +164,7 @@ class Merger:
         return None
 
     def tick_metrics(self) -> dict[str, float]:
-        """Figures of the last :meth:`merge_` (e.g. ``anchor/trust``), averaged per RL step by the caller."""
+        """Figures of the last :meth:`merge_` (e.g. ``anchor/correction_ratio``), averaged per RL step by the caller."""
         return {}
 
     def merge(self, g_comp: Sequence[Tensor], *, tick: int | None = None) -> list[Tensor]:
@@ -262,42 +200,6 @@ class NoneMerger(Merger):
     """``G = G_comp``: the fast circuit alone."""
 
     name = "none"
-
-
-class DenseMerger(Merger):
-    """The control: ``G = M`` on a tick that received ``M``, else ``G = G_comp`` (see the module doc)."""
-
-    name = "dense"
-
-    def __init__(self) -> None:
-        self._fresh: list[Tensor] | None = None
-
-    def observe(
-        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
-        fast: Sequence[Tensor] | None = None,
-    ) -> None:
-        self._fresh = [x.detach().clone() for x in m]
-
-    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
-        if self._fresh is None:
-            return
-        fresh = _pick(self._fresh, index)
-        _check_lengths(grads, fresh, "G_comp", "M")
-        for g, m in zip(grads, fresh):
-            g.copy_(m)
-        self._fresh = None  # M replaces G_comp only on the tick it arrived
-
-    def to(self, device: torch.device | str) -> Merger:
-        if self._fresh is not None:
-            self._fresh = [m.to(device) for m in self._fresh]
-        return self
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "fresh": self._fresh}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        self._fresh = state.get("fresh")
 
 
 class SignedEMAMerger(Merger):
@@ -369,77 +271,6 @@ class SignedEMAMerger(Merger):
         self.m_bar = None if m_bar is None else [t.detach().float().clone() for t in m_bar]
         self.updates = int(state.get("updates", 0))
         self.projector.load_state_dict(state.get("projector", {}))
-
-
-class MaskedMerger(SignedEMAMerger):
-    """``signed_ema`` restricted to coordinates where ``M_hat`` is confident (``|M_hat| >= kappa
-    rms(M_hat)`` per tensor) and disagrees with ``G_comp``; ``G = G_comp`` elsewhere (module doc).
-    ``anchor/masked_frac``: the share of coordinates it changed at the last tick."""
-
-    name = "masked"
-
-    def __init__(self, alpha: float = 0.25, beta: float = 0.0, kappa: float = 1.0,
-                 projector: Projector | str | None = None) -> None:
-        super().__init__(alpha=alpha, beta=beta, projector=projector)
-        if kappa < 0:
-            raise TclightningError(f"masked: kappa must be >= 0, got {kappa}")
-        self.kappa = float(kappa)
-        self._changed: float | None = None
-
-    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
-        m_hat = self.m_hat(tick=tick)
-        self._changed = None if m_hat is None else masked_merge_(grads, _pick(m_hat, index), self.alpha, self.kappa)
-
-    def tick_metrics(self) -> dict[str, float]:
-        return {} if self._changed is None else {"anchor/masked_frac": self._changed}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "kappa": self.kappa}
-
-
-class TrustMerger(SignedEMAMerger):
-    """``signed_ema`` scaled by the online trust ``tau`` (module doc): consecutive anchors must
-    agree and the fresh ``G_comp`` must point the held anchor's way. ``anchor/trust``: ``tau`` of
-    the last tick (0 before the second anchor)."""
-
-    name = "trust"
-
-    def __init__(self, alpha: float = 0.25, beta: float = 0.0, floor: float = 0.5,
-                 projector: Projector | str | None = None) -> None:
-        super().__init__(alpha=alpha, beta=beta, projector=projector)
-        if not 0.0 <= floor < 1.0:
-            raise TclightningError(f"trust: floor must be in [0, 1), got {floor}")
-        self.floor = float(floor)
-        self.consecutive: float | None = None  # sign agreement of the last two anchors
-        self._tau: float | None = None
-
-    def observe(
-        self, m: Sequence[Tensor], *, snapshot_tick: int | None = None, tick: int | None = None,
-        fast: Sequence[Tensor] | None = None,
-    ) -> None:
-        if self.m_bar is not None:
-            self.consecutive = sign_agreement(m, self.m_bar)
-        super().observe(m, snapshot_tick=snapshot_tick, tick=tick)
-
-    def merge_(self, grads: Sequence[Tensor], *, tick: int | None = None, index: Sequence[int] | None = None) -> None:
-        m_hat = self.m_hat(tick=tick)
-        if m_hat is None:
-            self._tau = None
-            return
-        m_sel = _pick(m_hat, index)
-        self._tau = trust_factor(self.consecutive, cosine(grads, m_sel), self.floor)
-        trust_merge_(grads, m_sel, self.alpha, self._tau)
-
-    def tick_metrics(self) -> dict[str, float]:
-        return {} if self._tau is None else {"anchor/trust": self._tau}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "floor": self.floor, "consecutive": self.consecutive}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        consecutive = state.get("consecutive")
-        self.consecutive = None if consecutive is None else float(consecutive)
 
 
 class ControlVariateMerger(Merger):
@@ -519,23 +350,18 @@ class ControlVariateMerger(Merger):
 
 def make_merger(
     name: str = "signed_ema", *, alpha: float = 0.25, beta: float = 0.0, projector: Projector | str | None = None,
-    weight: float = 1.0, clip: float = 1.0, kappa: float = 1.0, floor: float = 0.5, **projector_kwargs: Any,
+    weight: float = 1.0, clip: float = 1.0, **projector_kwargs: Any,
 ) -> Merger:
     """Build a merger by name (``MERGERS``); projector options go to the projector.
 
-    ``alpha``/``beta``: ``signed_ema``, ``masked``, ``trust`` (``beta`` also ``control_variate``);
-    ``weight``/``clip``: ``control_variate``; ``kappa``: ``masked``; ``floor``: ``trust``."""
+    ``alpha``: ``signed_ema``; ``beta``: ``signed_ema``, ``control_variate``; ``weight``/``clip``:
+    ``control_variate``."""
     if name == "none":
         return NoneMerger()
-    if name == "dense":
-        return DenseMerger()
     if name == "control_variate":
         return ControlVariateMerger(weight=weight, beta=beta, clip=clip)
-    if name in ("signed_ema", "masked", "trust"):
+    if name == "signed_ema":
         proj = projector if isinstance(projector, Projector) else make_projector(projector or "none", **projector_kwargs)
-        if name == "masked":
-            return MaskedMerger(alpha=alpha, beta=beta, kappa=kappa, projector=proj)
-        if name == "trust":
-            return TrustMerger(alpha=alpha, beta=beta, floor=floor, projector=proj)
         return SignedEMAMerger(alpha=alpha, beta=beta, projector=proj)
-    raise TclightningError(f"unknown merger {name!r}; choose one of {', '.join(MERGERS)}")
+    retired = f" ({name} was tried and retired, docs/two-circuits.md)" if name in RETIRED_MERGERS else ""
+    raise TclightningError(f"unknown merger {name!r}{retired}; choose one of {', '.join(MERGERS)}")

@@ -18,9 +18,9 @@ import torch
 from tclightning.codecs.base import CodecKey
 from tclightning.codecs.context import context_keys
 from tclightning.codecs import make_codec
-from tclightning.codecs.prf import FILLS, PRFCodec
+from tclightning.codecs.prf import PRFCodec
 
-BENCH_CODECS = ("prf", "lowrank", "hybrid")
+BENCH_CODECS = ("prf", "lowrank")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,8 +49,6 @@ def bench_codec(
     device: str = "cpu",
     threads: int | None = None,
     seed: int = 0,
-    fill: str = "zero",
-    fill_rank: int = 16,
     codec_name: str = "prf",
 ) -> dict[str, Any]:
     """Median milliseconds over ``repeats`` rounds (after ``warmup``) on a [tokens, d] activation;
@@ -62,22 +60,15 @@ def bench_codec(
     (index generation alone), ``encode_over_clone``, ``roundtrip_over_clone`` ((encode + decode) /
     clone), ``receiver_roundtrip_over_clone``, ``payload_bytes_per_token`` (k x element size),
     ``dense_bytes_per_token`` (d x element size), ``compression`` (dense / payload) and the
-    settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``, ``fill``).
+    settings (``tokens``, ``dim``, ``k``, ``dtype``, ``device``, ``threads``, ``repeats``, ``codec``).
 
-    ``fill``: the decode fill timed (``zero``, ``mean``, ``conditional``: warm rank-``fill_rank``
-    PPCA statistics and one mean per token id, fitted on the first 4096 tokens of ``x``, whose
-    ids are drawn from 1024 distinct values and handed to every decode). With a fill other than ``zero`` the zero-fill decode is timed
-    in the same rounds too: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
-    ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side.
-
-    ``codec_name``: ``prf`` (default), or ``lowrank`` / ``hybrid`` with a basis and token centres
-    fitted on ``x`` and its ids (rank ``k``; hybrid: ``k // 2`` plus ``k - k // 2`` residual
-    coordinates), the ids handed to every encode and decode; their decode is timed beside the
-    zero-fill PRF decode of the same budget, as for a fill."""
+    ``codec_name``: ``prf`` (default), or ``lowrank`` with a basis and token centres fitted on
+    ``x`` and its ids (rank ``k``; the ids are drawn from 1024 distinct values), the ids handed to
+    every encode and decode; its decode is timed beside the zero-fill PRF decode of the same
+    budget in the same rounds: ``zero_decode_ms``, ``zero_receiver_decode_ms`` and
+    ``decode_over_zero_fill`` (decode / zero-fill decode, in-process) side by side."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-    if fill not in FILLS:
-        raise ValueError(f"fill must be one of {', '.join(FILLS)}, got {fill}")
     if threads is not None:
         torch.set_num_threads(threads)
     torch_dtype = DTYPES[dtype]
@@ -86,19 +77,16 @@ def bench_codec(
     x = torch.randn(tokens, dim, generator=generator).to(target, torch_dtype)
     if codec_name not in BENCH_CODECS:
         raise ValueError(f"codec must be one of {', '.join(BENCH_CODECS)}, got {codec_name}")
-    if codec_name != "prf" and fill != "zero":
-        raise ValueError(f"--fill applies to prf only (got codec {codec_name} with fill {fill})")
     # context keys (each token and the one before it), as every cut receives them
     token_ids = context_keys(torch.randint(0, TOKEN_IDS, (1, tokens), generator=generator)).to(target)
-    codec: Any = (_warm_codec(x, k, fill, fill_rank, token_ids, generator) if codec_name == "prf"
-                  else _fitted_basis(codec_name, x, k, token_ids))
+    codec: Any = PRFCodec(dim, k) if codec_name == "prf" else _fitted_basis(codec_name, x, k, token_ids)
     zero_codec = PRFCodec(dim, k)
     key = CodecKey(seed=seed, step=1, cut=6)
     timed = _timer(target)
-    # the batch's token ids: side information of the conditional fill (receiver) and of the bases'
-    # token centres (one id per row of x, on both sides)
+    # the batch's token ids: side information of the basis' token centres (one id per row of x,
+    # on both sides)
     sender_side: dict[str, Any] = {}
-    receiver_side: dict[str, Any] = {"token_ids": token_ids} if fill == "conditional" else {}
+    receiver_side: dict[str, Any] = {}
     if codec_name != "prf":
         sender_side = receiver_side = {"token_ids": token_ids.reshape(-1)}
     payload = codec.encode(x, key, **sender_side)
@@ -125,7 +113,7 @@ def bench_codec(
         "decode": decode_in_process,
         "receiver_decode": decode_at_receiver,
     }
-    side = fill != "zero" or codec_name != "prf"
+    side = codec_name != "prf"
     if side:
         zero_payload = zero_codec.encode(x, key)  # caches the indices: the in-process path
 
@@ -176,15 +164,13 @@ def bench_codec(
         "device": str(target),
         "threads": torch.get_num_threads(),
         "repeats": repeats,
-        "fill": fill,
         "codec": codec_name,
-        **({"fill_rank": fill_rank} if fill == "conditional" else {}),
         **side_by_side,
     }
 
 
 def _fitted_basis(name: str, x: torch.Tensor, k: int, token_ids: torch.Tensor) -> Any:
-    """A ``lowrank`` / ``hybrid`` codec with its basis and token centres fitted on ``x`` and its
+    """A ``lowrank`` codec with its basis and token centres fitted on ``x`` and its
     ``token_ids`` (the steady state)."""
     codec = make_codec(name, x.shape[-1], k=k)
     codec.observe_dense(x.float(), token_ids.reshape(-1))  # x: [tokens, d]
@@ -193,20 +179,4 @@ def _fitted_basis(name: str, x: torch.Tensor, k: int, token_ids: torch.Tensor) -
 
 
 TOKEN_IDS = 1024
-"""Distinct token ids in the timed batch: every one has its own mean in the conditional fill (and
-each pair of the first 4,096 tokens its own pair mean)."""
-
-
-def _warm_codec(x: torch.Tensor, k: int, fill: str, rank: int, token_ids: torch.Tensor,
-                generator: torch.Generator) -> PRFCodec:
-    """A PRF codec whose stateful fill is warm (the cost of the steady state, not of the cold start)."""
-    dim = x.shape[-1]
-    codec = PRFCodec(dim, k, fill=fill, cond_rank=min(rank, dim), cond_token_slots=TOKEN_IDS)
-    if fill == "mean":
-        mean = torch.randn(dim, generator=generator)
-        codec.load_state_dict({"mean": mean, "seen": torch.ones(dim, dtype=torch.bool)})
-    elif fill == "conditional":
-        fitted = slice(0, min(4096, x.shape[0]))
-        codec.observe_dense(x[fitted].float(), token_ids=token_ids[0, fitted])
-        codec.commit_step()
-    return codec
+"""Distinct token ids in the timed batch (each gets its own centre in the ``lowrank`` codec's table)."""

@@ -74,7 +74,7 @@ class AnchorSource(Protocol):
 
 
 class AnchorMerge(Callback):
-    """Apply the merger (``none``, ``dense``, ``signed_ema``) to the module's gradients before each step.
+    """Apply the merger (``none``, ``signed_ema``) to the module's gradients before each step.
 
     Args:
         merger: a merger name or a :class:`~tclightning.anchor.mergers.Merger`.

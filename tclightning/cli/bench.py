@@ -30,10 +30,8 @@ def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--codec", default="prf", choices=("prf", "lowrank", "hybrid"),
-                        help="codec timed (default prf); lowrank/hybrid are timed beside the zero-fill prf decode")
-    parser.add_argument("--fill", default="zero", choices=("zero", "mean", "conditional"),
-                        help="prf decode fill (default zero); other fills are timed beside zero fill")
+    parser.add_argument("--codec", default="prf", choices=("prf", "lowrank"),
+                        help="codec timed (default prf); lowrank is timed beside the zero-fill prf decode")
 
 
 def run_codec(args: argparse.Namespace) -> int:
@@ -59,14 +57,13 @@ def run_codec(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         device=args.device,
         threads=args.threads,
-        fill=args.fill,
         codec_name=args.codec,
     )
     if args.json:
         print(json.dumps(result))
         return 0
     print(
-        f"{result['codec']} codec (fill {result['fill']}), [{result['tokens']} x {result['dim']}] {result['dtype']}, "
+        f"{result['codec']} codec, [{result['tokens']} x {result['dim']}] {result['dtype']}, "
         f"k={result['k']}, {result['device']}, {result['threads']} threads, median of {result['repeats']}"
     )
     print(f"  clone    {result['clone_ms']:9.3f} ms")

@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cuts.add_argument("--group-size", type=int, default=None,
                       help="completions per prompt (default: the recipe's sampler.group_size)")
     cuts.add_argument("--warmup-prompts", type=int, default=64,
-                      help="other task prompts whose completions warm codecs with state (fills, bases) "
+                      help="other task prompts whose completions warm codecs with state (bases) "
                            "before the measured batch, as earlier steps of a run would (default 64)")
     cuts.add_argument("--warmup-steps", type=int, default=4,
                       help="steps the warm-up prompts are folded in over, one share per step as in a run "
@@ -114,7 +114,6 @@ def run_cuts(args: argparse.Namespace) -> int:
         "layers": len(find_decoder_layers(model)[1]),
         "d": int(model.config.hidden_size),
         "codec": recipe.pipeline.codec,
-        "fill": recipe.pipeline.fill,
         "k": rows[0]["k"],
         "cut_layers": [r["compressed_layers"][0] for r in rows if r["kind"] == "solo"],
         "sequences": rollouts.num_sequences,
@@ -131,7 +130,7 @@ def run_cuts(args: argparse.Namespace) -> int:
     write_csv(rows, out / "cuts.csv")
     table = markdown_table(rows)
     (out / "cuts.md").write_text(markdown_header(meta) + "\n" + table)
-    plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}, fill {meta['fill']}")
+    plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}")
     print(markdown_header(meta))
     print(table)
     print(f"wrote {out / 'cuts.csv'}, {out / 'cuts.md'}, {out / 'cuts.png'}")
@@ -180,7 +179,7 @@ def write_csv(rows: list[dict[str, Any]], path: Path, columns: tuple[str, ...] =
 def markdown_header(meta: dict[str, Any]) -> str:
     return (
         f"Cut pricing, recipe `{meta['recipe']}` ({meta['model']}; {meta['layers']} layers, d={meta['d']}, "
-        f"{meta['dtype']}): `{meta['codec']}` k={meta['k']}, fill `{meta['fill']}`, cuts after layers "
+        f"{meta['dtype']}): `{meta['codec']}` k={meta['k']}, cuts after layers "
         f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
         f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
         f"temperature {meta['temperature']}, PRF step {meta['step']}."
@@ -264,8 +263,8 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
         description=(
             "Generate greedily with a frozen model while a codec compresses the pipeline cuts, at several "
             "budgets; report accuracy on a task split, the log-likelihood of the reference solutions, "
-            "agreement with the dense generations and the continuation of a shared prompt. Cut positions, "
-            f"fill and PRF seed come from the recipe's pipeline section (default recipe: {INFERENCE_RECIPE})."
+            "agreement with the dense generations and the continuation of a shared prompt. Cut positions "
+            f"and PRF seed come from the recipe's pipeline section (default recipe: {INFERENCE_RECIPE})."
         ),
     )
     inference.add_argument("--model", default=None,
@@ -287,7 +286,7 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--step", type=int, default=0, help="PRF key step (default 0)")
     inference.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: recipe's)")
     inference.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-inference/)")
-    inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.fill=mean")
+    inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.seed=1")
     inference.set_defaults(func=run_inference)
 
 
@@ -395,7 +394,7 @@ def inference_header(meta: dict[str, Any]) -> str:
     )
     return (
         f"Inference-time compression sweep, `{meta['model']}` ({meta['layers']} layers, d={meta['d']}, {meta['dtype']}): "
-        f"cuts after layers {', '.join(map(str, meta['cut_layers']))}, layout `{meta['layout']}`, fill `{meta['fill']}`; "
+        f"cuts after layers {', '.join(map(str, meta['cut_layers']))}, layout `{meta['layout']}`; "
         f"task `{meta['task']}` ({meta['split']} split, first {meta['n']} problems, {meta['reference_tokens']} "
         f"reference tokens), greedy, up to {meta['max_new_tokens']} new tokens{calibration}. {meta['timing']}.\n"
     )

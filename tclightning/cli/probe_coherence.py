@@ -27,7 +27,7 @@ def register_coherence(tools: argparse._SubParsersAction) -> None:
             "with the fresh gradient. See docs/coherence.md for how to read it."
         ),
     )
-    parser.add_argument("--recipe", required=True, help="recipe name or path (its pipeline section gives cuts, codec, fill)")
+    parser.add_argument("--recipe", required=True, help="recipe name or path (its pipeline section gives cuts and codec)")
     parser.add_argument("--lags", nargs="+", default=None, metavar="K",
                         help="lags in RL steps (default 0 1 2 5 10 20); key=value words after it are overrides")
     parser.add_argument("--steps", type=int, default=None,
@@ -133,7 +133,7 @@ def run_coherence(args: argparse.Namespace) -> int:
         "overrides": list(args.overrides),
         "start": args.checkpoint or "warm start",
         "cuts": None if cuts is None else {"layout": recipe.pipeline.layout, "codec": recipe.pipeline.codec,
-                                           "rate": recipe.pipeline.rate, "fill": recipe.pipeline.fill},
+                                           "rate": recipe.pipeline.rate},
         "lr": recipe.grpo.lr,
         "prompts_per_step": recipe.grpo.prompts_per_step,
         "group_size": recipe.sampler.group_size,
@@ -144,7 +144,7 @@ def run_coherence(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     document = json.dumps(report, indent=2, allow_nan=False)
     (out / "coherence.json").write_text(document + "\n")
-    cut = "no cuts" if cuts is None else f"{recipe.pipeline.codec} rate {recipe.pipeline.rate}, fill {recipe.pipeline.fill}"
+    cut = "no cuts" if cuts is None else f"{recipe.pipeline.codec} rate {recipe.pipeline.rate}"
     header = (f"Gradient coherence, recipe `{' '.join([recipe.name, *args.overrides])}` ({cut}; lr {recipe.grpo.lr}, "
               f"{recipe.grpo.prompts_per_step} prompts x {recipe.sampler.group_size}, alpha {alpha}): {steps} dense RL "
               f"steps from {report['start']}, mean reward {report['reward_mean']:.3f}. load {warmed - started:.0f} s, "

@@ -25,25 +25,34 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-cache", action="store_true",
         help="train the supervised warm-up again instead of reusing a cached identical one "
-        "(same as model.warmup.cache=false or TCLIGHTNING_NO_CACHE=1)",
+        "(same as TCLIGHTNING_NO_CACHE=1)",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. trainer.steps=50")
 
 
 def handle_run(args: argparse.Namespace) -> int:
     """Train; exit 0, or 130 (one line on stderr) for a Ctrl-C before anything was saved."""
+    import os
     import sys
 
+    from tclightning.cache import NO_CACHE_ENV
     from tclightning.run import RunInterrupted, run
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):  # a log file or pipe: each line
         sys.stdout.reconfigure(line_buffering=True)  # as it is printed, not at exit
-    overrides = [*args.overrides, *(["model.warmup.cache=false"] if args.no_cache else [])]
+    before = os.environ.get(NO_CACHE_ENV)
+    if args.no_cache:  # for this run (and the processes it starts) only
+        os.environ[NO_CACHE_ENV] = "1"
     try:
-        run(args.recipe, overrides, resume=args.resume, quiet=args.quiet)
+        run(args.recipe, args.overrides, resume=args.resume, quiet=args.quiet)
     except RunInterrupted as err:
         print(err, file=sys.stderr)  # "interrupted ...; removed <run dir> ..." in one line
         return 130
+    finally:
+        if args.no_cache and before is None:
+            os.environ.pop(NO_CACHE_ENV, None)
+        elif args.no_cache:
+            os.environ[NO_CACHE_ENV] = before
     return 0
 
 

@@ -4,8 +4,6 @@
 * ``identity`` -- the dense boundary (:mod:`.identity`)
 * ``svd``      -- static rank-r basis from calibration activations (:mod:`.lowrank`)
 * ``lowrank``  -- rank-r basis kept current during training (:mod:`.lowrank`)
-* ``hybrid``   -- r basis coefficients + k - r PRF coordinates of the residual (:mod:`.lowrank`)
-* ``powersgd`` -- rank-r PowerSGD, for gradient messages only (:mod:`.lowrank`)
 
 ``make_codec(name, dim, ...)`` builds one by name; see ``docs/codecs.md``.
 """
@@ -13,7 +11,6 @@
 from __future__ import annotations
 
 from tclightning.codecs.base import (
-    BACKWARD_STREAM,
     FORWARD_STREAM,
     Codec,
     CodecKey,
@@ -22,12 +19,10 @@ from tclightning.codecs.base import (
     payload_nbytes,
 )
 from tclightning.codecs.identity import IdentityCodec
-from tclightning.codecs.lowrank import AdaptiveLowRankCodec, HybridCodec, PowerSGDCodec, SVDCodec, TokenMoments
-from tclightning.codecs.prf import FILLS, PRFCodec, PRFIndexer
+from tclightning.codecs.lowrank import AdaptiveLowRankCodec, SVDCodec, TokenMoments
+from tclightning.codecs.prf import PRFCodec, PRFIndexer
 
-CODECS = ("prf", "identity", "svd", "lowrank", "hybrid", "powersgd")
-BASIS_CODECS = ("lowrank", "hybrid")
-"""Codecs whose basis is refitted during training (sender and receiver keep it equal)."""
+CODECS = ("prf", "identity", "svd", "lowrank")
 
 
 def budget_k(dim: int, *, rate: float | None = None, k: int | None = None) -> int:
@@ -49,51 +44,33 @@ def make_codec(
     *,
     k: int | None = None,
     rate: float | None = 0.05,
-    fill: str = "zero",
     rescale: bool = False,
-    fill_momentum: float = 0.1,
-    fill_rank: int = 16,
-    fill_tokens: int = 1024,
-    fill_pairs: int = 4096,
     rank: int | None = None,
     refresh_every: int = 10,
     refresh_tolerance: float = 0.02,
     basis_tokens: int = 1024,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
-    values per token for ``prf`` and ``hybrid``; the rank (default: that same budget; ``hybrid``:
-    half of it) for ``svd``/``lowrank``/``hybrid``/``powersgd``; ``fill_rank`` / ``fill_tokens``: the PPCA rank of
-    ``prf``'s conditional fill and how many token ids (``fill_pairs``: token pairs) get their own mean; ``refresh_every`` /
-    ``refresh_tolerance``: the basis refresh checks of ``lowrank``/``hybrid``; ``basis_tokens``: how
-    many token ids get their own centre there."""
+    values per token for ``prf``; the rank (default: that same budget) for ``svd``/``lowrank``;
+    ``refresh_every`` / ``refresh_tolerance``: the basis refresh checks of ``lowrank``;
+    ``basis_tokens``: how many token ids get their own centre there."""
     if name == "identity":
         return IdentityCodec(dim)
     budget = budget_k(dim, rate=rate, k=k)
     if name == "prf":
-        return PRFCodec(dim, budget, fill=fill, rescale=rescale, fill_momentum=fill_momentum,
-                        cond_rank=min(fill_rank, dim), cond_token_slots=fill_tokens,
-                        cond_pair_slots=fill_pairs)
+        return PRFCodec(dim, budget, rescale=rescale)
     if name == "svd":
         return SVDCodec(dim, rank or budget)
     if name == "lowrank":
         return AdaptiveLowRankCodec(dim, rank or budget, refresh_every=refresh_every,
                                     refresh_tolerance=refresh_tolerance, token_slots=basis_tokens)
-    if name == "hybrid":
-        return HybridCodec(dim, budget, rank or max(1, budget // 2), refresh_every=refresh_every,
-                           refresh_tolerance=refresh_tolerance, token_slots=basis_tokens)
-    if name == "powersgd":
-        return PowerSGDCodec(dim, rank or budget)
     raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
 
 
 __all__ = [
-    "BACKWARD_STREAM",
-    "BASIS_CODECS",
     "AdaptiveLowRankCodec",
-    "HybridCodec",
     "TokenMoments",
     "CODECS",
-    "FILLS",
     "FORWARD_STREAM",
     "Codec",
     "CodecKey",
@@ -101,7 +78,6 @@ __all__ = [
     "PRFCodec",
     "PRFIndexer",
     "Payload",
-    "PowerSGDCodec",
     "SVDCodec",
     "budget_k",
     "dense_bytes",

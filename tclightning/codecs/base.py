@@ -20,12 +20,10 @@ import torch
 from torch import Tensor
 
 Payload = Tensor | tuple[Tensor, ...]
-"""What crosses a cut: one tensor (prf values, svd coefficients, identity) or a tuple (powersgd P, Q)."""
+"""What crosses a cut: one tensor (prf values, svd/lowrank coefficients, identity) or a tuple."""
 
 FORWARD_STREAM = 0
 """``CodecKey.stream`` for boundary activations (forward)."""
-BACKWARD_STREAM = 1
-"""``CodecKey.stream`` for boundary gradients when a separate backward codec is configured."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class CodecKey:
     ``seed``: run-level secret; ``step``: optimizer tick; ``cut``: the cut's identity (the layer
     index it follows, so the same cut gets the same indices under any layout); ``row_offset``:
     global index of this tensor's first row (micro-batches / data-parallel shards keep global rows);
-    ``stream``: 0 forward activations, 1 gradients under a separate backward codec.
+    ``stream``: 0 forward activations (the only stream sent; another value keys independent indices).
     """
 
     seed: int
@@ -74,15 +72,13 @@ class Codec(ABC):
 
     Contract: ``decode(encode(x, key), key)`` has ``x``'s shape ``[B, L, d]``; the payload is all
     that crosses; ``payload_bytes(tokens, dtype)`` is exactly what ``tokens`` real tokens cost on
-    the wire. Both maps are differentiable where the codec is linear in ``x`` (prf, identity, svd),
-    so the gradient w.r.t. the payload is the backward message (chain rule through the codec).
+    the wire. Both maps are differentiable (every codec is linear in ``x``: prf, identity, svd,
+    lowrank), so the gradient w.r.t. the payload is the backward message (chain rule through the codec).
     """
 
     name: str = "codec"
-    differentiable: bool = True
-    """False for codecs that may only be used as a separate backward codec (powersgd)."""
     learns_from_traffic: bool = False
-    """True for codecs that want :meth:`observe_sent` / :meth:`observe_dense` calls (lowrank, hybrid)."""
+    """True for codecs that want :meth:`observe_sent` / :meth:`observe_dense` calls (lowrank)."""
     wire_dtype: torch.dtype | None = None
     """The dtype the payload crosses in (None: the activations'). A narrower one (float16, bfloat16)
     halves a float32 model's payload bytes; the receiver decodes the rounded values, and the
@@ -103,8 +99,8 @@ class Codec(ABC):
     def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None,
                token_ids: Tensor | None = None) -> Tensor:
         """Receiver side: payload -> ``[B, L, d]``. ``token_mask`` ([B, L], True = real token) only
-        tells stateful fills which tokens to learn from; ``token_ids`` ([B, L], the batch's input
-        ids, which every stage holds) is side information a fill may condition on."""
+        marks the real tokens; ``token_ids`` ([B, L], the batch's input ids, which every stage
+        holds) is side information a codec may condition on."""
 
     @abstractmethod
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
@@ -161,12 +157,43 @@ class Codec(ABC):
     def reset_metrics(self) -> None:
         """Start :meth:`step_metrics` from zero (at every RL step)."""
 
-    def commit_step(self) -> None:
-        """Fold statistics gathered during the last step into receiver state (no-op by default).
+    # -- what the pipeline asks a codec (never its class) ------------------------------------------
 
-        Called when the key's step changes (once per RL step in GRPO), so state is constant within
-        a step and every forward of a step (old-logp recompute, loss forward) sees the same
-        reconstruction."""
+    @property
+    def needs_calibration(self) -> bool:
+        """True while the codec must fit on the first traffic before it can encode (svd): the
+        pipeline then calls :meth:`calibrate` and counts :meth:`setup_bytes`."""
+        return False
+
+    def calibrate(self, activations: Tensor) -> None:
+        """Fit on the real tokens ``[T, d]`` of the first forward (only when :attr:`needs_calibration`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not calibrate")
+
+    def setup_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes :meth:`calibrate`'s fit costs to ship to the receiver."""
+        raise NotImplementedError(f"{type(self).__name__} does not calibrate")
+
+    def plan_refresh(self, step: int) -> str | None:
+        """What both sides do as step ``step`` begins, read from shared state only: ``"fit"``
+        (each side :meth:`fit_shared`), ``"ship"`` (the sender's :meth:`basis_message` to the
+        receiver's :meth:`load_basis_message`) or None (nothing; every codec without state)."""
+        return None
+
+    def fit_shared(self, step: int) -> bool:
+        """Both sides: fit on the dense tokens both saw; whether the state changed."""
+        raise NotImplementedError(f"{type(self).__name__} has no refresh")
+
+    def basis_message(self, step: int) -> Tensor | None:
+        """Sender: the refreshed state to ship, or None (kept)."""
+        raise NotImplementedError(f"{type(self).__name__} has no refresh")
+
+    def load_basis_message(self, message: Tensor | None, step: int) -> None:
+        """Receiver: install what :meth:`basis_message` sent (None: kept)."""
+        raise NotImplementedError(f"{type(self).__name__} has no refresh")
+
+    def refresh_bytes(self, message: Tensor | None) -> int:
+        """Bytes a ``ship`` of ``message`` costs on the wire (its flag included)."""
+        raise NotImplementedError(f"{type(self).__name__} has no refresh")
 
     def state_dict(self) -> dict[str, Any]:
         """Receiver-side state to checkpoint (empty for stateless codecs)."""

@@ -41,11 +41,6 @@ def token_of(keys: Tensor) -> Tensor:
     return keys.long() & _ID_MASK
 
 
-def has_context(keys: Tensor) -> Tensor:
-    """Whether each key carries a previous token (False for plain ids and row starts)."""
-    return (keys.long() >> ID_BITS) > 0
-
-
 def sorted_rows(table: Tensor, keys: Tensor, *, missing: int) -> Tensor:
     """The position of each of ``keys`` (any shape) in the ascending ``table`` [n], ``missing``
     where it is absent."""
@@ -56,45 +51,4 @@ def sorted_rows(table: Tensor, keys: Tensor, *, missing: int) -> Tensor:
     return torch.where(table[position] == keys, position, missing)
 
 
-class KeySlots:
-    """Rows of a table for int64 keys, given in order of first sight (ascending key within one
-    call) up to ``capacity``; a full table gives no more. Deterministic: the same calls in the same
-    order give the same slots on every side of a cut."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.keys = torch.zeros(0, dtype=torch.long)  # the key of each slot, in slot order
-        self._sorted: tuple[Tensor, Tensor] | None = None  # (keys ascending, their slots), until a slot is given
-
-    def __len__(self) -> int:
-        return self.keys.numel()
-
-    def lookup(self, keys: Tensor) -> Tensor:
-        """The slot of each key (any shape), -1 for keys without one. Gives no slot."""
-        keys = keys.long()
-        if not len(self):
-            return torch.full_like(keys, -1)
-        if self._sorted is None:
-            order = torch.argsort(self.keys)
-            self._sorted = (self.keys[order], order)
-        table, slots = self._sorted
-        position = sorted_rows(table, keys, missing=-1)
-        return torch.where(position >= 0, slots.to(keys.device)[position.clamp_min(0)], -1)
-
-    def assign(self, keys: Tensor) -> Tensor:
-        """The slot of each key (any shape), giving new keys the free slots first; -1 where none is left."""
-        new = torch.unique(keys.reshape(-1).long().cpu())
-        new = new[self.lookup(new) < 0][: self.capacity - len(self)]
-        if new.numel():
-            self.keys = torch.cat([self.keys, new])
-            self._sorted = None
-        return self.lookup(keys)
-
-    def state_dict(self) -> Tensor:
-        return self.keys.clone()
-
-    def load_state_dict(self, keys: Tensor) -> None:
-        self.keys, self._sorted = keys.long().cpu().clone(), None
-
-
-__all__ = ["ID_BITS", "ID_LIMIT", "KeySlots", "context_keys", "has_context", "sorted_rows", "token_of"]
+__all__ = ["ID_BITS", "ID_LIMIT", "context_keys", "sorted_rows", "token_of"]

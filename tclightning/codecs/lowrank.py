@@ -3,12 +3,8 @@
 * ``svd`` (activations): a static rank-r basis ``U`` [d, r] and mean ``mu`` from calibration
   activations at the cut. ``payload = (x - mu) U`` ([B, L, r]), ``x_hat = mu + payload U^T``.
   Linear, so the gradient w.r.t. the payload ``g U`` is the [B, L, r] backward message.
-* ``powersgd`` (gradients only): one PowerSGD power iteration per message on the gradient matrix
-  ``M`` [N, d]: ``P = orth(M Q)``, ``Q <- M^T P``, ``payload = (P, Q)``, ``M_hat = P Q^T``; Q is
-  warm-started from the previous message (sender-side state).
 * ``lowrank`` (activations): the same projection with the basis kept current during training
-  (:class:`AdaptiveLowRankCodec`); ``hybrid``: r basis coefficients plus k - r keyed-random
-  coordinates of the residual (:class:`HybridCodec`).
+  (:class:`AdaptiveLowRankCodec`).
 """
 
 from __future__ import annotations
@@ -18,9 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tclightning.codecs.base import Codec, CodecKey, as_rows
+from tclightning.codecs.base import Codec, CodecKey
 from tclightning.codecs.context import ID_LIMIT, sorted_rows, token_of
-from tclightning.codecs.prf import PRFIndexer, fold32, mix32
 
 
 TOKEN_PRIOR = 4.0
@@ -207,6 +202,10 @@ class SVDCodec(Codec):
     @property
     def calibrated(self) -> bool:
         return self.basis is not None
+
+    @property
+    def needs_calibration(self) -> bool:
+        return not self.calibrated
 
     @torch.no_grad()
     def calibrate(self, activations: Tensor) -> None:
@@ -466,7 +465,7 @@ class AdaptiveLowRankCodec(Codec):
         if self._drifted(self.window):
             self._refit(self.window)
             message = self._message()
-        self._shipped += FLAG_BYTES + (self.ship_bytes() if message is not None else 0)
+        self._shipped += self.refresh_bytes(message)
         self._checked(step)
         return message
 
@@ -496,17 +495,9 @@ class AdaptiveLowRankCodec(Codec):
             self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size : size + self.dim].clone())
         self._checked(step)
 
-    def refresh(self, step: int) -> int:
-        """One process (both sides are this object): apply :meth:`plan_refresh`; returns the bytes
-        a ``ship`` sends (flag, and the basis if refitted; 0 for ``fit`` or no check)."""
-        action = self.plan_refresh(step)
-        if action == "fit":
-            self.fit_shared(step)
-        elif action == "ship":
-            before = self._shipped
-            self.basis_message(step)
-            return self._shipped - before
-        return 0
+    def refresh_bytes(self, message: Tensor | None) -> int:
+        """The flag, and the basis if refitted: ``FLAG_BYTES + 4 * message.numel()``."""
+        return FLAG_BYTES + (message.numel() * 4 if message is not None else 0)
 
     def ship_bytes(self) -> int:
         """Bytes of the basis as it would ship now: ``(d r + d + n (d + 1)) * 4`` (float32; ``n``
@@ -589,114 +580,3 @@ class AdaptiveLowRankCodec(Codec):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, refresh_every={self.refresh_every}, "
                 f"refresh_tolerance={self.refresh_tolerance}, token_slots={self.token_slots})")
-
-
-class HybridCodec(AdaptiveLowRankCodec):
-    """``k`` values per token: ``r`` coefficients in the adaptive basis plus ``k - r`` coordinates of
-    the residual ``e = x - mu - (x - mu) U U^T`` at keyed-random channels (the PRF indexer: no
-    indices sent, a new draw per step and token, so every residual channel is trained over time).
-
-    ``payload = [ (x - mu) U , e[idx] ]``; ``x_hat = mu + c U^T + scatter(idx, e[idx])``, so
-    ``x_hat`` is exact on the ``k - r`` drawn channels. Linear in ``x`` (the backward message is
-    the gradient w.r.t. the payload). Before the first fit it sends the dense boundary, as
-    :class:`AdaptiveLowRankCodec`."""
-
-    name = "hybrid"
-
-    def __init__(self, dim: int, k: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
-                 token_slots: int = 0) -> None:
-        if not 1 <= rank < k <= dim:
-            raise ValueError(f"hybrid needs 1 <= rank < k <= d (d={dim}), got rank={rank}, k={k}")
-        super().__init__(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance,
-                         token_slots=token_slots)
-        self.k = k
-        self.indexer = PRFIndexer(dim, k - rank)
-
-    @property
-    def width(self) -> int:
-        return self.k if self.calibrated else self.dim
-
-    def _residual_channels(self, key: CodecKey, like: Tensor) -> Tensor:
-        rows = as_rows(like)
-        return self.indexer.indices(key, rows.shape[0], rows.shape[1], rows.device).view(
-            *like.shape[:-1], self.k - self.rank)
-
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
-        if self.basis is None or self.mean is None:
-            return super().encode(x, key)
-        basis = self.basis.to(x.device, x.dtype)
-        centred = self.centred(x, token_ids)
-        coefficients = centred @ basis
-        residual = centred - coefficients @ basis.T
-        picked = residual.gather(-1, self._residual_channels(key, x))
-        return torch.cat([coefficients, picked], dim=-1)
-
-    def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
-               token_ids: Tensor | None = None) -> Tensor:
-        if self.basis is None or self.mean is None:
-            return payload
-        low = super().decode(payload[..., : self.rank], key, token_ids=token_ids)
-        idx = self._residual_channels(key, low)
-        return low + torch.zeros_like(low).scatter(-1, idx, payload[..., self.rank :])
-
-    def __repr__(self) -> str:
-        return f"HybridCodec(dim={self.dim}, k={self.k}, rank={self.rank}, refresh_every={self.refresh_every})"
-
-
-class PowerSGDCodec(Codec):
-    """Rank-r PowerSGD for gradient messages; ``(N * r + d * r) * element_size`` bytes per message.
-
-    Not differentiable (QR inside), so it is only valid as a separate backward codec.
-    """
-
-    name = "powersgd"
-    differentiable = False
-
-    def __init__(self, dim: int, rank: int) -> None:
-        super().__init__(dim)
-        if not 1 <= rank <= dim:
-            raise ValueError(f"rank must be in [1, d={dim}], got {rank}")
-        self.rank = rank
-        self._q: Tensor | None = None  # [d, r] float32 warm start
-
-    def _initial_q(self, key: CodecKey, device: torch.device) -> Tensor:
-        generator = torch.Generator().manual_seed(mix32(fold32(key.seed) ^ fold32(key.cut)))
-        return torch.randn(self.dim, self.rank, generator=generator).to(device)
-
-    @torch.no_grad()
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        matrix = as_rows(x).reshape(-1, self.dim).float()
-        q = self._q if self._q is not None and self._q.device == matrix.device else self._initial_q(key, matrix.device)
-        p, _ = torch.linalg.qr(matrix @ q)
-        q = matrix.T @ p
-        if q.shape[1] == self.rank:  # fewer tokens than r gives a thinner factor: don't warm-start from it
-            self._q = q
-        return p.to(x.dtype), q.to(x.dtype)
-
-    def decode(self, payload: tuple[Tensor, Tensor], key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
-               token_ids: Tensor | None = None) -> Tensor:
-        """``P Q^T`` as ``[N, d]``; the caller reshapes to the gradient's shape."""
-        p, q = payload
-        return p @ q.T
-
-    def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
-        rank = min(self.rank, max(tokens, 1))
-        return (tokens * rank + self.dim * rank) * dtype.itemsize
-
-    @property
-    def width(self) -> int:
-        return self.rank
-
-    def payload_bytes_per_token(self, dtype: torch.dtype) -> float:
-        """``r * element_size``: the per-message ``Q`` is amortised over many tokens."""
-        return float(self.rank * dtype.itemsize)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {} if self._q is None else {"q": self._q.cpu()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state:
-            self._q = state["q"]
-
-    def __repr__(self) -> str:
-        return f"PowerSGDCodec(dim={self.dim}, rank={self.rank})"

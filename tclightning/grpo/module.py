@@ -46,16 +46,19 @@ from tclightning.agentic import build_agentic_task, is_agentic
 from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout
 from tclightning.anchor.anchor import build_anchor
 from tclightning.anchor.circuit import rank_share
+from tclightning.anchor.config import RETIRED_KEYS as ANCHOR_RETIRED
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import checkpoint_allow_list, load_checkpoint
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
+from tclightning.grpo.config import RETIRED_KEYS as GRPO_RETIRED
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
-from tclightning.grpo.logprobs import completion_logps
-from tclightning.grpo.update import grpo_update
+from tclightning.models.logprobs import completion_logps
+from tclightning.grpo.update import UpdateResult, grpo_update
+from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import ModelConfig
 from tclightning.models.loading import check_checkpoint_model, load_model
 from tclightning.models.warmup import cached_supervised_warmup
@@ -63,11 +66,19 @@ from tclightning.pipeline.backends import LocalBackend
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
+from tclightning.settings import without_keys
 from tclightning.tasks import Example, TaskConfig, build_task
+from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
 
 C = TypeVar("C")
+
+
+def _current(value: Any, retired: tuple[str, ...]) -> Any:
+    """A section as a checkpoint stored it, less the keys an earlier version saved that no option
+    reads now; an instance or None passes unchanged."""
+    return without_keys(value, retired) if isinstance(value, Mapping) else value
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
@@ -118,11 +129,12 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         self.automatic_optimization = False
         # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
-        self.model_cfg = as_config(ModelConfig, model)
-        self.task_cfg = as_config(TaskConfig, task)
+        # a checkpoint's dicts may hold keys an earlier version saved (each section's RETIRED_KEYS)
+        self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED))
+        self.task_cfg = as_config(TaskConfig, _current(task, TASK_RETIRED))
         self.sampler_cfg = as_config(SamplerConfig, sampler)
-        self.cfg = as_config(GRPOConfig, grpo)
-        self.anchor_cfg = as_config(AnchorConfig, anchor)
+        self.cfg = as_config(GRPOConfig, _current(grpo, GRPO_RETIRED))
+        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, ANCHOR_RETIRED))
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size
@@ -152,6 +164,8 @@ class GRPOModule(L.LightningModule):
         self.val_length = MeanMetric()
         self.warmup_stats: dict[str, float] = {}
         self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
+        # The checkpoint's codec state, from on_load_checkpoint to on_train_start: Lightning restores
+        # the checkpoint before the strategy installs the cuts, so no backend can take it earlier.
         self._pending_cut_state: dict[str, Any] | None = None
         # The anchor (signed_ema only): circuit, replay, delivered M and merge state in one object.
         self.anchor = build_anchor(self.anchor_cfg)
@@ -159,7 +173,6 @@ class GRPOModule(L.LightningModule):
         # The last RL step that was non-finite (skipped whole, or every tick skipped); cleared by
         # the next clean step (after a rollback, say). Two in a row end training.
         self._nonfinite_step: int | None = None
-        self._all_ticks_skipped = False
         self._step_metric_names: tuple[str, ...] = ()
         self._val_nonfinite = False  # this validation met a non-finite policy: its other batches are skipped
 
@@ -310,9 +323,10 @@ class GRPOModule(L.LightningModule):
         if cfg.overlong == "mask":
             rollouts.completion_mask = rollouts.completion_mask * (~rollouts.truncated).float().unsqueeze(-1)
         turns = None if episodes is None else episodes.turn
-        metrics.update(self._update(rollouts, advantages.to(self.device), rows, batch.step, turns))
+        result = self._update(rollouts, advantages.to(self.device), rows, batch.step, turns)
+        metrics.update(result.metrics)
         trained = time.perf_counter()
-        if self._all_ticks_skipped:
+        if result.all_skipped:
             self._flag_nonfinite(batch.step, "every optimizer tick had a NaN or Inf loss or gradient")
         else:
             self._nonfinite_step = None
@@ -366,10 +380,10 @@ class GRPOModule(L.LightningModule):
         }
 
     def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor, step: int,
-                turns: torch.Tensor | None = None) -> dict[str, float]:
+                turns: torch.Tensor | None = None) -> UpdateResult:
         """``epochs x minibatches`` optimizer ticks (:func:`~tclightning.grpo.update.grpo_update`);
-        returns losses, gap and health metrics (with ``turns``, the interaction index of each row,
-        also the gap per interaction index)."""
+        returns what they did: losses, gap and health metrics (with ``turns``, the interaction index
+        of each row, also the gap per interaction index) and whether every tick was skipped."""
         reference = None
         if self.reference is not None:
             def reference() -> torch.Tensor:  # on the sampling rank, which holds the whole reference
@@ -377,13 +391,11 @@ class GRPOModule(L.LightningModule):
                     return completion_logps(self.reference, rollouts, self.sampler_cfg.temperature)[0]
         if self.anchor is not None:
             self.anchor.begin_step()
-        result = grpo_update(
+        return grpo_update(
             self.backend, self.optimizers(), self.lr_schedulers(), rollouts, advantages, rows,
             cfg=self.cfg, norm_length=self.sampler_cfg.max_new_tokens, seed=self.seed, step=step,
             reference=reference, turns=turns, anchor=self.anchor, clock=lambda: self.trainer.global_step,
         )
-        self._all_ticks_skipped = result.all_skipped
-        return result.metrics
 
     # ----------------------------------------------------------------------------- validation
     def evaluate_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,7 +512,6 @@ class GRPOModule(L.LightningModule):
         progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
         if progress is not None:
             progress["is_last_batch"] = False
-        # Cuts are installed by the strategy after checkpoint restore; applied in on_train_start.
         self._pending_cut_state = state.get("cuts")
         anchor = state.get("anchor")
         if anchor and self.anchor is not None:
@@ -522,9 +533,9 @@ class GRPOModule(L.LightningModule):
         self._backend = None  # the strategy removes its cuts at teardown
 
     def on_train_start(self) -> None:
-        if self._pending_cut_state is not None:
-            self.backend.load_codec_state(self._pending_cut_state)
-        self._pending_cut_state = None
+        cut_state, self._pending_cut_state = self._pending_cut_state, None
+        if cut_state is not None:
+            self.backend.load_codec_state(cut_state)
         if self._resume_step == 0 and self.trainer.limit_val_batches:
             self._log_start_accuracy()
 

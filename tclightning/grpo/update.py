@@ -9,8 +9,10 @@ pipeline stage per process) is the backend's business, and only its forward/back
 
 The loss is :class:`MicrobatchLoss`: the GRPO loss of a minibatch, split so that the losses of
 its parts sum to ``policy_loss`` of the whole (one process calls it once with every row, so it
-*is* ``policy_loss``, bit for bit). The anchor's dense gradient ``M`` (:func:`anchor_gradient`)
-is the same loss on-policy at a snapshot, through the backend's dense forward/backward.
+*is* ``policy_loss``, bit for bit). Its knobs are one :class:`LossSettings`, built once from the
+recipe's ``grpo`` section. The anchor's dense gradient ``M`` (:func:`anchor_gradient`) is the same
+loss on-policy at a snapshot (:meth:`LossSettings.on_policy`), through the backend's dense
+forward/backward.
 
 Non-finite guard: a tick whose loss or gradient norm is NaN/Inf on any rank makes no optimizer
 step on any rank (``policy/skipped_ticks``; the decision is summed over ranks, so all agree).
@@ -19,7 +21,7 @@ step on any rank (``policy/skipped_ticks``; the decision is summed over ranks, s
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -35,6 +37,37 @@ from tclightning.grpo.loss import aggregate, gap_by_turn, gap_metrics, k3_kl, po
 from tclightning.sampling.base import Rollouts, sequence_seed
 
 STAT_KEYS = ("loss/policy", "loss/kl", "policy/clip_frac", "policy/tis_clipped_frac", "policy/masked_frac")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Every knob :class:`MicrobatchLoss` reads, each named and typed as in
+    :class:`~tclightning.grpo.config.GRPOConfig` (see it for their meaning): the recipe's
+    (:meth:`of`), or the anchor's (:meth:`on_policy`)."""
+
+    clip_low: float
+    clip_high: float
+    loss_aggregation: str
+    tis_cap: float
+    mask_ratio_low: float
+    mask_ratio_high: float
+    kl_coef: float
+
+    @classmethod
+    def of(cls, cfg: GRPOConfig) -> LossSettings:
+        """The recipe's: each field is the ``grpo`` field of the same name."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    def on_policy(self) -> LossSettings:
+        """The anchor's: this loss on-policy at a snapshot, so no TIS, no ratio mask, no KL (the
+        ratio is 1, inside any clip range a recipe allows, so the clip range is inert); only the
+        aggregation matters."""
+        return replace(self, tis_cap=0.0, mask_ratio_low=0.0, mask_ratio_high=0.0, kl_coef=0.0)
+
+    @property
+    def mask_ratio(self) -> tuple[float, float] | None:
+        """``(low, high)`` of the sampler-ratio mask, or None when it is off (``mask_ratio_high`` 0)."""
+        return (self.mask_ratio_low, self.mask_ratio_high) if self.mask_ratio_high > 0 else None
 
 
 class MicrobatchLoss:
@@ -57,12 +90,13 @@ class MicrobatchLoss:
         mask: Tensor,
         logp_sampler: Tensor,
         ref_logp: Tensor | None,
-        cfg: Any,
+        settings: LossSettings,
         norm_length: int,
     ) -> None:
         self.old_logp, self.advantages, self.mask = old_logp, advantages, mask
-        self.logp_sampler, self.ref_logp, self.cfg, self.norm_length = logp_sampler, ref_logp, cfg, norm_length
-        self.mask_ratio = (cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None
+        self.logp_sampler, self.ref_logp, self.norm_length = logp_sampler, ref_logp, norm_length
+        self.settings = settings
+        self.mask_ratio = settings.mask_ratio
         self.policy_mask: Tensor | None = mask
         if self.mask_ratio is not None:
             self.policy_mask = None if old_logp is None else self._ratio_mask(old_logp)
@@ -79,7 +113,7 @@ class MicrobatchLoss:
 
     def _share(self, mask_rows: Tensor, mask_all: Tensor) -> Tensor:
         """The part's weight: its share of the minibatch's denominator for ``aggregate``."""
-        if self.cfg.loss_aggregation == "token-mean":
+        if self.settings.loss_aggregation == "token-mean":
             return mask_rows.sum().clamp(min=1) / mask_all.sum().clamp(min=1)
         return torch.tensor(mask_rows.shape[0] / self.rows, device=mask_rows.device)
 
@@ -90,12 +124,12 @@ class MicrobatchLoss:
 
     def __call__(self, logp: Tensor, rows: Tensor) -> Tensor:
         rows = rows.long().to(self.mask.device)
-        cfg, mask = self.cfg, self.mask[rows]
+        settings, mask = self.settings, self.mask[rows]
         old = logp.detach() if self.old_logp is None else self.old_logp[rows]
         out = policy_loss(
             logp, old, self.advantages[rows], mask,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, aggregation=cfg.loss_aggregation,
-            norm_length=self.norm_length, logp_sampler=self.logp_sampler[rows], tis_cap=cfg.tis_cap,
+            clip_low=settings.clip_low, clip_high=settings.clip_high, aggregation=settings.loss_aggregation,
+            norm_length=self.norm_length, logp_sampler=self.logp_sampler[rows], tis_cap=settings.tis_cap,
             mask_ratio=self.mask_ratio,
         )
         policy_mask = self.policy_mask
@@ -107,9 +141,9 @@ class MicrobatchLoss:
         loss = out.loss * pg_share
         kl = torch.zeros((), device=logp.device)
         if self.ref_logp is not None:
-            kl = aggregate(k3_kl(logp, self.ref_logp[rows]), mask, cfg.loss_aggregation, self.norm_length)
+            kl = aggregate(k3_kl(logp, self.ref_logp[rows]), mask, settings.loss_aggregation, self.norm_length)
             kl = kl * self._share(mask, self.mask)
-            loss = loss + cfg.kl_coef * kl
+            loss = loss + settings.kl_coef * kl
         token_share = mask.sum().clamp(min=1) / self.mask.sum().clamp(min=1)
         for key, value in (
             ("loss/policy", out.policy_loss * pg_share),
@@ -123,41 +157,27 @@ class MicrobatchLoss:
         return loss
 
 
-@dataclass(frozen=True)
-class AnchorLoss:
-    """The anchor's loss knobs: on-policy at the snapshot (ratio 1, so the clip range is inert), no
-    TIS, no ratio mask, no KL; only the aggregation is the recipe's."""
-
-    loss_aggregation: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 0.0
-    mask_ratio_low: float = 0.0
-    mask_ratio_high: float = 0.0
-    kl_coef: float = 0.0
-
-
 def anchor_gradient(
-    backend: Backend, job: AnchorJob, *, aggregation: str, norm_length: int, compressed: bool = False,
+    backend: Backend, job: AnchorJob, *, settings: LossSettings, norm_length: int, compressed: bool = False,
 ) -> tuple[list[Tensor], float]:
-    """The anchor's dense ``M`` of ``job``: the GRPO loss's gradient at the job's weights
-    (``job.snapshot``, this rank's owned parameters) on the job's kept rollout rows (paired
-    replay), through :meth:`Backend.dense_forward_backward`. Returns ``(M, boundary bytes)``.
+    """The anchor's dense ``M`` of ``job``: the gradient of the run's GRPO loss (``settings``) taken
+    on-policy (:meth:`LossSettings.on_policy`) at the job's weights (``job.snapshot``, this rank's
+    owned parameters) on the job's kept rollout rows (paired replay), through
+    :meth:`Backend.dense_forward_backward`. Returns ``(M, boundary bytes)``.
     ``compressed``: the same loss through the fast circuit instead (``G_hat`` of the
     ``control_variate`` merger, :meth:`CompressedAnchorBackend.compressed_forward_backward`)."""
     rollouts, rows = job.payload["rollouts"], job.payload["rows"]
     part = rollouts.select(rows.to(rollouts.completion_ids.device)).to(backend.device)
     loss_fn = MicrobatchLoss(
         old_logp=None, advantages=job.payload["advantages"][rows].to(backend.device), mask=part.completion_mask,
-        logp_sampler=part.logp_sampler, ref_logp=None, cfg=AnchorLoss(loss_aggregation=aggregation),
-        norm_length=norm_length,
+        logp_sampler=part.logp_sampler, ref_logp=None, settings=settings.on_policy(), norm_length=norm_length,
     )
     if compressed:
         if not isinstance(backend, CompressedAnchorBackend):
             raise TclightningError(
                 "anchor.merger=control_variate needs the fast circuit at the anchor's snapshot, which this backend "
                 f"({type(backend).__name__}) cannot run: use one process (trainer.devices x trainer.num_nodes = 1) "
-                "or anchor.merger=trust, masked or signed_ema")
+                "or anchor.merger=signed_ema")
         return backend.compressed_forward_backward(job.snapshot, part, loss_fn)
     return backend.dense_forward_backward(job.snapshot, part, loss_fn)
 
@@ -202,8 +222,9 @@ def grpo_update(
     of each row (agentic), for the gap per interaction. ``anchor``: records/delivers at each
     tick's start and merges before each step. ``clock()``: optimizer steps taken so far (the
     anchor's tick). Every rank calls it with the same (shared) arguments."""
+    settings = LossSettings.of(cfg)
     single_tick = cfg.epochs * cfg.minibatches == 1
-    mask_ratio = cfg.mask_ratio_high > 0
+    mask_ratio = settings.mask_ratio is not None
     # The trainer's own log-probs at the weights that sampled: the PPO "old" policy and the
     # trainer side of the gap. With a single tick they come from the update's forward, unless a
     # ratio mask must see the whole minibatch before a micro-batched loss starts.
@@ -221,12 +242,11 @@ def grpo_update(
             anchor.tick(
                 clock(), first=tick == 0, parameters=backend.owned_parameters,
                 payload=lambda: {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()},
-                gradient=lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
-                                                     norm_length=norm_length),
+                gradient=lambda job: anchor_gradient(backend, job, settings=settings, norm_length=norm_length),
                 # None where the backend cannot run the fast circuit at a snapshot (across processes):
                 # a merger that needs it still gets it, and anchor_gradient names the fix
-                fast_gradient=(lambda job: anchor_gradient(backend, job, aggregation=cfg.loss_aggregation,
-                                                           norm_length=norm_length, compressed=True))
+                fast_gradient=(lambda job: anchor_gradient(backend, job, settings=settings, norm_length=norm_length,
+                                                           compressed=True))
                 if can_fast or anchor.merger.needs_fast else None,
             )
         part = rollouts.select(chunk.to(rollouts.completion_ids.device))
@@ -238,7 +258,7 @@ def grpo_update(
             mask=part.completion_mask.to(device),
             logp_sampler=part.logp_sampler.to(device),
             ref_logp=None if ref_logp is None else ref_logp[chunk, :width].to(device),
-            cfg=cfg,
+            settings=settings,
             norm_length=norm_length,
         )
         optimizer.zero_grad(set_to_none=True)
@@ -298,4 +318,4 @@ def _gap(rollouts: Rollouts, sel_rows: Tensor | slice, old_logp: Tensor | None, 
     return metrics
 
 
-__all__ = ["STAT_KEYS", "AnchorLoss", "MicrobatchLoss", "UpdateResult", "anchor_gradient", "grpo_update"]
+__all__ = ["STAT_KEYS", "LossSettings", "MicrobatchLoss", "UpdateResult", "anchor_gradient", "grpo_update"]

@@ -1,9 +1,23 @@
-"""Model section of a recipe."""
+"""Model section of a recipe: each key with its range and help (:func:`tclightning.settings.setting`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
+
+from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive, seed
+from tclightning.settings import setting, share, text
+
+SOURCES = ("tiny", "hf", "gguf")
+"""``model.source``: where the policy comes from (see :class:`ModelConfig`)."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""``model.dtype``: the weights' dtype by name."""
+
+ARCHITECTURES = ("llama", "qwen2")
+"""``model.tiny.architecture``: transformers model types the tiny model is built as."""
 
 
 @dataclass
@@ -14,13 +28,14 @@ class TinyModelConfig:
     model needs no downloaded files at all.
     """
 
-    architecture: str = "llama"  # llama | qwen2: any HF decoder with ``model.model.layers``
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    max_positions: int = 128
+    architecture: str = setting("llama", one_of(ARCHITECTURES),
+                                "any HF decoder with ``model.model.layers``: llama | qwen2")
+    hidden_size: int = setting(128, positive(MAX_WIDTH), "width d of the residual stream")
+    num_layers: int = setting(4, positive(1024), "decoder layers")
+    num_heads: int = setting(4, positive(MAX_WIDTH), "attention heads (divide hidden_size, even head width)")
+    num_kv_heads: int = setting(2, positive(MAX_WIDTH), "key/value heads (divide num_heads)")
+    intermediate_size: int = setting(256, positive(MAX_WIDTH * 8), "MLP width")
+    max_positions: int = setting(128, integer(2, MAX_TOKENS), "positions: prompt plus completion")
 
 
 @dataclass
@@ -29,25 +44,26 @@ class WarmupConfig:
 
     A random tiny model has no chance of a non-zero reward; a short SFT phase gives it a
     partially correct policy so GRPO has reward variance to work with. Skipped on resume
-    (the weights come from the checkpoint).
+    (the weights come from the checkpoint). Its result is cached (~/.cache/tclightning/warmup, or
+    $TCLIGHTNING_CACHE/warmup); ``tclightning run --no-cache`` or TCLIGHTNING_NO_CACHE=1 train it again.
     """
 
-    steps: int = 0  # most steps; 0 disables the warm-up
-    batch_size: int = 64  # demonstrations per warm-up step
-    lr: float = 3.0e-3  # after a 20-step ramp, constant (the stopping point is not known ahead)
-    seed: int = 0  # which demonstrations each step draws, and which get noisy labels
-    # Stop early once greedy accuracy on `check_examples` training prompts reaches this (checked
-    # every `check_every` steps; 0 = always run `steps`). Small models learn arithmetic in a
-    # sudden jump whose timing varies with the seed: a target makes the start of RL comparable.
-    target_accuracy: float = 0.0
-    check_every: int = 100  # warm-up steps between accuracy checks
-    check_examples: int = 64  # training prompts the check decodes greedily
-    # Share of targets replaced by another example's solution: imperfect demonstrations, which
-    # leave the policy unsure between right and wrong answers for RL to sort out.
-    label_noise: float = 0.0
-    # Reuse an identical earlier warm-up from the cache (~/.cache/tclightning/warmup, or
-    # $TCLIGHTNING_CACHE/warmup); false, `--no-cache` or TCLIGHTNING_NO_CACHE=1 train it again.
-    cache: bool = True
+    steps: int = setting(0, integer(0, MAX_STEPS), "most steps; 0 disables the warm-up")
+    batch_size: int = setting(64, positive(), "demonstrations per warm-up step")
+    lr: float = setting(3.0e-3, number(0.0, low_open=True),
+                        "after a 20-step ramp, constant (the stopping point is not known ahead)")
+    seed: int = setting(0, seed(), "which demonstrations each step draws, and which get noisy labels")
+    target_accuracy: float = setting(
+        0.0, share(),
+        "stop early once greedy accuracy on `check_examples` training prompts reaches this (checked every "
+        "`check_every` steps; 0 = always run `steps`). Small models learn arithmetic in a sudden jump whose "
+        "timing varies with the seed: a target makes the start of RL comparable")
+    check_every: int = setting(100, positive(), "warm-up steps between accuracy checks")
+    check_examples: int = setting(64, positive(), "training prompts the check decodes greedily")
+    label_noise: float = setting(
+        0.0, share(),
+        "share of targets replaced by another example's solution: imperfect demonstrations, which leave the "
+        "policy unsure between right and wrong answers for RL to sort out")
 
 
 @dataclass
@@ -63,11 +79,16 @@ class ModelConfig:
         transformers de-quantises it to ``dtype``.
     """
 
-    source: str = "tiny"  # tiny | hf | gguf (see above)
-    name: Optional[str] = None  # hf: hub name or local directory
-    gguf_file: Optional[str] = None  # gguf: a path, or package:file
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    chat_template: bool = True  # format prompts with the tokenizer's chat template when it has one
-    trust_remote_code: bool = False  # passed to from_pretrained (hf models with custom code)
+    source: str = setting("tiny", one_of(SOURCES), "tiny | hf | gguf (see above)")
+    name: Optional[str] = setting(None, text(nonempty=True, optional=True), "hf: hub name or local directory")
+    gguf_file: Optional[str] = setting(None, text(nonempty=True, optional=True), "gguf: a path, or package:file")
+    dtype: str = setting("float32", one_of(DTYPES), "float32 | bfloat16 | float16")
+    chat_template: bool = setting(True, flag, "format prompts with the tokenizer's chat template when it has one")
+    trust_remote_code: bool = setting(False, flag, "passed to from_pretrained (hf models with custom code)")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+
+RETIRED_KEYS = ("warmup.cache",)
+"""Keys of the ``model`` section an earlier version saved that no option reads now: ``warmup.cache``
+is ``tclightning run --no-cache`` / TCLIGHTNING_NO_CACHE=1 (a cache hit is bit-identical anyway)."""

@@ -12,9 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from tclightning.errors import TclightningError
 from tclightning.models.char_tokenizer import build_char_tokenizer
-from tclightning.models.config import ModelConfig, TinyModelConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:

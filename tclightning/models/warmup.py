@@ -207,14 +207,14 @@ def _code_fingerprint() -> str:
 def warmup_key(model: PreTrainedModel, formatter: PromptFormatter, prompts: Sequence[Any], solutions: Sequence[str],
                cfg: WarmupConfig, context: Mapping[str, Any]) -> str:
     """A hash of everything that determines :func:`supervised_warmup`'s result: the initial weights
-    (so the model's source, config and seed), the warm-up settings (all but ``cache``), the
+    (so the model's source, config and seed), the warm-up settings, the
     demonstrations, the tokenizer and chat template, the warm-up code, the torch and transformers
     versions, the device and the intra-op thread count (float sums depend on it), and ``context``
     (what the accuracy check depends on: the task, the sampler settings, the check prompts, the seed)."""
     import transformers
 
     tok = formatter.tokenizer
-    settings = {k: v for k, v in asdict(cfg).items() if k != "cache"}
+    settings = asdict(cfg)
     return digest({
         "code": _code_fingerprint(),
         "torch": torch.__version__,
@@ -348,15 +348,15 @@ def cached_supervised_warmup(
     recomputing them), prints one note to stderr and returns the cached statistics with
     ``warmup/cached = 1`` and this load's ``warmup/seconds``. A miss trains and stores the result
     (atomically, under ``<cache root>/warmup/<key>/``) unless the warm-up moved the global RNG,
-    which a reload could not reproduce. ``use_cache=False``, ``cfg.cache = False`` or
-    ``TCLIGHTNING_NO_CACHE=1`` trains without reading or writing the cache. An unreadable entry
+    which a reload could not reproduce. ``use_cache=False`` or ``TCLIGHTNING_NO_CACHE=1``
+    (``tclightning run --no-cache``) trains without reading or writing the cache. An unreadable entry
     (:func:`read_warmup_entry`: damaged files, a FIFO, a file in place of the folder) is named in
     one ``note:`` line, trained again from the untouched initial weights and replaced atomically
     (:func:`_replace_entry`); a cache that cannot be written only costs the saving.
     """
     if cfg.steps <= 0:
         return {}
-    if not (use_cache and getattr(cfg, "cache", True)) or cache_disabled_by_env():
+    if not use_cache or cache_disabled_by_env():
         return supervised_warmup(model, formatter, prompts, solutions, cfg, progress=progress, accuracy=accuracy)
     started = time.perf_counter()
     cache = cache or DirectoryCache("warmup")

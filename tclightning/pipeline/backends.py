@@ -54,6 +54,7 @@ class LocalBackend:
         return next(self.policy.parameters()).device
 
     def begin_step(self, step: int) -> None:
+        """The one place the cuts' PRF step is set in training (``Backend.begin_step``)."""
         if self.cuts is not None:  # counters first: a basis shipped at the step change is this step's
             self.cuts.reset_stats()
             self.cuts.set_step(step)
@@ -113,7 +114,7 @@ class LocalBackend:
     ) -> tuple[list[Tensor], float]:
         """The fast circuit at ``snapshot`` (``CompressedAnchorBackend``), for the ``control_variate``
         merger: a second hook-free copy of the policy carries cuts of its own (built once), loaded
-        before every pass with a deep copy of the live cuts' receiver state (step key, fills,
+        before every pass with a deep copy of the live cuts' receiver state (step key,
         bases), so it compresses exactly as the fast circuit would now. Whatever that pass changes
         in its codecs is thrown away at the next load; the live codecs and the step's ``wire/*``
         counters never see it. Its bytes (its own meter) are returned for ``anchor/bytes``."""
@@ -192,6 +193,8 @@ class PipelineBackend:
         return self.engine.is_last
 
     def begin_step(self, step: int) -> None:
+        """The one place the engine's PRF step is set in training (``Backend.begin_step``; collective:
+        a basis refresh at the step change crosses the stages)."""
         self.engine.reset_stats()  # counters first: a basis shipped at the step change is this step's
         if self.mesh is not None:
             self.mesh.meter.reset()

@@ -1,11 +1,8 @@
 """The autograd cut: what one boundary does to the activation going forward and the gradient coming back.
 
 Forward, sender -> receiver:   payload = enc(x);  payload = wire.send_forward(payload);  x_hat = dec(payload)
-Backward, receiver -> sender:
-* ``backward_codec=None`` (default): the message is the gradient w.r.t. the payload, i.e. plain
-  autograd through ``dec`` then ``enc`` ([tokens, k] for prf: the same indices, for free);
-* a separate backward codec: ``msg = enc_bwd(g)``, ``wire.send_backward(msg)``, ``g_x = dec_bwd(msg)``
-  (a straight-through estimator for the forward codec).
+Backward, receiver -> sender: the message is the gradient w.r.t. the payload, i.e. plain autograd
+through ``dec`` then ``enc`` ([tokens, k] for prf: the same indices, for free).
 
 Everything that crosses goes through a :class:`Wire`. In one process that is :class:`LoopbackWire`
 (hands the payload back); the multi-process Strategy supplies a wire that sends it to the next
@@ -14,15 +11,15 @@ stage's rank. Byte accounting is separate (:class:`WireMeter`), so both count th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from tclightning.codecs import BACKWARD_STREAM, Codec, CodecKey, Payload, SVDCodec
+from tclightning.codecs import Codec, CodecKey, Payload
+from tclightning.pipeline.endpoint import CutEnd
 
 FORWARD = "fwd"
 BACKWARD = "bwd"
@@ -124,61 +121,47 @@ def count_tokens(x: Tensor, token_mask: Tensor | None) -> int:
 
 
 class Boundary:
-    """One cut: forward codec, optional separate backward codec, its wire and its meter."""
+    """One cut in one process: its :class:`~tclightning.pipeline.endpoint.CutEnd` (both sides),
+    its wire and its meter."""
 
-    def __init__(
-        self,
-        ordinal: int,
-        forward_codec: Codec,
-        backward_codec: Codec | None,
-        wire: Wire,
-        meter: WireMeter,
-    ) -> None:
-        if not forward_codec.differentiable:
-            raise ValueError(f"{forward_codec.name} cannot be a forward codec (not differentiable)")
+    def __init__(self, ordinal: int, codec: Codec, wire: Wire, meter: WireMeter) -> None:
         self.ordinal = ordinal
-        self.forward_codec = forward_codec
-        self.backward_codec = backward_codec
+        self.end = CutEnd(codec, sends=True, receives=True)
         self.wire = wire
         self.meter = meter
 
     @property
-    def dim(self) -> int:
-        return self.forward_codec.dim
+    def codec(self) -> Codec:
+        return self.end.codec
+
+    @codec.setter
+    def codec(self, codec: Codec) -> None:
+        self.end = CutEnd(codec, sends=True, receives=True)
 
     def __call__(self, x: Tensor, key: CodecKey, token_mask: Tensor | None = None,
                  token_ids: Tensor | None = None) -> Tensor:
         """``x`` [B, L, d] at the sender -> ``x_hat`` at the receiver, with the backward message
         routed through the wire and counted. ``token_mask`` [B, L] (True = real) scopes the count;
         ``token_ids`` [B, L] are the batch's tokens, which the receiver holds, as
-        :func:`~tclightning.codecs.context.context_keys` (a fill may use them; plain ids are keys
+        :func:`~tclightning.codecs.context.context_keys` (a codec may use them; plain ids are keys
         without context)."""
         tokens = count_tokens(x, token_mask)
-        codec = self.forward_codec
-        if isinstance(codec, SVDCodec) and not codec.calibrated:
-            codec.calibrate(x[token_mask.bool()] if token_mask is not None else x)
-            self.meter.record_setup(self.ordinal, codec.setup_bytes(x.dtype))
-        if codec.learns_from_traffic:
+        end = self.end
+        if end.codec.needs_calibration or end.learns:
             with torch.no_grad():
                 real = x[token_mask.bool()] if token_mask is not None else x.reshape(-1, x.shape[-1])
                 real_ids = None
                 if token_ids is not None and token_ids.shape == x.shape[:-1]:
                     real_ids = token_ids[token_mask.bool()] if token_mask is not None else token_ids.reshape(-1)
-                if codec.crosses_dense:  # one process: sender and receiver are this one codec
-                    codec.observe_dense(codec.as_received(real), real_ids)
-                codec.observe_sent(real, real_ids)
-        if self.backward_codec is None or not x.requires_grad:
-            return self._chain_rule(x, key, token_mask, tokens, token_ids)
-        return _SeparateBackward.apply(x, self, key, token_mask, tokens, token_ids)
-
-    def _chain_rule(self, x: Tensor, key: CodecKey, token_mask: Tensor | None, tokens: int,
-                    token_ids: Tensor | None = None) -> Tensor:
-        codec = self.forward_codec
-        payload = self.wire.send_forward(self.ordinal, codec.to_wire(codec.encode(x, key, token_ids=token_ids)))
+            shipped = end.setup_bytes(real)
+            if shipped:
+                self.meter.record_setup(self.ordinal, shipped)
+            end.observe_sent(real, real_ids)
+        payload = self.wire.send_forward(self.ordinal, end.encode(x, key, token_ids))
         self._record(FORWARD, payload, tokens, x.dtype)
         if isinstance(payload, Tensor) and payload.requires_grad:
             payload.register_hook(self._gradient_hook(tokens, x.dtype))
-        return codec.decode(codec.from_wire(payload, x.dtype), key, token_mask=token_mask, token_ids=token_ids)
+        return end.decode(end.from_wire(payload, x.dtype), key, token_mask=token_mask, token_ids=token_ids)
 
     def _gradient_hook(self, tokens: int, dense_dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
         def send_gradient(grad: Tensor) -> Tensor:
@@ -191,32 +174,6 @@ class Boundary:
     def _record(self, direction: str, message: Payload, tokens: int, dense_dtype: torch.dtype) -> None:
         """Count ``message`` (bytes at its own dtype) against the dense boundary in ``dense_dtype``
         (the activations')."""
-        codec = self.forward_codec if direction == FORWARD or self.backward_codec is None else self.backward_codec
         dtype = (message[0] if isinstance(message, tuple) else message).dtype
-        dense = tokens * self.dim * dense_dtype.itemsize
-        self.meter.record(self.ordinal, direction, codec.payload_bytes(tokens, dtype), dense)
-
-    def send_gradient_separately(self, grad: Tensor, key: CodecKey, tokens: int) -> Tensor:
-        """Backward through a separate codec: ``g_x = dec_bwd(wire(enc_bwd(g)))``."""
-        assert self.backward_codec is not None
-        backward_key = dataclasses.replace(key, stream=BACKWARD_STREAM)
-        message = self.wire.send_backward(self.ordinal, self.backward_codec.encode(grad, backward_key))
-        self._record(BACKWARD, message, tokens, grad.dtype)
-        return self.backward_codec.decode(message, backward_key).reshape(grad.shape).to(grad.dtype)
-
-
-class _SeparateBackward(torch.autograd.Function):
-    """Forward: the forward codec (no autograd through it). Backward: the backward codec."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, boundary: Boundary, key: CodecKey, token_mask: Tensor | None, tokens: int,
-        token_ids: Tensor | None,
-    ) -> Tensor:  # type: ignore[override]
-        ctx.boundary, ctx.key, ctx.tokens = boundary, key, tokens
-        x_hat = boundary._chain_rule(x, key, token_mask, tokens, token_ids)  # grad mode is off inside forward
-        return x_hat.clone() if x_hat is x else x_hat  # a Function must not hand its input back as is
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return ctx.boundary.send_gradient_separately(grad, ctx.key, ctx.tokens), None, None, None, None, None
+        dense = tokens * self.end.codec.dim * dense_dtype.itemsize
+        self.meter.record(self.ordinal, direction, self.end.message_bytes(tokens, dtype), dense)

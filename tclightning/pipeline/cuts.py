@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tclightning.codecs import AdaptiveLowRankCodec, Codec, CodecKey, make_codec
+from tclightning.codecs import CodecKey
 from tclightning.codecs.context import context_keys
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
@@ -65,10 +65,10 @@ def boundary_width(model: nn.Module) -> int:
 class CutSet:
     """The installed cuts of one model, and the knobs the training loop turns.
 
-    * ``set_step(step)`` -- the PRF key's step, set by one owner: the GRPO module (the RL step, once
-      per RL step, through ``Backend.begin_step``) or, for any other module, the
-      ``PipelineStrategy`` (``trainer.global_step`` before each ``training_step``). A change folds
-      stateful fills, so reconstruction is constant while the step holds;
+    * ``set_step(step)`` -- the PRF key's step, set only through ``Backend.begin_step`` (the GRPO
+      module's backend once per RL step; for any other module the ``PipelineStrategy``'s own
+      backend, at ``trainer.global_step``). A change runs each cut's refresh, so reconstruction is
+      constant while the step holds;
     * ``bypassed()`` -- context under which the forward is dense and nothing is counted (the
       sampler and dense probes run under it);
     * ``metrics()`` / ``reset_stats()`` -- wire bytes since the last reset (``wire/*``);
@@ -94,7 +94,7 @@ class CutSet:
         self.wire: Wire = wire if wire is not None else LoopbackWire()
         self.meter = WireMeter([spec.layer for spec in self.specs])
         self.boundaries = [
-            Boundary(spec.ordinal, cut_codec(self.config, spec, self.dim), self._backward_codec(spec), self.wire, self.meter)
+            Boundary(spec.ordinal, cut_codec(self.config, spec, self.dim), self.wire, self.meter)
             for spec in self.specs
         ]
         self.step = 0
@@ -112,16 +112,6 @@ class CutSet:
             for boundary, spec in zip(self.boundaries, self.specs):
                 hook = _tagged(self._cut_hook(boundary, spec))
                 self._handles.append(layers[spec.layer].register_forward_hook(hook))
-
-    # -- construction ------------------------------------------------------------------------
-
-    def _backward_codec(self, spec: CutSpec) -> Codec | None:
-        if spec.backward_codec is None:
-            return None
-        # gradients have no useful running mean: a separate prf gradient codec always zero-fills
-        return make_codec(
-            spec.backward_codec, self.dim, k=spec.k, fill="zero", rescale=self.config.rescale, rank=spec.rank
-        )
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -171,15 +161,12 @@ class CutSet:
         return any(spec.compressed for spec in self.specs)
 
     def set_step(self, step: int) -> None:
-        """Set the key's step. On a change of step, stateful fills fold in what the last step decoded."""
+        """Set the key's step. On a change of step, stateful codecs fold in what the last step saw."""
         if step != self.step:
             for boundary in self.boundaries:
-                codec = boundary.forward_codec
-                codec.commit_step()
-                if isinstance(codec, AdaptiveLowRankCodec):
-                    shipped = codec.refresh(int(step))
-                    if shipped:
-                        self.meter.record_setup(boundary.ordinal, shipped)
+                shipped = boundary.end.change_step(int(step))
+                if shipped:
+                    self.meter.record_setup(boundary.ordinal, shipped)
         self.step = int(step)
 
     def switch_codec(self, codec: str) -> None:
@@ -196,8 +183,7 @@ class CutSet:
         self.config, self.specs = config, specs
         for boundary, spec in zip(self.boundaries, specs):
             if spec.compressed:
-                boundary.forward_codec = cut_codec(self.config, spec, self.dim)
-                boundary.backward_codec = self._backward_codec(spec)
+                boundary.codec = cut_codec(self.config, spec, self.dim)
 
     @contextlib.contextmanager
     def observing_dense(self, model: nn.Module, attention_mask: Tensor,
@@ -227,9 +213,9 @@ class CutSet:
     def observe_dense(self, ordinal: int, tokens: Tensor, token_ids: Tensor | None = None) -> None:
         """Dense activations at cut ``ordinal`` (``[T, d]`` real tokens, e.g. from the anchor's
         dense pass, and their ``[T]`` ids if known): statistics for codecs that learn from them
-        (lowrank/hybrid bases, the conditional fill). Nothing is counted: in a pipeline they
+        (lowrank bases). Nothing is counted: in a pipeline they
         crossed as the anchor's traffic."""
-        self.boundaries[ordinal].forward_codec.observe_dense(tokens.detach(), token_ids)
+        self.boundaries[ordinal].codec.observe_dense(tokens.detach(), token_ids)
 
     @contextlib.contextmanager
     def bypassed(self) -> Iterator[None]:
@@ -245,19 +231,19 @@ class CutSet:
         return self._bypass_depth > 0
 
     def set_token_mask(self, mask: Tensor | None) -> None:
-        """Real-token mask [B, L] for byte counting (and the mean fill), used while its shape
+        """Real-token mask [B, L] for byte counting, used while its shape
         matches the forward's; ``None`` returns to the forward's ``attention_mask``."""
         self._token_mask = None if mask is None else mask.bool()
 
     def metrics(self) -> dict[str, float]:
         """Wire bytes since the last :meth:`reset_stats` (see ``WireMeter.metrics`` for keys) and
         the codecs' own figures (:func:`codec_metrics`)."""
-        return {**self.meter.metrics(), **codec_metrics([b.forward_codec.step_metrics() for b in self.boundaries])}
+        return {**self.meter.metrics(), **codec_metrics([b.codec.step_metrics() for b in self.boundaries])}
 
     def reset_stats(self) -> None:
         self.meter.reset()
         for boundary in self.boundaries:
-            boundary.forward_codec.reset_metrics()
+            boundary.codec.reset_metrics()
 
     def describe(self) -> str:
         """One line for logs: ``cut after layer 1: prf k=3 | cut after layer 2: identity``."""
@@ -265,20 +251,16 @@ class CutSet:
             return "no cuts"
         parts = []
         for spec, boundary in zip(self.specs, self.boundaries):
-            text = f"cut after layer {spec.layer}: {boundary.forward_codec!r}"
-            if boundary.backward_codec is not None:
-                text += f" / grad {boundary.backward_codec!r}"
-            parts.append(text)
+            parts.append(f"cut after layer {spec.layer}: {boundary.codec!r}")
         return " | ".join(parts)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step, the codec in force (``switch_codec``) and receiver-side codec state (running-mean
-        fills, svd bases, powersgd warm starts)."""
+        """Step, the codec in force (``switch_codec``) and receiver-side codec state (svd and
+        lowrank bases)."""
         return {
             "step": self.step,
             "codec": self.config.codec,
-            "forward": [b.forward_codec.state_dict() for b in self.boundaries],
-            "backward": [b.backward_codec.state_dict() if b.backward_codec else {} for b in self.boundaries],
+            "forward": [b.codec.state_dict() for b in self.boundaries],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -286,10 +268,8 @@ class CutSet:
         if codec is not None and codec != self.config.codec and self.compressed:  # saved after a switch_codec
             self.switch_codec(codec)
         self.step = int(state.get("step", 0))
-        for boundary, fwd, bwd in zip(self.boundaries, state.get("forward", []), state.get("backward", [])):
-            boundary.forward_codec.load_state_dict(fwd)
-            if boundary.backward_codec is not None:
-                boundary.backward_codec.load_state_dict(bwd)
+        for boundary, fwd in zip(self.boundaries, state.get("forward", [])):
+            boundary.codec.load_state_dict(fwd)
 
     def remove(self) -> None:
         """Delete every hook; the model is hook-free again. Idempotent."""

@@ -22,54 +22,23 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tclightning.codecs import AdaptiveLowRankCodec, Codec, make_codec
-from tclightning.codecs.lowrank import FLAG_BYTES
+from tclightning.codecs import Codec, make_codec
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import WireMeter
 from tclightning.pipeline.comm import StageComm, StageFailure, payload_stage
 from tclightning.pipeline.config import PipelineConfig
-from tclightning.pipeline.cuts import boundary_width, codec_metrics, find_decoder_layers
+from tclightning.pipeline.endpoint import CutEnd
+from tclightning.pipeline.cuts import boundary_width, codec_metrics
 from tclightning.pipeline.layout import CutSpec, cut_codec, resolve_layout
-from tclightning.pipeline.stage import StageModule
+from tclightning.pipeline.stage import StageInputs, StageModule, splittable_layers
 
-SCHEDULES = ("gpipe", "1f1b")
-
-__all__ = ["SCHEDULES", "PipelineEngine", "StageFailure", "StageInputs", "check_distributed_layout", "no_loss"]
-
-
-@dataclass
-class StageInputs:
-    """What every stage needs for one pipelined forward of a batch (small: ids and masks).
-
-    ``input_ids``, ``attention_mask``, ``position_ids``: ``[B, L]`` (prompt | completion);
-    ``completion_ids``, ``completion_mask``: ``[B, Lc]`` (the last stage's log-prob targets)."""
-
-    input_ids: Tensor
-    attention_mask: Tensor
-    position_ids: Tensor
-    completion_ids: Tensor
-    completion_mask: Tensor
-
-    @classmethod
-    def from_rollouts(cls, rollouts: Any) -> StageInputs:
-        """From a :class:`~tclightning.sampling.base.Rollouts` (the same tensors ``completion_logps`` uses)."""
-        return cls(
-            rollouts.input_ids,
-            rollouts.attention_mask,
-            rollouts.position_ids,
-            rollouts.completion_ids,
-            rollouts.completion_mask,
-        )
-
-    def to(self, device: torch.device) -> StageInputs:
-        return StageInputs(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+__all__ = ["PipelineEngine", "StageFailure", "StageInputs", "check_distributed_layout", "no_loss"]
 
 
 def no_loss(logp: Tensor, rows: Tensor) -> Tensor:  # pragma: no cover - only the last rank computes a loss
@@ -86,20 +55,31 @@ def check_distributed_layout(config: PipelineConfig, specs: list[CutSpec], world
             "pipeline.cuts) or change trainer.devices x trainer.num_nodes"
         )
     for spec in specs:
-        if spec.codec not in ("prf", "identity", "lowrank", "hybrid"):
+        if spec.codec not in ("prf", "identity", "lowrank"):
             raise TclightningError(
                 f"pipeline codec '{spec.codec}' at cut {spec.ordinal} is not supported across processes yet "
-                "(prf, lowrank, hybrid and identity are); run it with trainer.devices=1"
+                "(prf, lowrank and identity are); run it with trainer.devices=1"
             )
-        if spec.backward_codec is not None:
-            raise TclightningError(
-                "pipeline.backward_codec is not supported across processes yet (the gradient message is the "
-                "gradient w.r.t. the payload); run it with trainer.devices=1"
-            )
-    if config.schedule not in SCHEDULES:
-        raise TclightningError(f"pipeline.schedule '{config.schedule}' is not one of {', '.join(SCHEDULES)}")
-    if config.microbatches < 1:
-        raise TclightningError(f"pipeline.microbatches must be >= 1, got {config.microbatches}")
+
+
+class RefreshChannel:
+    """A codec's refresh message over the cut ``cut`` to or from rank ``peer``: its length (int32,
+    0 = kept), then its float32 values."""
+
+    def __init__(self, comm: StageComm, peer: int, cut: int) -> None:
+        self.comm, self.peer, self.cut = comm, peer, cut
+
+    def send(self, message: Tensor | None) -> None:
+        what = f"sending the basis refresh of cut {self.cut}"
+        size = 0 if message is None else message.numel()
+        self.comm.send(torch.tensor([size], dtype=torch.int32, device=self.comm.device), self.peer, what)
+        if message is not None:
+            self.comm.send(message.float().to(self.comm.device), self.peer, what)
+
+    def receive(self) -> Tensor | None:
+        what = f"receiving the basis refresh of cut {self.cut}"
+        size = int(self.comm.recv(1, torch.int32, self.peer, what)[0])
+        return self.comm.recv(size, torch.float32, self.peer, what) if size else None
 
 
 class PipelineEngine:
@@ -126,7 +106,7 @@ class PipelineEngine:
         self.comm = StageComm(group, torch.device(device), config.timeout_s)
         self.rank, self.world_size, self.device = self.comm.rank, self.comm.world_size, self.comm.device
         self.config = config
-        body, layers = find_decoder_layers(model)
+        body, layers = splittable_layers(model)  # refuses a model the split does not know, in one line
         self.dim = boundary_width(model)
         self.specs = resolve_layout(config, len(layers), self.dim)
         check_distributed_layout(config, self.specs, self.world_size)
@@ -171,39 +151,17 @@ class PipelineEngine:
     # -- the loop's knobs (the CutSet ones) ----------------------------------------------------
 
     def set_step(self, step: int) -> None:
-        """The PRF key's step; on a change, the receiver's stateful fill folds in the last step."""
-        if step != self.module.step:
-            if self.module.recv_codec is not None:
-                self.module.recv_codec.commit_step()
-            self._refresh_bases(int(step))
-        self.module.step = int(step)
-
-    def _refresh_bases(self, step: int) -> None:
-        """The basis codecs' refresh at a step change, on both sides of each cut: both fit from the
-        dense tokens they shared, or the sender ships its fit (counted in ``wire/bytes_fwd``).
+        """The PRF key's step; on a change, both ends of each cut run their codec's refresh (both fit
+        on the dense tokens they shared, or the sender ships its fit, counted in ``wire/bytes_fwd``).
         Receive first, then send, so a chain of stages never waits in a circle."""
-        recv, send = self.module.recv_codec, self.module.send_codec
-        if isinstance(recv, AdaptiveLowRankCodec):
-            action = recv.plan_refresh(step)
-            if action == "fit":
-                recv.fit_shared(step)
-            elif action == "ship":
-                what = f"receiving the basis refresh of cut {self.rank - 1}"
-                size = int(self.comm.recv(1, torch.int32, self.rank - 1, what)[0])  # 0: kept
-                message = self.comm.recv(size, torch.float32, self.rank - 1, what) if size else None
-                recv.load_basis_message(message, step)
-        if isinstance(send, AdaptiveLowRankCodec):
-            action = send.plan_refresh(step)
-            if action == "fit":
-                send.fit_shared(step)
-            elif action == "ship":  # a flag (the message's length, 0 = kept), then the basis if refitted
-                message = send.basis_message(step)
-                what = f"sending the basis refresh of cut {self.rank}"
-                size = 0 if message is None else message.numel()
-                self.comm.send(torch.tensor([size], dtype=torch.int32, device=self.device), self.rank + 1, what)
-                if message is not None:
-                    self.comm.send(message.to(self.device), self.rank + 1, what)
-                self.meter.record_setup(self.rank, FLAG_BYTES + size * 4)
+        if step != self.module.step:
+            if self.module.recv_end is not None:
+                self.module.recv_end.change_step(int(step), RefreshChannel(self.comm, self.rank - 1, self.rank - 1))
+            if self.module.send_end is not None:
+                shipped = self.module.send_end.change_step(int(step), RefreshChannel(self.comm, self.rank + 1, self.rank))
+                if shipped:
+                    self.meter.record_setup(self.rank, shipped)
+        self.module.step = int(step)
 
     def set_temperature(self, temperature: float) -> None:
         """The sampler's temperature, for the last stage's log-probs (before any forward)."""
@@ -319,12 +277,11 @@ class PipelineEngine:
         :meth:`dense_gradient` loads a snapshot. Its sends are the dense boundary."""
         if self._dense_stage is None:
             clone = copy.deepcopy(self.module)
-            dense = [dataclasses.replace(spec, codec="identity", compressed=False, backward_codec=None)
-                     for spec in self.specs]
+            dense = [dataclasses.replace(spec, codec="identity", compressed=False) for spec in self.specs]
             clone.send_spec = None if self.is_last else dense[self.rank]
             clone.recv_spec = None if self.is_first else dense[self.rank - 1]
-            clone.send_codec = None if self.is_last else make_codec("identity", self.dim)
-            clone.recv_codec = None if self.is_first else make_codec("identity", self.dim)
+            clone.send_end = None if self.is_last else CutEnd(make_codec("identity", self.dim), sends=True, receives=False)
+            clone.recv_end = None if self.is_first else CutEnd(make_codec("identity", self.dim), sends=False, receives=True)
             clone.send_tap, clone.recv_tap = self.module.send_codec, self.module.recv_codec
             self._dense_stage = clone.train()
         return self._dense_stage
@@ -426,7 +383,7 @@ class PipelineEngine:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def codec_state(self) -> dict[str, Any]:
-        """This rank's codec state: the receiver side of the cut it decodes (fills, bases) and the
+        """This rank's codec state: the receiver side of the cut it decodes (bases) and the
         sender side of the cut it encodes (a basis codec's fit window)."""
         recv, send = self.module.recv_codec, self.module.send_codec
         return {"rank": self.rank, "state": recv.state_dict() if recv is not None else {},
@@ -442,7 +399,6 @@ class PipelineEngine:
         return {
             "step": self.module.step,
             "forward": [by_rank.get(ordinal + 1, {}) for ordinal in range(len(self.specs))],
-            "backward": [{} for _ in self.specs],
             "sender": [entry["send"] for entry in sorted(gathered, key=lambda e: e["rank"])][: len(self.specs)],
         }
 

@@ -20,15 +20,13 @@ from tclightning.pipeline.config import PipelineConfig
 class CutSpec:
     """One resolved cut: where it is and what crosses it.
 
-    ``codec``: forward codec name (``identity`` when not compressed); ``backward_codec``: None =
-    the gradient w.r.t. the forward payload, else a separate gradient codec; ``k``: values per
-    token for prf; ``rank``: for svd / powersgd."""
+    ``codec``: forward codec name (``identity`` when not compressed); ``k``: values per token for
+    prf; ``rank``: for svd / lowrank."""
 
     ordinal: int
     layer: int
     compressed: bool
     codec: str
-    backward_codec: str | None
     k: int
     rank: int
 
@@ -60,7 +58,8 @@ def cut_layers(config: PipelineConfig, num_layers: int) -> list[int]:
 
 
 def compressed_flags(config: PipelineConfig, n_cuts: int) -> list[bool]:
-    """Which cuts are compressed under ``config.layout`` (``explicit`` reads ``compressed``)."""
+    """Which cuts are compressed under ``config.layout`` (``explicit``: those whose ``cut_codecs``
+    entry is not ``identity``)."""
     layout = config.layout
     if layout == "dense":
         return [False] * n_cuts
@@ -78,12 +77,10 @@ def compressed_flags(config: PipelineConfig, n_cuts: int) -> list[bool]:
             raise TclightningError(f"pipeline.layout '{layout}': cut index must be in [0, {n_cuts - 1}] (0-based)")
         return [i == index for i in range(n_cuts)]
     if layout == "explicit":
-        flags = config.compressed
-        if flags is None:  # cut_codecs alone: identity means dense
-            return [name != "identity" for name in (config.cut_codecs or [])] if config.cut_codecs else []
-        if len(flags) != n_cuts:
-            raise TclightningError(f"pipeline.compressed has {len(flags)} entries for {n_cuts} cuts")
-        return [bool(flag) for flag in flags]
+        codecs = config.cut_codecs or []
+        if len(codecs) != n_cuts:
+            raise TclightningError(f"pipeline.cut_codecs has {len(codecs)} entries for {n_cuts} cuts")
+        return [name != "identity" for name in codecs]
     raise TclightningError(f"pipeline.layout '{layout}' is unknown")
 
 
@@ -100,27 +97,18 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
         k = budget_k(dim, rate=config.rate, k=config.k)
     except ValueError as err:
         raise TclightningError(f"pipeline budget: {err}") from None
-    if config.rank is not None and config.rank > dim:
-        raise TclightningError(f"pipeline.rank={config.rank} exceeds the boundary width d={dim}")
     cuts = []
     for ordinal, (layer, flag) in enumerate(zip(layers, flags)):
         codec = config.cut_codecs[ordinal] if config.cut_codecs is not None else (config.codec if flag else "identity")
         compressed = codec != "identity"
-        rank = config.rank if config.rank is not None else (k // 2 if codec == "hybrid" else k)
-        if codec == "hybrid" and not 1 <= rank < k:
-            raise TclightningError(
-                f"pipeline codec 'hybrid' sends k={k} values per token: r basis coefficients plus k - r residual "
-                f"coordinates, so pipeline.rank must be in [1, {k - 1}] (got {rank}; raise pipeline.rate or k)"
-            )
         cuts.append(
             CutSpec(
                 ordinal=ordinal,
                 layer=layer,
                 compressed=compressed,
                 codec=codec,
-                backward_codec=config.backward_codec if compressed else None,
                 k=k,
-                rank=rank,
+                rank=k,  # the budget: equal bytes per token
             )
         )
     return cuts
@@ -128,13 +116,10 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
 
 def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
     """The forward codec of cut ``spec`` (``spec.codec`` at ``spec.k`` / ``spec.rank``), with the
-    fill and basis-refresh settings of ``config``."""
+    basis-refresh settings of ``config``."""
     codec = make_codec(
-        spec.codec, dim, k=spec.k, fill=config.fill, rescale=config.rescale,
-        fill_momentum=config.fill_momentum, fill_rank=config.fill_rank, fill_tokens=config.fill_tokens,
-        fill_pairs=config.fill_pairs,
-        rank=spec.rank, refresh_every=config.refresh_every, refresh_tolerance=config.refresh_tolerance,
-        basis_tokens=config.basis_tokens,
+        spec.codec, dim, k=spec.k, rank=spec.rank, refresh_every=config.refresh_every,
+        refresh_tolerance=config.refresh_tolerance, basis_tokens=config.basis_tokens,
     )
     if config.payload_dtype is not None and spec.codec != "identity":
         codec.wire_dtype = WIRE_DTYPES[config.payload_dtype]

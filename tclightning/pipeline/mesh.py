@@ -30,7 +30,6 @@ Every byte handed to a ``dp`` collective is counted (:class:`DpMeter`, ``dp/*`` 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -10,8 +10,10 @@ with real sends between stage processes instead of hooks in one graph.
 Inference stays dense: the sampler (and any dense probe) must run under ``strategy.cuts.bypassed()``.
 
 Both strategies are :class:`~tclightning.backend.BackendProvider`: a module that asks for its
-backend (the GRPO module does) runs its forward/backward through it and owns the PRF step key;
-any other module trains with the cuts as installed and the key set per optimizer tick.
+backend (the GRPO module does) runs its forward/backward through it and steps it; any other
+module trains with the cuts as installed, and this strategy steps a backend of its own for it,
+once per optimizer tick. Either way the PRF key's step is set in one place,
+:meth:`Backend.begin_step <tclightning.backend.Backend.begin_step>`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tclightning.backend import BackendRequest
 from tclightning.errors import TclightningError
+from tclightning.models.logprobs import completion_logps
 from tclightning.pipeline.backends import LocalBackend
 from tclightning.pipeline.boundary import Wire
 from tclightning.pipeline.config import PipelineConfig
@@ -64,9 +67,10 @@ class PipelineStrategy(SingleDeviceStrategy):
     and exposes them as ``strategy.cuts``; ``teardown`` removes them. ``wire`` replaces the
     in-process loopback (the multi-process seam).
 
-    The PRF key's step has one owner. A module that asked for its :meth:`backend` sets it itself
-    (``Backend.begin_step``, once per RL step); for any other module, with ``auto_step``, the
-    strategy sets it to ``trainer.global_step`` before each ``training_step``.
+    The PRF key's step has one setter, ``Backend.begin_step``. A module that asked for its
+    :meth:`backend` calls it (once per RL step); for any other module, with ``auto_step``, the
+    strategy calls it on a backend of its own over the same cuts, at ``trainer.global_step``
+    before each ``training_step`` (so, as in a GRPO step, the wire counters start from zero there).
     """
 
     strategy_name = STRATEGY_NAME
@@ -96,7 +100,8 @@ class PipelineStrategy(SingleDeviceStrategy):
         self.wire = wire
         self.auto_step = auto_step
         self.cuts: CutSet | None = None
-        self._module_owns_step = False  # set when a module takes its backend
+        self._module_backend: LocalBackend | None = None  # the one the module asked for: it steps it
+        self._own_backend: LocalBackend | None = None  # for a module that never asks: stepped here
 
     def setup_environment(self) -> None:
         if not self._device_given and self.accelerator is not None:
@@ -128,25 +133,34 @@ class PipelineStrategy(SingleDeviceStrategy):
 
     def backend(self, request: BackendRequest) -> LocalBackend:
         """``BackendProvider``: the module's backend, with this strategy's cuts in-graph (after
-        ``setup``); from now on the module owns the PRF step key."""
+        ``setup``); from now on the module steps it (``begin_step``) and the strategy no longer does."""
         cuts = self.install()
         policy = getattr(self.lightning_module, self.policy_attr, None)
         if request.policy is not policy:
             raise TclightningError(f"strategy 'pipeline' cut the module's '{self.policy_attr}'; ask for its backend "
                                    "with that policy")
-        self._module_owns_step = True
-        return LocalBackend(request, cuts)
+        self._module_backend = LocalBackend(request, cuts)
+        return self._module_backend
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.auto_step and not self._module_owns_step and self.cuts is not None and self.lightning_module is not None:
-            self.cuts.set_step(self.lightning_module.trainer.global_step)
+        module = self.lightning_module
+        if self.auto_step and self._module_backend is None and self.cuts is not None and module is not None:
+            self._backend_of_plain_module(module).begin_step(module.trainer.global_step)
         return super().training_step(*args, **kwargs)
+
+    def _backend_of_plain_module(self, module: Any) -> LocalBackend:
+        """The backend over the cuts of a module that never asks for one, built once. Only its
+        ``begin_step`` runs: the module's own forward goes through the installed cuts."""
+        if self._own_backend is None:
+            request = BackendRequest(getattr(module, self.policy_attr), 1.0, completion_logps, module.manual_backward)
+            self._own_backend = LocalBackend(request, self.install())
+        return self._own_backend
 
     def teardown(self) -> None:
         if self.cuts is not None:
             self.cuts.remove()
             self.cuts = None
-        self._module_owns_step = False
+        self._module_backend = self._own_backend = None
         super().teardown()
 
     @classmethod

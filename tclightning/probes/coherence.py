@@ -1,7 +1,7 @@
 """Gradient coherence: the two premises of the two-circuit design, measured along a dense trajectory.
 
 1. *Does the fast circuit carry signal?* ``fast_cosine`` / ``fast_sign_agreement``: the compressed
-   gradient (the recipe's cuts, codec and fill) against the dense gradient, same batch, same weights.
+   gradient (the recipe's cuts and codec) against the dense gradient, same batch, same weights.
 2. *Does a late anchor still point the way?* For each lag ``K``: the dense gradient ``g_t`` at
    ``theta(t)`` on batch ``b(t)`` against ``g_{t-K}`` at ``theta(t-K)`` on ``b(t-K)`` (cosine and
    per-coordinate sign agreement). Lag 0 compares ``g_t`` with ``g'_t``, the dense gradient at the
@@ -204,7 +204,7 @@ class GRPOTrajectory:
         from tclightning.grpo.data import PromptStream
         from tclightning.pipeline.backends import LocalBackend
         from tclightning.backend import BackendRequest
-        from tclightning.grpo.logprobs import completion_logps
+        from tclightning.models.logprobs import completion_logps
 
         self.module, self.cuts = module, cuts
         self.cfg = module.cfg
@@ -244,7 +244,7 @@ class GRPOTrajectory:
         """The GRPO loss's gradient on ``rows`` (flattened), dense or through the cuts."""
         import contextlib
 
-        from tclightning.grpo.update import MicrobatchLoss
+        from tclightning.grpo.update import LossSettings, MicrobatchLoss
 
         params = self.backend.owned_parameters()
         for p in params:
@@ -254,7 +254,7 @@ class GRPOTrajectory:
         part = rollouts.select(rows)
         loss_fn = MicrobatchLoss(
             old_logp=None, advantages=advantages[rows], mask=part.completion_mask, logp_sampler=part.logp_sampler,
-            ref_logp=None, cfg=self.cfg, norm_length=self.module.sampler_cfg.max_new_tokens,
+            ref_logp=None, settings=LossSettings.of(self.cfg), norm_length=self.module.sampler_cfg.max_new_tokens,
         )
         with self.backend.dense() if dense else contextlib.nullcontext():
             self.backend.forward_backward(part, loss_fn)
@@ -270,7 +270,7 @@ class GRPOTrajectory:
         twin = self._batch(self.twin_stream.batch(t).indices, sequence_seed(module.sampler_cfg.seed + module.seed + 7919, t))
         self.rewards.pop()  # the trajectory's reward is b(t)'s
         # a basis codec's cold start sends the dense boundary: that step measures nothing compressed
-        cold = self.cuts is not None and any(b.forward_codec.crosses_dense for b in self.cuts.boundaries)
+        cold = self.cuts is not None and any(b.codec.crosses_dense for b in self.cuts.boundaries)
         fast = None if self.cuts is None else self._gradient(rollouts, advantages, rows, dense=False)
         if cold:
             fast = None

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tclightning.errors import TclightningError
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.loss import gap_metrics
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import install_cuts
@@ -54,13 +54,13 @@ class ProbeConfig:
 def probe_configurations(base: PipelineConfig, n_cuts: int) -> list[ProbeConfig]:
     """The sweep, in row order: dense, solo:0..N-1, first:1..N-1, all.
 
-    Cut positions, codec, budget and fill come from ``base``; its ``layout`` (and any
+    Cut positions, codec and budget come from ``base``; its ``layout`` (and any
     ``explicit`` lists) are replaced, so every compressed cut uses ``base.codec``."""
     if n_cuts < 1:
         raise TclightningError("probe cuts: the pipeline has no cut (set pipeline.stages >= 2 or pipeline.cuts)")
 
     def layout(name: str, **extra: Any) -> PipelineConfig:
-        return dataclasses.replace(base, layout=name, compressed=None, cut_codecs=None, **extra)
+        return dataclasses.replace(base, layout=name, cut_codecs=None, **extra)
 
     configs = [ProbeConfig("dense", "dense", layout("dense"))]
     configs += [ProbeConfig(f"solo:{i}", "solo", layout(f"solo:{i}")) for i in range(n_cuts)]
@@ -92,9 +92,8 @@ def price_cuts(
       (the same for all rows, so a cut sees the same kept coordinates in ``solo`` and ``all``),
       and removes every hook before the next one: the model is left hook-free and in its
       original train/eval mode. The weights are not touched.
-    * Codecs with state (the ``mean`` and ``conditional`` fills, the ``lowrank``/``hybrid``/``svd``
-      bases) are warmed first on ``warmup`` -- other completions, as a run's codecs learn from
-      earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic).
+    * Codecs with state (the ``lowrank``/``svd`` bases) are warmed first on ``warmup`` -- other
+      completions, as a run's codecs learn from earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic).
       ``warmup``'s rows are split into ``warmup_steps`` consecutive steps, each folded in as a run
       folds a step: its dense activations at each cut (what an anchor's dense pass hands the
       codecs), one compressed forward at key ``step + 1 + i``, then the step change. That warming
@@ -118,7 +117,7 @@ def price_cuts(
     rows: list[dict[str, Any]] = []
     cache: dict[tuple[bool, ...], dict[str, Any]] = {}  # first:1 == solo:0: score it once
     try:
-        probe_cuts = install_cuts(model, dataclasses.replace(base, layout="dense", compressed=None, cut_codecs=None))
+        probe_cuts = install_cuts(model, dataclasses.replace(base, layout="dense", cut_codecs=None))
         specs = probe_cuts.specs
         probe_cuts.remove()
         for probe in probe_configurations(base, len(specs)):
@@ -152,12 +151,12 @@ def price_cuts(
     return rows
 
 
-STATEFUL_CODECS = ("lowrank", "hybrid", "svd")
+STATEFUL_CODECS = ("lowrank", "svd")
 
 
 def is_stateful(config: PipelineConfig) -> bool:
-    """Whether the compressed cuts of ``config`` learn state from traffic (a fill or a basis)."""
-    return config.fill != "zero" or config.codec in STATEFUL_CODECS
+    """Whether the compressed cuts of ``config`` learn state from traffic (a basis)."""
+    return config.codec in STATEFUL_CODECS
 
 
 def _score(model: nn.Module, rollouts: Rollouts, cuts: Any, temperature: float, step: int, tokens: int,

@@ -4,8 +4,7 @@ The training circuit keeps ``k`` of ``d`` boundary channels per token; this prob
 codec, at the same cuts, while a *frozen* model generates, for several budgets:
 
 * ``dense``   -- no codec (the reference row);
-* ``prf@r``   -- exact-k PRF with ``k = round(r * d)`` at every compressed cut (zero / mean fill from
-  the pipeline config);
+* ``prf@r``   -- exact-k PRF with ``k = round(r * d)`` at every compressed cut (zero fill);
 * ``svd@r``   -- a static rank-``k`` basis per cut, fitted on calibration activations (dense forward
   of reference solutions from the task's *training* split, never the evaluated problems).
 
@@ -38,7 +37,7 @@ from torch import Tensor, nn
 
 from tclightning.codecs import SVDCodec, budget_k
 from tclightning.errors import TclightningError
-from tclightning.grpo.logprobs import completion_logps
+from tclightning.models.logprobs import completion_logps
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import CutSet, find_decoder_layers, install_cuts
 from tclightning.pipeline.layout import cut_layers
@@ -75,16 +74,13 @@ def sweep_points(codecs: Sequence[str], rates: Sequence[float]) -> list[SweepPoi
 
 
 def point_pipeline(base: PipelineConfig, point: SweepPoint, layout: str) -> PipelineConfig:
-    """The cuts of ``base`` (positions, fill, PRF seed) with ``point``'s codec and budget under ``layout``.
+    """The cuts of ``base`` (positions, PRF seed) with ``point``'s codec and budget under ``layout``.
 
     ``dense`` and full-rank ``svd`` resolve to layout ``dense`` (identity codec at every cut)."""
     full_rank_svd = point.codec == "svd" and point.rate >= 1.0
     if point.codec == "dense" or full_rank_svd:
-        return dataclasses.replace(base, layout="dense", compressed=None, cut_codecs=None, backward_codec=None)
-    return dataclasses.replace(
-        base, layout=layout, codec=point.codec, rate=point.rate, k=None, rank=None,
-        compressed=None, cut_codecs=None, backward_codec=None,
-    )  # fmt: skip
+        return dataclasses.replace(base, layout="dense", cut_codecs=None)
+    return dataclasses.replace(base, layout=layout, codec=point.codec, rate=point.rate, k=None, cut_codecs=None)
 
 
 # ------------------------------------------------------------------------------ compressed forward
@@ -108,7 +104,7 @@ def compressed(
     handle = None
     try:
         for spec, boundary in zip(cuts.specs, cuts.boundaries):
-            codec = boundary.forward_codec
+            codec = boundary.codec
             if isinstance(codec, SVDCodec):
                 if calibration is None or spec.layer not in calibration:
                     raise TclightningError(f"probe inference: no calibration activations for the svd cut after layer {spec.layer}")
@@ -280,7 +276,7 @@ def inference_sweep(
                     cuts.set_step(step)
                     cuts.reset_stats()
                     scored = reference_loglik(model, reference, batch_size)
-                    kept = [b.forward_codec.energy_kept for b in cuts.boundaries if isinstance(b.forward_codec, SVDCodec)]
+                    kept = [b.codec.energy_kept for b in cuts.boundaries if isinstance(b.codec, SVDCodec)]
                     layers_hit = [spec.layer for spec in cuts.specs if spec.compressed]
                     measured[key] = (generated, scored, cuts.metrics(), kept, layers_hit)
             rollouts, (loglik, per_example), wire, kept, compressed_layers = measured[key]
@@ -320,7 +316,6 @@ def inference_sweep(
         "d": width,
         "cut_layers": cut_layers(base, len(blocks)),
         "layout": layout,
-        "fill": base.fill,
         "max_new_tokens": max_new_tokens,
         "n": len(examples),
         "calibration_examples": len(calibration_examples) if calibration is not None else 0,

@@ -6,6 +6,7 @@ itself, then ``key=value`` overrides from the command line. ``callback_presets``
 lists of ``class_path``/``init_args`` from the top-level ``callbacks/`` folder, placed before the
 recipe's own ``callbacks``. Every error names the file and the key (:class:`RecipeError`); an
 error in a command-line override names that override. Every value is checked against its range
+(declared beside its field, :mod:`tclightning.settings`) and the cross checks
 (:mod:`tclightning.recipes.ranges`) here, before a run creates anything.
 """
 
@@ -28,8 +29,9 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
-from tclightning.recipes.ranges import RANGES, problems
-from tclightning.recipes.schema import RecipeConfig
+from tclightning.recipes.ranges import problems
+from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
+from tclightning.settings import without_keys
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO_DIR = PACKAGE_DIR.parent
@@ -415,13 +417,15 @@ CHECKPOINT_SECTIONS = ("model", "task", "sampler", "grpo", "anchor")
 
 def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
     """A checkpoint's hyper-parameters checked as a recipe's: its :data:`CHECKPOINT_SECTIONS`
-    through the schema, every key of them in its range and the cross checks. Raises
+    (less the retired keys an earlier version saved) through the schema, every key of them in its
+    range, and the cross checks that read only those sections (one that needs ``trainer``, which a
+    checkpoint does not store, would judge the schema's default instead). Raises
     :class:`RecipeError` naming ``source`` and the key. (What a checkpoint may never ask for,
     remote code and a model larger than its weights, is
     :func:`~tclightning.models.loading.check_checkpoint_model`.)"""
     if not isinstance(hparams, Mapping):
         raise RecipeError("not a tclightning checkpoint (no hyper-parameters)", file=source)
-    sections = {name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams}
+    sections = without_keys({name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams}, RETIRED_KEYS)
     model = sections.get("model")
     if not isinstance(model, Mapping):
         raise RecipeError("not a tclightning checkpoint (no model hyper-parameters)", file=source)
@@ -430,13 +434,12 @@ def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or None
         raise RecipeError(" ".join(str(err).split("\n")[0].split())[:200], file=source, key=key) from None
-    keys = [key for key in RANGES if key.split(".", 1)[0] in sections]
-    for problem in problems(cfg, keys):
+    for problem in problems(cfg, sections):
         raise RecipeError(problem.message, file=source, key=problem.keys[0])
 
 
 def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = None) -> None:
-    """Every value in its range (:data:`tclightning.recipes.ranges.RANGES`), the cross checks, and
+    """Every value in its range (:data:`tclightning.recipes.ranges.RULES`), the cross checks, and
     importable callback classes. The first problem raises :class:`RecipeError` naming the key and
     ``source``, or the override from ``credited`` (``{key: "key=value"}``) that set it."""
     credited = credited or {}
@@ -512,11 +515,11 @@ def resolve_callback_class(class_path: str, source: str, key: str) -> type:
 
 def resolve_logger_class(class_path: str, source: str, key: str) -> type:
     """The Lightning ``Logger`` subclass an entry of ``logging.loggers`` names: a short name of
-    :data:`~tclightning.recipes.ranges.LOGGERS` (its package must be installed: the error names
+    :data:`~tclightning.recipes.schema.LOGGERS` (its package must be installed: the error names
     the ``pip install``) or an import path, checked as :func:`resolve_callback_class` does."""
     from lightning.pytorch.loggers import Logger
 
-    from tclightning.recipes.ranges import LOGGERS
+    from tclightning.recipes.schema import LOGGERS
 
     if class_path in LOGGERS:
         name, (class_path, package) = class_path, LOGGERS[class_path]

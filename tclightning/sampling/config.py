@@ -1,8 +1,13 @@
-"""Sampler section of a recipe."""
+"""Sampler section of a recipe: each key with its range and help (:func:`tclightning.settings.setting`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from tclightning.settings import MAX_TOKENS, flag, integer, number, one_of, positive, seed, setting
+
+BACKENDS = ("hf", "vllm")
+"""``sampler.backend``: transformers ``generate`` (CPU or GPU) or vLLM (GPU, optional extra)."""
 
 
 @dataclass
@@ -13,18 +18,22 @@ class SamplerConfig:
     token (TRL's convention), the same definition the trainer uses, so the gap is comparable.
     """
 
-    backend: str = "hf"  # hf (transformers generate; CPU or GPU) | vllm (GPU, optional extra)
-    group_size: int = 8  # G completions per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    batch_size: int = 64  # sequences per generate call (memory knob, not a semantics knob)
-    seed: int = 0  # each step samples with seed (seed, step): resumable without RNG state
-    eval_max_new_tokens: int | None = None  # greedy validation length (default: max_new_tokens)
+    backend: str = setting("hf", one_of(BACKENDS), "hf (transformers generate; CPU or GPU) | vllm (GPU, optional extra)")
+    group_size: int = setting(8, integer(2), "G completions per prompt (GRPO compares them: at least 2)")
+    temperature: float = setting(1.0, number(0.0, low_open=True), "sampling temperature")
+    top_p: float = setting(1.0, number(0.0, 1.0, low_open=True), "nucleus sampling: the smallest set of tokens of this mass")
+    max_new_tokens: int = setting(64, positive(MAX_TOKENS), "most tokens a completion may have")
+    batch_size: int = setting(64, positive(), "sequences per generate call (memory knob, not a semantics knob)")
+    seed: int = setting(0, seed(), "each step samples with seed (seed, step): resumable without RNG state")
+    eval_max_new_tokens: int | None = setting(None, positive(MAX_TOKENS, optional=True),
+                                              "greedy validation length (default: max_new_tokens)")
     # --- vllm backend only (see docs/vllm.md) ---
-    # Share of the GPU's memory the vLLM engine may take (weights + KV cache). The engine is
-    # colocated with the trainer on the same GPU, so leave the rest for training.
-    gpu_memory_utilization: float = 0.3
-    vllm_max_model_len: int | None = None  # prompt + completion tokens per sequence (None: the model's limit)
-    vllm_enforce_eager: bool = False  # skip CUDA-graph capture (faster start, slower decoding)
-    vllm_sleep: bool = False  # offload the engine (weights to CPU, KV cache freed) between sampling calls
+    gpu_memory_utilization: float = setting(
+        0.3, number(0.0, 1.0, low_open=True),
+        "vllm: share of the GPU's memory the engine may take (weights + KV cache). The engine is colocated with "
+        "the trainer on the same GPU, so leave the rest for training")
+    vllm_max_model_len: int | None = setting(None, positive(MAX_TOKENS, optional=True),
+                                             "vllm: prompt + completion tokens per sequence (None: the model's limit)")
+    vllm_enforce_eager: bool = setting(False, flag, "vllm: skip CUDA-graph capture (faster start, slower decoding)")
+    vllm_sleep: bool = setting(False, flag,
+                               "vllm: offload the engine (weights to CPU, KV cache freed) between sampling calls")

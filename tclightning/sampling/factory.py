@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tclightning.errors import TclightningError
 from tclightning.sampling.base import PromptFormatter, Sampler
-from tclightning.sampling.config import SamplerConfig
+from tclightning.sampling.config import BACKENDS, SamplerConfig
 
 
 def build_sampler(cfg: SamplerConfig, formatter: PromptFormatter) -> Sampler:
@@ -18,4 +18,4 @@ def build_sampler(cfg: SamplerConfig, formatter: PromptFormatter) -> Sampler:
         from tclightning.sampling.vllm import VLLMSampler
 
         return VLLMSampler(cfg, formatter)
-    raise TclightningError(f"sampler.backend: unknown backend '{cfg.backend}', expected hf | vllm")
+    raise TclightningError(f"sampler.backend: unknown backend '{cfg.backend}', expected {' | '.join(BACKENDS)}")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example, Task
-from tclightning.tasks.config import TaskConfig
+from tclightning.tasks.config import ANSWER_AT, TaskConfig
 from tclightning.tasks.data import build_prompt, check_template
 from tclightning.tasks.rewards import normalize_minus
 
@@ -41,8 +41,6 @@ _MAX_DIGITS = 9
 # Digit runs are capped before int() (first_integer), so no completion makes int() slow.
 _FIRST_INTEGER = re.compile(r"-?\d+", re.ASCII)
 _FIRST_DIGITS = re.compile(r"\s*(\d+)", re.ASCII)
-# Widest result of each operation for operands of `digits` digits (fixed_width answers).
-_RESULT_WIDTH: dict[str, Callable[[int], int]] = {"+": lambda d: d + 1, "-": lambda d: d, "*": lambda d: 2 * d}
 
 
 def first_integer(text: str) -> int | None:
@@ -80,11 +78,11 @@ class ArithmeticTask(Task):
                 f"got {cfg.operations!r}"
             )
         check_template(cfg.prompt_template)
-        if cfg.answer_at not in ("first", "last"):
-            raise TclightningError(f"task.answer_at must be 'first' or 'last', got {cfg.answer_at!r}")
-        if cfg.answer_at == "last" and (cfg.reverse_answer or cfg.fixed_width):
+        if cfg.answer_at not in ANSWER_AT:
+            raise TclightningError(f"task.answer_at must be {' or '.join(map(repr, ANSWER_AT))}, got {cfg.answer_at!r}")
+        if cfg.answer_at == "last" and cfg.reverse_answer:
             raise TclightningError("task.answer_at 'last' reads a plain integer: it does not combine with "
-                                   "task.reverse_answer or task.fixed_width (digit strings read from the start)")
+                                   "task.reverse_answer (a digit string read from the start)")
         self.cfg = cfg
         self.ops = ops
         self.system_prompt = cfg.system_prompt
@@ -124,10 +122,6 @@ class ArithmeticTask(Task):
     def _example(self, split: str, index: int, a: int, op: str, b: int) -> Example:
         answer = str(OPERATIONS[op](a, b))
         question = f"{a}{op}{b}="
-        if self.cfg.fixed_width:
-            width = self.cfg.digits
-            question = f"{a:0{width}d}{op}{b:0{width}d}="
-            answer = answer.zfill(_RESULT_WIDTH[op](width))
         if self.cfg.reverse_answer:
             answer = answer[::-1]
         prompt = build_prompt(question, self.cfg.prompt_template, self.instruction)
@@ -158,7 +152,7 @@ class ArithmeticTask(Task):
         return self._load()[1]
 
     def score(self, completion: str, example: Example) -> float:
-        if self.cfg.reverse_answer or self.cfg.fixed_width:  # digit strings: keep leading zeros
+        if self.cfg.reverse_answer:  # a digit string: keep leading zeros
             match = _FIRST_DIGITS.match(completion)
             return 1.0 if match is not None and match.group(1) == example.answer else 0.0
         value = last_integer(completion) if self.cfg.answer_at == "last" else first_integer(completion)

@@ -1,26 +1,45 @@
-"""Token log-probs of completions under the trainer's forward (whatever cuts it carries)."""
+"""Token log-probs of completions under a model's forward (whatever cuts it carries, or one
+pipeline stage's share of it)."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
+from torch import nn
 
-from tclightning.sampling.base import Rollouts
+
+class CompletionBatch(Protocol):
+    """Prompts and completions as one ``[B, L]`` sequence (a ``Rollouts``, a ``StageInputs``)."""
+
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+    @property
+    def attention_mask(self) -> torch.Tensor: ...
+    @property
+    def position_ids(self) -> torch.Tensor: ...
+    @property
+    def completion_ids(self) -> torch.Tensor: ...
+    @property
+    def completion_mask(self) -> torch.Tensor: ...
 
 
 def completion_logps(
-    model: PreTrainedModel, rollouts: Rollouts, temperature: float = 1.0, with_entropy: bool = False
+    model: nn.Module, rollouts: CompletionBatch, temperature: float = 1.0, with_entropy: bool = False,
+    *, inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)`` at each completion token, ``[B, Lc]`` (0 on padding).
 
     Uses the same positions as the sampler (cumulative over real tokens) and asks the model
     only for the last ``Lc + 1`` positions' logits (``logits_to_keep``), so memory scales with
     the completion, not the prompt. Entropy (no grad) is of the same tempered distribution.
+    ``inputs_embeds`` [B, L, d] replaces the ids as the model's input (a pipeline's last stage).
     """
     width = rollouts.completion_ids.shape[1]
+    tokens = {"input_ids": rollouts.input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     logits = model(
-        input_ids=rollouts.input_ids,
+        **tokens,
         attention_mask=rollouts.attention_mask,
         position_ids=rollouts.position_ids,
         use_cache=False,
