@@ -5,6 +5,9 @@
 * ``bench link`` -- 2 pipeline stages in their own processes over a tc-shaped link (network
   namespace), step time and bytes for dense / shallow / all-compressed layouts
   (``tclightning.bench.link.run_link_bench``; ``benchmarks/slow_link.py`` runs the same).
+* ``bench traffic`` -- bytes per RL step per traffic class (boundary, anchor, weight sync, tied
+  embedding, rollouts) for dense / compressed / + sparse sync / + LoRA, from a recipe and a model's
+  ``config.json`` alone (``tclightning.bench.traffic.step_traffic``).
 * ``bench two-node`` -- a real two-node torchrun launch of ``tclightning run`` on one machine:
   two network namespaces joined by a tc-shaped veth pair (``tclightning.bench.two_node``).
 
@@ -89,6 +92,75 @@ def run_codec(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_traffic_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``bench traffic``."""
+    from tclightning.bench.traffic import TrafficAssumptions
+
+    base = TrafficAssumptions()
+    parser.add_argument("--recipe", required=True, help="recipe name or path (its pipeline, grpo, sampler, anchor)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.layout=all")
+    parser.add_argument("--model-config", default=None, metavar="PATH",
+                        help="the model's config.json or its folder (default: the recipe's model.name: a local "
+                             "folder or a shipped config)")
+    parser.add_argument("--tokens-per-row", type=int, default=base.tokens_per_row,
+                        help=f"prompt + completion tokens per sampled row (default {base.tokens_per_row})")
+    parser.add_argument("--activation-dtype", default=base.activation_dtype, choices=("float32", "bfloat16", "float16"),
+                        help=f"dtype of the boundary (default {base.activation_dtype})")
+    parser.add_argument("--sampler-dtype", default=base.sampler_dtype, choices=("float32", "bfloat16", "float16"),
+                        help=f"dtype of the sampler's weights (default {base.sampler_dtype})")
+    parser.add_argument("--sync-density", type=float, default=base.sync_density,
+                        help=f"share of entries a sparse sync sends per step (default {base.sync_density})")
+    parser.add_argument("--distinct-ids", type=int, default=None,
+                        help="distinct token ids per optimizer tick (default: min(vocab, tokens per tick))")
+    parser.add_argument("--lora-rank", type=int, default=base.lora_rank, help=f"LoRA r (default {base.lora_rank})")
+    parser.add_argument("--link", default="1gbit,100mbit", help="link speeds to time the bytes at (default 1gbit,100mbit)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per configuration per line")
+
+
+def run_traffic(args: argparse.Namespace) -> int:
+    """Handler of ``bench traffic``: bytes per RL step per class, per configuration."""
+    from tclightning.bench.traffic import (
+        CLASSES,
+        TrafficAssumptions,
+        link_seconds,
+        parse_links,
+        read_model_config,
+        step_traffic,
+    )
+    from tclightning.errors import TclightningError
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+
+    if args.tokens_per_row < 1 or not 0.0 <= args.sync_density <= 1.0 or args.lora_rank < 1 or (
+            args.distinct_ids is not None and args.distinct_ids < 1):
+        raise TclightningError("bench traffic: need --tokens-per-row >= 1, --sync-density in [0, 1], --lora-rank >= 1 "
+                               "and --distinct-ids >= 1")
+    links = parse_links(args.link)
+    recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
+    config = read_model_config(args.model_config or recipe.model.name or "")
+    assumptions = TrafficAssumptions(args.tokens_per_row, args.activation_dtype, args.sampler_dtype,
+                                     args.sync_density, args.distinct_ids, args.lora_rank)
+    rows = step_traffic(recipe, config, assumptions)
+    dense = rows[0].total
+    if args.json:
+        for row in rows:
+            print(json.dumps({**row.as_dict(), "share_of_dense": row.total / dense,
+                              **{f"seconds_at_{name}": link_seconds(row.total, rate) for name, rate in links}}))
+        return 0
+    rows_per_step = recipe.grpo.prompts_per_step * recipe.sampler.group_size
+    print(f"bytes per RL step, recipe {recipe.name} ({recipe.pipeline.layout} layout, {recipe.pipeline.stages} stages, "
+          f"{recipe.pipeline.codec} at {recipe.pipeline.rate:g}), {config.get('model_type')} d={config['hidden_size']}, "
+          f"{rows_per_step} rows x {args.tokens_per_row} tokens, {args.activation_dtype} boundary, "
+          f"{args.sampler_dtype} sampler, sparse sync at {args.sync_density:g}, LoRA r={args.lora_rank}")
+    head = ["config", *CLASSES, "total", "vs dense", *(f"s @ {name}" for name, _ in links)]
+    print("| " + " | ".join(head) + " |")
+    print("| --- " * len(head) + "|")
+    for row in rows:
+        cells = [row.config, *(f"{row.classes[c] / 1e9:.3f} GB" for c in CLASSES), f"{row.total / 1e9:.3f} GB",
+                 f"{row.total / dense:.1%}", *(f"{link_seconds(row.total, rate):.1f}" for _, rate in links)]
+        print("| " + " | ".join(cells) + " |")
+    return 0
+
+
 def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``bench link`` (shared with ``benchmarks/slow_link.py``)."""
     layouts = ("dense", "shallow", "all")
@@ -149,6 +221,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_link_arguments(link)
     link.set_defaults(func=run_link)
+    traffic = tools.add_parser(
+        "traffic", help="bytes per RL step per traffic class from a recipe and a model config (no weights)")
+    add_traffic_arguments(traffic)
+    traffic.set_defaults(func=run_traffic)
     two = tools.add_parser(
         "two-node", help="tclightning run as 2 torchrun nodes in 2 network namespaces over a tc-shaped veth link"
     )
