@@ -409,6 +409,9 @@ def run(
     require_hardware(recipe)
     require_pipeline_for_processes(recipe)
     require_launcher_for_nodes(recipe)
+    from tclightning.models.loading import check_hub_model
+
+    check_hub_model(recipe.model)  # an uncached hub name offline: one line now, not a minute of retries
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
         require_writable_root(recipe)
     plan = plan_run(recipe, resume)

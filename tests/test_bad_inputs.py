@@ -386,3 +386,19 @@ def test_a_run_whose_planned_directory_is_taken_meanwhile_uses_the_next_and_remo
     assert f"run directory: {ours}\n" in out.out and f"removed {ours}" in out.err
     assert not ours.exists()
     assert [p.name for p in planned[0].iterdir()] == ["other-run.txt"]  # the other run's directory is untouched
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}], ids=["offline", "unreachable"])
+def test_an_uncached_hub_model_without_a_hub_is_refused_before_anything_is_written(
+    env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--recipe", "tiny", "model.source=hf", "model.name=nobody/not-cached-anywhere"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.name 'nobody/not-cached-anywhere': not in the Hugging Face cache" in err[0], err
+    assert "HF_HUB_OFFLINE is set" in err[0] if "HF_HUB_OFFLINE" in env else "127.0.0.1 cannot be reached" in err[0]
+    assert list(tmp_path.iterdir()) == []

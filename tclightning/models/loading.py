@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -105,6 +108,38 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
     if not (directory / name).is_file():
         raise TclightningError(f"model.gguf_file: no such file: {directory / name}")
     return str(directory), name
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def check_hub_model(cfg: ModelConfig, timeout_s: float = 3.0) -> None:
+    """A Hugging Face hub name (not a local folder) must be in the local cache or the hub must be
+    reachable: otherwise the run is refused at once, in one line, instead of a traceback after a
+    minute of download retries. Behind a proxy the hub is left to answer for itself."""
+    if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
+        return
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        if isinstance(try_to_load_from_cache(cfg.name, "config.json"), str):
+            return
+    except HFValidationError as err:
+        raise TclightningError(f"model.name {cfg.name!r}: neither a local folder nor a hub name ({err})") from None
+    advice = f"download it while online (hf download {cfg.name}) or give a local model folder"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
+                               f"{advice}")
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
+        return
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host} cannot be reached "
+                               f"({err.strerror or err}); {advice}") from None
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
