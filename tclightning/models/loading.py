@@ -114,9 +114,9 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def check_hub_model(cfg: ModelConfig, timeout_s: float = 3.0) -> None:
-    """A Hugging Face hub name (not a local folder) must be in the local cache or the hub must be
-    reachable: otherwise the run is refused at once, in one line, instead of a traceback after a
-    minute of download retries. Behind a proxy the hub is left to answer for itself."""
+    """A Hugging Face hub name (not a local folder) must be in the local cache or the Hugging Face Hub
+    must be reachable: otherwise the run is refused at once, in one line, instead of a traceback after a
+    minute of download retries. Behind a proxy the Hugging Face Hub is left to answer for itself."""
     if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
         return
     from huggingface_hub import try_to_load_from_cache
