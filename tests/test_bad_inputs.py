@@ -138,6 +138,10 @@ CASES: dict[str, Case] = {
     "recipe-a-list": recipe("- 1\n- 2\n", "mapping"),
     "recipe-bad-yaml": recipe("description: [unclosed\n", "not valid YAML", "line 2"),
     "recipe-empty-section": recipe(BASE + "trainer:\n", "key 'trainer'", "empty section"),
+    "recipe-defaults-explode": Case(("run", "--recipe", "{tmp}/d0.yaml"), ("d0.yaml", "key 'defaults'", "more than 256"),
+                                    {f"d{i}.yaml": f"defaults: [{'tiny' if i == 9 else f'd{i + 1}.yaml'}, "
+                                                   f"{'tiny' if i == 9 else f'd{i + 1}.yaml'}]\n".encode()
+                                     for i in range(10)}),
     "recipe-missing": Case(("run", "--recipe", "{tmp}/missing.yaml"), ("missing.yaml",)),
     "recipe-unknown-name": Case(("run", "--recipe", "tinny"), ("did you mean 'tiny'",)),
     "resume-last-without-runs": Case(("run", "--recipe", "tiny", "--resume", "last", "logging.root={tmp}/runs"),

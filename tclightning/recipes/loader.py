@@ -307,10 +307,20 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         raise _explain(err, base, source, override) from None
 
 
-def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...]) -> DictConfig:
+MAX_INCLUDES = 256
+"""Recipe files one composition may read, repeats counted: a few levels of ``defaults`` that each
+name the next twice already mean 2^levels reads."""
+
+
+def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...], reads: list[int] | None = None) -> DictConfig:
     if path in chain:
         cycle = " -> ".join(p.name for p in (*chain, path))
         raise RecipeError(f"recipes include each other: {cycle}", file=str(path), key="defaults")
+    reads = reads if reads is not None else [0]
+    reads[0] += 1
+    if reads[0] > MAX_INCLUDES:
+        raise RecipeError(f"its defaults read more than {MAX_INCLUDES} recipe files (a file named twice counts "
+                          "twice)", file=str(chain[0] if chain else path), key="defaults")
     data = _read_yaml(path)
     if not data:
         raise RecipeError("the file is empty: a recipe needs at least a description (and usually defaults)",
@@ -326,7 +336,7 @@ def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...]) -> DictConfi
             included = find_recipe(str(ref), relative_to=path.parent)
         except RecipeError as err:
             raise RecipeError(str(err), file=str(path), key="defaults") from None
-        base = _compose(included, base, (*chain, path))
+        base = _compose(included, base, (*chain, path), reads)
     # Sections merge; `name`/`description` belong to the file itself, not its includes.
     own = {k: v for k, v in data.items() if k != "defaults"}
     own.setdefault("name", path.stem)
