@@ -27,3 +27,10 @@ class RecipeError(TclightningError):
         )
         where = ": ".join(part for part in parts if part)
         super().__init__(f"{where}: {message}" if where else message)
+
+
+class StorageError(TclightningError):
+    """A write the machine's storage refused (disk full, read-only, quota): one line, exit 1; what
+    was saved before is kept and the run resumes from it once the storage takes writes again."""
+
+    exit_code = 1

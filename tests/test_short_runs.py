@@ -257,3 +257,36 @@ def test_intra_op_threads_default(monkeypatch: pytest.MonkeyPatch) -> None:
     recipe.trainer.num_threads = 3
     assert intra_op_threads(recipe) == 3  # a setting is obeyed
     assert to_dataclass(load_recipe("tiny")).trainer.num_threads == 1
+
+
+def test_a_checkpoint_the_disk_refuses_stops_the_run_in_one_line_and_keeps_the_last_one(
+    run_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up at the second checkpoint: the half-written file goes, step 2's checkpoint
+    stays whole, and the run stops with one line naming both (the CLI exits 1)."""
+    import errno
+
+    import lightning as L
+
+    from tclightning.callbacks.checkpointing import load_checkpoint
+    from tclightning.errors import StorageError
+
+    real_save = L.Trainer.save_checkpoint
+
+    def save(trainer: L.Trainer, path: str | Path, *args: object, **kwargs: object) -> None:
+        if trainer.global_step >= 4:  # one tick per RL step (grpo.minibatches=1): the step-4 checkpoint
+            Path(path).write_bytes(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(trainer, path, *args, **kwargs)
+
+    monkeypatch.setattr(L.Trainer, "save_checkpoint", save)
+    with pytest.raises(StorageError) as caught:
+        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.checkpoint_every=2",
+                     "grpo.minibatches=1", "logging.name=full"], quiet=True)
+    message = str(caught.value)
+    assert "\n" not in message and caught.value.exit_code == 1
+    assert "No space left on device" in message and "(step 2) is kept" in message and "--resume" in message
+    (run_dir,) = (run_root / "full").iterdir()
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-000002.ckpt"]
+    assert load_checkpoint(checkpoints / "last.ckpt")["global_step"] >= 1

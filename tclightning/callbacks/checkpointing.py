@@ -3,6 +3,7 @@ safe way to read them back (:func:`load_checkpoint`, :func:`checkpoint_allow_lis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -19,7 +20,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
-from tclightning.errors import TclightningError
+from tclightning.errors import StorageError, TclightningError
 from tclightning.files import regular_file
 
 
@@ -157,6 +158,7 @@ class StepCheckpoint(Checkpoint):
         self.keep = keep
         self.saved_step = -1
         self._pending: int | None = None  # step written to the temporary file, not yet committed
+        self.committed_step: int | None = None  # step of the last checkpoint this process published
 
     @property
     def last_path(self) -> Path:
@@ -174,7 +176,8 @@ class StepCheckpoint(Checkpoint):
             return self.last_path
         self.dirpath.mkdir(parents=True, exist_ok=True)
         self.saved_step = step  # first: the checkpoint records that it holds this step
-        trainer.save_checkpoint(self._tmp_path, weights_only=False)
+        with self._refused_writes(step):
+            trainer.save_checkpoint(self._tmp_path, weights_only=False)
         if trainer.is_global_zero:
             self._pending = step
             fault_point("written", step)
@@ -191,6 +194,10 @@ class StepCheckpoint(Checkpoint):
         step, self._pending = self._pending, None
         for logger in trainer.loggers:
             logger.save()
+        with self._refused_writes(step):
+            self._publish(step)
+
+    def _publish(self, step: int) -> None:
         tmp = self._tmp_path
         _fsync(tmp)
         if self.every_n_steps and self.keep > 0:
@@ -209,7 +216,25 @@ class StepCheckpoint(Checkpoint):
             fault_point("step-file", step)
         os.replace(tmp, self.last_path)
         _fsync(self.dirpath)
+        self.committed_step = step
         fault_point("committed", step)
+
+    @contextmanager
+    def _refused_writes(self, step: int) -> Iterator[None]:
+        """A write the storage refuses (full, read-only, quota) becomes one line: the temporary files
+        are removed, the committed checkpoints stay as they were, and the run stops."""
+        try:
+            yield
+        except OSError as err:
+            self._pending = None
+            for leftover in (self._tmp_path, self.dirpath / ".step.ckpt.tmp"):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
+            then = (f"{self.last_path} (step {self.committed_step}) is kept: free space and resume with "
+                    f"`tclightning run --resume {self.dirpath.parent}`" if self.committed_step is not None
+                    else "no checkpoint of this run was written, so there is nothing to resume")
+            raise StorageError(f"cannot write the checkpoint of step {step} in {self.dirpath}: "
+                               f"{err.strerror or err}; {then}") from None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         # The previous step's row was logged and flushed when its batch ended.
