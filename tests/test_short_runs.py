@@ -200,6 +200,14 @@ def _next_line(lines: queue.Queue, proc: subprocess.Popen, timeout: float = 120.
         raise AssertionError("no output line in time") from None
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT delivered and at its default, as a terminal's Ctrl-C finds
+    it. A child inherits an ignored SIGINT, and a test run started in the background of a
+    non-interactive shell (``make test &``, CI scripts) has one: the run would never see the signal."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_ctrl_c_in_the_warmup_exits_130_and_removes_the_run_directory(tmp_path: Path, signum: int) -> None:
     # Output goes to a pipe (not a terminal) and PYTHONUNBUFFERED is unset: lines must still arrive live.
@@ -210,6 +218,7 @@ def test_ctrl_c_in_the_warmup_exits_130_and_removes_the_run_directory(tmp_path: 
          "logging.progress=rich", "model.warmup.steps=100000", "model.warmup.target_accuracy=1.0",
          "model.warmup.check_every=5", "model.warmup.check_examples=4"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint,
     )
     lines = _reader(proc.stdout)
     first = _next_line(lines, proc)
