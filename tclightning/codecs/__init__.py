@@ -19,7 +19,14 @@ from tclightning.codecs.base import (
     payload_nbytes,
 )
 from tclightning.codecs.identity import IdentityCodec
-from tclightning.codecs.lowrank import AdaptiveLowRankCodec, SVDCodec, TokenMoments
+from tclightning.codecs.lowrank import (
+    QUANT_BITS,
+    AdaptiveLowRankCodec,
+    SVDCodec,
+    TokenMoments,
+    quantised_bytes,
+    quantised_rank,
+)
 from tclightning.codecs.prf import PRFCodec, PRFIndexer
 
 CODECS = ("prf", "identity", "svd", "lowrank")
@@ -49,21 +56,34 @@ def make_codec(
     refresh_every: int = 10,
     refresh_tolerance: float = 0.02,
     basis_tokens: int = 1024,
+    bits: int | None = None,
+    bits_lead: bool = False,
+    value_bytes: int = 4,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf``; the rank (default: that same budget) for ``svd``/``lowrank``;
     ``refresh_every`` / ``refresh_tolerance``: the basis refresh checks of ``lowrank``;
-    ``basis_tokens``: how many token ids get their own centre there."""
+    ``basis_tokens``: how many token ids get their own centre there. ``bits`` (``lowrank`` only):
+    quantised coefficients; the rank is then what ``rank`` (or the budget) values of
+    ``value_bytes`` bytes each buy at ``bits`` bits beside a 16-bit scale (:func:`quantised_rank`;
+    ``bits_lead``: the leading coefficient in 16 bits beside them)."""
     if name == "identity":
+        if bits is not None:
+            raise ValueError("bits: only the lowrank codec quantises its coefficients")
         return IdentityCodec(dim)
+    if bits is not None and name != "lowrank":
+        raise ValueError(f"bits: only the lowrank codec quantises its coefficients, not {name}")
     budget = budget_k(dim, rate=rate, k=k)
     if name == "prf":
         return PRFCodec(dim, budget, rescale=rescale)
     if name == "svd":
         return SVDCodec(dim, rank or budget)
     if name == "lowrank":
-        return AdaptiveLowRankCodec(dim, rank or budget, refresh_every=refresh_every,
-                                    refresh_tolerance=refresh_tolerance, token_slots=basis_tokens)
+        rank = rank or budget
+        if bits is not None:
+            rank = quantised_rank(rank * value_bytes, bits, dim, bits_lead)
+        return AdaptiveLowRankCodec(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance,
+                                    token_slots=basis_tokens, bits=bits, lead=bits_lead)
     raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
 
 
@@ -78,9 +98,12 @@ __all__ = [
     "PRFCodec",
     "PRFIndexer",
     "Payload",
+    "QUANT_BITS",
     "SVDCodec",
     "budget_k",
     "dense_bytes",
     "make_codec",
     "payload_nbytes",
+    "quantised_bytes",
+    "quantised_rank",
 ]

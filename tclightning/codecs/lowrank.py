@@ -4,11 +4,14 @@
   activations at the cut. ``payload = (x - mu) U`` ([B, L, r]), ``x_hat = mu + payload U^T``.
   Linear, so the gradient w.r.t. the payload ``g U`` is the [B, L, r] backward message.
 * ``lowrank`` (activations): the same projection with the basis kept current during training
-  (:class:`AdaptiveLowRankCodec`).
+  (:class:`AdaptiveLowRankCodec`); optionally with its coefficients quantised to ``bits`` bits
+  and a 16-bit scale per token (:func:`quantise_coefficients`, :func:`stochastic_quantise`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -16,7 +19,7 @@ from torch import Tensor
 
 from tclightning.codecs.base import Codec, CodecKey
 from tclightning.codecs.context import ID_LIMIT, sorted_rows, token_of
-
+from tclightning.codecs.prf import fold32, key_hash, mix32
 
 TOKEN_PRIOR = 4.0
 """Pseudo-observations shrinking a token's centre towards the global mean: a token seen n times in
@@ -255,6 +258,172 @@ class SVDCodec(Codec):
         return f"SVDCodec(dim={self.dim}, rank={self.rank})"
 
 
+# ------------------------------------------------------------------ quantised coefficients
+QUANT_BITS = (2, 3, 4, 8)
+"""Bits per coefficient a basis codec may send (``pipeline.bits``); None sends float coefficients."""
+
+SCALE_BYTES = 2
+"""The per-token scale of a quantised message: 16 bits (float16 forward, bfloat16 backward)."""
+
+GRADIENT_STREAM = 1
+"""``CodecKey.stream`` that keys the backward message's stochastic rounding."""
+
+_FLOAT16_MAX = 65504.0
+_ROW_SALT = 0x2545F491
+
+
+def levels(bits: int) -> int:
+    """Largest quantised magnitude at ``bits`` bits (symmetric, sign included): ``2^(bits-1) - 1``."""
+    return 2 ** (bits - 1) - 1
+
+
+LEAD_BYTES = 2
+"""The leading coefficient of a ``lead`` message: 16 bits (float16 forward, bfloat16 backward)."""
+
+
+def quantised_rank(budget_bytes: int, bits: int, dim: int, lead: bool = False) -> int:
+    """Coefficients per token that ``budget_bytes`` buy at ``bits`` bits beside a 16-bit scale:
+    ``floor((budget_bytes * 8 - 16) / bits)``, capped at ``dim``; with ``lead`` (the first
+    coefficient in 16 bits) ``1 + floor((budget_bytes * 8 - 32) / bits)``. Raises ``ValueError``
+    when the budget cannot buy one quantised coefficient."""
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {', '.join(map(str, QUANT_BITS))}, got {bits}")
+    quantised = (budget_bytes * 8 - 8 * SCALE_BYTES - (8 * LEAD_BYTES if lead else 0)) // bits
+    if quantised < 1:
+        raise ValueError(f"a budget of {budget_bytes} bytes per token buys no {bits}-bit coefficient "
+                         f"beside its {SCALE_BYTES}-byte scale" + (" and the 16-bit lead" if lead else ""))
+    return min(dim, quantised + int(lead))
+
+
+def quantised_bytes(rank: int, bits: int, lead: bool = False) -> int:
+    """Bytes per token of ``rank`` coefficients packed at ``bits`` bits, plus the scale:
+    ``ceil(rank * bits / 8) + 2``; with ``lead``, ``ceil((rank - 1) * bits / 8) + 2 + 2``."""
+    if lead:
+        return math.ceil((rank - 1) * bits / 8) + SCALE_BYTES + LEAD_BYTES
+    return math.ceil(rank * bits / 8) + SCALE_BYTES
+
+
+def quantise_coefficients(c: Tensor, bits: int, lead: bool = False) -> Tensor:
+    """Round-to-nearest quantisation of coefficients ``c`` ``[..., r]``, one scale per token:
+    ``s = fp16(max |c| / L)`` (``L`` = :func:`levels`; the scale rounded to float16 as it would cross),
+    ``q = clamp(round(c / s), -L, L)``, returns ``q s`` (0 for a token whose scale is 0), in ``c``'s
+    dtype. Computed in float32, where ``q s`` is exact. ``lead``: the first coefficient is rounded
+    to float16 instead (clamped to its range) and the rest quantised with their own scale."""
+    if lead:
+        first = c[..., :1].float().clamp(-_FLOAT16_MAX, _FLOAT16_MAX).half().to(c.dtype)
+        return torch.cat([first, quantise_coefficients(c[..., 1:], bits)], -1)
+    top = levels(bits)
+    values = c.float()
+    scale = (values.abs().amax(-1, keepdim=True) / top).clamp(max=_FLOAT16_MAX).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(values / safe).clamp_(-top, top)
+    return (q * scale).to(c.dtype)
+
+
+def ceil_bfloat16(x: Tensor) -> Tensor:
+    """The smallest bfloat16 value >= ``x`` (float32, finite, >= 0), as float32: the upper 16 bits
+    of float32, rounded up."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+
+
+def stochastic_quantise(g: Tensor, bits: int, uniforms: Tensor, lead: bool = False) -> Tensor:
+    """Unbiased quantisation of ``g`` ``[..., r]``, one scale per token: ``s`` = ``max |g| / L``
+    rounded *up* to bfloat16 (the gradient needs float32's exponent range; rounding up keeps
+    ``|g / s| <= L``), ``q = floor(g / s + u)`` with ``u`` = ``uniforms`` in [0, 1) (``g``'s shape),
+    returns ``q s`` in ``g``'s dtype. ``E[q s] = g`` for uniform ``u``. ``lead``: the first
+    coefficient is rounded to the nearest bfloat16 instead (``uniforms[..., 0]`` unused)."""
+    if lead:
+        first = g[..., :1].float().bfloat16().to(g.dtype)
+        return torch.cat([first, stochastic_quantise(g[..., 1:], bits, uniforms[..., 1:])], -1)
+    top = levels(bits)
+    values = g.float()
+    scale = ceil_bfloat16(values.abs().amax(-1, keepdim=True) / top)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(values / safe + uniforms.to(values.device, torch.float32)).clamp_(-top, top)
+    return (q * scale).to(g.dtype)
+
+
+def gradient_uniforms(key: CodecKey, shape: torch.Size, device: torch.device | str = "cpu") -> Tensor:
+    """Uniforms in [0, 1) for the backward message of a payload of ``shape`` (``[B, L, r]``, or
+    ``[T, r]`` = one row): row ``b`` draws ``[L, r]`` from a CPU ``torch.Generator`` seeded by the
+    key (at :data:`GRADIENT_STREAM`) and its global row ``key.row_offset + b``, so the same token of
+    the same step gets the same draw in one process and in a micro-batch on another rank, and the
+    global RNG is never touched."""
+    if len(shape) not in (2, 3):
+        raise ValueError(f"a payload must be [B, L, r] or [T, r], got shape {tuple(shape)}")
+    rows, length, width = (1, *shape) if len(shape) == 2 else tuple(shape)
+    base = key_hash(dataclasses.replace(key, stream=GRADIENT_STREAM))
+    generator = torch.Generator()
+    out = torch.empty(rows, length, width)
+    for b in range(rows):
+        # 32 bits: the CPU generator (mt19937) reads only the low 32 bits of a seed
+        generator.manual_seed(mix32(base ^ mix32(fold32(key.row_offset + b) ^ _ROW_SALT)))
+        out[b] = torch.rand(length, width, generator=generator)
+    return out.view(shape).to(device)
+
+
+def pack_quantised(q: Tensor, scale: Tensor, bits: int, lead: Tensor | None = None) -> Tensor:
+    """The packed message of ``T`` tokens: ``uint8 [T, quantised_bytes(r, bits, lead)]``, each
+    row the token's 16-bit ``scale`` (``[T, 1]``, float16 forward, bfloat16 backward), its 16-bit
+    ``lead`` coefficient if given (``[T, 1]``), then its ``r`` levels ``q`` (``[T, r]`` integers in
+    ``[-L, L]``) as ``q + L`` in ``bits`` bits each, least significant bit first. What
+    :meth:`AdaptiveLowRankCodec.payload_bytes` counts; the pipeline itself sends ``q s`` as floats."""
+    rows, rank = q.shape
+    unsigned = q.long().cpu() + levels(bits)
+    flat = ((unsigned[..., None] >> torch.arange(bits)) & 1).reshape(rows, rank * bits)
+    flat = torch.nn.functional.pad(flat, (0, -(rank * bits) % 8)).reshape(rows, -1, 8)
+    body = (flat << torch.arange(8)).sum(-1).to(torch.uint8)
+    head = [scale.reshape(rows, 1).cpu().contiguous().view(torch.uint8)]
+    if lead is not None:
+        head.append(lead.reshape(rows, 1).to(scale.dtype).cpu().contiguous().view(torch.uint8))
+    return torch.cat([*head, body], 1)
+
+
+def unpack_quantised(packed: Tensor, rank: int, bits: int, dtype: torch.dtype,
+                     lead: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(q [T, n] int64, scale [T, 1], lead [T, 1] or None)`` back from :func:`pack_quantised`
+    (``rank``: the codec's ``r``, the lead included, so ``n = r - 1`` with ``lead``; ``dtype``: the
+    16-bit dtype the scale and lead were packed in)."""
+    rows, rank = packed.shape[0], rank - int(lead)
+    head = 4 if lead else 2
+    scale = packed[:, :2].contiguous().view(dtype)
+    first = packed[:, 2:4].contiguous().view(dtype) if lead else None
+    flat = ((packed[:, head:].long()[..., None] >> torch.arange(8)) & 1).reshape(rows, -1)
+    levels_bits = flat[:, : rank * bits].reshape(rows, rank, bits)
+    q = (levels_bits << torch.arange(bits)).sum(-1) - levels(bits)
+    return q, scale, first
+
+
+class QuantiseForward(torch.autograd.Function):
+    """Sender side: coefficients -> :func:`quantise_coefficients`; the gradient passes straight
+    through (it was quantised where it left the receiver, :class:`QuantiseGradient`)."""
+
+    @staticmethod
+    def forward(ctx: Any, c: Tensor, bits: int, lead: bool) -> Tensor:  # type: ignore[override]
+        return quantise_coefficients(c, bits, lead)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        return grad, None, None
+
+
+class QuantiseGradient(torch.autograd.Function):
+    """Receiver side: the identity going forward (the payload is already quantised); going back,
+    the gradient w.r.t. the coefficients -- the backward message -- is :func:`stochastic_quantise`d
+    with the key's :func:`gradient_uniforms`."""
+
+    @staticmethod
+    def forward(ctx: Any, payload: Tensor, bits: int, lead: bool, key: CodecKey) -> Tensor:  # type: ignore[override]
+        ctx.bits, ctx.lead, ctx.key = bits, lead, key
+        return payload.view_as(payload)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        uniforms = gradient_uniforms(ctx.key, grad.shape, grad.device)
+        return stochastic_quantise(grad, ctx.bits, uniforms, ctx.lead), None, None, None
+
+
 FLAG_BYTES = 4
 """A refresh check without shared traffic: the sender's flag, the refit message's length (one int32; 0 = kept)."""
 
@@ -296,16 +465,35 @@ class AdaptiveLowRankCodec(Codec):
     ``step_metrics()``: ``energy_kept`` = ``sum ||(x - c) U||^2 / sum ||x - c||^2`` over the
     step's sent tokens, ``c`` each token's centre (the share of the batch's energy about its
     centres the basis keeps, so drift is visible), and ``basis_bytes`` shipped this step.
+
+    **Quantised coefficients** (``bits`` in :data:`QUANT_BITS`; None = float coefficients): once
+    fitted, the payload is ``c_hat = q s`` (:func:`quantise_coefficients`: round to nearest, a
+    float16 scale per token) and the backward message, the gradient w.r.t. the coefficients, is
+    quantised where the receiver sends it (:func:`stochastic_quantise`: unbiased stochastic
+    rounding at the same bits, a bfloat16 scale per token, draws keyed by the :class:`CodecKey`).
+    ``lead``: the first coefficient (the basis's leading direction) crosses in 16 bits beside the
+    rest, which get their own scale. ``payload_bytes`` counts both messages packed,
+    ``ceil(r bits / 8) + 2`` bytes per token (``ceil((r - 1) bits / 8) + 4`` with ``lead``;
+    :func:`quantised_bytes`), while the tensors that cross in memory or between processes stay
+    floats holding exactly those values (the payload is not cast to :attr:`wire_dtype` then).
+    The cold start still crosses dense in :attr:`wire_dtype`.
     """
 
     name = "lowrank"
     learns_from_traffic = True
 
     def __init__(self, dim: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
-                 token_slots: int = 0, token_prior: float = TOKEN_PRIOR) -> None:
+                 token_slots: int = 0, token_prior: float = TOKEN_PRIOR, bits: int | None = None,
+                 lead: bool = False) -> None:
         super().__init__(dim)
         if not 1 <= rank <= dim:
             raise ValueError(f"rank must be in [1, d={dim}], got {rank}")
+        if bits is not None and bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {', '.join(map(str, QUANT_BITS))} or None, got {bits}")
+        if lead and (bits is None or rank < 2):
+            raise ValueError("lead needs bits and a rank of at least 2 (the lead and one quantised coefficient)")
+        self.bits, self.lead = bits, lead
+        self._wire_dtype: torch.dtype | None = None
         if refresh_every < 0:
             raise ValueError(f"refresh_every must be >= 0, got {refresh_every}")
         if not 0.0 <= refresh_tolerance <= 1.0:
@@ -342,6 +530,21 @@ class AdaptiveLowRankCodec(Codec):
     @property
     def width(self) -> int:
         return self.rank if self.calibrated else self.dim
+
+    @property
+    def quantised(self) -> bool:
+        """Whether messages now carry quantised coefficients (``bits`` set and the basis fitted)."""
+        return self.bits is not None and self.basis is not None
+
+    @property  # type: ignore[override]
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype set (``pipeline.payload_dtype``), except while :attr:`quantised`: the payload
+        then holds ``q s`` exactly in the activations' dtype, and its bytes are counted packed."""
+        return None if self.quantised else self._wire_dtype
+
+    @wire_dtype.setter
+    def wire_dtype(self, dtype: torch.dtype | None) -> None:
+        self._wire_dtype = dtype
 
     def offsets(self, token_ids: Tensor | None, like: Tensor) -> Tensor | None:
         """``tau_t`` for each token of ``like`` (``[..., d]``, ids ``[...]``): zero rows for ids
@@ -389,7 +592,10 @@ class AdaptiveLowRankCodec(Codec):
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         if self.basis is None or self.mean is None:
             return x
-        return self.centred(x, token_ids) @ self.basis.to(x.device, x.dtype)
+        coefficients = self.centred(x, token_ids) @ self.basis.to(x.device, x.dtype)
+        if self.bits is None:
+            return coefficients
+        return QuantiseForward.apply(coefficients, self.bits, self.lead)
 
     def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
                token_ids: Tensor | None = None) -> Tensor:
@@ -397,6 +603,8 @@ class AdaptiveLowRankCodec(Codec):
             return payload
         basis = self.basis.to(payload.device, payload.dtype)
         coefficients = payload[..., : self.rank]
+        if self.bits is not None:
+            coefficients = QuantiseGradient.apply(coefficients, self.bits, self.lead, key)
         slots = self._slots(token_ids, payload.shape[:-1], payload.device)
         if slots is None:
             return self.mean.to(payload.device, payload.dtype) + coefficients @ basis.T
@@ -405,6 +613,11 @@ class AdaptiveLowRankCodec(Codec):
         return base.addmm_(coefficients.reshape(-1, self.rank), basis.T).view(*payload.shape[:-1], self.dim)
 
     def payload_bytes(self, tokens: int, dtype: torch.dtype) -> int:
+        """``tokens * r * element_size``; quantised, ``tokens * (ceil(r bits / 8) + 2)`` whatever
+        ``dtype``; dense (``d`` values) before the first fit."""
+        if self.quantised:
+            assert self.bits is not None
+            return tokens * quantised_bytes(self.rank, self.bits, self.lead)
         return tokens * self.width * dtype.itemsize
 
     # -- what each side learns from -------------------------------------------------------------
@@ -579,4 +792,5 @@ class AdaptiveLowRankCodec(Codec):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, refresh_every={self.refresh_every}, "
-                f"refresh_tolerance={self.refresh_tolerance}, token_slots={self.token_slots})")
+                f"refresh_tolerance={self.refresh_tolerance}, token_slots={self.token_slots}"
+                + (f", bits={self.bits}" if self.bits is not None else "") + (", lead=True)" if self.lead else ")"))

@@ -225,9 +225,14 @@ def _make_payload_stage_class() -> type:
 
         def _account(self, ops: list[Any], cut: int, direction: str) -> None:
             dim = self.submod.config.hidden_size
+            # the bytes the message's codec counts for its [T, width] tokens (equal to the tensor's
+            # bytes, except for a codec that counts its values packed: quantised coefficients)
+            end = self.submod.send_end if direction == FORWARD else self.submod.recv_end
             for op in ops:
                 tensor = op.tensor
                 sent = tensor.numel() * tensor.element_size()
+                if end is not None and tensor.dim() == 2:
+                    sent = end.message_bytes(tensor.shape[0], tensor.dtype)
                 self.meter.record(cut, direction, sent, tensor.shape[0] * dim * self.dtype.itemsize)
                 self.watch.expect([op.peer], f"sending the {direction} message across cut {cut}")
                 if self.link_bits_per_s:  # software-paced link: the serialisation delay of the message

@@ -10,10 +10,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tclightning.codecs import CODECS
+from tclightning.codecs import CODECS, QUANT_BITS
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
-from tclightning.settings import Problem, field_problems, integer, list_of, number, one_of, positive, seed, setting
+from tclightning.settings import (
+    Problem,
+    field_problems,
+    flag,
+    integer,
+    list_of,
+    number,
+    one_of,
+    positive,
+    seed,
+    setting,
+)
 
 LAYOUTS = ("dense", "all", "shallow", "solo:i", "explicit")
 """``pipeline.layout``: which cuts are compressed (``solo:i`` is ``solo:0``, ``solo:1``, ...)."""
@@ -32,6 +43,13 @@ def _layout(value: Any) -> str | None:
     if isinstance(value, str) and value.startswith("solo:"):
         return None if value[5:].lstrip("-").isdigit() else f"expected solo:<cut index>, e.g. solo:0, got {value!r}"
     return f"expected one of {', '.join(LAYOUTS)}, got {value!r}"
+
+
+def _bits(value: Any) -> str | None:
+    """``pipeline.bits``: one of :data:`~tclightning.codecs.QUANT_BITS`, or null."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in QUANT_BITS):
+        return None
+    return f"expected one of {', '.join(map(str, QUANT_BITS))} or null, got {value!r}"
 
 
 @dataclass
@@ -61,7 +79,7 @@ class PipelineConfig:
         f"forward codec at compressed cuts: {' | '.join(CODECS)}. The gradient message is the gradient w.r.t. the "
         "forward payload (the same [tokens, k] indices for prf, free). ``prf`` keeps k channels (the others are "
         "zero at the receiver); ``svd`` / ``lowrank`` send k basis coefficients (rank = the budget k: equal bytes "
-        "per token)")
+        "per token; ``lowrank`` with ``bits``: more, quantised coefficients in the same bytes)")
     rate: float = setting(0.05, number(0.0, 1.0, low_open=True),
                           "budget as a share of the d channels: ``k = round(rate * d)`` (0.05 -> 77 of 1536)")
     k: int | None = setting(None, positive(optional=True), "budget in values per token; overrides ``rate``")
@@ -72,6 +90,19 @@ class PipelineConfig:
         "coefficients at the same bytes (``rate=0.04, payload_dtype=bfloat16`` costs what ``rate=0.02`` does in "
         "float32). The gradient message crosses in it too, which is why bfloat16 (float32's range) is the safer "
         "choice: gradient values often lie below float16's smallest normal number")
+    bits: int | None = setting(
+        None, _bits,
+        "``lowrank``: bits per basis coefficient, ``8`` | ``4`` | ``3`` | ``2`` | null (float coefficients). The "
+        "bytes k values cost in the payload dtype (float32 unless ``payload_dtype``) buy ``r = floor((8 * bytes - "
+        "16) / bits)`` coefficients (at most d) and a 16-bit scale per token, ``ceil(r * bits / 8) + 2`` bytes "
+        "per token each way: round to nearest going forward, unbiased stochastic rounding (keyed) for the "
+        "gradient message")
+    bits_lead: bool = setting(
+        False, flag,
+        "``lowrank`` with ``bits``: the first coefficient (the basis's leading direction) crosses in 16 bits "
+        "(float16 forward, bfloat16 backward) beside the quantised rest, which get their own scale, so one "
+        "dominant direction (SmolLM2's massive-activation channel) does not set every coefficient's step: "
+        "``r = 1 + floor((8 * bytes - 32) / bits)``, ``ceil((r - 1) * bits / 8) + 4`` bytes per token")
     refresh_every: int = setting(
         10, integer(0),
         "``lowrank``: steps between basis refresh checks (0 = keep the first fit). A check is free when the anchor's "
@@ -115,6 +146,16 @@ class PipelineConfig:
         if self.layout != "explicit" and self.cut_codecs is not None:
             yield Problem(("pipeline.cut_codecs", "pipeline.layout"),
                           "pipeline.cut_codecs is only read by layout 'explicit'")
+        if self.bits is not None:
+            used = set(self.cut_codecs) - {"identity"} if self.cut_codecs is not None else {self.codec}
+            others = sorted(used - {"lowrank"})
+            if others:
+                yield Problem(("pipeline.bits", "pipeline.codec", "pipeline.cut_codecs"),
+                              f"pipeline.bits={self.bits} quantises basis coefficients: only codec 'lowrank' takes "
+                              f"it, not '{others[0]}' (set pipeline.codec=lowrank or pipeline.bits=null)")
+        if self.bits_lead and self.bits is None:
+            yield Problem(("pipeline.bits_lead", "pipeline.bits"),
+                          "pipeline.bits_lead sends the leading coefficient beside quantised ones: it needs pipeline.bits")
         if self.replicas > 1 and self.layout != "dense":
             # each replica's receiver would learn from its own share of the tokens: bases would
             # drift apart between replicas (and from one process)

@@ -178,7 +178,9 @@ class CutSet:
             raise TclightningError("switch_codec: no cut is compressed")
         cfg = self.config
         cut_codecs = None if cfg.cut_codecs is None else [c if c == "identity" else codec for c in cfg.cut_codecs]
-        config = dataclasses.replace(cfg, codec=codec, cut_codecs=cut_codecs)
+        bits = cfg.bits if codec == "lowrank" else None  # only lowrank quantises its coefficients
+        config = dataclasses.replace(cfg, codec=codec, cut_codecs=cut_codecs, bits=bits,
+                                     bits_lead=cfg.bits_lead and bits is not None)
         specs = resolve_layout(config, self.num_layers, self.dim)  # validates before anything changes
         self.config, self.specs = config, specs
         for boundary, spec in zip(self.boundaries, specs):

@@ -21,7 +21,8 @@ class CutSpec:
     """One resolved cut: where it is and what crosses it.
 
     ``codec``: forward codec name (``identity`` when not compressed); ``k``: values per token for
-    prf; ``rank``: for svd / lowrank."""
+    prf; ``rank``: for svd / lowrank (the budget k; with ``pipeline.bits`` the lowrank codec's
+    rank is what k values' bytes buy at those bits, :func:`cut_codec`)."""
 
     ordinal: int
     layer: int
@@ -116,10 +117,15 @@ def resolve_layout(config: PipelineConfig, num_layers: int, dim: int) -> list[Cu
 
 def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
     """The forward codec of cut ``spec`` (``spec.codec`` at ``spec.k`` / ``spec.rank``), with the
-    basis-refresh settings of ``config``."""
+    basis-refresh settings of ``config``. With ``pipeline.bits`` a ``lowrank`` cut spends what its
+    ``spec.rank`` values cost in the payload dtype (float32 unless ``pipeline.payload_dtype``) on
+    quantised coefficients (:func:`~tclightning.codecs.quantised_rank`)."""
+    bits = config.bits if spec.codec == "lowrank" else None
+    value_bytes = WIRE_DTYPES[config.payload_dtype].itemsize if config.payload_dtype is not None else 4
     codec = make_codec(
         spec.codec, dim, k=spec.k, rank=spec.rank, refresh_every=config.refresh_every,
         refresh_tolerance=config.refresh_tolerance, basis_tokens=config.basis_tokens,
+        bits=bits, bits_lead=config.bits_lead and bits is not None, value_bytes=value_bytes,
     )
     if config.payload_dtype is not None and spec.codec != "identity":
         codec.wire_dtype = WIRE_DTYPES[config.payload_dtype]
