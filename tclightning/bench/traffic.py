@@ -26,6 +26,7 @@ boundary and weight-sync figures against what a toy run measures.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -115,8 +116,6 @@ def _lora_numel(module: torch.nn.Module, rank: int) -> int:
 
 def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: TrafficAssumptions) -> list[Traffic]:
     """Bytes per RL step by class for each of :data:`CONFIGS` (``recipe`` a ``RecipeConfig``)."""
-    import dataclasses
-
     from tclightning.pipeline.layout import resolve_layout
     from tclightning.pipeline.stage import split_model, splittable_layers, stage_bounds
 

@@ -4,14 +4,14 @@ In one process a cut is one :class:`CutEnd` that both sends and receives (one co
 both sides: the hooks of :mod:`~tclightning.pipeline.cuts`). Across processes the rank before the
 cut holds a sending end and the rank after it a receiving end, each with its own codec that the
 shared traffic keeps equal (:class:`~tclightning.pipeline.stage.StageModule`). Both run the same
-code here: what the codecs learn from traffic, encode / decode, the step change (the codecs'
-refresh protocol) and the codec state. The pipeline asks a codec what it needs through
-:class:`~tclightning.codecs.Codec` methods, never its class.
+code here: what the codecs learn from traffic, encode / decode and the step change (the codecs'
+refresh protocol); what a checkpoint keeps is the codec's own ``state_dict``. The pipeline asks a
+codec what it needs through :class:`~tclightning.codecs.Codec` methods, never its class.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -38,11 +38,6 @@ class CutEnd:
     def learns(self) -> bool:
         """Whether the codec learns from the traffic (the caller gathers the real tokens only then)."""
         return self.codec.learns_from_traffic
-
-    @property
-    def width(self) -> int:
-        """Values per token of a message (a basis codec sends d until its first fit)."""
-        return self.codec.width
 
     # -- what the codecs learn from the traffic ------------------------------------------------
 
@@ -114,14 +109,6 @@ class CutEnd:
             assert channel is not None
             codec.load_basis_message(channel.receive(), step)
         return 0
-
-    # -- state ---------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.codec.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.codec.load_state_dict(state)
 
     def __repr__(self) -> str:
         return repr(self.codec)
