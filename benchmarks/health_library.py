@@ -81,8 +81,13 @@ def _collapse(recipe: str, seed: int, steps: int, *extra: str, file: str | None 
     return LibraryRun(name, recipe, (f"trainer.seed={seed}", f"trainer.steps={steps}", *extra), "collapse")
 
 
-def _healthy(recipe: str, seed: int, steps: int | None = None) -> LibraryRun:
-    return LibraryRun(f"{recipe}-s{seed}-1000", recipe, (f"trainer.seed={seed}", "trainer.steps=1000"), "healthy", steps)
+def _healthy(recipe: str, seed: int, steps: int | None = None, *extra: str, tag: str = "") -> LibraryRun:
+    return LibraryRun(f"{recipe}{tag}-s{seed}-1000", recipe, (f"trainer.seed={seed}", "trainer.steps=1000", *extra),
+                      "healthy", steps)
+
+
+FLOAT_COEFFICIENTS = ("pipeline.bits=null", "pipeline.bits_lead=false")
+"""``fast-only-lowrank`` with float basis coefficients (6 a token) in place of its quantised ones, same bytes."""
 
 
 RUNS: tuple[LibraryRun, ...] = (
@@ -96,6 +101,8 @@ RUNS: tuple[LibraryRun, ...] = (
     _collapse("tiny", 0, 30, "grpo.lr=1000.0", "trainer.checkpoint_every=1", file="tiny-lr1e3-s0"),
     *(_healthy(recipe, seed, steps) for recipe in ("tiny", "fast-only-lowrank", "fast-only-lowrank-half")
       for seed in (0, 1, 2) for steps in (200, None)),
+    *(_healthy("fast-only-lowrank", seed, steps, *FLOAT_COEFFICIENTS, tag="-float") for seed in (0, 1, 2)
+      for steps in (200, None)),
 )
 
 

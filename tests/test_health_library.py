@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.health_library import LIBRARY, RUNS, fall_step, replay_run
-
-#: The one healthy run that warns, and why: a 30-step dip at steps 690-720 (10-step reward mean
-#: 0.94 -> 0.70, held-out accuracy 0.98 -> 0.805) that the run came back from on its own, and a
-#: second at 800-810. No fall by the library's definition; the detector says warning, not collapsing.
-KNOWN_WARNINGS = {"fast-only-lowrank-half-s1-1000": [704, 806, 849]}
+from benchmarks.health_library import LIBRARY, RUNS, fall_step, read_rows, replay_run
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
@@ -22,9 +17,6 @@ def test_library_run(run):
     if fall is not None:
         assert warn is not None and warn <= fall + 1, result
         assert collapse is not None and collapse <= fall + 3, result
-    elif run.kind == "healthy" and run.name in KNOWN_WARNINGS:
-        assert [w["step"] for w in result["other_warnings"]] == KNOWN_WARNINGS[run.name]
-        assert collapse is None
     elif run.kind == "healthy":
         assert warn is None and collapse is None and result["standing_gap_warning_step"] is None, result
     else:
@@ -48,3 +40,14 @@ def test_fall_step_definition():
     assert fall_step(rows([0.4] * 5 + [0.3, 0.3, 0.3, 0.3])) is None
     # a run that breaks at step 1 is judged against step 0: the window 1-3 is all zero
     assert fall_step(rows([0.34, 0.0, 0.0, 0.0, 0.0])) == 3
+
+
+def test_a_dip_the_run_comes_back_from_is_quiet():
+    """`fast-only-lowrank-half` seed 1 dips from 0.93 to 0.68 for 30 steps (held-out accuracy 1.0
+    -> 0.805, later 0.88 and 0.875) and comes back: far above its start (0.48), no collapse is
+    near, so no warning."""
+    (run,) = [r for r in RUNS if r.name == "fast-only-lowrank-half-s1-1000"]
+    rows = {s: m["reward/mean"] for s, m in read_rows(LIBRARY / f"{run.file}.csv") if "reward/mean" in m}
+    assert max(rows[s] for s in range(697, 728)) < 0.95 and sum(rows[s] for s in range(697, 728)) / 31 < 0.72
+    result = replay_run(run)
+    assert result["fall_step"] is None and result["first_warning_step"] is None and result["first_collapse_step"] is None
