@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=REPO / "runs" / "real-model")
     parser.add_argument("--steps", type=int, default=60, help="RL steps of every run (default 60)")
     parser.add_argument("--val-every", type=int, default=20, help="held-out evaluation every N steps (default 20)")
-    parser.add_argument("--parallel", type=int, default=1, help="runs at once, one thread each (default 1)")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="runs at once, one thread each (default 1; each peaks at 7.5-9.5 GiB resident)")
     parser.add_argument("--out", type=Path, default=REPO / "docs")
     args = parser.parse_args(argv)
     labels = {r.label for r in RUNS}
