@@ -335,3 +335,32 @@ def test_length_message_names_only_what_grew_with_token_counts():
     assert "longest response 200 -> 270 tokens (+35%)" in finding.message
     assert "+0%" not in finding.message and "mean response length" not in finding.message
     assert "last 10 steps with the 10 before" in finding.message
+
+
+def test_reward_dead_asks_whether_chance_explains_the_zero_steps():
+    """A run at a mean reward of 0.04 with 32 completions a step loses whole batches by chance (a
+    quarter of them): three zero steps there are not a collapse. At 0.34 with 128 they are."""
+    def rows(values, count):
+        return [{"reward/mean": v, "reward/count": count, "reward/sem": 0.035} for v in values]
+
+    low = HealthDetector([RewardDeadRule()])
+    states = [low.update(t, m).state for t, m in enumerate(rows([0.0, 0.031, 0.031, 0.062, 0.031, 0.0, 0.0, 0.0], 32.0))]
+    assert max(states) == HealthState.HEALTHY
+    high = HealthDetector([RewardDeadRule()])
+    states = [high.update(t, m).state for t, m in enumerate(rows([0.34, 0.30, 0.0, 0.0, 0.0], 128.0))]
+    assert states[3] == HealthState.HEALTHY and states[4] == HealthState.COLLAPSING
+    assert "chance" in high.findings[0].message
+    # a trainer that logs no count: the plain rule, three zero steps after a reward
+    plain = HealthDetector([RewardDeadRule()])
+    states = [plain.update(t, {"reward/mean": v}).state for t, v in enumerate([0.03, 0.0, 0.0, 0.0])]
+    assert states[3] == HealthState.COLLAPSING
+
+
+def test_reward_dead_resumes_with_its_level():
+    rule = RewardDeadRule()
+    d = HealthDetector([rule])
+    for t, v in enumerate([0.34, 0.30, 0.0]):
+        d.update(t, {"reward/mean": v, "reward/count": 128.0})
+    resumed = RewardDeadRule()
+    resumed.load_state_dict(rule.state_dict())
+    assert resumed.state_dict() == rule.state_dict()

@@ -292,40 +292,81 @@ def _cusum(evidence: float, shortfall: float, fall: float, variance: float, cap:
 
 
 class RewardDeadRule(Rule):
-    """No rollout earns any reward for ``dead_steps`` steps after some did -> ``collapsing``.
+    """No rollout earns any reward for ``dead_steps`` steps after some did, where chance cannot
+    explain it -> ``collapsing``.
 
     With every reward zero, every GRPO advantage is zero: the run has stopped learning (a
-    measured agentic run with compressed cuts completed no task from step 6 on). ``dead_steps=3`` steps so a
-    single unlucky batch does not count; ``eps`` is the "zero" tolerance.
+    measured agentic run with compressed cuts completed no task from step 6 on). ``dead_steps=3``
+    steps so a single unlucky batch does not count; ``eps`` is the "zero" tolerance.
+
+    A run that earns little loses whole batches by chance: at a mean reward of 0.04 with 32
+    completions a step, a batch earns nothing a quarter of the time (a real SmolLM2 run did so
+    three steps in a row, then learned). When the trainer logs ``reward/count`` the zero steps
+    must also be unlikely at the level the run had: ``(1 - p)^(n / deff) < max_chance``, with
+    ``p`` the mean reward of the earlier steps, ``n`` the completions of the zero steps and
+    ``deff`` the design effect of the groups (``sem^2 count / (p (1 - p))``, the median over the
+    earlier steps that log ``reward/sem``; 1 without). ``max_chance=1e-3``. A trainer that logs
+    no count gets the plain rule.
     """
 
     name = "reward.dead"
 
-    def __init__(self, metric: str = "reward/mean", dead_steps: int = 3, eps: float = 1e-9) -> None:
+    def __init__(self, metric: str = "reward/mean", dead_steps: int = 3, eps: float = 1e-9,
+                 count_metric: str | None = "reward/count", sem_metric: str | None = "reward/sem",
+                 max_chance: float = 1e-3) -> None:
         self.metric = metric
         self.dead_steps = dead_steps
         self.eps = eps
-        self.inputs = (metric,)
+        self.count_metric = count_metric
+        self.sem_metric = sem_metric
+        self.max_chance = max_chance
+        self.inputs = tuple(m for m in (metric, count_metric, sem_metric) if m)
         self._seen_reward = False
+        self._earned: list[float] = []  # the mean reward of each step before the current zero run
+        self._deff: list[float] = []  # the design effect of each earlier step that logged its error
+        self._dead_counts: list[float] = []  # completions of the current run of zero steps
 
     def check(self, history: MetricHistory, step: int) -> list[Finding]:
         latest = history.latest(self.metric)
         if latest is None:
             return []
+        update = history.last_update
+        count = update.get(self.count_metric) if self.count_metric else None
         if latest > self.eps:
             self._seen_reward = True
+            self._earned = [*self._earned, *([0.0] * len(self._dead_counts)), latest]
+            self._dead_counts = []
+            sem = update.get(self.sem_metric) if self.sem_metric else None
+            if count and sem is not None and math.isfinite(sem) and 0.0 < latest < 1.0:
+                self._deff.append(max(1.0, sem * sem * count / (latest * (1.0 - latest))))
             return []
+        self._dead_counts.append(float(count) if count else math.nan)
         recent = history.values(self.metric, self.dead_steps)
         if not self._seen_reward or recent.size < self.dead_steps or np.any(recent > self.eps):
             return []
+        dead = self._dead_counts[-self.dead_steps:]
+        chance = None
+        if all(math.isfinite(n) for n in dead) and self._earned:
+            level = float(np.mean(self._earned))
+            deff = float(np.median(self._deff)) if self._deff else 1.0
+            chance = math.exp(sum(dead) / deff * math.log1p(-min(level, 1.0 - 1e-12)))
+            if chance >= self.max_chance:
+                return []
         msg = f"{self.metric} has been 0 for {self.dead_steps} steps after earlier rewards: no learning signal left"
-        return [Finding(self.name, self.metric, HealthState.COLLAPSING, msg, {"dead_steps": float(self.dead_steps)})]
+        if chance is not None:
+            msg += f" (chance {chance:.1e} at the earlier mean reward {fmt_number(float(np.mean(self._earned)))})"
+        return [Finding(self.name, self.metric, HealthState.COLLAPSING, msg,
+                        {"dead_steps": float(self.dead_steps), "chance": chance if chance is not None else math.nan})]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seen_reward": self._seen_reward}
+        return {"seen_reward": self._seen_reward, "earned": list(self._earned), "deff": list(self._deff),
+                "dead_counts": list(self._dead_counts)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._seen_reward = bool(state.get("seen_reward", False))
+        self._earned = [float(v) for v in state.get("earned", [])]
+        self._deff = [float(v) for v in state.get("deff", [])]
+        self._dead_counts = [float(v) for v in state.get("dead_counts", [])]
 
 
 class EntropyRule(Rule):
