@@ -148,9 +148,13 @@ def report(items: list[SideBySideRun], root: Path, out: Path) -> int:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for label, s in stats.items():
         gain = s["acc_end"] - s["acc_start"]
-        share = f"{gain / dense_gain:.0%}" if dense and dense_gain > 0 else "n/a"
-        lines.append(f"| {label} | {s['steps']} | {s['acc_start']:.3f} | {s['acc_end']:.3f} (step {s['acc_end_step']}) | "
-                     f"{gain:+.3f} | {share} | {s['reward_first']:.3f} | {s['reward_last']:.3f} | "
+        if s["acc_end_step"] < 0:  # not evaluated again yet: a run still going (or cut off)
+            end, gain_cell, share = "--", "--", "--"
+        else:
+            end, gain_cell = f"{s['acc_end']:.3f} (step {s['acc_end_step']})", f"{gain:+.3f}"
+            share = f"{gain / dense_gain:.0%}" if dense and dense_gain > 0 else "n/a"
+        lines.append(f"| {label} | {s['steps']} | {s['acc_start']:.3f} | {end} | "
+                     f"{gain_cell} | {share} | {s['reward_first']:.3f} | {s['reward_last']:.3f} | "
                      f"{s['fast_share'] + s['anchor_share']:.1%} ({s['fast_share']:.1%} + {s['anchor_share']:.1%}) | "
                      f"{s['megabytes']:.1f} | {s['train_minutes']:.0f} |")
     table = "\n".join(lines)
