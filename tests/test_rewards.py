@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import sys
 import time
 from pathlib import Path
 
@@ -365,3 +366,30 @@ def test_a_typographic_minus_is_a_minus_in_the_arithmetic_reward(minus: str, ans
     completion = f"The answer is {minus}5."
     assert task.reward(completion, Example("arithmetic/x/0", "3-8=", "5", "5")) == 0.0
     assert task.reward(completion, Example("arithmetic/x/0", "3-8=", "-5", "-5")) == 1.0
+
+
+def test_a_timeout_never_lands_in_a_finalizer() -> None:
+    """The alarm that ends a slow verification may fire while a finalizer runs (sympy drops
+    objects all the time); raised there, Python would print "Exception ignored" and carry on.
+    The alarm waits for its next repeat instead: the call still times out, and nothing is left
+    for sys.unraisablehook."""
+    class SlowFinalizer:
+        def __del__(self) -> None:
+            until = time.monotonic() + 0.3  # the first alarm (0.05 s) and two repeats land in here
+            while time.monotonic() < until:
+                pass
+
+    def slow() -> None:
+        obj = SlowFinalizer()
+        del obj
+        while True:
+            pass
+
+    ignored: list[object] = []
+    previous, sys.unraisablehook = sys.unraisablehook, ignored.append
+    try:
+        with pytest.raises(TimeoutError):
+            run_with_alarm(slow, 0.05)
+    finally:
+        sys.unraisablehook = previous
+    assert ignored == []

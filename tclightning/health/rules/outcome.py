@@ -291,6 +291,10 @@ def _cusum(evidence: float, shortfall: float, fall: float, variance: float, cap:
     return max(0.0, evidence + min(cap, fall / variance * (min(shortfall, fall) - fall / 2.0)))
 
 
+DEFF_STEPS = 100
+"""``reward.dead``: the design effect is the median over this many recent rewarded steps."""
+
+
 class RewardDeadRule(Rule):
     """No rollout earns any reward for ``dead_steps`` steps after some did, where chance cannot
     explain it -> ``collapsing``.
@@ -305,7 +309,7 @@ class RewardDeadRule(Rule):
     must also be unlikely at the level the run had: ``(1 - p)^(n / deff) < max_chance``, with
     ``p`` the mean reward of the earlier steps, ``n`` the completions of the zero steps and
     ``deff`` the design effect of the groups (``sem^2 count / (p (1 - p))``, the median over the
-    earlier steps that log ``reward/sem``; 1 without). ``max_chance=1e-3``. A trainer that logs
+    last 100 earlier steps that log ``reward/sem``; 1 without). ``max_chance=1e-3``. A trainer that logs
     no count gets the plain rule.
     """
 
@@ -322,8 +326,8 @@ class RewardDeadRule(Rule):
         self.max_chance = max_chance
         self.inputs = tuple(m for m in (metric, count_metric, sem_metric) if m)
         self._seen_reward = False
-        self._earned: list[float] = []  # the mean reward of each step before the current zero run
-        self._deff: list[float] = []  # the design effect of each earlier step that logged its error
+        self._earned = [0.0, 0.0]  # sum and count of the mean rewards of the steps before the current zero run
+        self._deff: list[float] = []  # the design effect of the last DEFF_STEPS steps that logged their error
         self._dead_counts: list[float] = []  # completions of the current run of zero steps
 
     def check(self, history: MetricHistory, step: int) -> list[Finding]:
@@ -334,11 +338,12 @@ class RewardDeadRule(Rule):
         count = update.get(self.count_metric) if self.count_metric else None
         if latest > self.eps:
             self._seen_reward = True
-            self._earned = [*self._earned, *([0.0] * len(self._dead_counts)), latest]
+            self._earned = [self._earned[0] + latest, self._earned[1] + len(self._dead_counts) + 1]
             self._dead_counts = []
             sem = update.get(self.sem_metric) if self.sem_metric else None
             if count and sem is not None and math.isfinite(sem) and 0.0 < latest < 1.0:
-                self._deff.append(max(1.0, sem * sem * count / (latest * (1.0 - latest))))
+                deff = max(1.0, sem * sem * count / (latest * (1.0 - latest)))
+                self._deff = [*self._deff, deff][-DEFF_STEPS:]
             return []
         self._dead_counts.append(float(count) if count else math.nan)
         recent = history.values(self.metric, self.dead_steps)
@@ -346,15 +351,15 @@ class RewardDeadRule(Rule):
             return []
         dead = self._dead_counts[-self.dead_steps:]
         chance = None
-        if all(math.isfinite(n) for n in dead) and self._earned:
-            level = float(np.mean(self._earned))
+        level = self._earned[0] / self._earned[1] if self._earned[1] else math.nan
+        if all(math.isfinite(n) for n in dead) and math.isfinite(level):
             deff = float(np.median(self._deff)) if self._deff else 1.0
             chance = math.exp(sum(dead) / deff * math.log1p(-min(level, 1.0 - 1e-12)))
             if chance >= self.max_chance:
                 return []
         msg = f"{self.metric} has been 0 for {self.dead_steps} steps after earlier rewards: no learning signal left"
         if chance is not None:
-            msg += f" (chance {chance:.1e} at the earlier mean reward {fmt_number(float(np.mean(self._earned)))})"
+            msg += f" (chance {chance:.1e} at the earlier mean reward {fmt_number(level)})"
         return [Finding(self.name, self.metric, HealthState.COLLAPSING, msg,
                         {"dead_steps": float(self.dead_steps), "chance": chance if chance is not None else math.nan})]
 
@@ -364,7 +369,7 @@ class RewardDeadRule(Rule):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._seen_reward = bool(state.get("seen_reward", False))
-        self._earned = [float(v) for v in state.get("earned", [])]
+        self._earned = [float(v) for v in state.get("earned", [0.0, 0.0])]
         self._deff = [float(v) for v in state.get("deff", [])]
         self._dead_counts = [float(v) for v in state.get("dead_counts", [])]
 
