@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from tclightning.grpo.summary import read_metrics
 
@@ -89,20 +90,21 @@ def run_all(items: list[SideBySideRun], root: Path, steps: int, val_every: int, 
             todo.append(item)
     root.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    running: list[tuple[SideBySideRun, subprocess.Popen]] = []
+    running: list[tuple[SideBySideRun, subprocess.Popen, IO[bytes]]] = []
     failed = 0
     while todo or running:
         while todo and len(running) < parallel:
             item = todo.pop(0)
             cmd = command(item, root, steps, val_every)
             print(f"{item.label}: {' '.join(cmd[1:])}", flush=True)
-            log = (root / f"{item.label}.log").open("a")
-            running.append((item, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)))
+            log = (root / f"{item.label}.log").open("ab")
+            running.append((item, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log))
         time.sleep(5)
         for entry in list(running):
-            item, proc = entry
+            item, proc, log = entry
             if proc.poll() is not None:
                 running.remove(entry)
+                log.close()
                 failed += proc.returncode != 0
                 print(f"{item.label}: exit {proc.returncode} (log {root / (item.label + '.log')})", flush=True)
     return 1 if failed else 0
