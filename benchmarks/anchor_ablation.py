@@ -78,11 +78,11 @@ def main() -> None:
             tenth = max(1, len(curve) // 10)
             lowest = min(statistics.mean(curve[i:i + tenth]) for i in range(len(curve) - tenth + 1))
             agreement = [r["anchor/sign_agreement"] for r in rows.values() if "anchor/sign_agreement" in r]
-            fast, anchor, dense = bytes_sent(rows)
+            _, _, total, dense = bytes_sent(rows)
             result = {"run": label, "overrides": overrides, "first": summary["reward_first_10pct"],
                       "last": summary["reward_last_10pct"], "gain": summary["reward_gain"], "lowest": lowest,
                       "agreement": statistics.mean(agreement) if agreement else None,
-                      "bytes": (fast + anchor) / dense if dense else 1.0}
+                      "bytes": total / dense if dense else 1.0}
             print(json.dumps(result), flush=True)
             agree = f"{result['agreement']:.3f}" if agreement else "-"
             lines.append(f"| {label} | `{' '.join(overrides) or recipe}` | {result['first']:.3f} | {result['last']:.3f} | "

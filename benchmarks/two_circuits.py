@@ -13,7 +13,8 @@ boundary bytes it sent (fast circuit + anchor, shipped bases included) against w
 trainer would have sent for the same tokens, and its lowest 10-step mean reward. Writes
 `docs/two-circuits-table.md` and `docs/img/two_circuits_reward.png`; with `--json` it prints one
 JSON object per recipe per line instead (`recipe`, `gain`, `first`, `last`, `lowest`,
-`bytes_share`, ...) and writes nothing.
+`bytes_share`: every byte between ranks, `wire/total_bytes`, against the dense boundary;
+`fast_share`: the boundary alone; ...) and writes nothing.
 """
 
 from __future__ import annotations
@@ -59,12 +60,16 @@ def from_warm_start(model_dir: Path, steps: int, seed: int, root: str | Path, *e
             f"logging.root={root}", *extra]
 
 
-def bytes_sent(rows: dict[int, dict[str, float]]) -> tuple[float, float, float]:
-    """(fast-circuit bytes, anchor bytes, dense-equivalent bytes) summed over the run."""
+def bytes_sent(rows: dict[int, dict[str, float]]) -> tuple[float, float, float, float]:
+    """(fast-circuit boundary bytes, anchor bytes, every byte between ranks, dense-equivalent
+    boundary bytes) summed over the run. Every byte is ``wire/total_bytes`` (across processes
+    also the weight sync, the tied embedding and the rollouts; in one process the boundary and
+    the anchor's pass)."""
     fast = sum(r.get("wire/bytes_fwd", 0.0) + r.get("wire/bytes_bwd", 0.0) for r in rows.values())
     anchor = sum(r.get("anchor/bytes", 0.0) for r in rows.values())
+    total = sum(r.get("wire/total_bytes", 0.0) for r in rows.values()) or fast + anchor
     dense = sum(r.get("wire/dense_bytes_fwd", 0.0) + r.get("wire/dense_bytes_bwd", 0.0) for r in rows.values())
-    return fast, anchor, dense
+    return fast, anchor, total, dense
 
 
 def lowest_mean(rows: dict[int, dict[str, float]], window: int = 10) -> float:
@@ -100,10 +105,10 @@ def main() -> None:
             with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
                 summary = run(recipe, overrides, quiet=True)  # the run's own lines stay off a JSON stdout
             rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
-            fast, anchor, dense = bytes_sent(rows)
+            fast, anchor, total, dense = bytes_sent(rows)
             results.append({"recipe": name, "gain": summary["reward_gain"], "first": summary["reward_first_10pct"],
                             "last": summary["reward_last_10pct"], "gap": summary.get("gap/abs_mean", 0.0),
-                            "bytes_share": (fast + anchor) / dense if dense else 1.0,
+                            "bytes_share": total / dense if dense else 1.0,
                             "fast_share": fast / dense if dense else 1.0, "anchor_share": anchor / dense if dense else 0.0,
                             "lowest": lowest_mean(rows), "seconds": summary["wall_time_s"],
                             "overrides": list(args.set)})

@@ -20,6 +20,7 @@ from tclightning.codecs.base import (
 )
 from tclightning.codecs.identity import IdentityCodec
 from tclightning.codecs.lowrank import (
+    FIRST_FITS,
     QUANT_BITS,
     AdaptiveLowRankCodec,
     SVDCodec,
@@ -59,6 +60,7 @@ def make_codec(
     bits: int | None = None,
     bits_lead: bool = False,
     value_bytes: int = 4,
+    first_fit: str = "dense",
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf``; the rank (default: that same budget) for ``svd``/``lowrank``;
@@ -66,7 +68,8 @@ def make_codec(
     ``basis_tokens``: how many token ids get their own centre there. ``bits`` (``lowrank`` only):
     quantised coefficients; the rank is then what ``rank`` (or the budget) values of
     ``value_bytes`` bytes each buy at ``bits`` bits beside a 16-bit scale (:func:`quantised_rank`;
-    ``bits_lead``: the leading coefficient in 16 bits beside them)."""
+    ``bits_lead``: the leading coefficient in 16 bits beside them); ``first_fit``: ``dense`` (the first
+    step crosses dense and both sides fit on it) or ``ship`` (the sender fits and ships its basis)."""
     if name == "identity":
         if bits is not None:
             raise ValueError("bits: only the lowrank codec quantises its coefficients")
@@ -83,7 +86,7 @@ def make_codec(
         if bits is not None:
             rank = quantised_rank(rank * value_bytes, bits, dim, bits_lead)
         return AdaptiveLowRankCodec(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance,
-                                    token_slots=basis_tokens, bits=bits, lead=bits_lead)
+                                    token_slots=basis_tokens, bits=bits, lead=bits_lead, first_fit=first_fit)
     raise ValueError(f"unknown codec '{name}'; choose one of {', '.join(CODECS)}")
 
 
@@ -98,6 +101,7 @@ __all__ = [
     "PRFCodec",
     "PRFIndexer",
     "Payload",
+    "FIRST_FITS",
     "QUANT_BITS",
     "SVDCodec",
     "budget_k",

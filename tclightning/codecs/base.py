@@ -165,8 +165,9 @@ class Codec(ABC):
         pipeline then calls :meth:`calibrate` and counts :meth:`setup_bytes`."""
         return False
 
-    def calibrate(self, activations: Tensor) -> None:
-        """Fit on the real tokens ``[T, d]`` of the first forward (only when :attr:`needs_calibration`)."""
+    def calibrate(self, activations: Tensor, token_ids: Tensor | None = None, *, step: int = 0) -> None:
+        """Fit on the real tokens ``[T, d]`` (and their ``[T]`` ids, if known) of the first forward,
+        at step ``step`` (only when :attr:`needs_calibration`)."""
         raise NotImplementedError(f"{type(self).__name__} does not calibrate")
 
     def setup_bytes(self, dtype: torch.dtype) -> int:

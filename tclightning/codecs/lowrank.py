@@ -211,7 +211,7 @@ class SVDCodec(Codec):
         return not self.calibrated
 
     @torch.no_grad()
-    def calibrate(self, activations: Tensor) -> None:
+    def calibrate(self, activations: Tensor, token_ids: Tensor | None = None, *, step: int = 0) -> None:
         """Fit ``mu`` and the top-r principal directions of ``activations`` ([..., d] tokens)."""
         stats = TokenMoments(self.dim)
         stats.add(activations)
@@ -260,6 +260,7 @@ class SVDCodec(Codec):
 
 # ------------------------------------------------------------------ quantised coefficients
 QUANT_BITS = (2, 3, 4, 8)
+FIRST_FITS = ("dense", "ship")  # how a basis codec makes its first fit (AdaptiveLowRankCodec)
 """Bits per coefficient a basis codec may send (``pipeline.bits``); None sends float coefficients."""
 
 SCALE_BYTES = 2
@@ -434,10 +435,13 @@ class AdaptiveLowRankCodec(Codec):
 
     Both sides hold the same ``U``, ``mu`` at every step. How they stay equal:
 
-    * **cold start**: until the first fit the cut sends the dense boundary (``width = d``; those
-      bytes are counted like any others), and both sides fold what crossed into ``shared``
-      (:meth:`observe_dense`); at the first step change both fit the basis from it -- the same
-      tokens in the same order give the same basis, with nothing extra sent;
+    * **the first fit** (``first_fit``): ``dense`` -- until the first fit the cut sends the dense
+      boundary (``width = d``; those bytes are counted like any others), and both sides fold what
+      crossed into ``shared`` (:meth:`observe_dense`); at the first step change both fit the basis
+      from it -- the same tokens in the same order give the same basis, with nothing extra sent.
+      ``ship`` -- the sender fits on the first batch it encodes (:meth:`calibrate`) and ships the
+      fit before the first payload (:meth:`setup_bytes`, :meth:`fit_message`), so no step crosses
+      dense: one basis instead of a dense step, which pays on a wide model with few steps;
     * **refresh check** every ``refresh_every`` steps (0: keep the first fit), on the tokens seen
       since the last check. The basis is refitted only when it has drifted: when a fresh fit
       would lose at least ``refresh_tolerance`` less of those tokens' energy
@@ -484,8 +488,11 @@ class AdaptiveLowRankCodec(Codec):
 
     def __init__(self, dim: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
                  token_slots: int = 0, token_prior: float = TOKEN_PRIOR, bits: int | None = None,
-                 lead: bool = False) -> None:
+                 lead: bool = False, first_fit: str = "dense") -> None:
         super().__init__(dim)
+        if first_fit not in FIRST_FITS:
+            raise ValueError(f"first_fit must be one of {', '.join(FIRST_FITS)}, got {first_fit!r}")
+        self.first_fit = first_fit
         if not 1 <= rank <= dim:
             raise ValueError(f"rank must be in [1, d={dim}], got {rank}")
         if bits is not None and bits not in QUANT_BITS:
@@ -525,11 +532,34 @@ class AdaptiveLowRankCodec(Codec):
 
     @property
     def crosses_dense(self) -> bool:
-        return self.basis is None
+        return self.basis is None and self.first_fit == "dense"
 
     @property
     def width(self) -> int:
-        return self.rank if self.calibrated else self.dim
+        return self.dim if self.crosses_dense else self.rank
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.basis is None and self.first_fit == "ship"
+
+    @torch.no_grad()
+    def calibrate(self, activations: Tensor, token_ids: Tensor | None = None, *, step: int = 0) -> None:
+        """``first_fit="ship"``, sender: fit basis, mean and token centres on the real tokens
+        ``[T, d]`` (with their ``[T]`` ids) of the first batch it encodes, at step ``step`` (the
+        refresh clock starts there). The receiver installs the same fit from :meth:`fit_message`."""
+        moments = TokenMoments(self.dim, self.shared.token_prior)
+        moments.add(*self._statistics_rows(activations.float(), token_ids))
+        if moments.count < 2:
+            raise ValueError("lowrank first fit needs at least 2 tokens")
+        self._refit(moments)
+        self._checked(step)
+
+    def setup_bytes(self, dtype: torch.dtype) -> int:
+        """The first fit as it ships: its length word and :meth:`ship_bytes` (float32 whatever
+        ``dtype``), what :meth:`refresh_bytes` counts for a refit; in :meth:`step_metrics` too."""
+        shipped = FLAG_BYTES + self.ship_bytes()
+        self._shipped += shipped
+        return shipped
 
     @property
     def quantised(self) -> bool:
@@ -650,8 +680,8 @@ class AdaptiveLowRankCodec(Codec):
     def plan_refresh(self, step: int) -> str | None:
         """What both sides do as step ``step`` begins: ``fit`` (decide on shared dense tokens),
         ``ship`` (the sender decides and tells the receiver) or None. Reads only shared state."""
-        if self.basis is None:
-            return "fit" if self.shared.count >= 2 else None
+        if self.basis is None:  # a shipped first fit comes with the first payload, not here
+            return "fit" if self.shared.count >= 2 and self.first_fit == "dense" else None
         if self.refresh_every == 0 or step - self.checked_step < self.refresh_every:
             return None
         return "fit" if self.shared.count >= 2 else "ship"
@@ -673,16 +703,16 @@ class AdaptiveLowRankCodec(Codec):
 
     def basis_message(self, step: int) -> Tensor | None:
         """Sender: check the tokens it encoded since the last check; if the basis drifted, refit,
-        install and return :meth:`_message` to ship, else None (keep)."""
+        install and return :meth:`fit_message` to ship, else None (keep)."""
         message = None
         if self._drifted(self.window):
             self._refit(self.window)
-            message = self._message()
+            message = self.fit_message()
         self._shipped += self.refresh_bytes(message)
         self._checked(step)
         return message
 
-    def _message(self) -> Tensor:
+    def fit_message(self) -> Tensor:
         """``cat(U.flatten(), mu, ids, tau.flatten())`` (float32; ids are exact below 2^24)."""
         assert self.basis is not None and self.mean is not None
         parts = [self.basis.reshape(-1), self.mean]

@@ -63,6 +63,7 @@ from tclightning.models.config import ModelConfig
 from tclightning.models.loading import check_checkpoint_model, load_model
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
+from tclightning.pipeline.boundary import total_bytes
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
@@ -338,6 +339,8 @@ class GRPOModule(L.LightningModule):
             if agreement is not None:
                 metrics["anchor/sign_agreement"] = agreement
             metrics.update(self.anchor.metrics(self.trainer.global_step))
+        if "wire/bytes_fwd" in metrics:
+            metrics["wire/total_bytes"] = total_bytes(metrics)
 
         tokens = float(rollouts.completion_mask.sum())
         metrics.update(

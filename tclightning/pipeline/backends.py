@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -178,6 +179,7 @@ class PipelineBackend:
         self.mesh = mesh
         self.world_size = engine.world_size if mesh is None else mesh.world_size
         engine.set_temperature(request.temperature)  # the last stage's log-probs use the sampler's
+        self._rollout_bytes = 0  # what this rank broadcast from the sampler since the last wire_metrics
 
     @property
     def _world(self) -> Any:
@@ -209,6 +211,8 @@ class PipelineBackend:
         """Global rank 0 runs ``make()``; the result travels to every rank (of every replica) as a
         CPU pickle (tensors and ``Rollouts``)."""
         payload = _to_cpu(make()) if self._world.rank == 0 else None
+        if payload is not None:  # the pickle broadcast_object sends, once to every other rank
+            self._rollout_bytes += len(pickle.dumps(payload)) * (self._world.world_size - 1)
         return self._world.broadcast_object(payload, 0, what)
 
     def logprobs(self, rollouts: Any, *, with_entropy: bool = False) -> tuple[Tensor | None, Tensor | None]:
@@ -305,25 +309,26 @@ class PipelineBackend:
     def wire_metrics(self) -> dict[str, float]:
         """``wire/*`` of every rank's sends (with replicas: of every replica, so the bytes of the
         whole batch), plus ``dp/*`` with replicas."""
+        rollouts, self._rollout_bytes = self._rollout_bytes, 0
         if self.mesh is None:
-            return self.engine.metrics()
+            return self.engine.metrics(rollouts)
         engine, meter = self.engine, self.engine.meter
         fields = ("bytes_fwd", "bytes_bwd", "dense_fwd", "dense_bwd", "messages_fwd", "messages_bwd")
         own = [[getattr(t, f) for f in fields] for t in meter.cuts]
-        own_sync = engine.sync_bytes
-        counts = torch.tensor([*own, [own_sync, 0, 0, 0, 0, 0]], dtype=torch.float64)
+        own_sync, own_tied = engine.sync_bytes, engine.tied_bytes
+        counts = torch.tensor([*own, [own_sync, own_tied, rollouts, 0, 0, 0]], dtype=torch.float64)
         counts = self.mesh.dp.all_reduce(counts, "summing the replicas' wire counters")  # counters, not counted
         try:  # the engine's pipeline sum of the replica sums: every rank's sends
             for traffic, row in zip(meter.cuts, counts.tolist()):
                 for name, value in zip(fields, row):
                     setattr(traffic, name, int(value))
-            engine.sync_bytes = int(counts[-1, 0])
-            wire = engine.metrics()
+            engine.sync_bytes, engine.tied_bytes = int(counts[-1, 0]), int(counts[-1, 1])
+            wire = engine.metrics(int(counts[-1, 2]))
         finally:
             for traffic, row in zip(meter.cuts, own):
                 for name, value in zip(fields, row):
                     setattr(traffic, name, value)
-            engine.sync_bytes = own_sync
+            engine.sync_bytes, engine.tied_bytes = own_sync, own_tied
         return {**wire, **self.mesh.metrics()}
 
     def gather_per_rank(self, state: Any, what: str) -> Any:

@@ -113,6 +113,17 @@ class WireMeter:
         return out
 
 
+TRAFFIC_METRICS = ("wire/bytes_fwd", "wire/bytes_bwd", "wire/sync_bytes", "wire/tied_bytes", "wire/rollout_bytes",
+                   "anchor/bytes", "dp/bytes")
+"""Every class of traffic between ranks a step logs; ``wire/total_bytes`` is their sum."""
+
+
+def total_bytes(metrics: dict[str, float]) -> float:
+    """``wire/total_bytes``: the sum of the :data:`TRAFFIC_METRICS` ``metrics`` holds (the step's
+    bytes between ranks, every class; the boundary alone is ``wire/bytes_fwd + wire/bytes_bwd``)."""
+    return float(sum(metrics.get(name, 0.0) for name in TRAFFIC_METRICS))
+
+
 def count_tokens(x: Tensor, token_mask: Tensor | None) -> int:
     """Real tokens in a ``[B, L, d]`` boundary: ``token_mask.sum()`` if given, else ``B * L``."""
     if token_mask is not None:
@@ -153,7 +164,7 @@ class Boundary:
                 real_ids = None
                 if token_ids is not None and token_ids.shape == x.shape[:-1]:
                     real_ids = token_ids[token_mask.bool()] if token_mask is not None else token_ids.reshape(-1)
-            shipped = end.setup_bytes(real)
+            shipped = end.setup_bytes(real, real_ids, key.step)
             if shipped:
                 self.meter.record_setup(self.ordinal, shipped)
             end.observe_sent(real, real_ids)

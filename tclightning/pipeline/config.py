@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tclightning.codecs import CODECS, QUANT_BITS
+from tclightning.codecs import CODECS, FIRST_FITS, QUANT_BITS
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
 from tclightning.settings import (
@@ -108,6 +108,13 @@ class PipelineConfig:
         "``lowrank``: steps between basis refresh checks (0 = keep the first fit). A check is free when the anchor's "
         "dense pass fed both sides since the last one; otherwise the sender decides and sends a 4-byte flag, plus "
         "the basis, ``(d r + d) * 4`` bytes (and any token centres), if it refits (all counted in ``wire/bytes_fwd``)")
+    first_fit: str = setting(
+        "dense", one_of(FIRST_FITS),
+        "``lowrank``: how the first basis is made. ``dense``: the first step crosses the dense boundary and both "
+        "sides fit on it (nothing else sent). ``ship``: the sender fits on the first batch it encodes and ships "
+        "the basis and token centres, ``(d r + d + n (d + 1)) * 4`` bytes once (counted in ``wire/bytes_fwd``), so "
+        "no step crosses dense; across processes the first batch's payloads also cross once so that each "
+        "later cut fits on what it will receive. Pays when a dense step costs more than a basis (a short run)")
     refresh_tolerance: float = setting(
         0.02, number(0.0, 1.0),
         "``lowrank``: refit only when a fresh fit would lose at least this share less of the recent tokens' energy "

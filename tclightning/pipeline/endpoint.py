@@ -63,12 +63,13 @@ class CutEnd:
         if not self.sends and self.codec.crosses_dense:
             self.codec.observe_dense(real, real_ids)
 
-    def setup_bytes(self, tokens: Tensor) -> int:
-        """Before the first message: a codec fitted on the first traffic (svd) fits on ``tokens``
-        [T, d] now and the bytes its basis costs to ship are returned (0 otherwise)."""
+    def setup_bytes(self, tokens: Tensor, token_ids: Tensor | None = None, step: int = 0) -> int:
+        """Before the first message: a codec fitted on the first traffic (svd, lowrank's shipped
+        first fit) fits on ``tokens`` [T, d] (ids [T]) now, at step ``step``, and the bytes its fit
+        costs to ship are returned (0 otherwise)."""
         if not self.codec.needs_calibration:
             return 0
-        self.codec.calibrate(tokens)
+        self.codec.calibrate(tokens, token_ids, step=step)
         return self.codec.setup_bytes(tokens.dtype)
 
     # -- the message -------------------------------------------------------------------------------

@@ -128,7 +128,10 @@ class PipelineEngine:
             # a replicated pipeline (pipeline.mesh) made one [first, last] group per replica
             self._tie_group = tie_group if tie_group is not None else dist.new_group([0, self.world_size - 1])
         self.sync_bytes = 0
+        self.tied_bytes = 0  # the tied embedding's gradient sum between the first and last rank
         self._dense_stage: StageModule | None = None
+        # a shipped first fit is still to come (identical on every rank: from the config alone)
+        self._first_fits_pending = config.first_fit == "ship" and any(spec.codec == "lowrank" for spec in self.specs)
 
     # -- construction ------------------------------------------------------------------------
 
@@ -171,16 +174,18 @@ class PipelineEngine:
 
     def reset_stats(self) -> None:
         self.meter.reset()
-        self.sync_bytes = 0
+        self.sync_bytes = self.tied_bytes = 0
         for codec in (self.module.send_codec, self.module.recv_codec):
             if codec is not None:
                 codec.reset_metrics()
 
-    def metrics(self) -> dict[str, float]:
-        """``WireMeter.metrics()`` of the sends of every rank (an all-reduce), plus ``wire/sync_bytes``."""
+    def metrics(self, rollout_bytes: int = 0) -> dict[str, float]:
+        """``WireMeter.metrics()`` of the sends of every rank (an all-reduce), plus the other
+        traffic between the ranks: ``wire/sync_bytes``, ``wire/tied_bytes`` and ``wire/rollout_bytes``
+        (this rank's share of the rollout broadcast, given by the caller, which makes it)."""
         counts = torch.tensor(
             [[t.bytes_fwd, t.bytes_bwd, t.dense_fwd, t.dense_bwd, t.messages_fwd, t.messages_bwd] for t in self.meter.cuts]
-            + [[self.sync_bytes, 0, 0, 0, 0, 0]],
+            + [[self.sync_bytes, self.tied_bytes, rollout_bytes, 0, 0, 0]],
             dtype=torch.float64,
         )
         counts = self.comm.all_reduce(counts, "summing the wire counters")
@@ -188,7 +193,9 @@ class PipelineEngine:
         for traffic, row in zip(total.cuts, counts.tolist()):
             (traffic.bytes_fwd, traffic.bytes_bwd, traffic.dense_fwd, traffic.dense_bwd,
              traffic.messages_fwd, traffic.messages_bwd) = (int(v) for v in row)
-        return {**total.metrics(), **self._codec_metrics(), "wire/sync_bytes": float(counts[-1, 0])}
+        sync, tied, rollouts = (float(v) for v in counts[-1, :3])
+        return {**total.metrics(), **self._codec_metrics(), "wire/sync_bytes": sync, "wire/tied_bytes": tied,
+                "wire/rollout_bytes": rollouts}
 
     def _codec_metrics(self) -> dict[str, float]:
         """The senders' ``Codec.step_metrics()`` (energy kept, basis bytes), gathered from the rank
@@ -229,6 +236,8 @@ class PipelineEngine:
         stage_module = module if module is not None else self.module
         inputs = inputs.to(self.device)
         rows = inputs.input_ids.shape[0]
+        if stage_module is self.module and self._first_fits_pending:
+            self._ship_first_fits(inputs, torch.arange(rows) if batch_rows is None else batch_rows)
         chunks = max(1, min(self.config.microbatches, rows))
         tokens = [int(part.sum()) for part in torch.tensor_split(inputs.attention_mask.sum(-1), chunks)]
         in_width = self._width(stage_module.recv_codec)
@@ -268,6 +277,54 @@ class PipelineEngine:
         entropy = torch.cat(stage_module.last_entropy) if with_entropy and stage_module.last_entropy else None
         stage_module.last_entropy = []
         return output.detach(), entropy
+
+    def _ship_first_fits(self, inputs: StageInputs, rows: Tensor) -> None:
+        """``pipeline.first_fit=ship``, before the first pass (all ranks call): each cut whose
+        codec has no basis yet is fitted by its sender on this batch as it arrives there, in stage
+        order, and the fit crosses to the receiver before anything else (counted, as in one
+        process). A stage whose output cut still needs a fit must see the batch as it will in
+        training, so the batch's payloads cross the cuts before the deepest such cut once (no
+        grad, counted in ``wire/bytes_fwd``): the price of fitting on the far side of a cut."""
+        self._first_fits_pending = False
+        needs = torch.zeros(len(self.specs), dtype=torch.float64)
+        send = self.module.send_end
+        if send is not None and send.codec.needs_calibration:
+            needs[self.rank] = 1.0
+        needs = self.comm.all_reduce(needs, "agreeing which cuts fit first")
+        fitted = [cut for cut in range(len(self.specs)) if needs[cut] > 0]
+        if not fitted or self.rank > fitted[-1] + 1:
+            return
+        deepest = fitted[-1]  # ranks 0..deepest compute; rank deepest + 1 only receives its basis
+        mask = inputs.attention_mask
+        tokens = int(mask.sum())
+        kwargs = {"attention_mask": mask, "position_ids": inputs.position_ids, "rows": rows.to(self.device),
+                  "completion_ids": inputs.completion_ids, "completion_mask": inputs.completion_mask}
+        with torch.no_grad():
+            if self.is_first:
+                x = inputs.input_ids
+            else:
+                recv = self.module.recv_end
+                assert recv is not None
+                if needs[self.rank - 1] > 0:
+                    recv.codec.load_basis_message(RefreshChannel(self.comm, self.rank - 1, self.rank - 1).receive(),
+                                                  self.module.step)
+                if self.rank > deepest:
+                    return
+                width, dtype = recv.codec.width, self._wire_dtype(recv.codec)
+                x = self.comm.recv(tokens * width, dtype, self.rank - 1, "receiving the first fit's batch")
+                x = x.view(tokens, width)
+                kwargs["input_ids"] = inputs.input_ids
+            payload = self.module.forward(x, first_fit=True, **kwargs)
+            assert send is not None
+            shipped = 0
+            if needs[self.rank] > 0:
+                message = send.codec.fit_message()
+                RefreshChannel(self.comm, self.rank + 1, self.rank).send(message)
+                shipped += send.codec.refresh_bytes(message)
+            if self.rank < deepest:  # the next stage fits on what it receives
+                self.comm.send(payload, self.rank + 1, "sending the first fit's batch")
+                shipped += send.message_bytes(tokens, payload.dtype)
+            self.meter.record_setup(self.rank, shipped)
 
     # -- the dense pass at a snapshot (the anchor's M) ------------------------------------------
 
@@ -330,6 +387,7 @@ class PipelineEngine:
         assert embedding is not None
         weight = embedding.weight
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        self.tied_bytes += grad.numel() * grad.element_size()  # each of the two ranks sends its half
         weight.grad = self.comm.all_reduce(grad, "summing the tied-embedding gradient", group=self._tie_group)
 
     def clip_gradients(self, max_norm: float) -> Tensor:

@@ -163,8 +163,9 @@ class StageModule(nn.Module):
     ``forward(x, *, attention_mask, position_ids, rows, completion_ids, completion_mask, input_ids)``:
     ``x`` is ``input_ids`` [B, L] on the first stage, else the packed payload [T, k_in]; ``rows``
     [B] are the global row indices of this micro-batch (the PRF key's rows); ``input_ids`` [B, L]
-    (every rank holds the batch) are the decoder's side information. Returns the packed payload
-    [T, k_out], or on the last stage the completion log-probs [B, Lc] (0 on padding).
+    (every rank holds the batch) are the decoder's side information; ``first_fit``: the sending
+    codec first fits on this batch (:meth:`CutEnd.setup_bytes`; the engine ships the fit). Returns
+    the packed payload [T, k_out], or on the last stage the completion log-probs [B, Lc] (0 on padding).
     """
 
     def __init__(
@@ -240,6 +241,7 @@ class StageModule(nn.Module):
         completion_ids: Tensor,
         completion_mask: Tensor,
         input_ids: Tensor | None = None,
+        first_fit: bool = False,
     ) -> Tensor:
         ids = x if self.is_first else input_ids  # the batch's tokens, which every stage holds
         keys = context_keys(ids) if ids is not None else None  # the codecs' side information, keyed before packing
@@ -264,8 +266,11 @@ class StageModule(nn.Module):
                             use_cache=False).last_hidden_state
         end, spec = self.send_end, self.send_spec
         assert end is not None and spec is not None
-        if self.send_tap is not None or end.learns:  # the real tokens [T, d] in pack order, and their keys
+        if first_fit or self.send_tap is not None or end.learns:  # the real tokens [T, d] in pack order, and their keys
             with torch.no_grad():
-                end.observe_sent(pack(hidden.detach(), attention_mask),
-                                 pack(keys, attention_mask) if keys is not None else None, self.send_tap)
+                real, real_ids = pack(hidden.detach(), attention_mask), pack(keys, attention_mask) if keys is not None else None
+                if first_fit:  # the engine ships the fit; the batch is observed when it trains
+                    end.setup_bytes(real, real_ids, self.step)
+                else:
+                    end.observe_sent(real, real_ids, self.send_tap)
         return pack(end.encode(hidden, self._key(spec, rows), keys), attention_mask)
