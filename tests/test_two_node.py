@@ -117,6 +117,41 @@ def test_two_nodes_over_a_shaped_veth_link_match_one_process(tmp_path: Path) -> 
         print(f"2 nodes x {per_node}: veth tx {tx} bytes; boundary fwd {forward:.0f}, bwd + sync {backward:.0f}")
 
 
+TRAFFIC_RUN = ["--recipe", "tiny", "--quiet", "trainer.strategy=pipeline", "pipeline.stages=2", "model.warmup.steps=0",
+               "trainer.val_every=0", "trainer.accelerator=cpu", "trainer.checkpoint_every=0", "logging.progress=none",
+               "trainer.num_threads=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dense", "all"])
+def test_the_link_carries_no_more_than_the_counted_total(tmp_path: Path, layout: str) -> None:
+    """What the veth carries for two more steps (3 against 1: the rendezvous, the initial weight
+    broadcast and the final checkpoint cancel) is at least ``wire/total_bytes`` of those steps and
+    at most 1.2x it (TCP/IP headers, acknowledgements, the steps' scalars): nothing large crosses
+    uncounted, dense or compressed."""
+    from tclightning.bench.link import netns_problem
+    from tclightning.bench.two_node import run_two_node
+    from tclightning.grpo.summary import read_metrics
+
+    problem = netns_problem()
+    if problem is not None:
+        pytest.skip(f"network namespaces unavailable: {problem}")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    link, counted = {}, {}
+    for steps in (1, 3):
+        where = tmp_path / f"steps-{steps}"
+        where.mkdir()
+        result = run_two_node([*TRAFFIC_RUN, f"pipeline.layout={layout}", f"trainer.steps={steps}"], per_node=1,
+                              mbit=1000.0, run_dir=where / "run", cwd=where, env=env, timeout_s=600,
+                              echo=lambda line: None)
+        assert result["returncodes"] == [0, 0], "\n".join(result["stderr"])
+        link[steps] = sum(result["link"]["tx_bytes"])
+        counted[steps] = sum(v["wire/total_bytes"] for v in read_metrics(where / "run" / "metrics.csv").values())
+    carried, total = link[3] - link[1], counted[3] - counted[1]
+    print(f"{layout}: veth {carried} bytes for steps 1-2, counted {total:.0f} ({carried / total:.3f}x)")
+    assert total <= carried <= 1.2 * total
+
+
 def sbatch_script() -> str:
     """The SLURM script of docs/distributed.md, as shipped."""
     blocks = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", DOC.read_text(), flags=re.S)
