@@ -13,6 +13,7 @@ import torch
 from tclightning.bench.launch import run_ranks
 from tclightning.codecs import AdaptiveLowRankCodec, CodecKey
 from tclightning.codecs.lowrank import FLAG_BYTES
+from tclightning.errors import TclightningError
 from tclightning.models.logprobs import completion_logps
 from tclightning.pipeline import CutSet, PipelineConfig
 from tests.test_distributed import DIM, rollouts, tiny_llama
@@ -51,6 +52,11 @@ def test_a_shipped_first_fit_encodes_at_the_rank_from_the_start_and_refuses_one_
     assert torch.equal(receiver.decode(codec.encode(x, key, token_ids=ids), key, token_ids=ids),
                        codec.decode(codec.encode(x, key, token_ids=ids), key, token_ids=ids))
     assert codec.setup_bytes(torch.float32) == FLAG_BYTES + codec.ship_bytes()
+
+
+def test_the_recipe_key_takes_dense_or_ship_only() -> None:
+    with pytest.raises(TclightningError, match="pipeline.first_fit: expected one of dense, ship, got 'late'"):
+        PipelineConfig(first_fit="late").validate()
 
 
 def one_process() -> dict[str, Any]:

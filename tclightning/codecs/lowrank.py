@@ -260,8 +260,10 @@ class SVDCodec(Codec):
 
 # ------------------------------------------------------------------ quantised coefficients
 QUANT_BITS = (2, 3, 4, 8)
-FIRST_FITS = ("dense", "ship")  # how a basis codec makes its first fit (AdaptiveLowRankCodec)
 """Bits per coefficient a basis codec may send (``pipeline.bits``); None sends float coefficients."""
+
+FIRST_FITS = ("dense", "ship")
+"""How :class:`AdaptiveLowRankCodec` makes its first fit (``pipeline.first_fit``)."""
 
 SCALE_BYTES = 2
 """The per-token scale of a quantised message: 16 bits (float16 forward, bfloat16 backward)."""
