@@ -46,13 +46,16 @@ class BackendRequest:
     ``logprobs``: how the one-process backend computes completion log-probs (the pipeline's last
     stage mirrors it). ``backward``: ``loss -> None``, the trainer's backward (Lightning's
     ``manual_backward``, so precision plugins apply); used where the backward is not the
-    pipeline schedule's own.
+    pipeline schedule's own. ``sampler_dtype``: ``sampler.dtype`` -- the sampler generates from a
+    copy of the policy in this dtype, kept exact by a sparse sync (``tclightning.weight_sync``);
+    None: from the policy itself.
     """
 
     policy: nn.Module
     temperature: float
     logprobs: LogprobsFn
     backward: Callable[[Tensor], None]
+    sampler_dtype: torch.dtype | None = None
 
 
 @runtime_checkable
@@ -97,6 +100,16 @@ class Backend(Protocol):
         """Context in which the policy's own forward is dense (no codec): sampling runs in it."""
         ...
 
+    def sampling_model(self) -> nn.Module:
+        """The model the sampler generates with (on the sampling rank): the policy, or with
+        ``sampler_dtype`` its copy in that dtype, bit-identical to the current weights cast to it."""
+        ...
+
+    def weights_loaded(self) -> None:
+        """The policy's weights were replaced outside an update, the same on every rank (a
+        rollback loads a checkpoint everywhere): the sampler's copy is rebuilt from them."""
+        ...
+
     def share_from_sampler(self, make: Callable[[], T], what: str) -> T:
         """Collective: the sampling rank (rank 0) runs ``make()``; every rank gets its result
         (tensors, and objects with a ``to`` method such as ``Rollouts``, on CPU across processes).
@@ -139,7 +152,8 @@ class Backend(Protocol):
         ...
 
     def after_update(self) -> None:
-        """Collective: the step's updates are done; the sampler gets the new weights."""
+        """Collective: the step's updates are done; the sampler gets the new weights (with
+        ``sampler_dtype``: only the entries that changed in that dtype)."""
         ...
 
     def share_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
@@ -147,7 +161,8 @@ class Backend(Protocol):
         ...
 
     def wire_metrics(self) -> dict[str, float]:
-        """Collective: ``wire/*`` of the sends since :meth:`begin_step` (empty without cuts)."""
+        """Collective: ``wire/*`` of the sends since :meth:`begin_step` (empty without cuts or a
+        sampler copy; in one process, what a split would send)."""
         ...
 
     def gather_per_rank(self, state: Any, what: str) -> Any:

@@ -37,7 +37,8 @@ ABOVE_PIPELINE = (
     "tclightning.bench",
 )
 # Pure logic (tensor math, rules) that anyone can use without Lightning.
-PURE = ("tclightning.codecs", "tclightning.anchor", "tclightning.health", "tclightning.grpo.loss")
+PURE = ("tclightning.codecs", "tclightning.anchor", "tclightning.health", "tclightning.grpo.loss",
+        "tclightning.weight_sync")
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
 

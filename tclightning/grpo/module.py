@@ -59,7 +59,7 @@ from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.update import UpdateResult, grpo_update
 from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
-from tclightning.models.config import ModelConfig
+from tclightning.models.config import DTYPES, ModelConfig
 from tclightning.models.loading import check_checkpoint_model, load_model
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
@@ -104,7 +104,8 @@ def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
 class GRPOModule(L.LightningModule):
     """GRPO on a causal LM with verifiable rewards.
 
-    The HF model is ``self.policy``; the sampler always runs it dense (``backend.dense()``). With
+    The HF model is ``self.policy``; the sampler always runs it dense (``backend.dense()``), or
+    with ``sampler.dtype`` an exact copy of it in that dtype (:meth:`sampling_model`). With
     ``grpo.kl_coef > 0`` a frozen copy of the initial policy is kept as ``self.reference`` (and
     checkpointed).
 
@@ -235,7 +236,9 @@ class GRPOModule(L.LightningModule):
         """The strategy's backend when it is a ``BackendProvider`` (the pipeline strategies), else
         the whole policy in this process; asked for once, after the strategy's setup."""
         if self._backend is None:
-            request = BackendRequest(self.policy, self.sampler_cfg.temperature, completion_logps, self.manual_backward)
+            dtype = None if self.sampler_cfg.dtype is None else DTYPES[self.sampler_cfg.dtype]
+            request = BackendRequest(self.policy, self.sampler_cfg.temperature, completion_logps, self.manual_backward,
+                                     sampler_dtype=dtype)
             strategy = self.trainer.strategy
             self._backend = strategy.backend(request) if isinstance(strategy, BackendProvider) else LocalBackend(request)
         return self._backend
@@ -245,11 +248,18 @@ class GRPOModule(L.LightningModule):
         up, as during the warm-up, nothing is installed yet)."""
         return self._backend.dense() if self._backend is not None else contextlib.nullcontext()
 
-    def sample(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None) -> Rollouts:
-        """Dense sampling: codecs (if any) are bypassed, as on a real inference engine."""
+    def sampling_model(self) -> torch.nn.Module:
+        """What the sampler generates with: the backend's (the policy, or with ``sampler.dtype`` its
+        exact copy in that dtype); the policy before the strategy is set up (the warm-up's check)."""
+        return self._backend.sampling_model() if self._backend is not None else self.policy
+
+    def sample(self, examples: list[Example], seed: int, *, greedy: bool = False, group_size: int | None = None,
+               model: torch.nn.Module | None = None) -> Rollouts:
+        """Dense sampling: codecs (if any) are bypassed, as on a real inference engine. ``model``:
+        the :meth:`sampling_model` (default: asked for here)."""
         with self._dense():
             return self.sampler.generate(
-                self.policy,
+                model if model is not None else self.sampling_model(),
                 [e.prompt for e in examples],
                 group_size=group_size or self.sampler_cfg.group_size,
                 seed=seed,
@@ -266,18 +276,20 @@ class GRPOModule(L.LightningModule):
         """``(rows, rewards [P*G], trajectory of each row, episodes)``. Single-turn: a row is a
         trajectory. Agentic: a row is one interaction and ``episodes`` carries the conversations."""
         G = group_size or self.sampler_cfg.group_size
-        self.require_finite_weights()
+        model = self.sampling_model()
+        self.require_finite_weights(model)
         if self.multi_turn is None:
-            rollouts = self.sample(examples, seed, greedy=greedy, group_size=G)
+            rollouts = self.sample(examples, seed, greedy=greedy, group_size=G, model=model)
             return rollouts, self.score(rollouts, examples), torch.arange(rollouts.num_sequences), None
         with self._dense():
-            episodes = self.multi_turn.play(self.policy, examples, group_size=G, seed=seed, greedy=greedy,
+            episodes = self.multi_turn.play(model, examples, group_size=G, seed=seed, greedy=greedy,
                                             max_new_tokens=self.sampler_cfg.eval_max_new_tokens if greedy else None)
         return episodes.rows, episodes.rewards, episodes.trajectory, episodes
 
-    def require_finite_weights(self) -> None:
-        """Raise :class:`NonFiniteError` if any policy weight is NaN/Inf (nothing is sampled from it)."""
-        bad = nonfinite_parameters(self.policy)
+    def require_finite_weights(self, model: torch.nn.Module | None = None) -> None:
+        """Raise :class:`NonFiniteError` if any weight of ``model`` (default the policy; the sampler
+        checks the one it samples from) is NaN/Inf (nothing is sampled from it)."""
+        bad = nonfinite_parameters(self.policy if model is None else model)
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise NonFiniteError(f"the policy's weights hold NaN or Inf ({', '.join(bad[:3])}{more})")
@@ -525,6 +537,14 @@ class GRPOModule(L.LightningModule):
         ``setup``, which a plain load never runs), so its ``reference.*`` weights load strictly."""
         if self.reference is None and any(key.startswith("reference.") for key in state_dict):
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``; once the backend is taken (a rollback, which every rank
+        loads alike) the sampler's copy is rebuilt from the loaded weights."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._backend is not None:
+            self._backend.weights_loaded()
+        return result
 
     def on_fit_start(self) -> None:
         self.take_backend()  # the strategy is set up: from here on sampling runs under its dense()

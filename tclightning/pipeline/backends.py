@@ -2,10 +2,13 @@
 
 * :class:`LocalBackend` -- one process holds the whole policy. The cuts, when a one-process
   ``PipelineStrategy`` installed a :class:`~tclightning.pipeline.cuts.CutSet`, run in-graph as
-  hooks; without one the policy is dense. The loss function is called once with every row.
+  hooks; without one the policy is dense. The loss function is called once with every row. With
+  ``sampler.dtype`` the sampler generates from a copy in that dtype, brought up to date by the
+  same sparse sync a split sends (its bytes counted as what the split would send).
 * :class:`PipelineBackend` -- one stage per process over a
   :class:`~tclightning.pipeline.engine.PipelineEngine`. Rank 0 also holds a dense copy of the whole
-  policy and samples; the last rank computes the loss, per micro-batch. With ``pipeline.replicas``
+  policy and samples (from it, or with ``sampler.dtype`` from the sampler's copy in that dtype);
+  the last rank computes the loss, per micro-batch. With ``pipeline.replicas``
   > 1 it is one of R replicas of the pipeline on a ``("dp", "pp")`` mesh
   (:mod:`~tclightning.pipeline.mesh`): each runs its share of the rows, gradients summed over them.
 
@@ -26,9 +29,10 @@ import torch
 from torch import Tensor, nn
 
 from tclightning.backend import BackendRequest, LossFn
-from tclightning.pipeline.cuts import CutSet, hook_free_copy
+from tclightning.pipeline.cuts import CutSet, hook_free_copy, strip_cut_hooks
 from tclightning.pipeline.engine import PipelineEngine, StageInputs
 from tclightning.pipeline.mesh import ReplicaMesh
+from tclightning.weight_sync import SamplerCopy, full_bytes, message_bytes
 
 T = TypeVar("T")
 
@@ -49,6 +53,14 @@ class LocalBackend:
         self._clone: nn.Module | None = None  # the dense copy for dense_forward_backward, built once
         self._fast_clone: nn.Module | None = None  # the compressed copy for compressed_forward_backward
         self._fast_cuts: CutSet | None = None
+        self.sampler_copy: SamplerCopy | None = None  # sampler_dtype: what the sampler generates with
+        self._sync_bytes = 0  # what the syncs to the sampler's copy would have sent since wire_metrics
+        if request.sampler_dtype is not None:
+            self.sampler_copy = SamplerCopy(self.policy, request.sampler_dtype)
+            strip_cut_hooks(self.sampler_copy.model)  # the copy of a policy with cuts has their hooks
+            names, self._synced = zip(*self.policy.named_parameters())
+            self._copy_mirror = self.sampler_copy.mirror(names)
+            self._full_sync_bytes = full_bytes(self._synced, request.sampler_dtype)
 
     @property
     def device(self) -> torch.device:
@@ -65,6 +77,20 @@ class LocalBackend:
 
     def share_from_sampler(self, make: Callable[[], T], what: str) -> T:
         return make()
+
+    def sampling_model(self) -> nn.Module:
+        """The policy, or its copy in ``sampler_dtype`` brought up to date first (after an update
+        it already is: this sends something only when the weights changed outside one)."""
+        if self.sampler_copy is None:
+            return self.policy
+        message = self._copy_mirror.advance(self._synced)
+        if message.numel():
+            self._sync_bytes += message_bytes(message)
+        return self.sampler_copy.model
+
+    def weights_loaded(self) -> None:
+        if self.sampler_copy is not None:
+            self._copy_mirror.reset(self._synced)
 
     def logprobs(self, rollouts: Any, *, with_entropy: bool = False) -> tuple[Tensor | None, Tensor | None]:
         with torch.no_grad():
@@ -141,14 +167,23 @@ class LocalBackend:
         return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params], sent
 
     def after_update(self) -> None:
-        """The sampler samples from this very policy: nothing to send."""
+        """The sampler samples from this very policy (nothing to send), or from its copy: the
+        sparse sync a split would send to it (counted as the pipeline sends it: length, message)."""
+        if self.sampler_copy is not None:
+            self._sync_bytes += message_bytes(self._copy_mirror.advance(self._synced))
 
     def share_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
         assert metrics is not None
         return metrics
 
     def wire_metrics(self) -> dict[str, float]:
-        return self.cuts.metrics() if self.cuts is not None else {}
+        """The cuts' ``wire/*``, and with a sampler copy ``wire/sync_bytes`` and ``wire/sync_share``
+        of its syncs since the last call."""
+        metrics = {**self.cuts.metrics()} if self.cuts is not None else {}
+        if self.sampler_copy is not None:
+            sent, self._sync_bytes = self._sync_bytes, 0
+            metrics.update({"wire/sync_bytes": float(sent), "wire/sync_share": sent / self._full_sync_bytes})
+        return metrics
 
     def gather_per_rank(self, state: Any, what: str) -> Any:
         return state
@@ -180,6 +215,8 @@ class PipelineBackend:
         self.world_size = engine.world_size if mesh is None else mesh.world_size
         engine.set_temperature(request.temperature)  # the last stage's log-probs use the sampler's
         self._rollout_bytes = 0  # what this rank broadcast from the sampler since the last wire_metrics
+        if request.sampler_dtype is not None:  # only replica 0's stages send to the sampler
+            engine.start_sparse_sync(request.sampler_dtype, syncs=mesh is None or mesh.replica == 0)
 
     @property
     def _world(self) -> Any:
@@ -206,6 +243,15 @@ class PipelineBackend:
     def dense(self) -> Iterator[None]:
         """Rank 0's dense copy has no codecs installed: sampling is dense as it is."""
         yield
+
+    def sampling_model(self) -> nn.Module:
+        """Rank 0's dense copy of the policy, or with ``sampler_dtype`` the sampler's copy (exact
+        since the last update's sync). Other ranks hold no sampler copy: their policy."""
+        sampler_copy = self.engine.sampler_copy
+        return sampler_copy.model if sampler_copy is not None else self.engine.model
+
+    def weights_loaded(self) -> None:
+        self.engine.reset_sparse_sync()
 
     def share_from_sampler(self, make: Callable[[], T], what: str) -> T:
         """Global rank 0 runs ``make()``; the result travels to every rank (of every replica) as a
@@ -296,9 +342,12 @@ class PipelineBackend:
         return grads, float(total[0])
 
     def after_update(self) -> None:
-        """Every stage's new weights to rank 0, whose dense copy samples the next step (replica 0
-        only: the others' weights are the same and nobody samples from their copies)."""
-        if self.mesh is None or self.mesh.replica == 0:
+        """Every stage's new weights to rank 0, whose dense copy samples the next step, or with
+        ``sampler_dtype`` the entries that changed in it, into the sampler's copy (replica 0 only:
+        the others' weights are the same and nobody samples from their copies)."""
+        if self.engine.sampler_dtype is not None:
+            self.engine.sparse_sync_to_sampler()
+        elif self.mesh is None or self.mesh.replica == 0:
             self.engine.sync_to_sampler()
 
     def share_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:

@@ -10,7 +10,10 @@ backward -- nothing of size d crosses a compressed cut.
 
 Besides the boundary, the engine moves only small or dense-by-design things, each counted apart:
 tied-embedding gradients between the first and last rank, the global gradient norm (a scalar),
-and :meth:`PipelineEngine.sync_to_sampler` (stage weights to rank 0, whose dense copy samples).
+and the weight sync to rank 0, which samples: every stage's weights
+(:meth:`PipelineEngine.sync_to_sampler`, rank 0's dense copy samples), or with ``sampler.dtype``
+only the entries that changed in that dtype (:meth:`PipelineEngine.sparse_sync_to_sampler`, into
+the sampler's copy; :mod:`tclightning.weight_sync`).
 The dense pass at a snapshot (:meth:`PipelineEngine.dense_gradient`, the anchor's ``M``) is a
 second pipelined forward/backward over a dense copy of the stage: its ``[T, d]`` sends are counted
 apart (``anchor/bytes``), never in ``wire/*``. Collectives and failure handling live in
@@ -37,6 +40,7 @@ from tclightning.pipeline.endpoint import CutEnd
 from tclightning.pipeline.cuts import boundary_width, codec_metrics
 from tclightning.pipeline.layout import CutSpec, cut_codec, resolve_layout
 from tclightning.pipeline.stage import StageInputs, StageModule, splittable_layers
+from tclightning.weight_sync import SamplerCopy, WeightMirror, full_bytes, message_bytes
 
 __all__ = ["PipelineEngine", "StageFailure", "StageInputs", "check_distributed_layout", "no_loss"]
 
@@ -129,6 +133,13 @@ class PipelineEngine:
             self._tie_group = tie_group if tie_group is not None else dist.new_group([0, self.world_size - 1])
         self.sync_bytes = 0
         self.tied_bytes = 0  # the tied embedding's gradient sum between the first and last rank
+        # sampler.dtype (start_sparse_sync): the sampler's copy (rank 0) and the tensors as last sent
+        self.sampler_dtype: torch.dtype | None = None
+        self.sampler_copy: SamplerCopy | None = None
+        self._mirrors: dict[int, WeightMirror] = {}  # by stage: rank 0 all (the copy's), others their own
+        self._synced: dict[int, list[nn.Parameter]] = {}  # the parameters each mirror follows
+        self._full_sync_bytes = 0  # every synced entry in the sampler dtype: wire/sync_share's unit
+        self._carried_sync_bytes = 0  # a checkpoint's full sync, counted in the next step
         self._dense_stage: StageModule | None = None
         # a shipped first fit is still to come (identical on every rank: from the config alone)
         self._first_fits_pending = config.first_fit == "ship" and any(spec.codec == "lowrank" for spec in self.specs)
@@ -174,7 +185,8 @@ class PipelineEngine:
 
     def reset_stats(self) -> None:
         self.meter.reset()
-        self.sync_bytes = self.tied_bytes = 0
+        self.tied_bytes = 0
+        self.sync_bytes, self._carried_sync_bytes = self._carried_sync_bytes, 0
         for codec in (self.module.send_codec, self.module.recv_codec):
             if codec is not None:
                 codec.reset_metrics()
@@ -182,7 +194,8 @@ class PipelineEngine:
     def metrics(self, rollout_bytes: int = 0) -> dict[str, float]:
         """``WireMeter.metrics()`` of the sends of every rank (an all-reduce), plus the other
         traffic between the ranks: ``wire/sync_bytes``, ``wire/tied_bytes`` and ``wire/rollout_bytes``
-        (this rank's share of the rollout broadcast, given by the caller, which makes it)."""
+        (this rank's share of the rollout broadcast, given by the caller, which makes it); with
+        ``sampler.dtype`` also ``wire/sync_share``, the sync bytes over a full sync in that dtype."""
         counts = torch.tensor(
             [[t.bytes_fwd, t.bytes_bwd, t.dense_fwd, t.dense_bwd, t.messages_fwd, t.messages_bwd] for t in self.meter.cuts]
             + [[self.sync_bytes, self.tied_bytes, rollout_bytes, 0, 0, 0]],
@@ -194,7 +207,8 @@ class PipelineEngine:
             (traffic.bytes_fwd, traffic.bytes_bwd, traffic.dense_fwd, traffic.dense_bwd,
              traffic.messages_fwd, traffic.messages_bwd) = (int(v) for v in row)
         sync, tied, rollouts = (float(v) for v in counts[-1, :3])
-        return {**total.metrics(), **self._codec_metrics(), "wire/sync_bytes": sync, "wire/tied_bytes": tied,
+        share = {} if self.sampler_dtype is None else {"wire/sync_share": sync / self._full_sync_bytes}
+        return {**total.metrics(), **self._codec_metrics(), "wire/sync_bytes": sync, **share, "wire/tied_bytes": tied,
                 "wire/rollout_bytes": rollouts}
 
     def _codec_metrics(self) -> dict[str, float]:
@@ -431,6 +445,69 @@ class PipelineEngine:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
         return total
+
+    def start_sparse_sync(self, dtype: torch.dtype, *, syncs: bool = True) -> None:
+        """``sampler.dtype``: from now on an update is followed by :meth:`sparse_sync_to_sampler`.
+        Rank 0 builds the sampler's copy of the whole policy in ``dtype``, every other rank a mirror
+        of its stage in ``dtype``, all from the weights every rank holds now (the initial broadcast,
+        or the same checkpoint), so they start equal without a message. ``syncs``: this pipeline
+        syncs (with replicas replica 0's; the others only count). Once: a later call keeps them."""
+        if self.sampler_dtype is not None:
+            return
+        self.sampler_dtype = dtype
+        self._full_sync_bytes = sum(full_bytes(self.stage_parameters(i), dtype) for i in range(1, self.world_size))
+        if not syncs:
+            return
+        held = range(self.world_size) if self.is_first else [self.rank]
+        self._synced = {index: self.stage_parameters(index) for index in held}
+        if self.is_first:
+            self.sampler_copy = SamplerCopy(self.model, dtype)
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            self._mirrors = {index: self.sampler_copy.mirror([names[id(p)] for p in params])
+                             for index, params in self._synced.items()}
+        else:
+            self._mirrors = {self.rank: WeightMirror.of(self._synced[self.rank], dtype)}
+
+    @torch.no_grad()
+    def sparse_sync_to_sampler(self) -> None:
+        """After an update (with :meth:`start_sparse_sync`): rank 0's own stage brings the copy up
+        to date in place; every other rank sends rank 0 the entries of its stage that changed in
+        the sampler dtype (the message's length, int64, then the message), which rank 0 applies to
+        the copy. The sender counts the bytes in ``sync_bytes``."""
+        if not self._mirrors:  # a replica other than 0: nobody samples from it
+            return
+        if self.is_first:
+            self._mirrors[0].advance(self._synced[0])
+        for index in range(1, self.world_size):
+            what = f"sending stage {index}'s changed weights to the sampler"
+            if self.rank == index:
+                message = self._mirrors[index].advance(self._synced[index])
+                self.comm.send(torch.tensor([message.numel()], dtype=torch.int64), 0, what)
+                if message.numel():
+                    self.comm.send(message, 0, what)
+                self.sync_bytes += message_bytes(message)
+            elif self.is_first:
+                size = int(self.comm.recv(1, torch.int64, index, what)[0])
+                if size:
+                    self._mirrors[index].apply(self.comm.recv(size, torch.uint8, index, what))
+
+    def reset_sparse_sync(self) -> None:
+        """Every rank loaded the same whole policy (a rollback): the copy and the mirrors take it
+        again, cast, without a message (rank 0's dense copy is whole again too)."""
+        for index, mirror in self._mirrors.items():
+            mirror.reset(self._synced[index])
+
+    def sync_before_checkpoint(self) -> None:
+        """Collective, before a checkpoint is taken from rank 0's policy: with the sparse sync rank
+        0's dense copy of the other stages is stale, so the full sync (:meth:`sync_to_sampler`, in
+        the trainer's dtype) brings it up to date. Its bytes count in the next step's ``wire/sync_bytes`` (Lightning
+        saves after the step's metrics were taken). Without the sparse sync: nothing to do."""
+        if not self._mirrors:
+            return
+        before = self.sync_bytes
+        self.sync_to_sampler()
+        self._carried_sync_bytes += self.sync_bytes - before
+        self.sync_bytes = before
 
     @torch.no_grad()
     def broadcast_weights(self) -> None:

@@ -7,9 +7,10 @@ module is never wrapped in ``DistributedDataParallel``: the parallelism is the p
 
 It is a :class:`~tclightning.backend.BackendProvider`: a module asks it for its backend (a
 :class:`~tclightning.pipeline.backends.PipelineBackend` over the engine) and runs its update
-through it. Checkpoints hold the whole policy (rank 0's dense copy, synced after every update),
-every rank's optimizer state merged into one, and what the module saves through the backend
-(every cut's receiver codec state, each rank's anchor state).
+through it. Checkpoints hold the whole policy (rank 0's dense copy, synced after every update, or
+with ``sampler.dtype``, whose sync after an update is sparse, by a full sync before the
+checkpoint), every rank's optimizer state merged into one, and what the module saves through the
+backend (every cut's receiver codec state, each rank's anchor state).
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         return PipelineBackend(request, self.engine, self.mesh)
 
     # -- checkpoints -----------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict, from rank 0's dense copy of the policy. Collective (Lightning
+        takes it on every rank): with ``sampler.dtype`` a full sync brings that copy up to date first."""
+        if self.engine is not None:
+            self.engine.sync_before_checkpoint()
+        return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """Every rank's optimizer state for its own stage's parameters, merged (parameter indices

@@ -9,6 +9,9 @@ from tclightning.settings import MAX_TOKENS, flag, integer, number, one_of, posi
 BACKENDS = ("hf", "vllm")
 """``sampler.backend``: transformers ``generate`` (CPU or GPU) or vLLM (GPU, optional extra)."""
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""``sampler.dtype``: the dtypes the sampler's own copy of the policy may hold (names: no torch here)."""
+
 
 @dataclass
 class SamplerConfig:
@@ -27,6 +30,11 @@ class SamplerConfig:
     seed: int = setting(0, seed(), "each step samples with seed (seed, step): resumable without RNG state")
     eval_max_new_tokens: int | None = setting(None, positive(MAX_TOKENS, optional=True),
                                               "greedy validation length (default: max_new_tokens)")
+    dtype: str | None = setting(
+        None, one_of(DTYPES, optional=True),
+        "null (sample from the policy itself) | float32 | bfloat16 | float16: the sampler generates from its own copy "
+        "of the policy in this dtype, bit-identical to the trainer's weights cast to it; across processes only the "
+        "entries that changed in this dtype are sent after each update (docs/distributed.md)")
     # --- vllm backend only (see docs/vllm.md) ---
     gpu_memory_utilization: float = setting(
         0.3, number(0.0, 1.0, low_open=True),
