@@ -14,7 +14,7 @@ Classes (per RL step: ``P x G`` rows of ``tokens_per_row`` tokens, ``epochs x mi
   averaged per step;
 * ``weight_sync`` -- stages 2..S's weights to the sampler on the first stage's node, in the
   sampler's dtype (``sparse``: only the entries whose value in that dtype changed, at
-  ``sync_density``, positions as a bitmask or 4-byte indices, whichever is smaller);
+  ``sync_density``, coded as the run's sparse sync codes them: :func:`sparse_sync_bytes`);
 * ``tied_embedding`` -- a tied input/output embedding's gradient between the first and the last
   stage, each way, every tick, in float32 (``rows``: the step's distinct token rows each way);
 * ``rollouts`` -- the sampled batch (ids, masks, sampler log-probs) from the sampler to every other stage.
@@ -37,6 +37,7 @@ import torch
 
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
+from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
 CONFIGS = ("dense", "compressed", "compressed+sparse-sync", "compressed+sparse-sync+lora")
 CLASSES = ("boundary", "anchor", "weight_sync", "tied_embedding", "rollouts")
@@ -101,6 +102,20 @@ def meta_model(config: dict[str, Any]) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
 
 
+def sparse_sync_bytes(sizes: list[int], density: float, value_bytes: int) -> float:
+    """Expected bytes of the sparse sync's message (:mod:`tclightning.weight_sync`) for tensors of
+    ``sizes`` entries when each entry changes with probability ``density``: per tensor a
+    :data:`~tclightning.weight_sync.HEADER`, the changed values, and the shorter of the bitmask
+    and the LEB128 gaps. A gap of at least ``128^j`` takes a ``j + 1``-th byte, and gaps between
+    independent changes are geometric: ``P(gap >= m) = (1 - density)^m``."""
+    per_gap = 1.0 + sum((1.0 - density) ** (128**j) for j in range(1, 5))
+    total = 0.0
+    for numel in sizes:
+        changed = numel * density
+        total += HEADER.itemsize + changed * value_bytes + min(-(-numel // 8), changed * per_gap)
+    return total
+
+
 def _numel(params: Any) -> int:
     return sum(p.numel() for p in params)
 
@@ -156,11 +171,12 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
     tied_rows = (2 * ids * dim * 4 * ticks) if tied else 0.0
     rollouts = (len(stages) - 1) * tokens * (8 + 8 + 4)  # ids, attention mask (int64), sampler log-probs
 
-    def sync(numel: int, sparse: bool) -> float:
+    def sync(params: list[Any], sparse: bool) -> float:
+        numel = _numel(params)
         if not sparse:
             return numel * sampler
-        changed = numel * assumptions.sync_density
-        return changed * sampler + min(numel / 8, changed * 4)
+        return sparse_sync_bytes([p.numel() for p in params], assumptions.sync_density, sampler) + LENGTH_BYTES * (
+            len(stages) - 1)
 
     lora = _lora_numel(torch.nn.ModuleList(stages[1:]), assumptions.lora_rank)
     out = []
@@ -171,7 +187,7 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
         classes = {
             "boundary": boundary(specs if compressed else dense_specs),
             "anchor": anchor if compressed else 0.0,
-            "weight_sync": sync(lora if use_lora else _numel(synced), sparse and not use_lora),
+            "weight_sync": lora * sampler if use_lora else sync(synced, sparse),
             "tied_embedding": 0.0 if use_lora else (tied_rows if sparse else tied_dense),
             "rollouts": float(rollouts),
         }
