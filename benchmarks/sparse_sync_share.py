@@ -10,6 +10,11 @@ are cast to ``--dtype`` and compared with the previous step's cast. AdamW's step
 per coordinate whatever the loss, so the share mostly measures where ``lr`` crosses the dtype's
 rounding grid -- a GRPO loss moves the weights by the same rule. Prints one line per step and
 the mean; ``--json`` prints one JSON object.
+
+    python benchmarks/sparse_sync_share.py --run RUN_DIR --plot docs/img/sparse_sync_smollm2.png
+
+reads what a run with ``sampler.dtype`` logged instead (``wire/sync_share``, ``wire/sync_bytes``
+per step, from its ``metrics.csv``), prints it as a table and plots the share.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--run", type=Path, help="a run directory: report its logged wire/sync_share instead")
+    parser.add_argument("--plot", type=Path, help="with --run: write the share per step as a PNG here")
     args = parser.parse_args(argv)
+    if args.run is not None:
+        return report_run(args.run, args.plot)
 
     from tclightning.models.loading import load_model
     from tclightning.recipes.loader import load_recipe, to_dataclass
@@ -71,6 +80,41 @@ def main(argv: list[str] | None = None) -> int:
                           "shares": shares, "mean_share": mean}))
     else:
         print(f"mean share over {args.steps} steps: {mean:.4%} (AdamW lr {args.lr:g}, float32 master, {args.dtype} copy)")
+    return 0
+
+
+def report_run(run_dir: Path, plot: Path | None) -> int:
+    """The sparse sync a run sent, step by step: a Markdown table (and the share as a PNG)."""
+    from tclightning.grpo.summary import read_metrics
+
+    metrics = run_dir / "metrics.csv"
+    if not metrics.is_file():
+        print(f"error: --run: {metrics} does not exist", file=sys.stderr)
+        return 2
+    rows = [(step, r) for step, r in sorted(read_metrics(metrics).items()) if "wire/sync_share" in r]
+    if not rows:
+        print(f"error: --run: {metrics} logs no wire/sync_share (was sampler.dtype set?)", file=sys.stderr)
+        return 2
+    print("| step | wire/sync_bytes | wire/sync_share |\n| ---: | ---: | ---: |")
+    for step, r in rows:
+        print(f"| {step} | {r['wire/sync_bytes']:,.0f} | {r['wire/sync_share']:.4%} |")
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([s for s, _ in rows], [100 * r["wire/sync_share"] for _, r in rows], marker="o")
+        ax.set_yscale("log")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("sync bytes, % of a full sync")
+        ax.set_title(f"sparse weight sync to the sampler: {run_dir.parent.name}")
+        ax.grid(True, which="both", alpha=0.3)
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=110)
+        print(f"wrote {plot}")
     return 0
 
 
