@@ -16,7 +16,9 @@ Classes (per RL step: ``P x G`` rows of ``tokens_per_row`` tokens, ``epochs x mi
   sampler's dtype (``sparse``: only the entries whose value in that dtype changed, at
   ``sync_density``, coded as the run's sparse sync codes them: :func:`sparse_sync_bytes`);
 * ``tied_embedding`` -- a tied input/output embedding's gradient between the first and the last
-  stage, each way, every tick, in float32 (``rows``: the step's distinct token rows each way);
+  stage, each way, every tick, in float32 (``rows``: the step's distinct token rows each way, what a
+  run with ``pipeline.tied_rows`` sends, at most: after a dense sync the first tick sends only the
+  gradient rows);
 * ``rollouts`` -- the sampled batch (ids, masks, sampler log-probs) from the sampler to every other stage.
 
 With LoRA only the adapters train: the weight sync carries adapter weights and the tied embedding

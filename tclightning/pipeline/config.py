@@ -144,6 +144,15 @@ class PipelineConfig:
         "a stage's gradients are summed over its replicas. Needs stateless codecs (``prf``, or dense cuts): a "
         "replica's receiver sees only its share of the tokens")
 
+    tied_rows: bool = setting(
+        False, flag,
+        "multi-process mode, tied input/output embeddings: the last stage owns the tied weight (its optimizer "
+        "state and step). Before a pass the last rank sends the first the rows of the batch's distinct token ids "
+        "(unless the first holds the current weight, as after a dense weight sync), and after a backward the first "
+        "sends back only those rows' gradient: at most ``2 x ids x d x 4`` bytes a tick instead of the dense "
+        "gradient sum's ``2 x vocabulary x d x 4``. The weight sync to rank 0 carries the tied weight from the last "
+        "stage. false: both ranks sum the dense gradient and step their copy")
+
     def problems(self) -> Iterator[Problem]:
         """What no one field says alone and the model does not decide (a recipe runs these as a cross
         check with ``trainer.strategy: pipeline``; the cut count is :mod:`~tclightning.pipeline.layout`'s)."""
@@ -174,6 +183,11 @@ class PipelineConfig:
                     f"pipeline.replicas={self.replicas} needs stateless codecs, but codec '{stateful[0]}' learns "
                     "from the tokens a receiver sees (each replica sees only its share): use pipeline.codec=prf, "
                     "or pipeline.replicas=1")
+
+        if self.tied_rows and self.replicas > 1:
+            yield Problem(("pipeline.tied_rows", "pipeline.replicas"),
+                          f"pipeline.tied_rows is not built for replicated pipelines (pipeline.replicas={self.replicas}): "
+                          "set pipeline.tied_rows=false or pipeline.replicas=1")
 
     def validate(self) -> None:
         """For a config built in Python (a recipe's loader checks the same): every field in its

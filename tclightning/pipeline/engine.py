@@ -9,7 +9,8 @@ payloads: ``[T, k]`` forward (T = real tokens of the micro-batch) and the gradie
 backward -- nothing of size d crosses a compressed cut.
 
 Besides the boundary, the engine moves only small or dense-by-design things, each counted apart:
-tied-embedding gradients between the first and last rank, the global gradient norm (a scalar),
+tied-embedding gradients between the first and last rank (with ``pipeline.tied_rows`` the tied weight's
+rows of a pass's token ids and their gradients), the global gradient norm (a scalar),
 and the weight sync to rank 0, which samples: every stage's weights
 (:meth:`PipelineEngine.sync_to_sampler`, rank 0's dense copy samples), or with ``sampler.dtype``
 only the entries that changed in that dtype (:meth:`PipelineEngine.sparse_sync_to_sampler`, into
@@ -131,8 +132,12 @@ class PipelineEngine:
         if self.tied and self.world_size > 2:  # every rank must call new_group
             # a replicated pipeline (pipeline.mesh) made one [first, last] group per replica
             self._tie_group = tie_group if tie_group is not None else dist.new_group([0, self.world_size - 1])
+        # pipeline.tied_rows: the last rank owns the tied weight; rows and their gradients cross
+        self.tied_rows = self.tied and config.tied_rows
+        self._rows_current = True  # rank 0's copy of the tied weight is the owner's (every rank starts equal)
+        self._tied_ids: dict[int, Tensor] = {}  # by stage module: the token ids of its passes since the last reduce
         self.sync_bytes = 0
-        self.tied_bytes = 0  # the tied embedding's gradient sum between the first and last rank
+        self.tied_bytes = 0  # the tied embedding's gradient (sum, or rows and their gradients) first <-> last rank
         # sampler.dtype (start_sparse_sync): the sampler's copy (rank 0) and the tensors as last sent
         self.sampler_dtype: torch.dtype | None = None
         self.sampler_copy: SamplerCopy | None = None
@@ -250,6 +255,8 @@ class PipelineEngine:
         stage_module = module if module is not None else self.module
         inputs = inputs.to(self.device)
         rows = inputs.input_ids.shape[0]
+        if self.tied_rows:
+            self._send_tied_rows(stage_module, inputs.input_ids, backward=loss_fn is not None)
         if stage_module is self.module and self._first_fits_pending:
             self._ship_first_fits(inputs, torch.arange(rows) if batch_rows is None else batch_rows)
         chunks = max(1, min(self.config.microbatches, rows))
@@ -340,6 +347,67 @@ class PipelineEngine:
                 shipped += send.message_bytes(tokens, payload.dtype)
             self.meter.record_setup(self.rank, shipped)
 
+    # -- pipeline.tied_rows: the tied embedding's rows -------------------------------------------
+
+    def _tied_weight(self, module: StageModule) -> nn.Parameter | None:
+        """``module``'s copy of the tied weight on the first or last rank (None elsewhere)."""
+        if not self.tied or not (self.is_first or self.is_last):
+            return None
+        embedding = module.embed_tokens if self.is_first else module.lm_head
+        assert embedding is not None
+        return embedding.weight
+
+    @torch.no_grad()
+    def _send_tied_rows(self, module: StageModule, input_ids: Tensor, *, backward: bool) -> None:
+        """Before a pass of ``module`` (all ranks call; only the first and last act): the last rank
+        sends the rows of the batch's distinct ids (``torch.unique``: both sides know them without
+        a message) and the first writes them into its copy, the only rows its forward reads; skipped
+        while the first holds the current weight (the engine's own stage after a dense sync).
+        ``backward``: the pass accumulates gradients, whose rows :meth:`reduce_tied_gradients` returns."""
+        weight = self._tied_weight(module)
+        if weight is None:
+            return
+        ids = torch.unique(input_ids)
+        own = module is self.module
+        if not (own and self._rows_current):
+            what = "sending the tied embedding's rows to the first stage"
+            if self.is_last:
+                rows = weight.detach()[ids].contiguous()
+                self.comm.send(rows, 0, what)
+                self.tied_bytes += rows.numel() * rows.element_size()
+            else:
+                weight.index_copy_(0, ids, self.comm.recv(ids.numel() * weight.shape[1], weight.dtype, self.world_size - 1,
+                                                          what).view(-1, weight.shape[1]))
+        if backward:
+            if own:
+                self._rows_current = False  # the owner may step before the next pass
+            seen = self._tied_ids.get(id(module))
+            self._tied_ids[id(module)] = ids if seen is None else torch.unique(torch.cat([seen, ids]))
+
+    def _return_tied_rows(self, module: StageModule) -> None:
+        """After backward: the first rank sends the gradient rows of the ids its passes saw and drops
+        its gradient (it never steps the tied weight); the last rank adds them into its dense one."""
+        weight = self._tied_weight(module)
+        ids = self._tied_ids.pop(id(module), None)
+        if weight is None or ids is None:
+            return
+        what = "sending the tied embedding's gradient rows to the last stage"
+        if self.is_first:
+            grad = weight.grad[ids] if weight.grad is not None else weight.new_zeros(ids.numel(), weight.shape[1])
+            self.comm.send(grad.contiguous(), self.world_size - 1, what)
+            self.tied_bytes += grad.numel() * grad.element_size()
+            weight.grad = None
+        else:
+            rows = self.comm.recv(ids.numel() * weight.shape[1], weight.dtype, 0, what).view(-1, weight.shape[1])
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.index_add_(0, ids, rows)
+
+    def _trained(self, module: StageModule) -> list[nn.Parameter]:
+        """``module``'s parameters this rank trains: with tied rows not the first rank's tied copy."""
+        tied = self._tied_weight(module) if self.tied_rows and self.is_first else None
+        return [p for p in module.parameters() if p.requires_grad and p is not tied]
+
     # -- the dense pass at a snapshot (the anchor's M) ------------------------------------------
 
     def dense_stage(self) -> StageModule:
@@ -367,7 +435,7 @@ class PipelineEngine:
         bytes)``: ``grads`` shaped like ``owned_parameters()``, ``bytes`` the boundary bytes of
         the pass summed over all ranks and both directions, counted from the actual sends."""
         stage = self.dense_stage()
-        params = [p for p in stage.parameters() if p.requires_grad]
+        params = self._trained(stage)
         if len(params) != len(snapshot):
             raise TclightningError(f"anchor snapshot has {len(snapshot)} tensors for {len(params)} stage parameters")
         with torch.no_grad():
@@ -387,16 +455,21 @@ class PipelineEngine:
     # -- after backward ------------------------------------------------------------------------
 
     def owned_parameters(self) -> list[nn.Parameter]:
-        """The parameters this rank trains (its stage's), in a fixed order."""
-        return [p for p in self.module.parameters() if p.requires_grad]
+        """The parameters this rank trains (its stage's), in a fixed order; with ``pipeline.tied_rows``
+        the tied weight is the last rank's only."""
+        return self._trained(self.module)
 
     def reduce_tied_gradients(self, module: StageModule | None = None) -> None:
         """Tied input/output embeddings live on the first and last rank: sum their two gradients
-        (what one process accumulates into the one shared tensor), so both copies step alike.
+        (what one process accumulates into the one shared tensor), so both copies step alike; with
+        ``pipeline.tied_rows`` the first rank's gradient rows go to the last, which alone steps it.
         ``module``: whose tied weight (default the engine's stage, which shares the model's)."""
         if not self.tied or not (self.is_first or self.is_last):
             return
         stage_module = module if module is not None else self.module
+        if self.tied_rows:
+            self._return_tied_rows(stage_module)
+            return
         embedding = stage_module.embed_tokens if self.is_first else stage_module.lm_head
         assert embedding is not None
         weight = embedding.weight
@@ -409,7 +482,8 @@ class PipelineEngine:
         scaling with it; returns the norm (the same on every rank)."""
         params = [p for p in self.owned_parameters() if p.grad is not None]
         tied = self.model.get_output_embeddings().weight if self.tied else None
-        counted = [p for p in params if not (self.is_last and p is tied)]  # counted once, on rank 0
+        # counted once: on rank 0, or with tied rows on its owner (rank 0 has none)
+        counted = params if self.tied_rows else [p for p in params if not (self.is_last and p is tied)]
         local = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in counted:
             local += p.grad.detach().double().pow(2).sum()
@@ -418,11 +492,17 @@ class PipelineEngine:
         return total
 
     def stage_parameters(self, index: int) -> list[nn.Parameter]:
-        """Parameters of stage ``index`` as rank 0 sees them in its dense copy (tied ones once)."""
+        """Parameters of stage ``index`` as rank 0 sees them in its dense copy (tied ones once: on the
+        first stage, or with ``pipeline.tied_rows`` on the last, which owns them)."""
         view = StageModule(self.model, index, self.specs, send_codec=None, recv_codec=None, seed=0)
         first = {id(p) for p in StageModule(self.model, 0, self.specs, send_codec=None, recv_codec=None,
                                             seed=0).parameters()}
-        return [p for p in view.parameters() if index == 0 or id(p) not in first]
+        if not self.tied_rows:
+            return [p for p in view.parameters() if index == 0 or id(p) not in first]
+        tied = self.model.get_output_embeddings().weight
+        if index == 0:
+            return [p for p in view.parameters() if p is not tied]
+        return [p for p in view.parameters() if id(p) not in first or (p is tied and index == self.world_size - 1)]
 
     @torch.no_grad()
     def sync_to_sampler(self) -> int:
@@ -444,6 +524,7 @@ class PipelineEngine:
                 for p in params:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
+        self._rows_current = True  # rank 0 holds every stage's weights, the tied one too
         return total
 
     def start_sparse_sync(self, dtype: torch.dtype, *, syncs: bool = True) -> None:
