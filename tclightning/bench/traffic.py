@@ -151,6 +151,7 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
     first_ids = {id(p) for p in stages[0].parameters()}
     synced = [p for stage in stages[1:] for p in stage.parameters() if id(p) not in first_ids]
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    tied_weight = [model.get_output_embeddings().weight] if tied else []
 
     act = WIRE_DTYPES.get(assumptions.activation_dtype, torch.float32).itemsize
     value = WIRE_DTYPES[cfg.payload_dtype].itemsize if cfg.payload_dtype else act
@@ -189,7 +190,8 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
         classes = {
             "boundary": boundary(specs if compressed else dense_specs),
             "anchor": anchor if compressed else 0.0,
-            "weight_sync": lora * sampler if use_lora else sync(synced, sparse),
+            # with tied rows the last stage owns the tied weight, so it syncs it too
+            "weight_sync": lora * sampler if use_lora else sync(synced + (tied_weight if sparse else []), sparse),
             "tied_embedding": 0.0 if use_lora else (tied_rows if sparse else tied_dense),
             "rollouts": float(rollouts),
         }
