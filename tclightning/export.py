@@ -115,6 +115,9 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         where = cfg.name if cfg.source == "hf" else cfg.gguf_file
         raise TclightningError(f"checkpoint {source}: cannot build its model (model.source={cfg.source}, {where}): "
                                f"{' '.join(str(err).split())[:160]}") from None
+    from tclightning.models.lora import apply_lora
+
+    apply_lora(model, cfg.lora)  # model.lora: the checkpoint holds the adapters (and the frozen base)
     missing, unexpected = _mismatch(model.state_dict(), state)
     if missing or unexpected:
         raise TclightningError(
@@ -122,6 +125,13 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
             f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})")
     model.load_state_dict(state, strict=True)
     return without_gguf_marker(model).eval(), tokenizer
+
+
+def _lora_config(checkpoint: Mapping[str, Any]) -> Any:
+    from tclightning.grpo.module import as_config
+    from tclightning.models.config import LoraConfig
+
+    return as_config(LoraConfig, checkpoint["hyper_parameters"]["model"].get("lora"))
 
 
 def check_checkpoint_hparams(checkpoint: Mapping[str, Any], source: str | os.PathLike = "checkpoint") -> None:
@@ -187,7 +197,7 @@ def portable_tokenizer_config(folder: Path, padding_side: str = "left", pad_toke
 
 
 def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | None = None,
-                  *, overwrite: bool = False) -> Path:
+                  *, overwrite: bool = False, adapter_only: bool = False) -> Path:
     """Write the policy of a run (or checkpoint) ``path`` to the folder ``out`` as Hugging Face
     ``save_pretrained`` files of the model and its tokenizer, plus :data:`PROVENANCE_FILE`;
     returns ``out``. ``step`` picks ``checkpoints/step-00000N.ckpt`` of a run directory
@@ -200,6 +210,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     of the same ``out`` removes. Raises ``TclightningError`` (one line) for a missing or unreadable checkpoint, one
     that is not tclightning's, or a model source (a GGUF package, a hub name) that cannot be
     loaded here: the model is rebuilt from its source before the trained weights replace it.
+
+    A ``model.lora`` policy is written merged (the adapters folded into the base weights: a plain
+    model); ``adapter_only`` writes the adapters alone in PEFT's ``save_pretrained`` format (with the
+    tokenizer) instead, and is refused for a policy without adapters.
     """
     from tclightning.callbacks.checkpointing import load_checkpoint
 
@@ -224,13 +238,22 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     clear_abandoned_staging(target)
     checkpoint = load_checkpoint(found.checkpoint)
     model, tokenizer = policy_from_checkpoint(checkpoint, found.checkpoint)
+    from tclightning.models.lora import has_adapters, merged, save_adapter
+
+    if adapter_only and not has_adapters(model):
+        raise TclightningError(f"export: --adapter-only: {found.checkpoint} holds no LoRA adapters (model.lora.r=0)")
+    if not adapter_only:
+        model = merged(model, _lora_config(checkpoint))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, os.getpid()), dir=target.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
     try:
-        model.save_pretrained(staging)
+        if adapter_only:
+            save_adapter(model, _lora_config(checkpoint), staging)
+        else:
+            model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         portable_tokenizer_config(staging, tokenizer.padding_side, tokenizer.pad_token)
         for written in staging.iterdir():  # some writers leave their files private (0600)

@@ -1,4 +1,4 @@
-"""`tclightning export RUN_DIR_OR_CKPT OUT [--step N]`: the trained policy as a Hugging Face
+"""`tclightning export RUN_DIR_OR_CKPT OUT [--step N] [--adapter-only]`: the trained policy as a Hugging Face
 ``save_pretrained`` folder (model and tokenizer), see :func:`tclightning.export.export_policy`."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--step", type=int, default=None, metavar="N",
                         help="export checkpoints/step-00000N.ckpt (the policy after N RL steps) instead of the newest")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it holds files")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="model.lora: write the LoRA adapters alone in PEFT's format (default: the merged model)")
     parser.set_defaults(func=run_export)
 
 
@@ -32,6 +34,6 @@ def run_export(args: argparse.Namespace) -> int:
     source = find_checkpoint(args.path, args.step)
     for notice in source.notices:
         print(f"note: {notice}", file=sys.stderr, flush=True)
-    out = export_policy(source.checkpoint, args.out, overwrite=args.overwrite)
+    out = export_policy(source.checkpoint, args.out, overwrite=args.overwrite, adapter_only=args.adapter_only)
     print(f"wrote {out} (policy after RL step {source.rl_step}, from {source.checkpoint})")
     return 0

@@ -61,6 +61,7 @@ from tclightning.grpo.update import UpdateResult, grpo_update
 from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import DTYPES, ModelConfig
 from tclightning.models.loading import check_checkpoint_model, load_model
+from tclightning.models.lora import apply_lora
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
 from tclightning.pipeline.boundary import total_bytes
@@ -202,6 +203,9 @@ class GRPOModule(L.LightningModule):
             # Taken before the strategy installs cuts, so the reference forward is dense. On
             # resume this copy is overwritten by the checkpoint's reference weights.
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        # model.lora: after the warm-up (which trains the whole model) and the reference (the base
+        # policy); before the strategy builds the optimizer from the trainable (adapter) parameters
+        apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)
 
     def _warmup_accuracy(self) -> float:
         """Greedy accuracy on the first ``check_examples`` training prompts (never the eval split)."""
@@ -511,6 +515,7 @@ class GRPOModule(L.LightningModule):
         state = checkpoint.get("tclightning", {})
         if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
             self._restore_frozen_reference(checkpoint.get("state_dict", {}))
+            apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)  # after the (base) reference
             return
         rng = state.get("rng")
         if rng:

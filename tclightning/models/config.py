@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive, seed
-from tclightning.settings import setting, share, text
+from tclightning.settings import list_of, setting, share, text
 
 SOURCES = ("tiny", "hf", "gguf")
 """``model.source``: where the policy comes from (see :class:`ModelConfig`)."""
@@ -66,6 +66,25 @@ class WarmupConfig:
         "policy unsure between right and wrong answers for RL to sort out")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""``model.lora.target_modules``: the Llama/Qwen2 linear layers an adapter may wrap."""
+
+
+@dataclass
+class LoraConfig:
+    """PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
+    adapters train (every base weight is frozen), so the optimizer state and the pipeline's weight
+    sync hold the adapters alone. Applied after loading and after the supervised warm-up (which trains
+    the whole model); the KL reference stays the base policy. ``tclightning export`` merges them."""
+
+    r: int = setting(0, integer(0, MAX_WIDTH), "adapter rank; 0 = no LoRA (the whole model trains)")
+    alpha: float = setting(16.0, number(0.0, low_open=True), "scale: the update is alpha / r * B A")
+    dropout: float = setting(0.0, number(0.0, 1.0, high_open=True), "dropout on the adapters' input, in [0, 1)")
+    target_modules: list[str] = setting(
+        ["q_proj", "v_proj"], list_of(one_of(LORA_TARGETS)),
+        f"linear layers of every decoder block that get an adapter: any of {' | '.join(LORA_TARGETS)}")
+
+
 @dataclass
 class ModelConfig:
     """Which policy to train.
@@ -87,6 +106,7 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, flag, "passed to from_pretrained (hf models with custom code)")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 RETIRED_KEYS = ("warmup.cache",)

@@ -134,6 +134,9 @@ class PipelineEngine:
             self._tie_group = tie_group if tie_group is not None else dist.new_group([0, self.world_size - 1])
         # pipeline.tied_rows: the last rank owns the tied weight; rows and their gradients cross
         self.tied_rows = self.tied and config.tied_rows
+        if self.tied_rows and not body.embed_tokens.weight.requires_grad:
+            raise TclightningError("pipeline.tied_rows: the tied embedding is frozen (model.lora trains the adapters "
+                                   "only), so it has no rows to send; set pipeline.tied_rows=false")
         self._rows_current = True  # rank 0's copy of the tied weight is the owner's (every rank starts equal)
         self._tied_ids: dict[int, Tensor] = {}  # by stage module: the token ids of its passes since the last reduce
         self.sync_bytes = 0
@@ -473,6 +476,8 @@ class PipelineEngine:
         embedding = stage_module.embed_tokens if self.is_first else stage_module.lm_head
         assert embedding is not None
         weight = embedding.weight
+        if not weight.requires_grad:  # frozen (model.lora) on both ranks alike: nothing to sum
+            return
         grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
         self.tied_bytes += grad.numel() * grad.element_size()  # each of the two ranks sends its half
         weight.grad = self.comm.all_reduce(grad, "summing the tied-embedding gradient", group=self._tie_group)
@@ -497,12 +502,14 @@ class PipelineEngine:
         view = StageModule(self.model, index, self.specs, send_codec=None, recv_codec=None, seed=0)
         first = {id(p) for p in StageModule(self.model, 0, self.specs, send_codec=None, recv_codec=None,
                                             seed=0).parameters()}
+        # frozen weights (model.lora: all but the adapters) never change, so no sync sends them
+        trained = [p for p in view.parameters() if p.requires_grad]
         if not self.tied_rows:
-            return [p for p in view.parameters() if index == 0 or id(p) not in first]
+            return [p for p in trained if index == 0 or id(p) not in first]
         tied = self.model.get_output_embeddings().weight
         if index == 0:
-            return [p for p in view.parameters() if p is not tied]
-        return [p for p in view.parameters() if id(p) not in first or (p is tied and index == self.world_size - 1)]
+            return [p for p in trained if p is not tied]
+        return [p for p in trained if id(p) not in first or (p is tied and index == self.world_size - 1)]
 
     @torch.no_grad()
     def sync_to_sampler(self) -> int:
