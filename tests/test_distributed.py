@@ -163,16 +163,17 @@ def anchor_ticks(owned: list[torch.nn.Parameter], names: dict[int, str], g_comp:
     return {"merged": merged, "changed": changed, "bytes": sent, "delivered": circuit.delivered}
 
 
-def anchor_worker(rank: int) -> dict[str, Any]:
+def anchor_worker(rank: int, config: PipelineConfig | None = None) -> dict[str, Any]:
     """One rank of the 2-process circuit: its stage's snapshots, ``M`` from the update's
-    ``anchor_gradient`` through the pipeline backend (a dense pipelined pass)."""
+    ``anchor_gradient`` through the pipeline backend (a dense pipelined pass). ``config``: the
+    pipeline's (default :data:`ANCHOR_CASE`'s)."""
     from tclightning.grpo.update import MicrobatchLoss, anchor_gradient
     from tclightning.pipeline.backends import PipelineBackend
     from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
     names = {id(p): name for name, p in model.named_parameters()}
-    engine = PipelineEngine(model, config_for(ANCHOR_CASE))
+    engine = PipelineEngine(model, config if config is not None else config_for(ANCHOR_CASE))
     engine.set_step(STEP)
     backend = PipelineBackend(backend_request(model), engine)
     batch = rollouts()

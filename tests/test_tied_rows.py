@@ -127,28 +127,11 @@ def test_tied_rows_train_as_one_process_and_send_only_the_rows(processes: int) -
 def anchor_worker(rank: int, world_size: int, _: Any) -> dict[str, Any]:
     """test_distributed's anchor circuit (signed_ema, K=1/C=2, 4 SGD ticks) with tied rows: the
     dense pass at a snapshot sends the snapshot's rows and returns their gradient too."""
-    from tclightning.grpo.update import MicrobatchLoss, anchor_gradient
-    from tclightning.pipeline.backends import PipelineBackend
-    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
-    from tests.test_distributed import LOSS, anchor_ticks
+    from tests.test_distributed import anchor_worker as dense_exchange_worker
 
-    model = tiny_llama()
-    names = {id(p): name for name, p in model.named_parameters()}
-    engine = PipelineEngine(model, config(world_size, True))
-    engine.set_step(STEP)
-    backend = PipelineBackend(backend_request(model), engine)
-    batch = rollouts()
-
-    def g_comp() -> None:
-        loss_fn = None
-        if engine.is_last:
-            loss_fn = MicrobatchLoss(old_logp=None, advantages=ADVANTAGES, mask=batch.completion_mask,
-                                     logp_sampler=batch.logp_sampler, ref_logp=None, settings=LOSS, norm_length=4)
-        engine.run(StageInputs.from_rollouts(batch), loss_fn or no_loss)
-        engine.reduce_tied_gradients()
-
-    return anchor_ticks(backend.owned_parameters(), names, g_comp,
-                        lambda job: anchor_gradient(backend, job, settings=LOSS, norm_length=4))
+    result = dense_exchange_worker(rank, config(world_size, True))
+    result.pop("declared")
+    return result
 
 
 def test_the_anchor_dense_pass_with_tied_rows_merges_as_one_process() -> None:
