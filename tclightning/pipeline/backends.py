@@ -79,14 +79,10 @@ class LocalBackend:
         return make()
 
     def sampling_model(self) -> nn.Module:
-        """The policy, or its copy in ``sampler_dtype`` brought up to date first (after an update
-        it already is: this sends something only when the weights changed outside one)."""
-        if self.sampler_copy is None:
-            return self.policy
-        message = self._copy_mirror.advance(self._synced)
-        if message.numel():
-            self._sync_bytes += message_bytes(message)
-        return self.sampler_copy.model
+        """The policy, or its copy in ``sampler_dtype``, current since the last update's sync
+        (:meth:`after_update`) or load (:meth:`weights_loaded`): the only ways the weights change
+        once the backend is taken, so no compare of every weight before each generate."""
+        return self.policy if self.sampler_copy is None else self.sampler_copy.model
 
     def weights_loaded(self) -> None:
         if self.sampler_copy is not None:
