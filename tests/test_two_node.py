@@ -85,7 +85,7 @@ def test_two_nodes_over_a_shaped_veth_link_match_one_process(tmp_path: Path) -> 
     addresses, the link shaped with tc tbf. Same run as one process; the boundary bytes counted
     from the sends equal the formula, and the veth carried at least what the nodes sent each other."""
     from tclightning.bench.link import netns_problem
-    from tclightning.bench.two_node import run_two_node
+    from tclightning.bench.nodes import run_nodes
 
     problem = netns_problem()
     if problem is not None:
@@ -96,7 +96,7 @@ def test_two_nodes_over_a_shaped_veth_link_match_one_process(tmp_path: Path) -> 
     for per_node, extra in ((1, []), (2, ["pipeline.replicas=2"])):
         where = tmp_path / f"nodes-2x{per_node}"
         where.mkdir()
-        result = run_two_node([*RUN, *extra], per_node=per_node, mbit=MBIT, run_dir=where / "run", cwd=where,
+        result = run_nodes([*RUN, *extra], per_node=per_node, mbit=MBIT, run_dir=where / "run", cwd=where,
                               env=env, timeout_s=600, echo=lambda line: None)
         assert result["returncodes"] == [0, 0], "\n".join(result["stderr"])
         if per_node == 2:  # docs/distributed.md shows these very commands
@@ -130,7 +130,7 @@ def test_the_link_carries_no_more_than_the_counted_total(tmp_path: Path, layout:
     at most 1.2x it (TCP/IP headers, acknowledgements, the steps' scalars): nothing large crosses
     uncounted, dense or compressed."""
     from tclightning.bench.link import netns_problem
-    from tclightning.bench.two_node import run_two_node
+    from tclightning.bench.nodes import run_nodes
     from tclightning.grpo.summary import read_metrics
 
     problem = netns_problem()
@@ -141,7 +141,7 @@ def test_the_link_carries_no_more_than_the_counted_total(tmp_path: Path, layout:
     for steps in (1, 3):
         where = tmp_path / f"steps-{steps}"
         where.mkdir()
-        result = run_two_node([*TRAFFIC_RUN, f"pipeline.layout={layout}", f"trainer.steps={steps}"], per_node=1,
+        result = run_nodes([*TRAFFIC_RUN, f"pipeline.layout={layout}", f"trainer.steps={steps}"], per_node=1,
                               mbit=1000.0, run_dir=where / "run", cwd=where, env=env, timeout_s=600,
                               echo=lambda line: None)
         assert result["returncodes"] == [0, 0], "\n".join(result["stderr"])

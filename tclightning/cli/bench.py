@@ -8,8 +8,11 @@
 * ``bench traffic`` -- bytes per RL step per traffic class (boundary, anchor, weight sync, tied
   embedding, rollouts) for dense / compressed / + sparse sync / + LoRA, from a recipe and a model's
   ``config.json`` alone (``tclightning.bench.traffic.step_traffic``).
+* ``bench step-link`` -- whole RL steps (``tclightning run``, one stage per node) over a
+  tc-shaped switch, dense against compressed with and without the sparse sync
+  (``tclightning.bench.step_link``).
 * ``bench two-node`` -- a real two-node torchrun launch of ``tclightning run`` on one machine:
-  two network namespaces joined by a tc-shaped veth pair (``tclightning.bench.two_node``).
+  two network namespaces on a switch with tc-shaped ports (``tclightning.bench.nodes``).
 
 The options and output live here; the measurements in ``tclightning/bench/`` (which does not
 import this module).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 
@@ -195,16 +199,52 @@ def run_link(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_step_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``bench step-link``."""
+    from tclightning.bench.step_link import CONFIGS
+
+    parser.add_argument("--recipe", default="smollm2-dense", help="the dense recipe (default smollm2-dense)")
+    parser.add_argument("--compressed-recipe", default="smollm2-fast-only-lowrank",
+                        help="the compressed recipe (default smollm2-fast-only-lowrank)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="stage counts = nodes (default 2 4)")
+    parser.add_argument("--bandwidth", type=float, nargs="+", default=[50.0, 200.0, 1000.0], metavar="MBIT",
+                        help="link rates in Mbit/s, each besides an unshaped run (default 50 200 1000)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG",
+                        help=f"any of {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="RL steps per run; all but the first are timed (default 3)")
+    parser.add_argument("--dir", default=None, help="working directory of the runs (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before one run's nodes are stopped")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides for every run")
+
+
+def run_step_link(args: argparse.Namespace) -> int:
+    """Handler of ``bench step-link``: the whole-step table (or JSON)."""
+    from pathlib import Path
+
+    from tclightning.bench.step_link import format_table, run_step_link_bench
+
+    result = run_step_link_bench(
+        dense_recipe=args.recipe, compressed_recipe=args.compressed_recipe, stages=args.stages,
+        bandwidths=args.bandwidth, configs=args.configs, steps=args.steps, overrides=args.overrides,
+        workdir=None if args.dir is None else Path(args.dir).resolve(), timeout_s=args.timeout,
+        echo=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
+    )
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
 def run_two_node_launch(args: argparse.Namespace) -> int:
     """Handler of ``bench two-node``: both nodes' commands, exit codes and the link's byte counters."""
     from pathlib import Path
 
-    from tclightning.bench.two_node import run_two_node
+    from tclightning.bench.nodes import run_nodes
 
     where = Path(args.dir).resolve()
     where.mkdir(parents=True, exist_ok=True)
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
-    result = run_two_node(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
+    result = run_nodes(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
                           timeout_s=args.timeout)
     print(json.dumps({key: value for key, value in result.items() if key != "stderr"}, indent=1))
     return 0 if result["returncodes"] == [0, 0] else 1
@@ -225,11 +265,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "traffic", help="bytes per RL step per traffic class from a recipe and a model config (no weights)")
     add_traffic_arguments(traffic)
     traffic.set_defaults(func=run_traffic)
+    step_link = tools.add_parser(
+        "step-link", help="whole RL steps, one stage per node over a tc-shaped switch: dense vs compressed")
+    add_step_link_arguments(step_link)
+    step_link.set_defaults(func=run_step_link)
     two = tools.add_parser(
-        "two-node", help="tclightning run as 2 torchrun nodes in 2 network namespaces over a tc-shaped veth link"
+        "two-node", help="tclightning run as 2 torchrun nodes in 2 network namespaces on a switch with tc-shaped ports"
     )
     two.add_argument("--per-node", type=int, default=1, help="processes per node (trainer.devices)")
-    two.add_argument("--mbit", type=float, default=100.0, help="link rate in Mbit/s (tc tbf on both veth ends)")
+    two.add_argument("--mbit", type=float, default=100.0,
+                     help="link rate in Mbit/s (tc tbf on each node's up- and downlink)")
     two.add_argument("--dir", default="two-node", help="working directory; the run writes into <dir>/run")
     two.add_argument("--timeout", type=float, default=900.0, help="seconds before both nodes are stopped")
     two.add_argument("run_args", nargs=argparse.REMAINDER,
@@ -249,3 +294,11 @@ def main_link(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Slow-link pipeline benchmark (same as `tclightning bench link`)")
     add_link_arguments(parser)
     return run_link(parser.parse_args(argv))
+
+
+def main_step_link(argv: Sequence[str] | None = None) -> int:
+    """``benchmarks/step_link.py`` entry point: the same options and output as ``tclightning bench step-link``."""
+    parser = argparse.ArgumentParser(
+        description="Whole RL steps over a slow link (same as `tclightning bench step-link`)")
+    add_step_link_arguments(parser)
+    return run_step_link(parser.parse_args(argv))

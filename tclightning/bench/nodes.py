@@ -1,21 +1,24 @@
-"""Two nodes on one machine: two network namespaces joined by a tc-shaped veth pair, one torchrun
-node in each, training through the same Lightning launch path a cluster uses.
+"""Several nodes on one machine: one network namespace per node, the nodes joined by a switch (a
+bridge) whose ports are tc-shaped, one torchrun node in each, training through the same Lightning
+launch path a cluster uses.
 
-Node ``i`` is namespace ``tcl-node<i>-<pid>`` with address ``10.77.0.<i+1>`` on its end of the veth
-pair; both ends are shaped with a token bucket (``tc qdisc add dev <veth> root tbf rate <R>mbit``),
-so every byte between the nodes crosses an R Mbit/s link, while the processes of one node talk
-over that node's own loopback. Each node runs
+Node ``i`` is namespace ``tcl-node<i>-<pid>`` with address ``10.77.0.<i+1>`` on its end of a veth
+pair whose other end is a port of the bridge ``tclb-<pid>``. Both ends are shaped with a token
+bucket (``tc qdisc add dev <veth> root tbf rate <R>mbit``): each node's uplink and downlink carry
+R Mbit/s, as a host on a switch, while the processes of one node talk over that node's own
+loopback. Each node runs
 
-    torchrun --nnodes 2 --nproc_per_node P --node_rank i --master_addr 10.77.0.1 --master_port 29500 \\
-        -m tclightning run --recipe ... trainer.devices=P trainer.num_nodes=2 ...
+    torchrun --nnodes N --nproc_per_node P --node_rank i --master_addr 10.77.0.1 --master_port 29500 \\
+        -m tclightning run --recipe ... trainer.devices=P trainer.num_nodes=N ...
 
-with ``TCLIGHTNING_RUN_DIR`` the same on both (one run directory) and ``GLOO_SOCKET_IFNAME`` its
+with ``TCLIGHTNING_RUN_DIR`` the same on all (one run directory) and ``GLOO_SOCKET_IFNAME`` its
 veth (gloo binds there). Lightning detects torchrun's environment; nothing here is a test-only
 path. The veth counters (``/sys/class/net/<veth>/statistics/{tx,rx}_bytes``) give the bytes that
-crossed the link, headers included. The namespaces (and with them the veth pair) are deleted on
-every exit path: success, failure, Ctrl-C and SIGTERM.
+crossed each node's link, headers included. The namespaces, the veth pairs and the bridge are
+deleted on every exit path: success, failure, Ctrl-C and SIGTERM.
 
-``tclightning bench two-node`` (``tclightning/cli/bench.py``) runs :func:`run_two_node`.
+``tclightning bench two-node`` (``tclightning/cli/bench.py``) runs :func:`run_nodes` with two
+nodes; ``tclightning bench step-link`` (:mod:`tclightning.bench.step_link`) one node per stage.
 """
 
 from __future__ import annotations
@@ -40,15 +43,16 @@ def node_address(node: int) -> str:
     return f"{SUBNET}.{node + 1}"
 
 
-def torchrun_command(node: int, per_node: int, run_args: Sequence[str], *, python: str = sys.executable) -> list[str]:
+def torchrun_command(node: int, per_node: int, run_args: Sequence[str], *, nodes: int = 2,
+                     python: str = sys.executable) -> list[str]:
     """The command node ``node`` runs (what ``docs/distributed.md`` shows), ``run_args`` being the
     arguments of ``tclightning run`` (recipe, overrides; ``trainer.devices`` / ``num_nodes`` are
     added from ``per_node`` and the two nodes)."""
     torchrun = Path(python).parent / "torchrun"  # the venv's; else the same module by name
     launcher = [str(torchrun)] if torchrun.exists() else [python, "-m", "torch.distributed.run"]
-    return [*launcher, "--nnodes", "2", "--nproc_per_node", str(per_node),
+    return [*launcher, "--nnodes", str(nodes), "--nproc_per_node", str(per_node),
             "--node_rank", str(node), "--master_addr", node_address(0), "--master_port", str(MASTER_PORT),
-            "-m", "tclightning", "run", *run_args, f"trainer.devices={per_node}", "trainer.num_nodes=2"]
+            "-m", "tclightning", "run", *run_args, f"trainer.devices={per_node}", f"trainer.num_nodes={nodes}"]
 
 
 def _sh(*argv: str) -> None:
@@ -76,48 +80,59 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run_two_node(
+def run_nodes(
     run_args: Sequence[str],
     *,
+    nodes: int = 2,
     per_node: int = 1,
-    mbit: float = 100.0,
+    mbit: float | None = 100.0,
     run_dir: Path,
     cwd: Path,
     timeout_s: float = 900.0,
     env: dict[str, str] | None = None,
     echo: Callable[[str], Any] = print,
 ) -> dict[str, Any]:
-    """Run ``tclightning run <run_args>`` as 2 torchrun nodes x ``per_node`` processes across a
-    veth link shaped to ``mbit``; the run writes into ``run_dir`` (working directory ``cwd``).
+    """Run ``tclightning run <run_args>`` as ``nodes`` torchrun nodes x ``per_node`` processes, each
+    node in its own namespace on a switch (a bridge) whose every port is shaped to ``mbit`` each way
+    (``None``: not shaped); the run writes into ``run_dir`` (working directory ``cwd``).
 
-    Returns ``{"returncodes": [node 0, node 1], "commands": [argv per node], "stderr": [tail per
-    node, also in ``cwd/node<i>.log``], "link": {"tx_bytes": [node 0, node 1], "rx_bytes": [...]},
-    "seconds": wall time}``;
-    ``link`` counts what each node's veth sent and received during the run (frames, headers
-    included). Raises ``RuntimeError`` (saying why) where namespaces cannot be made."""
+    Returns ``{"returncodes": [per node], "commands": [argv per node], "stderr": [tail per node,
+    also in ``cwd/node<i>.log``], "link": {"tx_bytes": [per node], "rx_bytes": [...]}, "seconds":
+    wall time, "mbit": mbit}``; ``link`` counts what each node's veth sent and received during the
+    run (frames, headers included). Raises ``RuntimeError`` (saying why) where namespaces cannot
+    be made."""
     problem = netns_problem()
     if problem is not None:
-        raise RuntimeError(f"two-node launch needs network namespaces: {problem}")
+        raise RuntimeError(f"a multi-node launch needs network namespaces: {problem}")
+    if nodes < 2:
+        raise ValueError(f"nodes must be at least 2, got {nodes}")
     tag = os.getpid()
-    spaces = [f"tcl-node{i}-{tag}" for i in range(2)]
-    veths = [f"tclv{i}-{tag}"[:15] for i in range(2)]
+    spaces = [f"tcl-node{i}-{tag}" for i in range(nodes)]
+    veths = [f"tclv{i}-{tag}"[:15] for i in range(nodes)]  # each node's end
+    ports = [f"tclp{i}-{tag}"[:15] for i in range(nodes)]  # the switch's end
+    bridge = f"tclb-{tag}"[:15]
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: list[subprocess.Popen[bytes]] = []
-    logs = [Path(cwd) / f"node{i}.log" for i in range(2)]
+    logs = [Path(cwd) / f"node{i}.log" for i in range(nodes)]
     try:
-        for space in spaces:
+        _sh("ip", "link", "add", bridge, "type", "bridge")
+        _sh("ip", "link", "set", bridge, "up")
+        burst = None if mbit is None else max(32 * 1024, int(mbit * 1e6 / 8 * 0.004))  # about 4 ms, as link.py
+        for node, (space, veth, port) in enumerate(zip(spaces, veths, ports)):
             _sh("ip", "netns", "add", space)
-        _sh("ip", "link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        burst = max(32 * 1024, int(mbit * 1e6 / 8 * 0.004))  # about 4 ms of traffic, as link.py
-        for node, (space, veth) in enumerate(zip(spaces, veths)):
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", port)
             _sh("ip", "link", "set", veth, "netns", space)
+            _sh("ip", "link", "set", port, "master", bridge)
+            _sh("ip", "link", "set", port, "mtu", "1500", "up")
             _sh("ip", "-n", space, "addr", "add", f"{node_address(node)}/24", "dev", veth)
             _sh("ip", "-n", space, "link", "set", veth, "mtu", "1500", "up")
             _sh("ip", "-n", space, "link", "set", "lo", "up")
-            _sh("ip", "netns", "exec", space, "tc", "qdisc", "add", "dev", veth, "root", "tbf",
-                "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "200ms")
+            if mbit is not None:  # the node's uplink (what it sends) and downlink (what the switch sends it)
+                shape = ["root", "tbf", "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "200ms"]
+                _sh("ip", "netns", "exec", space, "tc", "qdisc", "add", "dev", veth, *shape)
+                _sh("tc", "qdisc", "add", "dev", port, *shape)
         before = {key: [_counter(s, v, key) for s, v in zip(spaces, veths)] for key in ("tx_bytes", "rx_bytes")}
-        commands = [torchrun_command(node, per_node, run_args) for node in range(2)]
+        commands = [torchrun_command(node, per_node, run_args, nodes=nodes) for node in range(nodes)]
         started = time.perf_counter()
         for node, (space, veth) in enumerate(zip(spaces, veths)):
             node_env = {**(env or os.environ), "TCLIGHTNING_RUN_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": veth,
@@ -145,10 +160,12 @@ def run_two_node(
     finally:
         for proc in procs:  # only the process groups started here (torchrun and its workers)
             _kill(proc)
-        for space in spaces:  # deleting a namespace deletes its end of the veth pair, and so the pair
+        for space in spaces:  # deleting a namespace deletes its end of each veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", space], check=False, capture_output=True)
-        subprocess.run(["ip", "link", "del", veths[0]], check=False, capture_output=True)  # if never moved
+        for port in ports:  # a pair whose node end was never moved
+            subprocess.run(["ip", "link", "del", port], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], check=False, capture_output=True)
         signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["MASTER_PORT", "SUBNET", "node_address", "run_two_node", "torchrun_command"]
+__all__ = ["MASTER_PORT", "SUBNET", "node_address", "run_nodes", "torchrun_command"]
