@@ -197,6 +197,29 @@ class CompressedAnchorBackend(Protocol):
 
 
 @runtime_checkable
+class SamplerAnchorBackend(Protocol):
+    """A backend whose sampling rank can run the anchor alone (``anchor.placement: sampler``):
+    ``PipelineBackend``. One process has no such split: the one-process anchor is already a dense
+    clone of the whole policy, so ``LocalBackend`` needs nothing of this."""
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (holds the whole policy)."""
+        ...
+
+    def sampler_anchor_parameters(self) -> list[Tensor]:
+        """The tensors the anchor snapshots on this rank: the whole policy on the sampling rank, none elsewhere."""
+        ...
+
+    def sampler_anchor_gradient(
+        self, snapshot: Sequence[Tensor] | None, rollouts: Any, loss_fn: LossFn | None, relay: Any,
+    ) -> tuple[list[Tensor], float]:
+        """This rank's anchor tensors of a due job (all ranks call): ``M`` of the sampling rank's
+        own stage there, the received ``sign(M_bar)`` elsewhere; and the signs' bytes."""
+        ...
+
+
+@runtime_checkable
 class BackendProvider(Protocol):
     """A strategy that runs the policy its own way (cuts in-graph, or one stage per process)."""
 

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from tclightning.anchor.circuit import AnchorCircuit, AnchorJob, AnchorSchedule, cpu_snapshot
 from tclightning.anchor.config import AnchorConfig
-from tclightning.anchor.mergers import Merger, cosine, make_merger, sign_agreement
+from tclightning.anchor.mergers import Merger, SignedEMAMerger, cosine, make_merger, sign_agreement
+from tclightning.anchor.placement import SignRelay
 from tclightning.errors import TclightningError
 
 Reduce = Callable[[Tensor], Tensor]
@@ -55,22 +56,26 @@ class AnchorDelivery:
     gradient: Sequence[Tensor]
     snapshot_tick: int | None = None
     fast: Sequence[Tensor] | None = None  # the fast circuit's gradient at the same snapshot (control_variate)
+    signs: bool = False  # ``gradient`` is sign(M_bar), computed on the sampling rank (anchor.placement: sampler)
 
 
 class Anchor:
     """A merger, and optionally the circuit that feeds it (see the module doc).
 
     ``merger``: the merge state (``M_bar``, projector). ``circuit``: None when ``M`` comes from
-    elsewhere (a module that computes it itself hands it to :meth:`merge_`).
+    elsewhere (a module that computes it itself hands it to :meth:`merge_`). ``relay``
+    (``anchor.placement: sampler``): across processes, the sampling rank's ``M_bar`` of the other
+    stages, whose signs it sends them (:mod:`tclightning.anchor.placement`); unused in one process.
 
     Counters: ``ticks`` (merged ticks) and ``anchors`` (``M`` received), all time;
     ``agreement`` / ``coordinates``: this RL step's per-tick sign agreement and the number of
     coordinates each was measured over (cleared by :meth:`step_agreement`).
     """
 
-    def __init__(self, merger: Merger, circuit: AnchorCircuit | None = None) -> None:
+    def __init__(self, merger: Merger, circuit: AnchorCircuit | None = None, relay: SignRelay | None = None) -> None:
         self.merger = merger
         self.circuit = circuit
+        self.relay = relay
         self.ticks = 0
         self.anchors = 0
         self.agreement: list[float] = []
@@ -101,6 +106,7 @@ class Anchor:
         payload: Callable[[], Any],
         gradient: Callable[[AnchorJob], tuple[list[Tensor], float]],
         fast_gradient: Callable[[AnchorJob], tuple[list[Tensor], float]] | None = None,
+        signs: bool = False,
     ) -> None:
         """The circuit's part of optimizer tick ``tick`` (before its forward/backward).
 
@@ -111,7 +117,9 @@ class Anchor:
         :attr:`~tclightning.anchor.mergers.Merger.needs_fast` also gets
         ``fast_gradient(job) -> (G_hat, boundary bytes)``, the fast circuit on the same job; its
         bytes are the anchor's too. With :attr:`measure_fast` it runs whenever ``fast_gradient`` is
-        given (None: the backend cannot run it), for ``anchor/fast_signal`` alone."""
+        given (None: the backend cannot run it), for ``anchor/fast_signal`` alone. ``signs``: what
+        ``gradient`` returns is ``sign(M_bar)`` from the sampling rank (``anchor.placement:
+        sampler`` off it), which the merge takes as ``M_bar`` instead of folding it in."""
         if self.circuit is None:
             raise TclightningError("this anchor has no circuit: its M is handed to merge_")
         if first and self.circuit.should_record(tick):
@@ -129,7 +137,7 @@ class Anchor:
                 assert fast_gradient is not None
                 fast, fast_sent = fast_gradient(job)
                 sent += fast_sent
-            self._delivered = AnchorDelivery(grads, snapshot_tick=job.tick, fast=fast)
+            self._delivered = AnchorDelivery(grads, snapshot_tick=job.tick, fast=fast, signs=signs)
             self.step_metrics["anchor/bytes"] += sent
             self.step_metrics["time/anchor_s"] += time.perf_counter() - started
 
@@ -148,7 +156,8 @@ class Anchor:
         1. the projector sees the weights (``rank1`` keeps a trajectory of them);
         2. a ``delivered`` ``M`` (shaped like ``params``) is compared with the merger's anchor
            direction (``consecutive``) and, when it came with the fast circuit's gradient on the
-           same job, with that (``anchor/fast_signal``); then folded into ``M_bar``;
+           same job, with that (``anchor/fast_signal``); then folded into ``M_bar`` (a delivery of
+           ``signs`` replaces ``M_bar``: the sampling rank folded it);
         3. ``sign(G_comp) == sign(M_bar)`` and ``cos(G_comp, anchor direction)`` are measured;
         4. each ``p.grad`` becomes ``G_comp + strength * (G - G_comp)`` with ``G`` the merged
            gradient (parameters without a gradient are left alone).
@@ -161,9 +170,9 @@ class Anchor:
         if projector is not None:
             projector.observe_weights([p.detach() for p in params], tick)
         if delivered is not None:
-            grads, snapshot_tick, fast = (
-                (delivered.gradient, delivered.snapshot_tick, delivered.fast) if isinstance(delivered, AnchorDelivery)
-                else (delivered, None, None)
+            grads, snapshot_tick, fast, signs = (
+                (delivered.gradient, delivered.snapshot_tick, delivered.fast, delivered.signs)
+                if isinstance(delivered, AnchorDelivery) else (delivered, None, None, False)
             )
             if len(grads) != len(params):
                 raise TclightningError(f"the anchor gradient has {len(grads)} tensors for {len(params)} anchor parameters")
@@ -174,8 +183,14 @@ class Anchor:
                 if fast is not None and _nonzero(fast) and _nonzero(grads):  # 0 = no batch signal, not no fast signal
                     self.fast_signal = cosine(list(fast), list(grads))
                     self.fast_readings.append(self.fast_signal)
-            self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick,
-                                fast=None if fast is None else list(fast))
+            if signs:  # sign(M_bar) of the sampling rank's EMA: it *is* this stage's M_bar now
+                if not isinstance(self.merger, SignedEMAMerger):
+                    raise TclightningError(f"merger {self.merger.name!r} cannot merge the anchor's signs alone "
+                                           "(anchor.placement: sampler works with signed_ema only)")
+                self.merger.observe_signs(list(grads), snapshot_tick=snapshot_tick, tick=tick)
+            else:
+                self.merger.observe(list(grads), snapshot_tick=snapshot_tick, tick=tick,
+                                    fast=None if fast is None else list(fast))
             self.merger.to(params[0].device)  # M may have been computed elsewhere (a CPU clone)
             self.anchors += 1
         index = [i for i, p in enumerate(params) if p.grad is not None]
@@ -244,13 +259,16 @@ class Anchor:
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Pending snapshots and replay, an undelivered ``M``, ``M_bar`` and the projector, the
-        counters and this step's agreement so far (tensors on CPU: a run resumes on any device)."""
+        relay's ``M_bar`` of the other stages, the counters and this step's agreement so far
+        (tensors on CPU: a run resumes on any device)."""
         return {
             "circuit": None if self.circuit is None else self.circuit.state_dict(),
             "new": None if self._delivered is None else (
                 list(self._delivered.gradient), self._delivered.snapshot_tick,
-                None if self._delivered.fast is None else list(self._delivered.fast)),
+                None if self._delivered.fast is None else list(self._delivered.fast), self._delivered.signs),
             "merger": _to_cpu(self.merger.state_dict()),
+            "relay": None if self.relay is None else self.relay.state_dict(),
+            "placement": self.placement,
             "ticks": self.ticks,
             "anchors": self.anchors,
             "agreement": list(self.agreement),
@@ -261,10 +279,23 @@ class Anchor:
             "signals": {key: list(values) for key, values in self.signals.items()},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @property
+    def placement(self) -> str:
+        """``anchor.placement``: ``sampler`` with a relay, else ``pipeline``."""
+        return "pipeline" if self.relay is None else "sampler"
+
+    def load_state_dict(self, state: dict[str, Any], *, processes: int = 1) -> None:
         """Restore what :meth:`state_dict` returned (the schedule stays the constructor's). An older
         checkpoint's ``strength`` and ``measure_fast`` are ignored: the controller that set them
-        saves its decisions itself and puts them back before the next step."""
+        saves its decisions itself and puts them back before the next step. ``processes`` > 1:
+        the state is one rank's share, whose snapshots cover what its placement snapshots (the
+        whole policy or nothing with ``sampler``, the rank's stage with ``pipeline``), so a
+        checkpoint of the other placement is refused (in one process both hold the same)."""
+        saved = state.get("placement", "pipeline")
+        if processes > 1 and saved != self.placement:
+            raise TclightningError(
+                f"the checkpoint's anchor state was saved with anchor.placement={saved} across processes, and its "
+                f"snapshots do not convert to {self.placement}'s: resume with anchor.placement={saved}")
         if self.circuit is not None and state.get("circuit") is not None:
             self.circuit.load_state_dict(state["circuit"])
         new = state.get("new")
@@ -277,6 +308,8 @@ class Anchor:
         self.signals = {key: [float(v) for v in values] for key, values in state.get("signals", {}).items()}
         if "merger" in state:
             self.merger.load_state_dict(state["merger"])
+        if self.relay is not None and state.get("relay") is not None:
+            self.relay.load_state_dict(state["relay"])
         self.ticks = int(state.get("ticks", 0))
         self.anchors = int(state.get("anchors", 0))
         self.agreement = [float(a) for a in state.get("agreement", [])]
@@ -297,7 +330,8 @@ def build_anchor(config: AnchorConfig) -> Anchor | None:
     if not merger.needs_anchor:
         return None
     schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks)
-    return Anchor(merger, AnchorCircuit(schedule))
+    relay = SignRelay(config.beta) if config.placement == "sampler" else None
+    return Anchor(merger, AnchorCircuit(schedule), relay)
 
 
 def _nonzero(tensors: Sequence[Tensor]) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tclightning.anchor.circuit import WARMUPS
 from tclightning.anchor.mergers import MERGERS
+from tclightning.anchor.placement import PLACEMENTS
 from tclightning.anchor.projectors import PROJECTORS
 from tclightning.settings import integer, number, one_of, positive, setting, share
 
@@ -19,7 +20,8 @@ class AnchorConfig:
     arrives, then per coordinate ``G = alpha G_comp + (1 - alpha) |G_comp| sign(M_hat)``, ``M_hat``
     = projector(``M_bar``)), or the correcting ``control_variate`` (``G = G_comp + cv_weight *
     (M - G_hat)``, ``G_hat`` the fast circuit at the anchor's snapshot; formulas in
-    :mod:`tclightning.anchor.mergers`). ``latency`` K and
+    :mod:`tclightning.anchor.mergers`). ``placement``: where ``M`` is computed across processes
+    (:mod:`tclightning.anchor.placement`; one process has one place). ``latency`` K and
     ``cadence`` C are in optimizer ticks ("5/5" = K=5, C=5). See docs/anchor.md.
     """
 
@@ -38,6 +40,10 @@ class AnchorConfig:
     cv_weight: float = setting(1.0, number(0.0), "control_variate: weight of the compression-bias correction")
     cv_clip: float = setting(1.0, number(0.0),
                              "control_variate: correction norm <= cv_clip * ||G_comp|| (0 = no bound)")
+    placement: str = setting("pipeline", one_of(PLACEMENTS),
+                             "pipeline (each stage's M from a dense pipelined pass: d per token crosses every cut) | "
+                             "sampler (across processes: the sampling rank computes M on its whole copy and sends "
+                             "each stage only sign(M_bar), 1 bit a coordinate; signed_ema with projector none)")
 
 
 RETIRED_KEYS = ("mask_kappa", "trust_floor", "warmup_shape", "warmup_stages")

@@ -232,6 +232,17 @@ class SignedEMAMerger(Merger):
         self.updates += 1
         self.projector.observe(self.m_bar, previous, snapshot_tick=snapshot_tick, tick=tick)
 
+    def observe_signs(self, signs: Sequence[Tensor], *, snapshot_tick: int | None = None,
+                      tick: int | None = None) -> None:
+        """``sign(M_bar)`` of an EMA kept elsewhere arrived (``anchor.placement: sampler``: the sampling
+        rank folds ``M`` with this ``beta`` and sends the signs): ``M_bar`` becomes it. The merge
+        and ``sign_agreement`` read only ``sign(M_bar)``, so with the ``none`` projector they are
+        exactly those of the ``M_bar`` the signs came from."""
+        previous = self.m_bar
+        self.m_bar = [s.detach().float().clone() for s in signs]
+        self.updates += 1
+        self.projector.observe(self.m_bar, previous, snapshot_tick=snapshot_tick, tick=tick)
+
     def m_hat(self, *, tick: int | None = None) -> list[Tensor] | None:
         """``M_bar`` after the projector at ``tick`` (None before the first ``M``)."""
         if self.m_bar is None:

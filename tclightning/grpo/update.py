@@ -29,7 +29,8 @@ from torch import Tensor
 
 from tclightning.anchor.anchor import Anchor
 from tclightning.anchor.circuit import AnchorJob
-from tclightning.backend import Backend, CompressedAnchorBackend
+from tclightning.anchor.placement import SignRelay
+from tclightning.backend import Backend, CompressedAnchorBackend, SamplerAnchorBackend
 from tclightning.errors import TclightningError
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import minibatch_chunks
@@ -166,12 +167,7 @@ def anchor_gradient(
     :meth:`Backend.dense_forward_backward`. Returns ``(M, boundary bytes)``.
     ``compressed``: the same loss through the fast circuit instead (``G_hat`` of the
     ``control_variate`` merger, :meth:`CompressedAnchorBackend.compressed_forward_backward`)."""
-    rollouts, rows = job.payload["rollouts"], job.payload["rows"]
-    part = rollouts.select(rows.to(rollouts.completion_ids.device)).to(backend.device)
-    loss_fn = MicrobatchLoss(
-        old_logp=None, advantages=job.payload["advantages"][rows].to(backend.device), mask=part.completion_mask,
-        logp_sampler=part.logp_sampler, ref_logp=None, settings=settings.on_policy(), norm_length=norm_length,
-    )
+    part, loss_fn = _anchor_loss(backend, job, settings=settings, norm_length=norm_length)
     if compressed:
         if not isinstance(backend, CompressedAnchorBackend):
             raise TclightningError(
@@ -180,6 +176,31 @@ def anchor_gradient(
                 "or anchor.merger=signed_ema")
         return backend.compressed_forward_backward(job.snapshot, part, loss_fn)
     return backend.dense_forward_backward(job.snapshot, part, loss_fn)
+
+
+def _anchor_loss(backend: Backend, job: AnchorJob, *, settings: LossSettings, norm_length: int) -> tuple[Any, MicrobatchLoss]:
+    """The job's kept rollout rows on the backend's device and the on-policy loss over them."""
+    rollouts, rows = job.payload["rollouts"], job.payload["rows"]
+    part = rollouts.select(rows.to(rollouts.completion_ids.device)).to(backend.device)
+    loss_fn = MicrobatchLoss(
+        old_logp=None, advantages=job.payload["advantages"][rows].to(backend.device), mask=part.completion_mask,
+        logp_sampler=part.logp_sampler, ref_logp=None, settings=settings.on_policy(), norm_length=norm_length,
+    )
+    return part, loss_fn
+
+
+def sampler_anchor_gradient(
+    backend: SamplerAnchorBackend, job: AnchorJob, relay: SignRelay, *, settings: LossSettings, norm_length: int,
+) -> tuple[list[Tensor], float]:
+    """``anchor.placement: sampler`` across processes (every rank calls): the sampling rank computes
+    the same loss as :func:`anchor_gradient` on the whole policy at the job's snapshot and sends
+    every other rank ``sign(M_bar)`` of its stage (:meth:`SamplerAnchorBackend.sampler_anchor_gradient`).
+    Returns this rank's anchor tensors (its own ``M`` on the sampling rank, the signs elsewhere)
+    and the signs' bytes."""
+    if not backend.samples:
+        return backend.sampler_anchor_gradient(None, None, None, relay)
+    part, loss_fn = _anchor_loss(backend, job, settings=settings, norm_length=norm_length)  # type: ignore[arg-type]
+    return backend.sampler_anchor_gradient(job.snapshot, part, loss_fn, relay)
 
 
 @dataclass
@@ -235,10 +256,25 @@ def grpo_update(
     ref_logp = None if reference is None else backend.share_from_sampler(reference, "receiving the reference log-probs")
 
     can_fast = isinstance(backend, CompressedAnchorBackend)
+    # anchor.placement: sampler across processes: the sampling rank runs the anchor alone (one
+    # process has nothing to place: its anchor already is a dense clone of the whole policy)
+    relay = anchor.relay if anchor is not None and backend.world_size > 1 else None
+    placed = backend if relay is not None and isinstance(backend, SamplerAnchorBackend) else None
+    samples = placed is None or placed.samples
     stats: dict[str, list[float]] = {}
     ticks = skipped = 0
     for tick, chunk in enumerate(minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(seed, step, salt=1))):
-        if anchor is not None:  # record this step's snapshot + replay (first tick), deliver M when due
+        if anchor is not None and placed is not None and relay is not None:  # the sampling rank's anchor
+            anchor.tick(
+                clock(), first=tick == 0, parameters=placed.sampler_anchor_parameters,
+                # the replay stays where M is computed; the other ranks keep only the schedule
+                payload=lambda: ({"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()}
+                                 if samples else None),
+                gradient=lambda job: sampler_anchor_gradient(placed, job, relay, settings=settings,
+                                                             norm_length=norm_length),
+                signs=not samples,
+            )
+        elif anchor is not None:  # record this step's snapshot + replay (first tick), deliver M when due
             anchor.tick(
                 clock(), first=tick == 0, parameters=backend.owned_parameters,
                 payload=lambda: {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()},

@@ -23,16 +23,20 @@ import copy
 import dataclasses
 import pickle
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from tclightning.backend import BackendRequest, LossFn
+from tclightning.errors import TclightningError
 from tclightning.pipeline.cuts import CutSet, hook_free_copy, strip_cut_hooks
 from tclightning.pipeline.engine import PipelineEngine, StageInputs
 from tclightning.pipeline.mesh import ReplicaMesh
 from tclightning.weight_sync import SamplerCopy, full_bytes, message_bytes
+
+if TYPE_CHECKING:  # the pipeline imports nothing of the anchor: the sampling rank is handed its relay
+    from tclightning.anchor.placement import SignRelay
 
 T = TypeVar("T")
 
@@ -209,6 +213,10 @@ class PipelineBackend:
         self.engine = engine
         self.mesh = mesh
         self.world_size = engine.world_size if mesh is None else mesh.world_size
+        self.temperature = request.temperature
+        self._logprobs = request.logprobs  # the sampling rank's whole-model anchor pass (anchor.placement: sampler)
+        self._whole_clone: nn.Module | None = None
+        self._anchor_layout: tuple[list[str], list[list[int]]] | None = None
         engine.set_temperature(request.temperature)  # the last stage's log-probs use the sampler's
         self._rollout_bytes = 0  # what this rank broadcast from the sampler since the last wire_metrics
         if request.sampler_dtype is not None:  # only replica 0's stages send to the sampler
@@ -336,6 +344,78 @@ class PipelineBackend:
         total = self.mesh.all_reduce(torch.tensor([sent], dtype=torch.float64), "anchor",
                                      "summing the replicas' anchor bytes")
         return grads, float(total[0])
+
+    # -- anchor.placement: sampler ------------------------------------------------------------------
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank is the sampling rank (global rank 0), which holds the whole policy."""
+        return self._world.rank == 0
+
+    def _whole_layout(self) -> tuple[list[str], list[list[int]]]:
+        """The whole policy's trained parameters as rank 0 names them, each once (the tied weight
+        once), and for every stage rank the positions of its owned parameters in that list."""
+        if self._anchor_layout is None:
+            engine = self.engine
+            names = {id(p): name for name, p in engine.model.named_parameters()}
+            stages = [engine.anchor_stage_parameters(index) for index in range(engine.world_size)]
+            whole: dict[int, str] = {}
+            for params in stages:
+                for p in params:
+                    whole.setdefault(id(p), names[id(p)])
+            position = {key: i for i, key in enumerate(whole)}
+            self._anchor_layout = list(whole.values()), [[position[id(p)] for p in params] for params in stages]
+        return self._anchor_layout
+
+    def sampler_anchor_parameters(self) -> list[Tensor]:
+        """What the anchor snapshots with ``anchor.placement: sampler``: on the sampling rank the
+        whole policy's trained parameters (:meth:`_whole_layout`), its own stage from its live
+        weights and every other stage from the model it samples with (exactly the trainer's
+        weights after the dense sync; with ``sampler.dtype`` their cast to that dtype, exact since
+        the last sparse sync); nothing on the other ranks."""
+        if not self.samples:
+            return []
+        own = {id(p) for p in self.engine.owned_parameters()}
+        live = dict(self.engine.model.named_parameters())
+        sampling = dict(self.sampling_model().named_parameters())
+        names, _ = self._whole_layout()
+        return [live[name] if id(live[name]) in own else sampling[name] for name in names]
+
+    def sampler_anchor_gradient(
+        self, snapshot: Sequence[Tensor] | None, rollouts: Any, loss_fn: LossFn | None, relay: SignRelay,
+    ) -> tuple[list[Tensor], float]:
+        """``anchor.placement: sampler`` (all ranks call). The sampling rank computes ``M`` of the
+        whole policy at ``snapshot`` (:meth:`sampler_anchor_parameters`'s order) on a hook-free
+        dense clone of its copy (built once), folds every other stage's share into ``relay``'s
+        ``M_bar`` and sends each its signs (:meth:`PipelineEngine.relay_anchor_signs`); it returns
+        its own stage's ``M``. Every other rank (``snapshot``, ``rollouts``, ``loss_fn`` None)
+        returns the ``sign(M_bar)`` it received. Both with the bytes the signs took (all ranks)."""
+        if self.mesh is not None:
+            raise TclightningError("anchor.placement=sampler does not run with pipeline.replicas > 1")
+        if self.samples:
+            assert snapshot is not None and loss_fn is not None
+            names, stages = self._whole_layout()
+            if self._whole_clone is None:
+                self._whole_clone = hook_free_copy(self.engine.model).train()
+            clone = self._whole_clone
+            params = [clone.get_parameter(name) for name in names]
+            with torch.no_grad():
+                for param, weight in zip(params, snapshot, strict=True):
+                    param.copy_(weight)
+            clone.zero_grad(set_to_none=True)
+            logp, _ = self._logprobs(clone, rollouts, self.temperature)
+            loss_fn(logp, torch.arange(logp.shape[0])).backward()
+            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+            clone.zero_grad(set_to_none=True)
+            by_stage = [[grads[i] for i in index] for index in stages]
+            m_bar = {index: relay.fold(index, by_stage[index]) for index in range(1, len(stages))}
+            own, (_, sent) = by_stage[0], self.engine.relay_anchor_signs(m_bar)
+        else:
+            received, sent = self.engine.relay_anchor_signs(None)
+            assert received is not None
+            own = received
+        total = self._world.all_reduce(torch.tensor([float(sent)], dtype=torch.float64), "summing the anchor's bytes")
+        return own, float(total[0])
 
     def after_update(self) -> None:
         """Every stage's new weights to rank 0, whose dense copy samples the next step, or with

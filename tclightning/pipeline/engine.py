@@ -455,6 +455,45 @@ class PipelineEngine:
         stage.zero_grad(set_to_none=True)
         return grads, float(total)
 
+    # -- anchor.placement: sampler (the anchor on the sampling rank, signs to the stages) --------
+
+    def anchor_stage_parameters(self, index: int) -> list[nn.Parameter]:
+        """Rank ``index``'s :meth:`owned_parameters` as rank 0's whole copy holds them, in that
+        rank's order (the order of its anchor tensors): its stage's trained parameters, the tied
+        weight on the last stage (and on the first unless ``pipeline.tied_rows``)."""
+        if index == self.rank:
+            return self.owned_parameters()
+        view = StageModule(self.model, index, self.specs, send_codec=None, recv_codec=None, seed=0)
+        tied = self.model.get_output_embeddings().weight if self.tied_rows and index == 0 else None
+        return [p for p in view.parameters() if p.requires_grad and p is not tied]
+
+    def relay_anchor_signs(self, m_bar: dict[int, list[Tensor]] | None) -> tuple[list[Tensor] | None, int]:
+        """All ranks call. Rank 0 sends rank ``r`` the sign message of ``m_bar[r]`` (every ``r > 0``;
+        :func:`~tclightning.anchor.placement.pack_signs`: its header, then its body) and returns
+        ``(None, bytes sent)``; every other rank returns ``(sign(M_bar) of its owned parameters, 0)``,
+        on its device."""
+        from tclightning.sign_message import body_bytes, header_bytes, pack_signs, unpack_signs
+
+        if self.is_first:
+            assert m_bar is not None
+            sent = 0
+            for index in range(1, self.world_size):
+                header, body = pack_signs(m_bar[index])
+                what = f"sending the anchor's signs to stage {index}"
+                self.comm.send(header.to(self.device), index, what)
+                if body.numel():
+                    self.comm.send(body.to(self.device), index, what)
+                sent += header.numel() + body.numel()
+            return None, sent
+        params = self.owned_parameters()
+        sizes = [p.numel() for p in params]
+        what = "receiving the anchor's signs from the sampling rank"
+        header = self.comm.recv(header_bytes(len(params)), torch.uint8, 0, what)
+        length = body_bytes(header, sizes)
+        body = (self.comm.recv(length, torch.uint8, 0, what) if length
+                else torch.zeros(0, dtype=torch.uint8, device=self.device))
+        return unpack_signs(header, body, [p.shape for p in params]), 0
+
     # -- after backward ------------------------------------------------------------------------
 
     def owned_parameters(self) -> list[nn.Parameter]:

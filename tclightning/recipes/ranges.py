@@ -203,6 +203,29 @@ def _anchor(cfg: DictConfig) -> Iterator[Problem]:
                       "weights; the merger and the other projectors work per coordinate, so each rank merges its "
                       "own stage): use anchor.projector=none or damped_linear, or trainer.devices x "
                       "trainer.num_nodes = 1")
+    yield from _anchor_placement(cfg)
+
+
+def _anchor_placement(cfg: DictConfig) -> Iterator[Problem]:
+    """``anchor.placement: sampler`` sends each stage sign(M_bar) alone: only what reads no more is exact."""
+    a = cfg.anchor
+    if a.placement != "sampler" or a.merger == "none":  # no anchor runs: nothing to place
+        return
+    if a.merger != "signed_ema":
+        yield Problem(("anchor.placement", "anchor.merger"),
+                      f"'sampler' sends each stage only sign(M_bar), but '{a.merger}' needs M itself: use "
+                      "anchor.merger=signed_ema or anchor.placement=pipeline")
+    elif a.projector != "none":
+        yield Problem(("anchor.placement", "anchor.projector"),
+                      f"'sampler' sends each stage only sign(M_bar), but the '{a.projector}' projector repairs "
+                      "M_bar's magnitudes before the sign: use anchor.projector=none or anchor.placement=pipeline")
+
+
+def _anchor_replicas(cfg: DictConfig) -> Iterator[Problem]:
+    if cfg.anchor.placement == "sampler" and cfg.anchor.merger != "none" and cfg.pipeline.replicas > 1:
+        yield Problem(("anchor.placement", "pipeline.replicas"),
+                      "'sampler' runs with one pipeline (pipeline.replicas=1): the sampling rank would have to "
+                      "send every replica's stages the same signs; use anchor.placement=pipeline with replicas")
 
 
 @dataclass(frozen=True)
@@ -219,6 +242,7 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(("model",), _model_source),
     CrossCheck(("grpo", "sampler"), _grpo),
     CrossCheck(("anchor", "trainer"), _anchor),
+    CrossCheck(("anchor", "pipeline"), _anchor_replicas),
     CrossCheck(("name", "logging"), _run_name),
     CrossCheck(("task", "trainer"), _held_out),
     CrossCheck(("task",), _task),
