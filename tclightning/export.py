@@ -4,8 +4,11 @@ with no tclightning installed (and so vLLM and TRL).
 
 The policy is rebuilt from the checkpoint's hyper-parameters (the recipe's ``model`` section, as
 a run would build it: the tiny model with its character tokenizer, a hub model, or a GGUF file
-de-quantised by transformers) and given the checkpoint's ``policy.*`` weights. Checkpoints are
-read as data only (:func:`~tclightning.callbacks.checkpointing.load_checkpoint`).
+de-quantised by transformers) and given the checkpoint's ``policy.*`` weights. A ``model.lora``
+checkpoint holds the adapters alone: its frozen base is rebuilt as the run built it (the model, then
+the supervised warm-up from its cache or trained again) and must match the fingerprint the
+checkpoint records. Checkpoints are read as data only
+(:func:`~tclightning.callbacks.checkpointing.load_checkpoint`).
 """
 
 from __future__ import annotations
@@ -89,10 +92,15 @@ def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> ExportS
 def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike = "checkpoint") -> tuple[Any, Any]:
     """``(model, tokenizer)``: the policy a loaded tclightning checkpoint holds, rebuilt from its
     ``hyper_parameters["model"]`` and given its ``policy.*`` weights (strictly: every weight must
-    fit). ``source`` names the file in errors."""
-    from tclightning.grpo.module import as_config
+    fit). ``source`` names the file in errors. A ``model.lora`` checkpoint that holds the adapters
+    alone is loaded through :meth:`~tclightning.grpo.module.GRPOModule.from_checkpoint_data`, which
+    rebuilds the base from the whole recipe (its warm-up needs the task) and refuses one that does
+    not match the checkpoint's fingerprint. A policy with adapters keeps them (and a GGUF model its
+    marker, see :func:`without_gguf_marker`): :func:`~tclightning.models.lora.merged` folds them in."""
+    from tclightning.grpo.module import BASE_KEY, GRPOModule, as_config
     from tclightning.models.config import RETIRED_KEYS, ModelConfig
     from tclightning.models.loading import load_model
+    from tclightning.models.lora import apply_lora, has_adapters
     from tclightning.settings import without_keys
 
     hparams = checkpoint.get("hyper_parameters")
@@ -108,23 +116,27 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         cfg = as_config(ModelConfig, without_keys(model_hparams, RETIRED_KEYS))  # an earlier version's keys
     except TclightningError as err:
         raise TclightningError(f"checkpoint {source}: model hyper-parameters: {err}") from None
-    # The seed only picks the random initial weights of a tiny model; the checkpoint's replace them.
+    adapters_alone = BASE_KEY in (checkpoint.get("tclightning") or {})
+    # The seed only picks the random initial weights of a tiny model; the checkpoint's replace them
+    # (not so with the adapters alone: the module rebuilds the base with the run's seed).
     try:
+        if adapters_alone:
+            module = GRPOModule.from_checkpoint_data(checkpoint, source)
+            return module.policy.eval(), module.tokenizer
         model, tokenizer = load_model(cfg, seed=0)
     except OSError as err:  # a hub model neither cached nor reachable, a moved local folder
         where = cfg.name if cfg.source == "hf" else cfg.gguf_file
         raise TclightningError(f"checkpoint {source}: cannot build its model (model.source={cfg.source}, {where}): "
                                f"{' '.join(str(err).split())[:160]}") from None
-    from tclightning.models.lora import apply_lora
-
-    apply_lora(model, cfg.lora)  # model.lora: the checkpoint holds the adapters (and the frozen base)
+    apply_lora(model, cfg.lora)  # model.lora, a checkpoint an earlier version wrote: adapters and frozen base
     missing, unexpected = _mismatch(model.state_dict(), state)
     if missing or unexpected:
         raise TclightningError(
             f"checkpoint {source}: its policy weights do not fit the model its hyper-parameters describe "
             f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})")
     model.load_state_dict(state, strict=True)
-    return without_gguf_marker(model).eval(), tokenizer
+    # a plain model of the same config cannot take the adapters' weights: export strips it after merging
+    return (model if has_adapters(model) else without_gguf_marker(model)).eval(), tokenizer
 
 
 def _lora_config(checkpoint: Mapping[str, Any]) -> Any:
@@ -243,7 +255,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if adapter_only and not has_adapters(model):
         raise TclightningError(f"export: --adapter-only: {found.checkpoint} holds no LoRA adapters (model.lora.r=0)")
     if not adapter_only:
-        model = merged(model, _lora_config(checkpoint))
+        model = without_gguf_marker(merged(model, _lora_config(checkpoint)))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, os.getpid()), dir=target.parent))
     umask = os.umask(0)

@@ -392,6 +392,33 @@ def build_module(recipe: RecipeConfig) -> Any:
     )
 
 
+def resume_module(recipe: RecipeConfig, ckpt_path: Path) -> Any:
+    """For a resume from a ``model.lora`` checkpoint, which holds the adapters alone: the module
+    with the frozen base rebuilt from ``recipe`` (the model, then any supervised warm-up) and checked
+    against the fingerprint the checkpoint records, before the run writes anything; a base that does
+    not match is refused (``TclightningError``, one line naming the checkpoint). ``None`` for a
+    checkpoint that holds its whole state dict, and on a process Lightning numbers other than rank
+    0: those take rank 0's weights once the pipeline is built (``setup`` rebuilds their base)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from tclightning.callbacks.checkpointing import load_checkpoint
+    from tclightning.callbacks.progress import progress_callback
+    from tclightning.grpo.module import BASE_KEY
+
+    record = (load_checkpoint(ckpt_path, mmap=True).get("tclightning") or {}).get(BASE_KEY)
+    if record is None:
+        return None
+    if recipe.model.lora.r <= 0:
+        raise TclightningError(f"--resume: checkpoint {ckpt_path}: holds LoRA adapters without their base, and the "
+                               "recipe has model.lora.r=0; nothing was loaded")
+    if getattr(rank_zero_only, "rank", 0) != 0:
+        return None
+    module = build_module(recipe)
+    module.prepare_base(progress=progress_callback(recipe.logging.progress) is not None)
+    module.verify_base(record, ckpt_path)
+    return module
+
+
 def run(
     recipe_ref: str,
     overrides: Sequence[str] = (),
@@ -436,8 +463,15 @@ def run(
     from tclightning.models.warmup import WarmupInterrupted
 
     quiet_lightning()
-    torch.set_num_threads(intra_op_threads(recipe))
+    torch.set_num_threads(intra_op_threads(recipe))  # before any warm-up: its float sums depend on it
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
+    module = None
+    if plan.ckpt_path is not None:
+        try:
+            module = resume_module(recipe, plan.ckpt_path)
+        except (WarmupInterrupted, KeyboardInterrupt) as err:
+            what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
+            raise RunInterrupted(f"{what}; nothing was written") from None
     a_launched_rank = multiprocess and bool(os.environ.get(RUN_DIR_ENV))
     created = plan.new_dir and not a_launched_rank  # only a directory this run made is ever removed
     run_dir = mark_run_dir(plan.run_dir, recipe, new=created)
@@ -456,7 +490,7 @@ def run(
             os.replace(plan.run_dir / "recipe.yaml", plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
         (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
         started = time.perf_counter()
-        module = build_module(recipe)
+        module = module if module is not None else build_module(recipe)
         trainer = build_trainer(recipe, plan, user_callbacks)
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory

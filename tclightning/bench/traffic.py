@@ -11,7 +11,11 @@ Classes (per RL step: ``P x G`` rows of ``tokens_per_row`` tokens, ``epochs x mi
   compressed cut sends its budget, ``k`` values per token; a dense one ``d``), plus the forward
   of the old log-probs when the update has more than one tick;
 * ``anchor`` -- the anchor's dense forward/backward every ``cadence`` ticks (dense at every cut),
-  averaged per step;
+  averaged per step; with ``anchor.placement: sampler`` the sampling node runs it alone and sends
+  each other stage the sign message of its trained parameters instead
+  (:func:`~tclightning.sign_message.sign_message_bytes`: a bit a coordinate plus a bit a tensor,
+  counted with no exact zero in ``M_bar``; the last stage's include the tied embedding, which it
+  holds in both tied modes), per anchor pass, averaged per step; with LoRA the adapters' alone;
 * ``weight_sync`` -- stages 2..S's weights to the sampler on the first stage's node, in the
   sampler's dtype (``sparse``: only the entries whose value in that dtype changed, at
   ``sync_density``, coded as the run's sparse sync codes them: :func:`sparse_sync_bytes`);
@@ -23,7 +27,7 @@ Classes (per RL step: ``P x G`` rows of ``tokens_per_row`` tokens, ``epochs x mi
 
 With LoRA only the adapters train: the weight sync carries adapter weights and the tied embedding
 is frozen. The figures are formulas over the shapes; ``tests/test_bench_traffic.py`` checks the
-boundary and weight-sync figures against what a toy run measures.
+boundary, weight-sync and (sampler placement) anchor figures against what a toy run measures.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
+from tclightning.sign_message import sign_message_bytes
 from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
 CONFIGS = ("dense", "compressed", "compressed+sparse-sync", "compressed+sparse-sync+lora")
@@ -57,7 +62,7 @@ class TrafficAssumptions:
     activation_dtype: str = "bfloat16"  # the boundary's dtype on a GPU
     sampler_dtype: str = "bfloat16"  # the sampler's copy of the weights
     sync_density: float = 0.0076  # share of entries whose sampler-dtype value changes in a step (measured, docs)
-    distinct_ids: int | None = None  # distinct token ids per tick (None: min(vocab, tokens per tick))
+    distinct_ids: int | None = None  # distinct token ids per tick (None: :func:`expected_distinct_ids`)
     lora_rank: int = 16
 
 
@@ -104,6 +109,19 @@ def meta_model(config: dict[str, Any]) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(hf_config)
 
 
+HEAPS_K, HEAPS_BETA = 7.44, 0.542
+"""Heaps' law ``distinct ids = K n^beta`` of ``n`` tokens of text, fitted on GSM8K questions and
+solutions tokenized with SmolLM2-135M's tokenizer from 20k to 655k tokens (within 6% of the
+measured counts there: 1,511 distinct ids in 20k tokens, 5,264 in 164k, 10,045 in 655k)."""
+
+
+def expected_distinct_ids(tokens: float) -> int:
+    """Distinct token ids expected in ``tokens`` tokens of math text (:data:`HEAPS_K`,
+    :data:`HEAPS_BETA`); the rows a tick's tied-rows exchange sends, when ``--distinct-ids`` does not
+    say. Another tokenizer or corpus gives another count: measure yours and pass it."""
+    return max(1, round(HEAPS_K * max(tokens, 1.0) ** HEAPS_BETA))
+
+
 def sparse_sync_bytes(sizes: list[int], density: float, value_bytes: int) -> float:
     """Expected bytes of the sparse sync's message (:mod:`tclightning.weight_sync`) for tensors of
     ``sizes`` entries when each entry changes with probability ``density``: per tensor a
@@ -122,13 +140,19 @@ def _numel(params: Any) -> int:
     return sum(p.numel() for p in params)
 
 
-def _lora_numel(module: torch.nn.Module, rank: int) -> int:
-    """Parameters of rank-``rank`` adapters on the module's attention and MLP projections."""
-    total = 0
+def _lora_sizes(module: torch.nn.Module, rank: int) -> list[int]:
+    """Sizes of the rank-``rank`` adapter tensors (``A``: rank x in, ``B``: out x rank) on the
+    module's attention and MLP projections."""
+    sizes = []
     for name, child in module.named_modules():
         if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(child, torch.nn.Linear):
-            total += rank * (child.in_features + child.out_features)
-    return total
+            sizes += [rank * child.in_features, child.out_features * rank]
+    return sizes
+
+
+def _lora_numel(module: torch.nn.Module, rank: int) -> int:
+    """Parameters of rank-``rank`` adapters on the module's attention and MLP projections."""
+    return sum(_lora_sizes(module, rank))
 
 
 def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: TrafficAssumptions) -> list[Traffic]:
@@ -168,8 +192,14 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
         per_token = sum((s.k * value if s.compressed else dim * act) for s in cut_specs)  # one direction
         return per_token * (2 * trained_tokens + (tokens if old_logp_forward else 0))
 
-    anchor = anchor_passes * tokens_per_tick * 2 * dim * act * len(specs)
-    ids = min(vocab, assumptions.distinct_ids if assumptions.distinct_ids is not None else int(tokens_per_tick))
+    if recipe.anchor.placement == "sampler":  # signs of every stage but the sampling one's, per pass
+        signs = sum(sign_message_bytes([p.numel() for p in stage.parameters()]) for stage in stages[1:])
+        lora_signs = sum(sign_message_bytes(_lora_sizes(stage, assumptions.lora_rank)) for stage in stages[1:])
+        anchor, lora_anchor = anchor_passes * signs, anchor_passes * lora_signs
+    else:  # the dense pass across every cut, forward and backward
+        anchor = lora_anchor = anchor_passes * tokens_per_tick * 2 * dim * act * len(specs)
+    ids = min(vocab, assumptions.distinct_ids if assumptions.distinct_ids is not None
+              else expected_distinct_ids(tokens_per_tick))
     tied_dense = (2 * vocab * dim * 4 * ticks) if tied else 0.0
     tied_rows = (2 * ids * dim * 4 * ticks) if tied else 0.0
     rollouts = (len(stages) - 1) * tokens * (8 + 8 + 4)  # ids, attention mask (int64), sampler log-probs
@@ -189,7 +219,7 @@ def step_traffic(recipe: Any, model_config: dict[str, Any], assumptions: Traffic
         use_lora = name.endswith("lora")
         classes = {
             "boundary": boundary(specs if compressed else dense_specs),
-            "anchor": anchor if compressed else 0.0,
+            "anchor": (lora_anchor if use_lora else anchor) if compressed else 0.0,
             # with tied rows the last stage owns the tied weight, so it syncs it too
             "weight_sync": lora * sampler if use_lora else sync(synced + (tied_weight if sparse else []), sparse),
             "tied_embedding": 0.0 if use_lora else (tied_rows if sparse else tied_dense),

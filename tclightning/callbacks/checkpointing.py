@@ -141,7 +141,9 @@ class StepCheckpoint(Checkpoint):
     ``keep``), and ``last.ckpt`` whenever it saves: every ``every_n_steps`` steps, after the
     last step, and when a run stops early at a step boundary (Ctrl-C, SIGTERM, a health stop).
     A checkpoint holds everything to continue: weights, optimizer, scheduler, loop counters,
-    callback states and the module's RNG/sampler state.
+    callback states and the module's RNG/sampler state. With ``model.lora`` the weights are the
+    adapters alone; the frozen base is rebuilt from the recipe on resume
+    (:meth:`~tclightning.grpo.module.GRPOModule.on_save_checkpoint`).
 
     Every checkpoint is taken at the end of its step's batch, so a resume (with the same or a
     larger ``trainer.steps``) continues with the next step. It is written to a temporary file and

@@ -27,12 +27,14 @@ Manual optimisation: ``trainer.global_step`` counts optimizer ticks, while the l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
+import inspect
 import math
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -61,7 +63,7 @@ from tclightning.grpo.update import UpdateResult, grpo_update
 from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import DTYPES, ModelConfig
 from tclightning.models.loading import check_checkpoint_model, load_model
-from tclightning.models.lora import apply_lora
+from tclightning.models.lora import apply_lora, base_fingerprint, frozen_parameter_names
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
 from tclightning.pipeline.boundary import total_bytes
@@ -73,6 +75,16 @@ from tclightning.tasks import Example, TaskConfig, build_task
 from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
+
+BASE_KEY = "lora_base"
+"""``checkpoint["tclightning"][BASE_KEY]``: in a ``model.lora`` checkpoint, which holds the adapters
+without the frozen base, the base's :func:`~tclightning.models.lora.base_fingerprint`
+(``{"sha256": ..., "parameters": ...}``); a load rebuilds the base from the recipe and refuses one
+whose fingerprint differs."""
+
+# The file GRPOModule.load_from_checkpoint is reading, for on_load_checkpoint's one-line refusals
+# (Lightning hands the hook the loaded dict, not its path).
+_LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("tclightning_loading", default="checkpoint")
 
 C = TypeVar("C")
 
@@ -102,13 +114,26 @@ def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
         raise TclightningError(f"{cls.__name__}: {' '.join(str(err).split())[:200]}") from None
 
 
+@contextlib.contextmanager
+def _global_rngs_untouched() -> Iterator[None]:
+    """Python's, numpy's and torch's global RNG states as they were before the block."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+
+
 class GRPOModule(L.LightningModule):
     """GRPO on a causal LM with verifiable rewards.
 
     The HF model is ``self.policy``; the sampler always runs it dense (``backend.dense()``), or
     with ``sampler.dtype`` an exact copy of it in that dtype (:meth:`sampling_model`). With
     ``grpo.kl_coef > 0`` a frozen copy of the initial policy is kept as ``self.reference`` (and
-    checkpointed).
+    checkpointed; with ``model.lora`` it is the frozen base, which a checkpoint leaves out and a
+    load rebuilds: :meth:`on_save_checkpoint`).
 
     With ``anchor.merger: signed_ema``, ``self.anchor`` (:class:`~tclightning.anchor.anchor.Anchor`)
     is the anchor circuit and its merge state: every C ticks it records the weights that sampled
@@ -166,6 +191,8 @@ class GRPOModule(L.LightningModule):
         self.val_accuracy = MeanMetric()
         self.val_length = MeanMetric()
         self.warmup_stats: dict[str, float] = {}
+        self._base_ready = False  # prepare_base ran: self.policy is the base (after any warm-up)
+        self._base_record: dict[str, Any] | None = None  # model.lora: the base's fingerprint, taken once
         self._resume_step = 0  # set from the checkpoint; the prompt stream starts there
         # The checkpoint's codec state, from on_load_checkpoint to on_train_start: Lightning restores
         # the checkpoint before the strategy installs the cuts, so no backend can take it earlier.
@@ -183,7 +210,28 @@ class GRPOModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         self.policy.train()  # from_pretrained returns eval mode; Lightning expects train mode
         fresh = self.trainer is None or self.trainer.ckpt_path is None
-        if stage == "fit" and fresh and self.model_cfg.warmup.steps > 0:
+        # A model.lora checkpoint holds the adapters alone: a resume rebuilds the frozen base they
+        # were trained on (checked in on_load_checkpoint). Note that Lightning sets trainer.ckpt_path
+        # only after setup (Trainer.fit's resume_start), so `fresh` holds on a resume too.
+        if (stage == "fit" and fresh) or self.model_cfg.lora.r > 0:
+            self.prepare_base(progress=self.trainer is not None and self.trainer.progress_bar_callback is not None)
+        if self.cfg.kl_coef > 0 and self.reference is None:
+            # Taken before the strategy installs cuts, so the reference forward is dense. On
+            # resume a full checkpoint overwrites this copy; with model.lora it is the base, rebuilt.
+            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+        # model.lora: after the warm-up (which trains the whole model) and the reference (the base
+        # policy); before the strategy builds the optimizer from the trainable (adapter) parameters
+        apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)
+
+    def prepare_base(self, progress: bool = False) -> None:
+        """Make ``self.policy`` the base the run trains on: the loaded model, after the supervised
+        warm-up when the recipe has one (``model.warmup``: its cached result, or trained again,
+        deterministically); with ``model.lora`` also take the base's fingerprint (:meth:`base_record`).
+        Runs once (later calls do nothing), before :func:`~tclightning.models.lora.apply_lora`: by
+        ``setup`` for a fresh run and for a LoRA resume, by a LoRA load before the adapters load."""
+        if self._base_ready:
+            return
+        if self.model_cfg.warmup.steps > 0:
             # Agentic: one (history, expert action) pair per interaction of each expert conversation.
             prompts, solutions = (self.multi_turn.demonstrations(self.train_examples) if self.multi_turn is not None
                                   else ([e.prompt for e in self.train_examples], [e.solution for e in self.train_examples]))
@@ -196,16 +244,47 @@ class GRPOModule(L.LightningModule):
                 # What the accuracy check depends on besides the weights (the cache key's context).
                 {"task": asdict(self.task_cfg), "sampler": asdict(self.sampler_cfg), "seed": self.seed,
                  "checked": [asdict(e) for e in self.train_examples[: self.model_cfg.warmup.check_examples]]},
-                progress=self.trainer is not None and self.trainer.progress_bar_callback is not None,
+                progress=progress,
                 accuracy=self._warmup_accuracy,
             )
-        if self.cfg.kl_coef > 0 and self.reference is None:
-            # Taken before the strategy installs cuts, so the reference forward is dense. On
-            # resume this copy is overwritten by the checkpoint's reference weights.
-            self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-        # model.lora: after the warm-up (which trains the whole model) and the reference (the base
-        # policy); before the strategy builds the optimizer from the trainable (adapter) parameters
-        apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)
+        self._base_ready = True
+        if self.model_cfg.lora.r > 0:
+            self._base_record = base_fingerprint(self.policy)
+
+    def base_record(self) -> dict[str, Any]:
+        """The frozen base's :func:`~tclightning.models.lora.base_fingerprint`, taken once when the
+        base is final (:meth:`prepare_base`; the base never trains, so once is enough)."""
+        if self._base_record is None:
+            self._base_record = base_fingerprint(self.policy)
+        return self._base_record
+
+    def verify_base(self, record: Mapping[str, Any], source: str | os.PathLike) -> None:
+        """Refuse (``TclightningError``, one line naming ``source``) a checkpoint whose recorded base
+        fingerprint ``record`` is not the base this module rebuilt from the recipe."""
+        got = self.base_record()
+        if record.get("sha256") == got["sha256"]:
+            return
+        warmup = self.model_cfg.warmup
+        cached = ("reused from the cache" if self.warmup_stats.get("warmup/cached") else "trained again")
+        built = {"tiny": f"model.source=tiny with seed {self.seed}", "hf": f"model.source=hf {self.model_cfg.name}",
+                 "gguf": f"model.source=gguf {self.model_cfg.gguf_file}"}.get(self.model_cfg.source, self.model_cfg.source)
+        if warmup.steps > 0:
+            built += f", then the supervised warm-up ({cached})"
+        raise TclightningError(
+            f"checkpoint {source}: its LoRA adapters were trained on another base model: the base this recipe "
+            f"rebuilds ({built}) has fingerprint {got['sha256'][:16]}, the checkpoint records "
+            f"{str(record.get('sha256'))[:16]}; a resume or export needs the same base (the same model files, and "
+            "the warm-up's cache entry or the same machine and thread count to train it again); nothing was loaded")
+
+    def frozen_state_keys(self) -> set[str]:
+        """With ``model.lora``: the state-dict keys a checkpoint leaves out, because the recipe
+        rebuilds them: the policy's frozen base weights and the KL reference (a copy of that base)."""
+        if self.model_cfg.lora.r <= 0:
+            return set()
+        keys = {f"policy.{name}" for name in frozen_parameter_names(self.policy)}
+        if self.reference is not None:
+            keys |= {f"reference.{name}" for name in self.reference.state_dict()}
+        return keys
 
     def _warmup_accuracy(self) -> float:
         """Greedy accuracy on the first ``check_examples`` training prompts (never the eval split)."""
@@ -481,18 +560,54 @@ class GRPOModule(L.LightningModule):
         (:func:`~tclightning.callbacks.checkpointing.checkpoint_allow_list`: the numpy RNG state,
         the anchor's replay). The module is rebuilt from the checkpoint's hyper-parameters (the
         recipe's ``model``, ``task``, ``sampler``, ``grpo``, ``anchor`` sections) with the trained
-        weights in ``self.policy``; no warm-up runs and the global RNGs are left as they are.
+        weights in ``self.policy``; the global RNGs are left as they are, and no warm-up runs but to
+        rebuild the frozen base of a ``model.lora`` checkpoint (which holds the adapters alone; a base
+        whose fingerprint differs from the checkpoint's is refused, one line).
         To take the policy out as a Hugging Face folder use :func:`tclightning.export.export_policy`."""
         if isinstance(checkpoint_path, (str, os.PathLike)) and "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
             # larger than its weights (your own ``model=...`` argument is yours to decide)
             check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=True), f"checkpoint {checkpoint_path}")
-        with checkpoint_allow_list():
-            return super().load_from_checkpoint(  # type: ignore[return-value]
-                checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
-                weights_only=weights_only, **kwargs)
+        token = _LOADING.set(str(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else "checkpoint")
+        try:
+            with checkpoint_allow_list():
+                return super().load_from_checkpoint(  # type: ignore[return-value]
+                    checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
+                    weights_only=weights_only, **kwargs)
+        finally:
+            _LOADING.reset(token)
+
+    @classmethod
+    def from_checkpoint_data(cls, checkpoint: Mapping[str, Any], source: str | os.PathLike = "checkpoint") -> GRPOModule:
+        """What :meth:`load_from_checkpoint` builds, from a checkpoint already loaded (a dict, as
+        :func:`~tclightning.callbacks.checkpointing.load_checkpoint` returns it): the module of its
+        hyper-parameters with its weights (a LoRA checkpoint's base rebuilt and checked). ``source``
+        names the file in errors. The caller checks the hyper-parameters first
+        (:func:`~tclightning.export.check_checkpoint_hparams`)."""
+        hparams = checkpoint["hyper_parameters"]
+        accepted = inspect.signature(cls.__init__).parameters
+        module = cls(**{key: value for key, value in hparams.items() if key in accepted})
+        token = _LOADING.set(str(source))
+        try:
+            module.on_load_checkpoint(dict(checkpoint))
+        finally:
+            _LOADING.reset(token)
+        try:
+            module.load_state_dict(checkpoint["state_dict"], strict=True)
+        except RuntimeError as err:  # torch's message lists every key: the first line says it
+            raise TclightningError(f"checkpoint {source}: its weights do not fit the model its hyper-parameters "
+                                   f"describe: {' '.join(str(err).split())[:200]}") from None
+        return module
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add tclightning's state (``checkpoint["tclightning"]``). With ``model.lora`` the state
+        dict keeps the adapters (and anything else not rebuilt) only: the frozen base and the KL
+        reference are left out, as PEFT's ``save_pretrained`` does, and :data:`BASE_KEY` records
+        the base's fingerprint, which a load checks the rebuilt base against. Every rank filters
+        its own state dict (Lightning takes one on each), so every rank's share is adapters only."""
+        left_out = self.frozen_state_keys()
+        if left_out:
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in left_out}
         checkpoint["tclightning"] = {
             "rl_step": completed_steps(self.trainer),
             "rng": {
@@ -510,13 +625,24 @@ class GRPOModule(L.LightningModule):
             "anchor": None if self.anchor is None else self.backend.gather_per_rank(
                 self.anchor.state_dict(), "gathering the anchor states"),
         }
+        if left_out:
+            checkpoint["tclightning"][BASE_KEY] = dict(self.base_record())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("tclightning", {})
         if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
             self._restore_frozen_reference(checkpoint.get("state_dict", {}))
+            if BASE_KEY in state and self.model_cfg.lora.r > 0:  # adapters alone: the base is rebuilt first
+                with _global_rngs_untouched():  # a warm-up trained again must not move the caller's RNGs
+                    self.prepare_base()
+                if self.cfg.kl_coef > 0 and self.reference is None:
+                    self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
             apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)  # after the (base) reference
+            self._check_left_out(checkpoint, _LOADING.get(), verify=True)
             return
+        # Rank 0 checks the base it rebuilt in setup; the other ranks take rank 0's weights once
+        # the pipeline is built (their own rebuild may differ where GPU kernels do).
+        self._check_left_out(checkpoint, str(self.trainer.ckpt_path), verify=self.trainer.global_rank == 0)
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])
@@ -535,7 +661,26 @@ class GRPOModule(L.LightningModule):
         self._pending_cut_state = state.get("cuts")
         anchor = state.get("anchor")
         if anchor and self.anchor is not None:
-            self.anchor.load_state_dict(rank_share(anchor, self.trainer.global_rank, self.trainer.world_size))
+            self.anchor.load_state_dict(rank_share(anchor, self.trainer.global_rank, self.trainer.world_size),
+                                        processes=self.trainer.world_size)
+
+    def _check_left_out(self, checkpoint: Mapping[str, Any], source: str, *, verify: bool) -> None:
+        """Before the weights load: a checkpoint that leaves out the frozen base (a LoRA one) must
+        record the base's fingerprint, and (``verify``) the base this module rebuilt must match it;
+        one line naming ``source`` otherwise. A checkpoint holding its whole state dict passes."""
+        state, weights = checkpoint.get("tclightning") or {}, checkpoint.get("state_dict") or {}
+        record = state.get(BASE_KEY)
+        if record is not None and self.model_cfg.lora.r <= 0:
+            raise TclightningError(f"checkpoint {source}: holds LoRA adapters without their base, and this model has "
+                                   "model.lora.r=0; nothing was loaded")
+        left_out = sorted(self.frozen_state_keys() - set(weights))
+        if not left_out:
+            return
+        if not isinstance(record, Mapping):
+            raise TclightningError(f"checkpoint {source}: holds none of the frozen base weights ({left_out[0]} and "
+                                   f"{len(left_out) - 1} more) and no fingerprint of the base; nothing was loaded")
+        if verify:
+            self.verify_base(record, source)
 
     def _restore_frozen_reference(self, state_dict: Mapping[str, Any]) -> None:
         """Give the module the ``reference`` a ``grpo.kl_coef > 0`` checkpoint holds (made in
@@ -545,7 +690,14 @@ class GRPOModule(L.LightningModule):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """``nn.Module.load_state_dict``; once the backend is taken (a rollback, which every rank
-        loads alike) the sampler's copy is rebuilt from the loaded weights."""
+        loads alike) the sampler's copy is rebuilt from the loaded weights. A LoRA checkpoint's
+        state dict (the adapters alone, :meth:`on_save_checkpoint`) loads strictly too: the entries
+        it leaves out are this module's own frozen base, rebuilt from the recipe and checked against
+        the checkpoint's fingerprint by :meth:`on_load_checkpoint`."""
+        left_out = self.frozen_state_keys() - set(state_dict)
+        if left_out:
+            own = self.state_dict()
+            state_dict = {**state_dict, **{key: own[key] for key in left_out}}
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self._backend is not None:
             self._backend.weights_loaded()

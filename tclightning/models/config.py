@@ -44,8 +44,10 @@ class WarmupConfig:
 
     A random tiny model has no chance of a non-zero reward; a short SFT phase gives it a
     partially correct policy so GRPO has reward variance to work with. Skipped on resume
-    (the weights come from the checkpoint). Its result is cached (~/.cache/tclightning/warmup, or
-    $TCLIGHTNING_CACHE/warmup); ``tclightning run --no-cache`` or TCLIGHTNING_NO_CACHE=1 train it again.
+    (the weights come from the checkpoint), except with ``model.lora``, whose checkpoints leave the
+    base out: the warm-up's result is part of the base a resume rebuilds. Its result is cached
+    (~/.cache/tclightning/warmup, or $TCLIGHTNING_CACHE/warmup); ``tclightning run --no-cache`` or
+    TCLIGHTNING_NO_CACHE=1 train it again.
     """
 
     steps: int = setting(0, integer(0, MAX_STEPS), "most steps; 0 disables the warm-up")
@@ -75,7 +77,9 @@ class LoraConfig:
     """PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
     adapters train (every base weight is frozen), so the optimizer state and the pipeline's weight
     sync hold the adapters alone. Applied after loading and after the supervised warm-up (which trains
-    the whole model); the KL reference stays the base policy. ``tclightning export`` merges them."""
+    the whole model); the KL reference stays the base policy. Checkpoints hold the adapters alone and
+    the base's fingerprint: a resume or an export rebuilds the base from the recipe (docs/distributed.md,
+    "LoRA checkpoints"). ``tclightning export`` merges them."""
 
     r: int = setting(0, integer(0, MAX_WIDTH), "adapter rank; 0 = no LoRA (the whole model trains)")
     alpha: float = setting(16.0, number(0.0, low_open=True), "scale: the update is alpha / r * B A")

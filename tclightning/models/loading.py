@@ -80,16 +80,43 @@ def tiny_weights_mismatch(cfg: TinyModelConfig, state: Mapping[str, Any]) -> str
     checkpoint whose hyper-parameters ask for a far larger model than its weights allocates
     nothing."""
     embed = state.get("model.embed_tokens.weight")
-    if embed is None or getattr(embed, "ndim", 0) != 2:
+    found: dict[str, int | None] = dict(_adapter_widths(state))  # a LoRA checkpoint: the adapters alone
+    if embed is not None and getattr(embed, "ndim", 0) == 2:
+        found["hidden_size"] = int(embed.shape[1])
+    elif found.get("hidden_size") is None:
         return "its weights hold no token embedding (model.embed_tokens.weight)"
     layers = {int(key.split(".")[2]) for key in state if key.startswith("model.layers.") and key.split(".")[2].isdigit()}
     gate = state.get("model.layers.0.mlp.gate_proj.weight")
-    found = {"hidden_size": int(embed.shape[1]), "num_layers": len(layers),
-             "intermediate_size": int(gate.shape[0]) if gate is not None else None}
+    found["num_layers"] = len(layers)
+    if gate is not None:
+        found["intermediate_size"] = int(gate.shape[0])
     asked = {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_layers, "intermediate_size": cfg.intermediate_size}
     wrong = [f"model.tiny.{key}={asked[key]} but its weights have {value}" for key, value in found.items()
              if value is not None and value != asked[key]]
     return "; ".join(wrong) or None
+
+
+# Which width a LoRA adapter's matrix shows, and on which axis: lora_A is (r, in), lora_B (out, r).
+_ADAPTER_WIDTHS = {
+    **{(name, "lora_A"): ("hidden_size", 1) for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")},
+    **{(name, "lora_B"): ("hidden_size", 0) for name in ("o_proj", "down_proj")},
+    **{(name, "lora_B"): ("intermediate_size", 0) for name in ("gate_proj", "up_proj")},
+    ("down_proj", "lora_A"): ("intermediate_size", 1),
+}
+
+
+def _adapter_widths(state: Mapping[str, Any]) -> dict[str, int]:
+    """``hidden_size`` / ``intermediate_size`` as the LoRA adapters in ``state`` show them (each
+    target module shows at least the hidden size), so a checkpoint holding the adapters without
+    its base is checked against its hyper-parameters too."""
+    widths: dict[str, int] = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        for i, part in enumerate(parts[1:], 1):
+            which = _ADAPTER_WIDTHS.get((parts[i - 1], part))
+            if which is not None and getattr(value, "ndim", 0) == 2:
+                widths.setdefault(which[0], int(value.shape[which[1]]))
+    return widths
 
 
 def resolve_gguf(spec: str) -> tuple[str, str]:

@@ -3,12 +3,15 @@
 ``peft.inject_adapter_in_model`` keeps the Hugging Face module tree (``model.model.layers`` and
 the model's own forward), so the pipeline split and the one-process cut hooks find the decoder
 layers as before; only the adapters train (every other weight is frozen), so the optimizer, built
-from trainable parameters, holds adapter state alone.
+from trainable parameters, holds adapter state alone, and a checkpoint leaves the frozen base out
+(:func:`frozen_parameter_names`), recording its :func:`base_fingerprint` instead.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +20,9 @@ from tclightning.models.config import LoraConfig
 
 ADAPTER_MARK = "lora_"
 """What every adapter parameter's name holds (``...q_proj.lora_A.default.weight``)."""
+
+BASE_LAYER = ".base_layer."
+"""Where PEFT moves a wrapped layer's own weight: ``q_proj.weight`` becomes ``q_proj.base_layer.weight``."""
 
 
 def peft_config(cfg: LoraConfig):  # -> peft.LoraConfig (imported lazily: peft pulls in much)
@@ -47,6 +53,31 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
         if ADAPTER_MARK in name and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return model
+
+
+def frozen_parameter_names(model: nn.Module) -> set[str]:
+    """The names of ``model``'s frozen parameters, every alias of a tied one included (what a LoRA
+    checkpoint leaves out of the policy's state dict)."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def base_fingerprint(model: nn.Module) -> dict[str, Any]:
+    """``{"sha256": hex digest, "parameters": count}`` of ``model``'s base weights: every parameter
+    but the adapters, under its name in the plain model (``base_layer`` dropped), so the value is the
+    same before and after :func:`apply_lora`. Each distinct tensor once (a tied embedding is one), in
+    name order, by name, dtype, shape and raw bytes: equal bytes give an equal digest in any process,
+    and one changed bit another. 0.32 s for SmolLM2-135M in float32 (538 MB of SHA-256, a 2-core CPU)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():  # named_parameters lists a tied tensor once
+        if ADAPTER_MARK not in name:
+            tensors[name.replace(BASE_LAYER, ".")] = p
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        hasher.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+        if t.numel():
+            hasher.update(memoryview(t.view(torch.uint8).numpy()))
+    return {"sha256": hasher.hexdigest(), "parameters": sum(t.numel() for t in tensors.values())}
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

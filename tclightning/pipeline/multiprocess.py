@@ -9,8 +9,9 @@ It is a :class:`~tclightning.backend.BackendProvider`: a module asks it for its 
 :class:`~tclightning.pipeline.backends.PipelineBackend` over the engine) and runs its update
 through it. Checkpoints hold the whole policy (rank 0's dense copy, synced after every update, or
 with ``sampler.dtype``, whose sync after an update is sparse, by a full sync before the
-checkpoint), every rank's optimizer state merged into one, and what the module saves through the
-backend (every cut's receiver codec state, each rank's anchor state).
+checkpoint; what of it the module keeps is its own choice: with LoRA the adapters alone), every
+rank's optimizer state merged into one, and what the module saves through the backend (every
+cut's receiver codec state, each rank's anchor state).
 """
 
 from __future__ import annotations
