@@ -41,6 +41,19 @@ if TYPE_CHECKING:  # the pipeline imports nothing of the anchor: the sampling ra
 T = TypeVar("T")
 
 
+def backward_at(clone: nn.Module, params: Sequence[Tensor], snapshot: Sequence[Tensor], rollouts: Any,
+                loss_fn: LossFn, logprobs: Callable[..., Any], temperature: float) -> None:
+    """The loss's backward on ``clone`` at the weights ``snapshot`` (copied into ``params``, the
+    clone's, in order): the anchor's dense pass on a hook-free copy; the gradients are left in
+    ``params``' ``.grad``."""
+    with torch.no_grad():
+        for param, weight in zip(params, snapshot, strict=True):
+            param.copy_(weight)
+    clone.zero_grad(set_to_none=True)
+    logp, _ = logprobs(clone, rollouts, temperature)
+    loss_fn(logp, torch.arange(logp.shape[0])).backward()
+
+
 class LocalBackend:
     """The whole policy in this process (see the module doc); ``cuts``: the installed cuts, if any."""
 
@@ -154,12 +167,7 @@ class LocalBackend:
             cuts.load_state_dict(copy.deepcopy(self.cuts.state_dict()))
             cuts.reset_stats()
         params = [p for p in clone.parameters() if p.requires_grad]
-        with torch.no_grad():
-            for param, weight in zip(params, snapshot, strict=True):
-                param.copy_(weight)
-        clone.zero_grad(set_to_none=True)
-        logp, _ = self._logprobs(clone, rollouts, self.temperature)
-        loss_fn(logp, torch.arange(logp.shape[0])).backward()
+        backward_at(clone, params, snapshot, rollouts, loss_fn, self._logprobs, self.temperature)
         sent = 0.0
         if cuts is not None:
             wire = cuts.meter.metrics()
@@ -399,12 +407,7 @@ class PipelineBackend:
                 self._whole_clone = hook_free_copy(self.engine.model).train()
             clone = self._whole_clone
             params = [clone.get_parameter(name) for name in names]
-            with torch.no_grad():
-                for param, weight in zip(params, snapshot, strict=True):
-                    param.copy_(weight)
-            clone.zero_grad(set_to_none=True)
-            logp, _ = self._logprobs(clone, rollouts, self.temperature)
-            loss_fn(logp, torch.arange(logp.shape[0])).backward()
+            backward_at(clone, params, snapshot, rollouts, loss_fn, self._logprobs, self.temperature)
             grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
             clone.zero_grad(set_to_none=True)
             by_stage = [[grads[i] for i in index] for index in stages]
