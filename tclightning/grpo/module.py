@@ -226,7 +226,7 @@ class GRPOModule(L.LightningModule):
     def prepare_base(self, progress: bool = False) -> None:
         """Make ``self.policy`` the base the run trains on: the loaded model, after the supervised
         warm-up when the recipe has one (``model.warmup``: its cached result, or trained again,
-        deterministically); with ``model.lora`` also take the base's fingerprint (:meth:`base_record`).
+        deterministically), whose fingerprint :meth:`base_record` takes when first asked.
         Runs once (later calls do nothing), before :func:`~tclightning.models.lora.apply_lora`: by
         ``setup`` for a fresh run and for a LoRA resume, by a LoRA load before the adapters load."""
         if self._base_ready:
@@ -248,8 +248,6 @@ class GRPOModule(L.LightningModule):
                 accuracy=self._warmup_accuracy,
             )
         self._base_ready = True
-        if self.model_cfg.lora.r > 0:
-            self._base_record = base_fingerprint(self.policy)
 
     def base_record(self) -> dict[str, Any]:
         """The frozen base's :func:`~tclightning.models.lora.base_fingerprint`, taken once when the

@@ -261,6 +261,10 @@ def grpo_update(
     relay = anchor.relay if anchor is not None and backend.world_size > 1 else None
     placed = backend if relay is not None and isinstance(backend, SamplerAnchorBackend) else None
     samples = placed is None or placed.samples
+
+    def replay() -> dict[str, Tensor | Rollouts]:  # what the anchor replays at its snapshot
+        return {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()}
+
     stats: dict[str, list[float]] = {}
     ticks = skipped = 0
     for tick, chunk in enumerate(minibatch_chunks(rows, cfg.epochs, cfg.minibatches, sequence_seed(seed, step, salt=1))):
@@ -268,16 +272,14 @@ def grpo_update(
             anchor.tick(
                 clock(), first=tick == 0, parameters=placed.sampler_anchor_parameters,
                 # the replay stays where M is computed; the other ranks keep only the schedule
-                payload=lambda: ({"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()}
-                                 if samples else None),
+                payload=replay if samples else lambda: None,
                 gradient=lambda job: sampler_anchor_gradient(placed, job, relay, settings=settings,
                                                              norm_length=norm_length),
                 signs=not samples,
             )
         elif anchor is not None:  # record this step's snapshot + replay (first tick), deliver M when due
             anchor.tick(
-                clock(), first=tick == 0, parameters=backend.owned_parameters,
-                payload=lambda: {"rollouts": rollouts.to("cpu"), "advantages": advantages.cpu(), "rows": rows.cpu()},
+                clock(), first=tick == 0, parameters=backend.owned_parameters, payload=replay,
                 gradient=lambda job: anchor_gradient(backend, job, settings=settings, norm_length=norm_length),
                 # None where the backend cannot run the fast circuit at a snapshot (across processes):
                 # a merger that needs it still gets it, and anchor_gradient names the fix
