@@ -234,6 +234,7 @@ def test_recipe_checks_name_the_setting() -> None:
 
 # ------------------------------------------------------------------ in a model, and across processes
 CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "refresh_every": 2, "refresh_tolerance": 0.0,
+          "entropy_coding": False,  # float coefficients: the refresh protocol itself
           "microbatches": 3}  # tolerance 0: every check refits, so the protocol's every path runs
 SHIP_STEP, SHARED_STEP = 3, 5
 
@@ -391,7 +392,7 @@ def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path:
 # ------------------------------------------------------------------ switching the codec of a running CutSet
 def test_switch_codec_rebuilds_the_compressed_cuts_and_a_resumed_cutset_follows() -> None:
     model, batch = tiny_llama(), rollouts()
-    config = PipelineConfig(layout="shallow", shallow_count=1, stages=3, codec="prf", k=5)
+    config = PipelineConfig(layout="shallow", shallow_count=1, stages=3, codec="prf", k=5, entropy_coding=False)
     with CutSet(model, config) as cuts:
         dense_cut = cuts.boundaries[1].codec
         cuts.switch_codec("lowrank")

@@ -194,7 +194,7 @@ def _setup(layout: str, codec: str):  # noqa: ANN202
     from tclightning.pipeline import CutSet, LocalBackend, PipelineConfig
 
     model = tiny_llama()
-    cuts = CutSet(model, PipelineConfig(stages=2, layout=layout, codec=codec, k=5))
+    cuts = CutSet(model, PipelineConfig(stages=2, layout=layout, codec=codec, k=5, entropy_coding=False))
     backend = LocalBackend(BackendRequest(model, 1.0, completion_logps, lambda loss: loss.backward()), cuts)
     batch = rollouts()
 

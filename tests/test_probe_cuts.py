@@ -130,7 +130,7 @@ def test_stateful_codecs_are_warmed_on_other_completions_before_the_measured_bat
                                                                                intermediate_size=64)), seed=0)
     sampler = build_sampler(SamplerConfig(max_new_tokens=6), PromptFormatter(tokenizer, None, True))
     other = sampler.generate(model, ["23+45=", "6+7=", "81+9="], group_size=3, seed=2)
-    config = PipelineConfig(stages=4, codec="lowrank", k=K)
+    config = PipelineConfig(stages=4, codec="lowrank", k=K, entropy_coding=False)  # r = k float values
     held_out = by_name(price_cuts(model, rollouts, config, step=3, warmup=other))
     in_sample = by_name(price_cuts(model, rollouts, config, step=3))
     assert held_out["all"]["bytes_fwd_per_token"] == 3 * K * 4  # three cuts, r = k values, float32
@@ -154,7 +154,8 @@ def test_the_warm_up_is_folded_in_one_step_per_share(model_and_rollouts, monkeyp
 
     monkeypatch.setattr(AdaptiveLowRankCodec, "fit_shared", counting)
     # every step change checks (and, at tolerance 0, refits on) the share's dense tokens
-    config = PipelineConfig(stages=4, codec="lowrank", k=K, refresh_every=1, refresh_tolerance=0.0)
+    config = PipelineConfig(stages=4, codec="lowrank", k=K, refresh_every=1, refresh_tolerance=0.0,
+                            entropy_coding=False)
     in_three = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=3))
     per_configuration = len(commits)
     commits.clear()
@@ -163,3 +164,50 @@ def test_the_warm_up_is_folded_in_one_step_per_share(model_and_rollouts, monkeyp
     assert in_three["all"]["gap/abs_mean"] != in_one["all"]["gap/abs_mean"]
     zero = [by_name(price_cuts(model, rollouts, BASE, step=3, warmup_steps=n))["all"]["gap/abs_mean"] for n in (1, 3)]
     assert zero[0] == zero[1]
+
+
+def test_the_warm_up_dense_pass_runs_once_and_feeds_every_row_the_same(model_and_rollouts,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense warm-up forward is the same for every configuration: it runs once, its cut
+    activations go to each row's codecs, and after the last share no compressed warm-up forward
+    runs for fitted codecs (nothing reads it before the measured batch)."""
+    import tclightning.probes.cuts as probe
+
+    model, rollouts = model_and_rollouts
+    calls: list[int] = []
+    forward = probe.completion_logps
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    config = PipelineConfig(stages=4, codec="lowrank", k=K, entropy_coding=False)
+    once = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=1))
+    monkeypatch.setattr(probe, "completion_logps", counting)
+    again = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=1))
+    scored = len({tuple(row["compressed_layers"]) for row in again.values()})  # first:1 == solo:0
+    assert len(calls) == 1 + scored  # one dense warm-up pass, then each distinct row's measured forward
+    assert {name: row["gap/abs_mean"] for name, row in again.items()} == \
+        {name: row["gap/abs_mean"] for name, row in once.items()}
+    calls.clear()
+    price_cuts(model, rollouts, config, step=3, warmup_steps=2)
+    assert len(calls) == 2 + 2 * (scored - 1) + 1  # two dense shares; a compressed forward after the first
+
+
+@pytest.mark.parametrize("source", ["references", "samples"])
+def test_cli_warms_a_basis_on_reference_solutions_or_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            source: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = main(
+        [
+            "probe", "cuts", "--recipe", "tiny", "--prompts", "2", "--group-size", "2", "--threads", "1",
+            "--warmup-prompts", "6", "--warmup-from", source,
+            "model.warmup.steps=0", "model.tiny.hidden_size=32", "model.tiny.num_layers=3",
+            "model.tiny.intermediate_size=64", "sampler.max_new_tokens=4", "pipeline.stages=3",
+            "pipeline.codec=lowrank", "pipeline.entropy_coding=false",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    header = (tmp_path / "runs" / "probes" / "tiny-cuts" / "cuts.md").read_text().splitlines()[0]
+    warmed = "6 other reference solutions" if source == "references" else "12 other sampled completions"
+    assert warmed in header and "tokens) over 1 step." in header

@@ -38,12 +38,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cuts.add_argument("--prompts", type=int, default=2, help="task prompts in the batch (default 2)")
     cuts.add_argument("--group-size", type=int, default=None,
                       help="completions per prompt (default: the recipe's sampler.group_size)")
-    cuts.add_argument("--warmup-prompts", type=int, default=64,
+    cuts.add_argument("--warmup-prompts", type=int, default=128,
                       help="other task prompts whose completions warm codecs with state (bases) "
-                           "before the measured batch, as earlier steps of a run would (default 64)")
-    cuts.add_argument("--warmup-steps", type=int, default=4,
+                           "before the measured batch, as earlier steps of a run would (default 128: about "
+                           "28k tokens of GSM8K references, what ten steps of a SmolLM2 run give a refit)")
+    cuts.add_argument("--warmup-from", choices=("references", "samples"), default="references",
+                      help="the warm-up completions: the task's reference solutions, teacher-forced (no "
+                           "sampling), or completions the "
+                           "policy samples, as a run's first steps would (slow on a CPU) (default references)")
+    cuts.add_argument("--warmup-steps", type=int, default=1,
                       help="steps the warm-up prompts are folded in over, one share per step as in a run "
-                           "(default 4)")
+                           "(default 1: the bases are fitted on all of them, as a refit on a run's window is)")
     cuts.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-cuts/)")
     cuts.add_argument("--step", type=int, default=0, help="PRF key step used for every configuration (default 0)")
     cuts.add_argument("--threads", type=int, default=None,
@@ -74,6 +79,7 @@ def run_cuts(args: argparse.Namespace) -> int:
 
     from tclightning.pipeline.cuts import find_decoder_layers
     from tclightning.probes.cuts import is_stateful, price_cuts
+    from tclightning.probes.inference import reference_batch
     from tclightning.sampling import PromptFormatter, build_sampler
     from tclightning.sampling.base import sequence_seed
 
@@ -101,8 +107,11 @@ def run_cuts(args: argparse.Namespace) -> int:
         if not held_out:
             raise TclightningError(f"--prompts {args.prompts}: no training prompts left to warm the "
                                    f"{recipe.pipeline.codec} codec's state on (lower --prompts)")
-        warmup = sampler.generate(model, [e.prompt for e in held_out], group_size=group_size,
-                                  seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 1))
+        if args.warmup_from == "samples":
+            warmup = sampler.generate(model, [e.prompt for e in held_out], group_size=group_size,
+                                      seed=sequence_seed(recipe.sampler.seed + recipe.trainer.seed, 1))
+        else:
+            warmup = reference_batch(formatter, [e.prompt for e in held_out], [e.solution for e in held_out])
     sampled = time.perf_counter()
     rows = price_cuts(model, rollouts, recipe.pipeline, recipe.sampler.temperature, step=args.step, warmup=warmup,
                       warmup_steps=args.warmup_steps)
@@ -124,6 +133,8 @@ def run_cuts(args: argparse.Namespace) -> int:
         "step": args.step,
         "warmup_sequences": warmup.num_sequences if warmup is not None else 0,
         "warmup_steps": args.warmup_steps if warmup is not None else 0,
+        "warmup_from": args.warmup_from,
+        "warmup_tokens": int(warmup.attention_mask.sum()) if warmup is not None else 0,
         "timing": f"load {loaded - started:.0f} s, sample {sampled - loaded:.0f} s, score {scored - sampled:.0f} s",
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +194,9 @@ def markdown_header(meta: dict[str, Any]) -> str:
         f"{', '.join(map(str, meta['cut_layers']))}; {meta['sequences']} sampled completions "
         f"({meta['completion_tokens']} completion tokens, {meta['tokens']} tokens per forward), "
         f"temperature {meta['temperature']}, PRF step {meta['step']}."
-        + (f" Codec state warmed on {meta['warmup_sequences']} other completions over {meta['warmup_steps']} step{'s' * (meta['warmup_steps'] != 1)}."
+        + (f" Codec state warmed on {meta['warmup_sequences']} other "
+           f"{'reference solutions' if meta.get('warmup_from') == 'references' else 'sampled completions'} "
+           f"({meta.get('warmup_tokens', 0)} tokens) over {meta['warmup_steps']} step{'s' * (meta['warmup_steps'] != 1)}."
            if meta.get("warmup_sequences") else "")
         + f" {meta['timing']}.\n"
     )

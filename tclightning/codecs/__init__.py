@@ -23,6 +23,7 @@ from tclightning.codecs.lowrank import (
     FIRST_FITS,
     QUANT_BITS,
     AdaptiveLowRankCodec,
+    entropy_rank,
     SVDCodec,
     TokenMoments,
     quantised_bytes,
@@ -61,6 +62,7 @@ def make_codec(
     bits_lead: bool = False,
     value_bytes: int = 4,
     first_fit: str = "dense",
+    entropy_coding: bool = False,
 ) -> Codec:
     """Build codec ``name`` for ``dim`` channels; the budget is ``budget_k(dim, rate=rate, k=k)``
     values per token for ``prf``; the rank (default: that same budget) for ``svd``/``lowrank``;
@@ -83,6 +85,11 @@ def make_codec(
         return SVDCodec(dim, rank or budget)
     if name == "lowrank":
         rank = rank or budget
+        if entropy_coding:
+            budget_bytes = rank * value_bytes
+            return AdaptiveLowRankCodec(dim, entropy_rank(dim, budget_bytes), refresh_every=refresh_every,
+                                        refresh_tolerance=refresh_tolerance, token_slots=basis_tokens,
+                                        first_fit=first_fit, entropy_budget=budget_bytes)
         if bits is not None:
             rank = quantised_rank(rank * value_bytes, bits, dim, bits_lead)
         return AdaptiveLowRankCodec(dim, rank, refresh_every=refresh_every, refresh_tolerance=refresh_tolerance,

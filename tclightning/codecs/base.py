@@ -90,10 +90,13 @@ class Codec(ABC):
         self.dim = dim
 
     @abstractmethod
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Payload:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Payload:
         """Sender side: ``[B, L, d]`` (or ``[T, d]``) -> payload. ``token_ids`` (``x``'s shape
         without channels) is side information both sides hold; a codec that uses it is given the
-        same ids by :meth:`decode`."""
+        same ids by :meth:`decode`. ``token_mask`` (the same shape, True = real token) marks the
+        positions whose bytes count; a codec that spends a byte budget per message spends it on
+        those alone (None: every position is real)."""
 
     @abstractmethod
     def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None = None,

@@ -13,7 +13,8 @@ class IdentityCodec(Codec):
 
     name = "identity"
 
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         return x

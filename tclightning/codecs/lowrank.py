@@ -19,6 +19,7 @@ from torch import Tensor
 
 from tclightning.codecs.base import Codec, CodecKey
 from tclightning.codecs.context import ID_LIMIT, sorted_rows, token_of
+from tclightning.codecs.entropy import quantise_forward, quantise_gradient
 from tclightning.codecs.prf import fold32, key_hash, mix32
 
 TOKEN_PRIOR = 4.0
@@ -153,10 +154,8 @@ class TokenMoments:
         centres, and the fresh fit keeps them: fresh per-token means fitted in-sample would absorb
         the window's noise (a rare token's few rows) and ask for refits that do not pay, each of
         which moves the channel the layers around the cut have adapted to."""
-        assert self.total is not None and self.outer is not None and self.count > 0
-        u, mu = basis.to(self.outer), mean.to(self.outer)
-        centre = self.total / self.count
-        about_mu = self.outer / self.count - torch.outer(centre, mu) - torch.outer(mu, centre) + torch.outer(mu, mu)
+        u = basis.to(self.outer)
+        about_mu = self.second_moment_about(mean)
         energy = float(torch.trace(about_mu))
         if energy <= 0:
             return 0.0
@@ -164,6 +163,37 @@ class TokenMoments:
         eigenvalues = self.spectrum(within_tokens=False)[1].clamp_min(0)
         lost_fresh = float(eigenvalues[: max(0, self.dim - u.shape[1])].sum())
         return (lost_now - lost_fresh) / energy
+
+    def second_moment_about(self, mean: Tensor) -> Tensor:
+        """``sum (x - mu)(x - mu)^T / n`` (float64 [d, d]) of these rows about ``mean``."""
+        assert self.total is not None and self.outer is not None and self.count > 0
+        mu = mean.to(self.outer)
+        centre = self.total / self.count
+        return self.outer / self.count - torch.outer(centre, mu) - torch.outer(mu, centre) + torch.outer(mu, mu)
+
+    @torch.no_grad()
+    def coding_loss(self, basis: Tensor, mean: Tensor, variances: Tensor, budget_bits: float) -> tuple[float, float]:
+        """``(decorrelation, mismatch)``: bits a token an entropy-coded basis ``(basis [d, r], mean,
+        variances [r])`` would save on these rows by a fresh basis, and by a fresh model of its
+        variances in the basis it keeps. High-rate estimate at the water
+        level ``theta`` that ``budget_bits`` set on a fresh fit's eigenvalues ``e`` (both floored at
+        ``theta``, below which a direction costs nothing): the stale basis's decorrelation loss
+        ``1/2 sum log2(v_i / e_i)`` (``v`` the rows' variances in the current directions; >= 0,
+        the diagonal of a covariance is majorised by its eigenvalues) plus the model's mismatch
+        ``1/2 sum log2(lambda_i / v_i) + (v_i / lambda_i - 1) / ln 2`` (>= 0). The rows are centred
+        on the current token centres, and the fresh fit keeps them (see :meth:`refit_gain`); a
+        drift of the centres shows as variance the model does not expect."""
+        about_mu = self.second_moment_about(mean)
+        u = basis.to(about_mu)
+        rank = u.shape[1]
+        current = torch.diagonal(u.T @ about_mu @ u).clamp_min(0)
+        fresh = torch.linalg.eigvalsh((about_mu + about_mu.T) / 2).flip(0)[:rank].clamp_min(0)
+        theta = water_level(fresh, budget_bits)
+        floor = lambda v: v.clamp_min(theta)  # noqa: E731
+        decorrelation = 0.5 * float((floor(current).log2() - floor(fresh).log2()).sum())
+        model, seen = floor(variances.to(about_mu)), floor(current)
+        mismatch = 0.5 * float(((model / seen).log2() + (seen / model - 1) / math.log(2)).sum())
+        return decorrelation, mismatch
 
     def state_dict(self) -> dict[str, Any]:
         if self.total is None:
@@ -181,6 +211,20 @@ class TokenMoments:
             if "ids" in state:
                 self.with_ids, self.ids = int(state["with_ids"]), state["ids"]
                 self.token_total, self.token_count = state["token_total"], state["token_count"]
+
+
+def water_level(variances: Tensor, bits: float) -> float:
+    """Reverse water-filling: the level ``theta`` at which Gaussian components of ``variances``
+    cost ``bits`` in all, ``sum max(0, 1/2 log2(lambda_i / theta)) = bits`` (bisection in log2)."""
+    positive = variances[variances > 0].double()
+    if positive.numel() == 0:
+        return 1.0
+    low, high = float(positive.min().log2()) - 2 * bits - 1, float(positive.max().log2())
+    for _ in range(60):
+        middle = (low + high) / 2
+        cost = 0.5 * float((positive.log2() - middle).clamp_min(0).sum())
+        low, high = (middle, high) if cost > bits else (low, middle)
+    return 2.0**high
 
 
 class SVDCodec(Codec):
@@ -227,7 +271,8 @@ class SVDCodec(Codec):
         """One-off bytes to ship the basis and mean: ``(d * r + d) * element_size``."""
         return (self.dim * self.rank + self.dim) * dtype.itemsize
 
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Tensor:
         if not self.calibrated:
             self.calibrate(x)
         assert self.basis is not None and self.mean is not None
@@ -270,6 +315,9 @@ SCALE_BYTES = 2
 
 GRADIENT_STREAM = 1
 """``CodecKey.stream`` that keys the backward message's stochastic rounding."""
+
+STEP_SEARCH_STREAM = 2
+"""``CodecKey.stream`` of the draws an entropy-coded gradient message searches its step on."""
 
 _FLOAT16_MAX = 65504.0
 _ROW_SALT = 0x2545F491
@@ -347,16 +395,17 @@ def stochastic_quantise(g: Tensor, bits: int, uniforms: Tensor, lead: bool = Fal
     return (q * scale).to(g.dtype)
 
 
-def gradient_uniforms(key: CodecKey, shape: torch.Size, device: torch.device | str = "cpu") -> Tensor:
+def gradient_uniforms(key: CodecKey, shape: torch.Size, device: torch.device | str = "cpu",
+                      stream: int = GRADIENT_STREAM) -> Tensor:
     """Uniforms in [0, 1) for the backward message of a payload of ``shape`` (``[B, L, r]``, or
     ``[T, r]`` = one row): row ``b`` draws ``[L, r]`` from a CPU ``torch.Generator`` seeded by the
-    key (at :data:`GRADIENT_STREAM`) and its global row ``key.row_offset + b``, so the same token of
+    key (at ``stream``, :data:`GRADIENT_STREAM` unless told) and its global row ``key.row_offset + b``, so the same token of
     the same step gets the same draw in one process and in a micro-batch on another rank, and the
     global RNG is never touched."""
     if len(shape) not in (2, 3):
         raise ValueError(f"a payload must be [B, L, r] or [T, r], got shape {tuple(shape)}")
     rows, length, width = (1, *shape) if len(shape) == 2 else tuple(shape)
-    base = key_hash(dataclasses.replace(key, stream=GRADIENT_STREAM))
+    base = key_hash(dataclasses.replace(key, stream=stream))
     generator = torch.Generator()
     out = torch.empty(rows, length, width)
     for b in range(rows):
@@ -427,6 +476,74 @@ class QuantiseGradient(torch.autograd.Function):
         return stochastic_quantise(grad, ctx.bits, uniforms, ctx.lead), None, None, None
 
 
+def _real_rows(x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``x`` as ``[B, L, r]`` and its real-token mask ``[B, L]`` (None: every position)."""
+    rows = x if x.dim() == 3 else x.reshape(1, -1, x.shape[-1])
+    if mask is None:
+        return rows, torch.ones(rows.shape[:2], dtype=torch.bool, device=x.device)
+    return rows, mask.reshape(rows.shape[:2]).to(x.device).bool()
+
+
+def _scatter_rows(like: Tensor, mask: Tensor, values: list[Tensor]) -> Tensor:
+    """``[B, L, r]`` zeros of ``like``'s dtype with each row's real positions set to ``values[b]``."""
+    out = torch.zeros_like(like)
+    for b, row in enumerate(values):
+        out[b][mask[b]] = row.to(out.dtype).to(out.device)
+    return out
+
+
+class EntropyForward(torch.autograd.Function):
+    """Sender side of an entropy-coded message: coefficients -> ``q delta`` per row
+    (:func:`~tclightning.codecs.entropy.quantise_forward`; padding positions 0); the gradient
+    passes straight through (it was quantised where it left the receiver, :class:`EntropyGradient`)."""
+
+    @staticmethod
+    def forward(ctx: Any, c: Tensor, mask: Tensor | None, spread: Tensor, budget: int) -> Tensor:  # type: ignore[override]
+        rows, real = _real_rows(c, mask)
+        levels, steps = quantise_forward([rows[b][real[b]] for b in range(rows.shape[0])], spread, budget)
+        return _scatter_rows(rows, real, [q.double() * step for q, step in zip(levels, steps)]).view_as(c)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        return grad, None, None, None
+
+
+class EntropyGradient(torch.autograd.Function):
+    """Receiver side of an entropy-coded message: the identity going forward; going back, the
+    gradient w.r.t. the coefficients is stochastically rounded per row at the budget
+    (:func:`~tclightning.codecs.entropy.quantise_gradient`, draws :func:`gradient_uniforms`)."""
+
+    @staticmethod
+    def forward(ctx: Any, payload: Tensor, mask: Tensor | None, budget: int, key: CodecKey) -> Tensor:  # type: ignore[override]
+        ctx.mask, ctx.budget, ctx.key = mask, budget, key
+        return payload.view_as(payload)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        rows, real = _real_rows(grad, ctx.mask)
+        real_cpu = real.cpu()
+        uniforms = gradient_uniforms(ctx.key, rows.shape)
+        search = gradient_uniforms(ctx.key, rows.shape, stream=STEP_SEARCH_STREAM)
+        picked = [rows[b][real[b]] for b in range(rows.shape[0])]
+        levels, steps, _ = quantise_gradient(picked, [uniforms[b][real_cpu[b]] for b in range(rows.shape[0])],
+                                             [search[b][real_cpu[b]] for b in range(rows.shape[0])], ctx.budget)
+        out = _scatter_rows(rows, real, [q.double() * step for q, step in zip(levels, steps)])
+        return out.view_as(grad), None, None, None
+
+
+FIT_TOKENS_PER_CHANNEL = 8
+"""An entropy-coded basis's first fit waits for ``8 d`` dense tokens (4,608 on SmolLM2's d = 576)."""
+
+COEFFICIENTS_PER_BYTE = 8
+"""An entropy-coded basis keeps ``min(d, 8 x budget bytes)`` directions: past one per bit of the
+budget a direction's variance sits far below the water level and its levels are all zero."""
+
+
+def entropy_rank(dim: int, budget_bytes: int) -> int:
+    """Directions an entropy-coded basis of ``budget_bytes`` bytes a token keeps (:data:`COEFFICIENTS_PER_BYTE`)."""
+    return max(1, min(dim, COEFFICIENTS_PER_BYTE * budget_bytes))
+
+
 FLAG_BYTES = 4
 """A refresh check without shared traffic: the sender's flag, the refit message's length (one int32; 0 = kept)."""
 
@@ -483,6 +600,14 @@ class AdaptiveLowRankCodec(Codec):
     :func:`quantised_bytes`), while the tensors that cross in memory or between processes stay
     floats holding exactly those values (the payload is not cast to :attr:`wire_dtype` then).
     The cold start still crosses dense in :attr:`wire_dtype`.
+
+    **Entropy-coded coefficients** (``entropy_budget``, bytes a token; ``bits`` None): the payload
+    is ``q delta`` with one step per row (sequence), the smallest whose ANS-coded levels fit the
+    row's budget under a Laplace model of the fit's eigenvalues ``variances``
+    (:mod:`~tclightning.codecs.entropy`); the gradient message likewise, stochastically rounded.
+    Exactly ``entropy_budget`` bytes a token are counted each way. The first dense fit waits for
+    :attr:`first_fit_tokens`; a check refits the whole fit, or only the centres and variances
+    (a model-only message without ``U``), when that saves ``refresh_tolerance`` of the budget's bits.
     """
 
     name = "lowrank"
@@ -490,7 +615,7 @@ class AdaptiveLowRankCodec(Codec):
 
     def __init__(self, dim: int, rank: int, *, refresh_every: int = 10, refresh_tolerance: float = 0.02,
                  token_slots: int = 0, token_prior: float = TOKEN_PRIOR, bits: int | None = None,
-                 lead: bool = False, first_fit: str = "dense") -> None:
+                 lead: bool = False, first_fit: str = "dense", entropy_budget: int | None = None) -> None:
         super().__init__(dim)
         if first_fit not in FIRST_FITS:
             raise ValueError(f"first_fit must be one of {', '.join(FIRST_FITS)}, got {first_fit!r}")
@@ -502,6 +627,11 @@ class AdaptiveLowRankCodec(Codec):
         if lead and (bits is None or rank < 2):
             raise ValueError("lead needs bits and a rank of at least 2 (the lead and one quantised coefficient)")
         self.bits, self.lead = bits, lead
+        if entropy_budget is not None and (bits is not None or entropy_budget < 1):
+            raise ValueError(f"entropy_budget needs bits=None and at least 1 byte a token, got {entropy_budget} "
+                             f"(bits={bits})")
+        self.entropy_budget = entropy_budget
+        self.variances: Tensor | None = None  # [r] float32: the fit's eigenvalues, the coder's model
         self._wire_dtype: torch.dtype | None = None
         if refresh_every < 0:
             raise ValueError(f"refresh_every must be >= 0, got {refresh_every}")
@@ -564,9 +694,17 @@ class AdaptiveLowRankCodec(Codec):
         return shipped
 
     @property
+    def first_fit_tokens(self) -> int:
+        """Dense tokens the first fit waits for: :data:`FIT_TOKENS_PER_CHANNEL` ``x d`` for an
+        entropy-coded basis (it codes every direction the fit finds, so each must be well
+        estimated), else 2. Until then the cut keeps crossing dense."""
+        return FIT_TOKENS_PER_CHANNEL * self.dim if self.entropy_budget is not None else 2
+
+    @property
     def quantised(self) -> bool:
-        """Whether messages now carry quantised coefficients (``bits`` set and the basis fitted)."""
-        return self.bits is not None and self.basis is not None
+        """Whether messages now carry quantised coefficients (``bits`` or an entropy budget set, and
+        the basis fitted)."""
+        return (self.bits is not None or self.entropy_budget is not None) and self.basis is not None
 
     @property  # type: ignore[override]
     def wire_dtype(self) -> torch.dtype | None:
@@ -619,15 +757,23 @@ class AdaptiveLowRankCodec(Codec):
         base = self._table("centres", x.device, x.dtype).index_select(0, slots)
         return base.neg_().add_(x.reshape(-1, self.dim)).view(x.shape)
 
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"tensor has {x.shape[-1]} channels, codec expects d={self.dim}")
         if self.basis is None or self.mean is None:
             return x
         coefficients = self.centred(x, token_ids) @ self.basis.to(x.device, x.dtype)
+        if self.entropy_budget is not None:
+            return EntropyForward.apply(coefficients, token_mask, self.spread(), self.entropy_budget)
         if self.bits is None:
             return coefficients
         return QuantiseForward.apply(coefficients, self.bits, self.lead)
+
+    def spread(self) -> Tensor:
+        """The entropy coder's Laplace scale per coefficient, ``sqrt(lambda_i / 2)`` (float64, [r])."""
+        assert self.variances is not None
+        return (self.variances.double().clamp_min(0) / 2).sqrt()
 
     def decode(self, payload: Tensor, key: CodecKey, *, token_mask: Tensor | None = None,  # type: ignore[override]
                token_ids: Tensor | None = None) -> Tensor:
@@ -635,7 +781,9 @@ class AdaptiveLowRankCodec(Codec):
             return payload
         basis = self.basis.to(payload.device, payload.dtype)
         coefficients = payload[..., : self.rank]
-        if self.bits is not None:
+        if self.entropy_budget is not None:
+            coefficients = EntropyGradient.apply(coefficients, token_mask, self.entropy_budget, key)
+        elif self.bits is not None:
             coefficients = QuantiseGradient.apply(coefficients, self.bits, self.lead, key)
         slots = self._slots(token_ids, payload.shape[:-1], payload.device)
         if slots is None:
@@ -648,6 +796,8 @@ class AdaptiveLowRankCodec(Codec):
         """``tokens * r * element_size``; quantised, ``tokens * (ceil(r bits / 8) + 2)`` whatever
         ``dtype``; dense (``d`` values) before the first fit."""
         if self.quantised:
+            if self.entropy_budget is not None:
+                return tokens * self.entropy_budget
             assert self.bits is not None
             return tokens * quantised_bytes(self.rank, self.bits, self.lead)
         return tokens * self.width * dtype.itemsize
@@ -683,41 +833,63 @@ class AdaptiveLowRankCodec(Codec):
         """What both sides do as step ``step`` begins: ``fit`` (decide on shared dense tokens),
         ``ship`` (the sender decides and tells the receiver) or None. Reads only shared state."""
         if self.basis is None:  # a shipped first fit comes with the first payload, not here
-            return "fit" if self.shared.count >= 2 and self.first_fit == "dense" else None
+            return "fit" if self.shared.count >= self.first_fit_tokens and self.first_fit == "dense" else None
         if self.refresh_every == 0 or step - self.checked_step < self.refresh_every:
             return None
         return "fit" if self.shared.count >= 2 else "ship"
 
-    def _drifted(self, moments: TokenMoments) -> bool:
+    def _drift(self, moments: TokenMoments) -> str | None:
+        """What a check on ``moments`` refits: ``basis`` (everything), ``model`` (an entropy-coded
+        codec's centres and variances in the basis it keeps: what drifts first, and a fraction of
+        the bytes to ship) or None. Against ``refresh_tolerance``: the energy a fresh basis would
+        keep (:meth:`TokenMoments.refit_gain`), or, entropy-coded, the share of the budget's bits a
+        fresh fit would save (:meth:`TokenMoments.coding_loss`: a fresh basis first, else the model)."""
         assert self.basis is not None and self.mean is not None
         if moments.count < 2:
-            return False
-        return self.refresh_tolerance == 0 or moments.refit_gain(self.basis, self.mean) > self.refresh_tolerance
+            return None
+        if self.refresh_tolerance == 0:
+            return "basis"
+        if self.entropy_budget is None or self.variances is None:
+            return "basis" if moments.refit_gain(self.basis, self.mean) > self.refresh_tolerance else None
+        budget = 8.0 * self.entropy_budget
+        decorrelation, mismatch = moments.coding_loss(self.basis, self.mean, self.variances, budget)
+        if decorrelation > self.refresh_tolerance * budget:
+            return "basis"
+        return "model" if decorrelation + mismatch > self.refresh_tolerance * budget else None
 
     def fit_shared(self, step: int) -> bool:
         """Both sides: the first fit, or a check on the dense tokens both saw; refit if drifted.
-        Returns whether the basis changed (the same answer on both sides)."""
-        refit = self.basis is None or self._drifted(self.shared)
-        if refit:
-            self._refit(self.shared)
+        Returns whether the codec changed (the same answer on both sides)."""
+        drift = "basis" if self.basis is None else self._drift(self.shared)
+        if drift is not None:
+            self._refit(self.shared, keep_basis=drift == "model")
         self._checked(step)
-        return refit
+        return drift is not None
 
     def basis_message(self, step: int) -> Tensor | None:
-        """Sender: check the tokens it encoded since the last check; if the basis drifted, refit,
+        """Sender: check the tokens it encoded since the last check; if the codec drifted, refit,
         install and return :meth:`fit_message` to ship, else None (keep)."""
         message = None
-        if self._drifted(self.window):
-            self._refit(self.window)
-            message = self.fit_message()
+        drift = self._drift(self.window)
+        if drift is not None:
+            self._refit(self.window, keep_basis=drift == "model")
+            message = self.fit_message(with_basis=drift == "basis")
         self._shipped += self.refresh_bytes(message)
         self._checked(step)
         return message
 
-    def fit_message(self) -> Tensor:
-        """``cat(U.flatten(), mu, ids, tau.flatten())`` (float32; ids are exact below 2^24)."""
+    def fit_message(self, with_basis: bool = True) -> Tensor:
+        """``cat(U.flatten(), mu, ids, tau.flatten())`` (float32; ids are exact below 2^24). An
+        entropy-coded codec's message starts with 1 (a whole fit) or 0 (a model-only refit, ``U``
+        left out) and holds the variances ``lambda``, the coder's model, after ``mu``."""
         assert self.basis is not None and self.mean is not None
-        parts = [self.basis.reshape(-1), self.mean]
+        parts = [self.basis.reshape(-1)] if with_basis else []
+        if self.entropy_budget is not None:  # which of the two it is, first
+            parts.insert(0, torch.tensor([float(with_basis)]))
+        parts.append(self.mean)
+        if self.entropy_budget is not None:
+            assert self.variances is not None
+            parts.append(self.variances)
         if self.token_ids is not None and self.token_offsets is not None:
             if self.token_ids.numel() and int(self.token_ids.max()) >= ID_LIMIT:
                 raise ValueError(f"token id {int(self.token_ids.max())} cannot ship as float32 (ids must be < 2^24)")
@@ -729,36 +901,66 @@ class AdaptiveLowRankCodec(Codec):
         if message is not None:
             flat = message.detach().float().cpu()
             size = self.dim * self.rank
-            tokens, extra = divmod(flat.numel() - size - self.dim, self.dim + 1)
+            model_values = self._fit_values() - size
+            basis_values = size
+            if self.entropy_budget is not None:
+                kind, flat = (float(flat[0]) if flat.numel() else -1.0), flat[1:]
+                if kind not in (0.0, 1.0):
+                    raise ValueError(f"basis message starts with {kind}, expected 1 (a whole fit) or 0 (model only)")
+                basis_values = size if kind == 1.0 else 0
+                model_values -= 1
+            tokens, extra = divmod(flat.numel() - basis_values - model_values, self.dim + 1)
             if tokens < 0 or extra or (tokens and not self.token_slots):
-                raise ValueError(f"basis message has {flat.numel()} values, expected {size + self.dim} "
+                raise ValueError(f"basis message has {flat.numel()} values, expected {self._fit_values()} "
                                  f"plus (d + 1) per token centre")
+            fitted = basis_values + model_values
             if tokens:
-                table = flat[size + self.dim:]
+                table = flat[fitted:]
                 self.token_ids = table[:tokens].round().long()
                 self.token_offsets = table[tokens:].reshape(tokens, self.dim).clone()
-            self._install(flat[:size].reshape(self.dim, self.rank).clone(), flat[size : size + self.dim].clone())
+            basis = flat[:size].reshape(self.dim, self.rank).clone() if basis_values else self.basis
+            assert basis is not None
+            mean = flat[basis_values : basis_values + self.dim].clone()
+            variances = flat[basis_values + self.dim : fitted].clone() if self.entropy_budget is not None else None
+            self._install(basis, mean, variances)
         self._checked(step)
 
     def refresh_bytes(self, message: Tensor | None) -> int:
         """The flag, and the basis if refitted: ``FLAG_BYTES + 4 * message.numel()``."""
         return FLAG_BYTES + (message.numel() * 4 if message is not None else 0)
 
-    def ship_bytes(self) -> int:
-        """Bytes of the basis as it would ship now: ``(d r + d + n (d + 1)) * 4`` (float32; ``n``
-        token centres)."""
-        tokens = 0 if self.token_ids is None else self.token_ids.numel()
-        return (self.dim * self.rank + self.dim + tokens * (self.dim + 1)) * 4
+    def _fit_values(self) -> int:
+        """Values of a whole fit message before its token table: ``d r + d`` (``+ 1 + r``, its
+        kind and the variances, when entropy-coded)."""
+        return self.dim * self.rank + self.dim + (1 + self.rank if self.entropy_budget is not None else 0)
 
-    def _refit(self, moments: TokenMoments) -> None:
-        """Fit basis, mean and (with token centres) the offsets from ``moments`` and install them."""
-        basis, mean, _ = moments.principal_basis(self.rank)
+    def ship_bytes(self) -> int:
+        """Bytes of the basis as it would ship now: ``(d r + d [+ r] + n (d + 1)) * 4`` (float32;
+        ``n`` token centres; ``r`` eigenvalues when entropy-coded)."""
+        tokens = 0 if self.token_ids is None else self.token_ids.numel()
+        return (self._fit_values() + tokens * (self.dim + 1)) * 4
+
+    def _refit(self, moments: TokenMoments, keep_basis: bool = False) -> None:
+        """Fit basis, mean and (with token centres) the offsets from ``moments`` and install them;
+        ``keep_basis``: the mean, offsets and an entropy-coded codec's variances only (these in the
+        directions it keeps, ``diag(U^T W U)``)."""
+        mean, eigenvalues, eigenvectors = moments.spectrum()
+        if keep_basis:
+            assert self.basis is not None
+            basis = self.basis
+            projection = basis.to(eigenvectors).T @ eigenvectors  # [r, d]
+            variances = (projection.pow(2) * eigenvalues.clamp_min(0)).sum(1)
+        else:
+            basis, mean, _ = moments.principal_basis(self.rank)
+            variances = eigenvalues[-self.rank:].flip(0).clamp_min(0)
+        if self.entropy_budget is None:
+            variances = None
         if self.token_slots and moments.by_token:
             ids, means = moments.token_means()
             assert moments.token_count is not None and moments.total is not None
             shift = means - moments.total / moments.count  # m_t - m
             self._move_offsets(ids.cpu(), shift.float().cpu(), moments.token_count.cpu())
-        self._install(basis, mean)
+        self._install(basis, mean, variances)
 
     def _move_offsets(self, ids: Tensor, shift: Tensor, counts: Tensor) -> None:
         """Add each seen id's mean shift ``m_t - m`` to its offset; new ids take free slots, the
@@ -777,8 +979,9 @@ class AdaptiveLowRankCodec(Codec):
         self.token_ids = merged[order]
         self.token_offsets = torch.cat([offsets, shift[fresh]])[order]
 
-    def _install(self, basis: Tensor, mean: Tensor) -> None:
+    def _install(self, basis: Tensor, mean: Tensor, variances: Tensor | None = None) -> None:
         self.basis, self.mean = basis.float().cpu(), mean.float().cpu()
+        self.variances = None if variances is None else variances.float().cpu()
         self._table_cache = {}
         self.version += 1
 
@@ -806,6 +1009,7 @@ class AdaptiveLowRankCodec(Codec):
             "mean": None if self.mean is None else self.mean.clone(),
             "token_ids": None if self.token_ids is None else self.token_ids.clone(),
             "token_offsets": None if self.token_offsets is None else self.token_offsets.clone(),
+            "variances": None if self.variances is None else self.variances.clone(),
             "version": self.version,
             "checked_step": self.checked_step,
             "shared": self.shared.state_dict(),
@@ -815,8 +1019,16 @@ class AdaptiveLowRankCodec(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
+        basis, entropy = state["basis"], state.get("variances") is not None
+        if basis is not None and (basis.shape[1] != self.rank or entropy != (self.entropy_budget is not None)):
+            raise ValueError(
+                f"the saved basis has rank {basis.shape[1]} with {'entropy-coded' if entropy else 'other'} "
+                f"coefficients; this cut's codec has rank {self.rank} with "
+                f"{'entropy-coded' if self.entropy_budget is not None else 'other'} ones: resume with the run's "
+                f"own pipeline settings (pipeline.entropy_coding={str(entropy).lower()})")
         self.basis, self.mean = state["basis"], state["mean"]
         self.token_ids, self.token_offsets = state.get("token_ids"), state.get("token_offsets")
+        self.variances = state.get("variances")
         self._table_cache = {}
         self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
         self.shared.load_state_dict(state.get("shared", {}))
@@ -825,4 +1037,5 @@ class AdaptiveLowRankCodec(Codec):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(dim={self.dim}, rank={self.rank}, refresh_every={self.refresh_every}, "
                 f"refresh_tolerance={self.refresh_tolerance}, token_slots={self.token_slots}"
-                + (f", bits={self.bits}" if self.bits is not None else "") + (", lead=True)" if self.lead else ")"))
+                + (f", bits={self.bits}" if self.bits is not None else "")
+                + (f", entropy_budget={self.entropy_budget}" if self.entropy_budget is not None else "") + (", lead=True)" if self.lead else ")"))

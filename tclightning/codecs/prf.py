@@ -225,7 +225,8 @@ class PRFCodec(Codec):
         """Forget cached indices (benchmarks time index generation on both sides)."""
         self._last = None
 
-    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None) -> Tensor:
+    def encode(self, x: Tensor, key: CodecKey, *, token_ids: Tensor | None = None,
+               token_mask: Tensor | None = None) -> Tensor:
         rows = as_rows(x)
         self._check_dim(rows)
         idx = self.indices(key, rows.shape[0], rows.shape[1], rows.device)

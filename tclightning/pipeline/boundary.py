@@ -168,7 +168,7 @@ class Boundary:
             if shipped:
                 self.meter.record_setup(self.ordinal, shipped)
             end.observe_sent(real, real_ids)
-        payload = self.wire.send_forward(self.ordinal, end.encode(x, key, token_ids))
+        payload = self.wire.send_forward(self.ordinal, end.encode(x, key, token_ids, token_mask))
         self._record(FORWARD, payload, tokens, x.dtype)
         if isinstance(payload, Tensor) and payload.requires_grad:
             payload.register_hook(self._gradient_hook(tokens, x.dtype))

@@ -103,6 +103,16 @@ class PipelineConfig:
         "(float16 forward, bfloat16 backward) beside the quantised rest, which get their own scale, so one "
         "dominant direction (SmolLM2's massive-activation channel) does not set every coefficient's step: "
         "``r = 1 + floor((8 * bytes - 32) / bits)``, ``ceil((r - 1) * bits / 8) + 4`` bytes per token")
+    entropy_coding: bool = setting(
+        True, flag,
+        "``lowrank`` without ``bits``: entropy-coded coefficients (false: float coefficients; other codecs ignore "
+        "the key). The bytes k values cost in the payload dtype (float32 unless "
+        "``payload_dtype``) are each row's budget per token; the basis keeps ``min(d, 8 x bytes)`` directions, "
+        "quantised with one step per row (the smallest that fits, carried in 4 bytes) and ANS-coded under a "
+        "Laplace model of each direction's variance (the fit's eigenvalues, which both sides hold), so the bytes go "
+        "to the leading directions by themselves. The gradient message: unbiased stochastic rounding, one step "
+        "and scale per row (8 bytes), the same budget. Exactly the budget is counted. The first fit waits for "
+        "8 x d dense tokens")
     refresh_every: int = setting(
         10, integer(0),
         "``lowrank``: steps between basis refresh checks (0 = keep the first fit). A check is free when the anchor's "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -188,11 +188,13 @@ class CutSet:
                 boundary.codec = cut_codec(self.config, spec, self.dim)
 
     @contextlib.contextmanager
-    def observing_dense(self, model: nn.Module, attention_mask: Tensor,
-                        input_ids: Tensor | None = None) -> Iterator[None]:
+    def observing_dense(self, model: nn.Module, attention_mask: Tensor, input_ids: Tensor | None = None,
+                        sink: Callable[[int, Tensor, Tensor | None], None] | None = None) -> Iterator[None]:
         """While a dense forward of ``model`` runs (a hook-free copy of this model, or this model
         under :meth:`bypassed`), hand each cut's activations at real tokens (``attention_mask`` [B,
-        L]), with their :func:`context_keys` from ``input_ids`` [B, L] if given, to :meth:`observe_dense`."""
+        L]), with their :func:`context_keys` from ``input_ids`` [B, L] if given, to :meth:`observe_dense`
+        (or to ``sink(ordinal, tokens, ids)`` instead)."""
+        sink = sink or self.observe_dense
         real = attention_mask.bool()
         ids = context_keys(input_ids)[real] if input_ids is not None else None
         _, layers = find_decoder_layers(model)
@@ -201,8 +203,8 @@ class CutSet:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 hidden = output[0] if isinstance(output, tuple) else output
                 if hidden.dim() == 3 and hidden.shape[:2] == real.shape:
-                    self.observe_dense(ordinal, hidden.detach()[real.to(hidden.device)],
-                                       ids.to(hidden.device) if ids is not None else None)
+                    sink(ordinal, hidden.detach()[real.to(hidden.device)],
+                         ids.to(hidden.device) if ids is not None else None)
             return hook
 
         handles = [layers[spec.layer].register_forward_hook(tap(spec.ordinal)) for spec in self.specs]

@@ -74,9 +74,10 @@ class CutEnd:
 
     # -- the message -------------------------------------------------------------------------------
 
-    def encode(self, hidden: Tensor, key: CodecKey, token_ids: Tensor | None) -> Payload:
-        """``hidden`` [..., d] -> the payload as it crosses (the wire dtype)."""
-        return self.codec.to_wire(self.codec.encode(hidden, key, token_ids=token_ids))
+    def encode(self, hidden: Tensor, key: CodecKey, token_ids: Tensor | None,
+               token_mask: Tensor | None = None) -> Payload:
+        """``hidden`` [..., d] -> the payload as it crosses (the wire dtype); ``token_mask``: the real tokens."""
+        return self.codec.to_wire(self.codec.encode(hidden, key, token_ids=token_ids, token_mask=token_mask))
 
     def decode(self, payload: Payload, key: CodecKey, *, token_mask: Tensor | None,
                token_ids: Tensor | None) -> Tensor:

@@ -126,7 +126,7 @@ def cut_codec(config: PipelineConfig, spec: CutSpec, dim: int) -> Codec:
         spec.codec, dim, k=spec.k, rank=spec.rank, refresh_every=config.refresh_every,
         refresh_tolerance=config.refresh_tolerance, basis_tokens=config.basis_tokens,
         bits=bits, bits_lead=config.bits_lead and bits is not None, value_bytes=value_bytes,
-        first_fit=config.first_fit,
+        first_fit=config.first_fit, entropy_coding=config.entropy_coding and spec.codec == "lowrank" and bits is None,
     )
     if config.payload_dtype is not None and spec.codec != "identity":
         codec.wire_dtype = WIRE_DTYPES[config.payload_dtype]

@@ -273,4 +273,4 @@ class StageModule(nn.Module):
                     end.setup_bytes(real, real_ids, self.step)
                 else:
                     end.observe_sent(real, real_ids, self.send_tap)
-        return pack(end.encode(hidden, self._key(spec, rows), keys), attention_mask)
+        return pack(end.encode(hidden, self._key(spec, rows), keys, attention_mask.bool()), attention_mask)

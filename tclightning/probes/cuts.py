@@ -96,8 +96,10 @@ def price_cuts(
       completions, as a run's codecs learn from earlier steps -- or, without it, on the measured batch itself (in-sample, optimistic).
       ``warmup``'s rows are split into ``warmup_steps`` consecutive steps, each folded in as a run
       folds a step: its dense activations at each cut (what an anchor's dense pass hands the
-      codecs), one compressed forward at key ``step + 1 + i``, then the step change. That warming
-      is not counted.
+      codecs; computed once, then handed to every row's codecs), the step change to key
+      ``step + 1 + i`` that folds them in, then one compressed forward at that key (skipped after
+      the last share unless a codec calibrates on it or still crosses dense: nothing else reads
+      it before the measured batch). That warming is not counted.
     * Bytes: the CutSet's own meter (real tokens of the forward's ``attention_mask``), divided
       by the number of real tokens in the batch; forward only (no backward runs here).
 
@@ -116,6 +118,7 @@ def price_cuts(
     model.eval()  # no dropout: the gap must come from the cuts alone
     rows: list[dict[str, Any]] = []
     cache: dict[tuple[bool, ...], dict[str, Any]] = {}  # first:1 == solo:0: score it once
+    dense_taps: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None]]] = {}  # the same for every row
     try:
         probe_cuts = install_cuts(model, dataclasses.replace(base, layout="dense", cut_codecs=None))
         specs = probe_cuts.specs
@@ -126,7 +129,8 @@ def price_cuts(
                 flags = tuple(spec.compressed for spec in cuts.specs)
                 if flags not in cache:
                     cache[flags] = _score(model, rollouts, cuts, temperature, step, tokens,
-                                          warmup.to(device) if warmup is not None else rollouts, warmup_steps)
+                                          warmup.to(device) if warmup is not None else rollouts, warmup_steps,
+                                          dense_taps)
                 measured = cache[flags]
                 compressed = [spec for spec in cuts.specs if spec.compressed]
             finally:
@@ -160,17 +164,32 @@ def is_stateful(config: PipelineConfig) -> bool:
 
 
 def _score(model: nn.Module, rollouts: Rollouts, cuts: Any, temperature: float, step: int, tokens: int,
-           warmup: Rollouts, warmup_steps: int) -> dict:
+           warmup: Rollouts, warmup_steps: int, dense_taps: dict[int, list[Any]]) -> dict:
     """One compressed re-score of the batch under installed ``cuts``: gap/* and bytes per token
-    (stateful codecs warmed on ``warmup`` first, see :func:`price_cuts`)."""
+    (stateful codecs warmed on ``warmup`` first, see :func:`price_cuts`). ``dense_taps``: each
+    warm-up step's dense activations at the cuts, recorded by the first row that warms and handed
+    to the next rows' codecs as they were (the dense forward is the same for every row)."""
     if cuts.compressed and is_stateful(cuts.config):
         rows = torch.arange(warmup.num_sequences)
-        for offset, part in enumerate(torch.tensor_split(rows, min(warmup_steps, len(rows)))):
+        shares = torch.tensor_split(rows, min(warmup_steps, len(rows)))
+        for offset, part in enumerate(shares):
             chunk = warmup.select(part)
-            with cuts.bypassed(), cuts.observing_dense(model, chunk.attention_mask, chunk.input_ids):
-                completion_logps(model, chunk, temperature)
+            if offset not in dense_taps:
+                seen: list[Any] = []
+                with cuts.bypassed(), cuts.observing_dense(model, chunk.attention_mask, chunk.input_ids,
+                                                           sink=lambda *tap: seen.append(tap)):
+                    completion_logps(model, chunk, temperature)
+                dense_taps[offset] = seen
+            for ordinal, dense, ids in dense_taps[offset]:
+                cuts.observe_dense(ordinal, dense, ids)
             cuts.set_step(step + 1 + offset)  # folds the step before
-            completion_logps(model, chunk, temperature)
+            # the share's compressed forward feeds what the codecs learn at the next step change
+            # (and calibrates a codec fitted on its first message); after the last share no check
+            # comes before the measured batch, so it changes nothing unless a codec calibrates on
+            # it or still crosses dense (and would fold it in)
+            learning = any(b.codec.needs_calibration or b.codec.crosses_dense for b in cuts.boundaries)
+            if offset < len(shares) - 1 or learning:
+                completion_logps(model, chunk, temperature)
         cuts.set_step(step)  # folds the last warm-up step into the codecs' state
     cuts.reset_stats()
     logp_trainer, _ = completion_logps(model, rollouts, temperature)
