@@ -326,3 +326,11 @@ def test_resume_restores_an_entropy_coded_codec_exactly(tmp_path: Path, monkeypa
     codec = resumed_codec_matches(tmp_path, PipelineConfig(**CONFIG))
     assert isinstance(codec, AdaptiveLowRankCodec) and codec.entropy_budget == TOKEN_BYTES
     assert codec.variances is not None and codec.variances.shape == (codec.rank,)
+
+
+def test_a_silent_row_and_a_model_without_variance_still_fit_their_budget() -> None:
+    gen = torch.Generator().manual_seed(6)
+    row = torch.randn(10, 4, generator=gen)
+    levels, steps = quantise_forward([torch.zeros(10, 4), row], torch.zeros(4), 8)
+    assert steps[0] == 0.0 and not levels[0].any()  # nothing to send
+    assert steps[1] > 0 and coded_bits(levels[1], torch.zeros(4) / steps[1]) <= row_budget(10, 8, STEP_BYTES)

@@ -47,6 +47,8 @@ _LEAK = (2 * MAX_LEVEL + 1) * 2.0**-PRECISION
 _LEAK_BITS = -math.log2(1 - _LEAK)
 _LOG2E = 1 / math.log(2)
 _MIN_SPREAD = 1e-6  # in steps: a component this narrow is all zeros, at the leak's cost
+_MIN_STEP = float(np.finfo(np.float32).tiny)  # the header's float32 step stays nonzero
+_BRACKET_WIDENINGS = 8  # 8 octaves each way at a time, at most 64 from the first guess
 _SEARCH_ITERATIONS = 14  # bisection in log2(step) over a 16-octave bracket: 1/1024 of an octave
 GRADIENT_MARGIN = 0.01
 """Share of a gradient row's budget its step search leaves free (see :func:`quantise_gradient`)."""
@@ -91,14 +93,18 @@ def _fit_step(quantise, spread_of, start: float, target: float, check: bool = Tr
         return _bits_bound(quantise(step), spread_of(step)) <= target
 
     low, high = math.log2(start) - 8, math.log2(start) + 8
-    while not fits(high):  # a start the high-rate guess misjudged
+    for _ in range(_BRACKET_WIDENINGS):  # a start the high-rate guess misjudged
+        if fits(high):
+            break
         low, high = high, high + 8
-    while fits(low):
+    for _ in range(_BRACKET_WIDENINGS):  # bounded: a row of zero-variance directions fits at any step
+        if not fits(low):
+            break
         low, high = low - 8, low
     for _ in range(_SEARCH_ITERATIONS):
         middle = (low + high) / 2
         low, high = (low, middle) if fits(middle) else (middle, high)
-    step = float(np.float32(2.0**high))
+    step = max(float(np.float32(2.0**high)), _MIN_STEP)
     while check and coded_bits(quantise(step), spread_of(step)) > target:  # rare: the coder's own rounding
         step = float(np.float32(step * _FIT_RETRY))
     return step
@@ -108,7 +114,7 @@ def _high_rate_step(values: Tensor, spread_bits: Tensor, target: float) -> float
     """A first guess of a row's step from the high-rate approximation ``bits = T sum_i
     log2(2 e b_i / delta)`` (``spread_bits`` = ``log2(2 e b_i)``)."""
     tokens = values.shape[0]
-    return 2.0 ** float((spread_bits.sum() - target / tokens) / spread_bits.numel())
+    return max(2.0 ** float((spread_bits.sum() - target / tokens) / spread_bits.numel()), _MIN_STEP)
 
 
 def row_budget(tokens: int, budget: int, header: int) -> float:
@@ -127,7 +133,7 @@ def quantise_forward(rows: list[Tensor], spread: Tensor, budget: int) -> tuple[l
     for row in rows:
         values = row.detach().double().cpu()
         target = row_budget(values.shape[0], budget, STEP_BYTES)
-        if target <= 0:  # no room for the header: the row is sent empty, and decodes to its centres
+        if target <= 0 or not bool(values.any()):  # no room for the header, or nothing to send: an empty row
             levels.append(torch.zeros_like(values, dtype=torch.long)), steps.append(0.0)
             continue
 
