@@ -92,7 +92,8 @@ class PipelineConfig:
         "choice: gradient values often lie below float16's smallest normal number")
     bits: int | None = setting(
         None, _bits,
-        "``lowrank``: bits per basis coefficient, ``8`` | ``4`` | ``3`` | ``2`` | null (float coefficients). The "
+        "``lowrank``: bits per basis coefficient, fixed-length in place of ``entropy_coding``, ``8`` | ``4`` | ``3`` | "
+        "``2`` | null (entropy-coded, or float with ``entropy_coding: false``). The "
         "bytes k values cost in the payload dtype (float32 unless ``payload_dtype``) buy ``r = floor((8 * bytes - "
         "16) / bits)`` coefficients (at most d) and a 16-bit scale per token, ``ceil(r * bits / 8) + 2`` bytes "
         "per token each way: round to nearest going forward, unbiased stochastic rounding (keyed) for the "
