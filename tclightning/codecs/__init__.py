@@ -23,9 +23,9 @@ from tclightning.codecs.lowrank import (
     FIRST_FITS,
     QUANT_BITS,
     AdaptiveLowRankCodec,
-    entropy_rank,
     SVDCodec,
     TokenMoments,
+    entropy_rank,
     quantised_bytes,
     quantised_rank,
 )
@@ -113,6 +113,7 @@ __all__ = [
     "SVDCodec",
     "budget_k",
     "dense_bytes",
+    "entropy_rank",
     "make_codec",
     "payload_nbytes",
     "quantised_bytes",
