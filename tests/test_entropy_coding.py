@@ -27,11 +27,10 @@ from tclightning.codecs.entropy import (
 )
 from tclightning.codecs.lowrank import STEP_SEARCH_STREAM, gradient_uniforms
 from tclightning.errors import TclightningError
-from tclightning.models.logprobs import completion_logps
-from tclightning.pipeline import CutSet, PipelineConfig
+from tclightning.pipeline import PipelineConfig
 from tclightning.pipeline.layout import cut_codec, resolve_layout
-from tests.test_distributed import rollouts, tiny_llama
-from tests.test_quantised_basis import loss_fn_for, resumed_codec_matches
+from tests.test_distributed import rollouts
+from tests.test_quantised_basis import one_process_quantised, quantised_worker, resumed_codec_matches
 
 KEY = CodecKey(seed=3, step=1, cut=2)
 
@@ -235,66 +234,23 @@ def test_a_checkpointed_basis_of_another_coding_is_refused_in_one_line() -> None
 
 # ------------------------------------------------------------------ one process, two processes, resume
 CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "entropy_coding": True, "microbatches": 1}
+ENTROPY = {"bits": None, "entropy_coding": True, "microbatches": 1}  # over the fixed-bit tests' CONFIG
 TOKEN_BYTES = 20  # k = 5 float32 values
 # One micro-batch, so that both processes see bit-identical activations: a row's levels are
 # rounded values, and a last-bit difference from another micro-batch shape can move one across a
 # rounding boundary. That a row is coded the same among any rows is tested on the codec above.
 
 
-def fit_on_any_traffic() -> None:
-    """The test batch holds 42 tokens, under the ``8 d`` an entropy-coded first fit waits for:
-    let it fit on them (in a worker process; the tests themselves monkeypatch it)."""
-    import tclightning.codecs.lowrank as lowrank
-
-    lowrank.FIT_TOKENS_PER_CHANNEL = 0
-
-
-def one_process(setup: dict[str, Any]) -> dict[str, Any]:
-    model = tiny_llama()
-    batch = rollouts()
-    with CutSet(model, PipelineConfig(**CONFIG, **setup)) as cuts:
-        cuts.set_step(0)
-        completion_logps(model, batch)
-        cuts.set_step(1)
-        cuts.reset_stats()
-        logp, _ = completion_logps(model, batch)
-        loss_fn = loss_fn_for(batch)
-        loss_fn(logp, torch.arange(batch.num_sequences)).backward()
-        metrics = cuts.metrics()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {"loss": loss_fn.stats["loss/policy"], "grads": grads, "logp": logp.detach(), "wire": metrics}
-
-
-def entropy_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[str, Any]:
-    from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
-
-    fit_on_any_traffic()
-    model = tiny_llama()
-    names = {id(p): name for name, p in model.named_parameters()}
-    engine = PipelineEngine(model, PipelineConfig(**CONFIG, **setup, timeout_s=30))
-    batch = rollouts()
-    inputs = StageInputs.from_rollouts(batch)
-    engine.set_step(0)
-    engine.run(inputs)
-    engine.set_step(1)
-    engine.reset_stats()
-    loss_fn = loss_fn_for(batch) if engine.is_last else no_loss
-    logp, _ = engine.run(inputs, loss_fn)
-    engine.reduce_tied_gradients()
-    grads = {names[id(p)]: p.grad.clone() for p in engine.owned_parameters() if p.grad is not None}
-    return {"loss": loss_fn.stats["loss/policy"] if engine.is_last else None, "grads": grads, "logp": logp,
-            "wire": engine.metrics(), "setup": setup}
-
-
 @pytest.mark.parametrize("setup", [{}, {"basis_tokens": 0}], ids=["token-centres", "one-mean"])
 def test_two_processes_match_one_process_loss_gradients_and_bytes(setup: dict[str, Any],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("tclightning.codecs.lowrank.FIT_TOKENS_PER_CHANNEL", 0)
-    outcomes = run_ranks(entropy_worker, 2, setup, timeout_s=60)
+    setup = {**ENTROPY, **setup}
+    outcomes = run_ranks(quantised_worker, 2, setup, timeout_s=60)
     for outcome in outcomes:
         assert outcome.error is None, outcome.trace
     first, last = outcomes[0].value, outcomes[1].value
-    ref = one_process(setup)
+    ref = one_process_quantised(setup)
     assert last["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
     torch.testing.assert_close(last["logp"], ref["logp"], rtol=1e-5, atol=1e-6)
     got = {**first["grads"], **last["grads"]}

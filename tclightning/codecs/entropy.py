@@ -84,10 +84,9 @@ def _bits_bound(levels: Tensor, spread: Tensor) -> float:
     return float(total.sum()) + levels.numel() * _LEAK_BITS
 
 
-def _fit_step(quantise, spread_of, start: float, target: float, check: bool = True) -> float:
+def _search_step(quantise, spread_of, start: float, target: float) -> float:
     """The smallest step (float32, to 1/1024 of an octave) whose levels ``quantise(step)`` fit
-    ``target`` bits by :func:`_bits_bound`, then (``check``) grown until the real coder's stream
-    fits too."""
+    ``target`` bits by :func:`_bits_bound`, bracketed from ``start``."""
     def fits(log_step: float) -> bool:
         step = 2.0**log_step
         return _bits_bound(quantise(step), spread_of(step)) <= target
@@ -104,16 +103,20 @@ def _fit_step(quantise, spread_of, start: float, target: float, check: bool = Tr
     for _ in range(_SEARCH_ITERATIONS):
         middle = (low + high) / 2
         low, high = (low, middle) if fits(middle) else (middle, high)
-    step = max(float(np.float32(2.0**high)), _MIN_STEP)
-    while check and coded_bits(quantise(step), spread_of(step)) > target:  # rare: the coder's own rounding
+    return max(float(np.float32(2.0**high)), _MIN_STEP)
+
+
+def _grown_to_fit(quantise, spread_of, step: float, target: float) -> float:
+    """``step``, grown until the real coder's stream of ``quantise(step)`` fits ``target`` bits
+    (rare: the coder rounds its probabilities)."""
+    while coded_bits(quantise(step), spread_of(step)) > target:
         step = float(np.float32(step * _FIT_RETRY))
     return step
 
 
-def _high_rate_step(values: Tensor, spread_bits: Tensor, target: float) -> float:
+def _high_rate_step(tokens: int, spread_bits: Tensor, target: float) -> float:
     """A first guess of a row's step from the high-rate approximation ``bits = T sum_i
     log2(2 e b_i / delta)`` (``spread_bits`` = ``log2(2 e b_i)``)."""
-    tokens = values.shape[0]
     return max(2.0 ** float((spread_bits.sum() - target / tokens) / spread_bits.numel()), _MIN_STEP)
 
 
@@ -140,7 +143,9 @@ def quantise_forward(rows: list[Tensor], spread: Tensor, budget: int) -> tuple[l
         def quantise(step: float, values: Tensor = values) -> Tensor:
             return torch.round(values / step).clamp_(-MAX_LEVEL, MAX_LEVEL)
 
-        step = _fit_step(quantise, lambda step: spread / step, _high_rate_step(values, spread_bits, target), target)
+        spread_of = lambda step: spread / step  # noqa: E731
+        step = _search_step(quantise, spread_of, _high_rate_step(values.shape[0], spread_bits, target), target)
+        step = _grown_to_fit(quantise, spread_of, step, target)
         levels.append(quantise(step).long()), steps.append(step)
     return levels, steps
 
@@ -172,19 +177,21 @@ def quantise_gradient(rows: list[Tensor], uniforms: list[Tensor], search_uniform
 
         spread_bits = torch.full((values.shape[1],), math.log2(2 * math.e * scale))
         spread_of = lambda step, scale=scale: torch.tensor(scale / step)  # noqa: E731
-        step = _fit_step(rounded(search.double().cpu()), spread_of, _high_rate_step(values, spread_bits, target),
-                         target * (1 - GRADIENT_MARGIN), check=False)
+        step = _search_step(rounded(search.double().cpu()), spread_of,
+                            _high_rate_step(values.shape[0], spread_bits, target), target * (1 - GRADIENT_MARGIN))
         quantise = rounded(noise)
-        while coded_bits(quantise(step), spread_of(step)) > target:
-            step = float(np.float32(step * _FIT_RETRY))
+        step = _grown_to_fit(quantise, spread_of, step, target)
         levels.append(quantise(step).long()), steps.append(step), scales.append(scale)
     return levels, steps, scales
 
 
-def _model(spread: np.ndarray):
+def _model(spread: Tensor, shape: tuple[int, ...]) -> tuple[object, np.ndarray, np.ndarray]:
+    """The coder's Laplace model of levels of ``shape`` with scales ``spread`` (in steps,
+    broadcast), as ``(model, means, scales)``."""
     import constriction
 
-    return constriction.stream.model.QuantizedLaplace(-MAX_LEVEL, MAX_LEVEL), np.zeros_like(spread), spread
+    scales = spread.double().clamp_min(_MIN_SPREAD).expand(shape).reshape(-1).cpu().numpy()
+    return constriction.stream.model.QuantizedLaplace(-MAX_LEVEL, MAX_LEVEL), np.zeros_like(scales), scales
 
 
 def encode_levels(levels: Tensor, spread: Tensor) -> np.ndarray:
@@ -195,8 +202,7 @@ def encode_levels(levels: Tensor, spread: Tensor) -> np.ndarray:
     flat = levels.reshape(-1).cpu().numpy().astype(np.int32)
     if flat.size == 0:
         return np.zeros(0, dtype=np.uint32)
-    scales = spread.double().clamp_min(_MIN_SPREAD).expand(levels.shape).reshape(-1).cpu().numpy()
-    model, means, scales = _model(scales)
+    model, means, scales = _model(spread, tuple(levels.shape))
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(flat, model, means, scales)
     return coder.get_compressed()
@@ -208,8 +214,7 @@ def decode_levels(words: np.ndarray, shape: tuple[int, int], spread: Tensor) -> 
 
     if shape[0] * shape[1] == 0:
         return torch.zeros(shape, dtype=torch.long)
-    scales = spread.double().clamp_min(_MIN_SPREAD).expand(shape).reshape(-1).cpu().numpy()
-    model, means, scales = _model(scales)
+    model, means, scales = _model(spread, shape)
     decoded = constriction.stream.stack.AnsCoder(words).decode(model, means, scales)
     return torch.from_numpy(np.asarray(decoded, dtype=np.int64)).reshape(shape)
 
