@@ -363,6 +363,16 @@ def quantised_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[
             "cold": cold}
 
 
+def assert_same_loss_and_gradients(first: dict[str, Any], last: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Two ranks' :func:`quantised_worker` results give the one process's loss, log-probs and every gradient."""
+    assert last["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(last["logp"], ref["logp"], rtol=1e-5, atol=1e-6)
+    got = {**first["grads"], **last["grads"]}
+    assert set(got) == set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.fixture(scope="module", params=[{}, {"bits_lead": True}, {"payload_dtype": "bfloat16"}],
                 ids=["scale", "scale-and-lead", "bfloat16-budget"])
 def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -379,12 +389,7 @@ def test_two_processes_match_one_process_loss_gradients_and_bytes_at_4_bits(two_
     # a bfloat16 budget is half the bytes: 10 buy r = (80 - 16) / 4 = 16 (ceil(16 * 4 / 8) + 2 = 10 bytes)
     rank, token_bytes = (16, 10) if setup.get("payload_dtype") else (RANKS[bool(setup.get("bits_lead"))], TOKEN_BYTES)
     assert ref["rank"] == rank
-    assert last["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
-    torch.testing.assert_close(last["logp"], ref["logp"], rtol=1e-5, atol=1e-6)
-    got = {**first["grads"], **last["grads"]}
-    assert set(got) == set(ref["grads"])
-    for name, grad in ref["grads"].items():
-        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_gradients(first, last, ref)
     tokens = int(rollouts().attention_mask.sum())
     for rank_result in (first, last):
         wire = rank_result["wire"]
