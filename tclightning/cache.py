@@ -89,22 +89,24 @@ class DirectoryCache:
         entry = self.path(key)
         return entry if (entry / self.COMPLETE).is_file() else None
 
-    def put(self, key: str, write: Callable[[Path], None]) -> Path | None:
-        """Call ``write(tmp_dir)`` to fill a new entry, then move it into place. Returns the entry,
-        or ``None`` when the cache cannot be written (a read-only disk, say: caching is a saving,
-        never a reason for a run to fail). An entry another process finished first is kept."""
+    def put(self, key: str, write: Callable[[Path], None]) -> str | None:
+        """Call ``write(tmp_dir)`` to fill a new entry, then move it into place. Returns ``None``
+        once the entry is in place (an entry another process finished first is kept), or why the
+        cache could not be written (a read-only or full disk, say: caching is a saving, never a
+        reason for a run to fail)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.directory))
-        except OSError:
-            return None
+        except OSError as err:
+            return err.strerror or str(err)
+        why = None
         try:
             write(tmp)
             (tmp / self.COMPLETE).write_text("ok\n")
             if not self.path(key).exists():
                 os.replace(tmp, self.path(key))
-        except OSError:
-            pass  # another process renamed its copy into place first, or the disk is full
+        except OSError as err:  # the disk is full, or another process renamed its copy into place first
+            why = err.strerror or str(err)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return self.get(key)
+        return None if self.get(key) is not None else why or "the entry did not appear"

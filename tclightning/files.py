@@ -8,11 +8,25 @@ never blocks) before anything opens the path.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
-from tclightning.errors import TclightningError
+from tclightning.errors import StorageError, TclightningError
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
+"""The errors of storage that refuses a write (full, read-only, over quota, file too large): the
+machine's state, not a bug; a run reports them in one line and keeps what it saved."""
+
+
+def refused_by_storage(err: BaseException) -> bool:
+    """Whether ``err`` is an ``OSError`` of :data:`STORAGE_ERRNOS`."""
+    return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
 
 
 def regular_file(path: str | os.PathLike, what: str) -> Path:
@@ -60,3 +74,44 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
     at_fdcwd, rename_exchange = -100, 2
     result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
     return result == 0
+
+
+def replace_file(path: Path, write: Callable[[IO[str]], None]) -> None:
+    """Replace ``path`` by what ``write`` writes into a text handle, in one atomic rename: the new
+    content goes to a temporary file beside it, is flushed to disk, then renamed over ``path``. Any
+    failure (a full disk, a kill) leaves ``path`` as it was and removes the temporary file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def replace_text(path: Path, text: str) -> None:
+    """:func:`replace_file` with ``text`` as the new content."""
+    replace_file(path, lambda handle: handle.write(text))
+
+
+def require_writable(folder: Path, what: str) -> None:
+    """Refuse, before anything is written, a ``folder`` whose storage takes no writes (read-only,
+    full, over quota; also for root, whom permissions never stop): a byte is written to a temporary
+    file there, flushed and removed. :class:`StorageError` (one line) naming ``what``."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-check.", suffix=".tmp")
+    except OSError as err:
+        raise StorageError(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
+    try:
+        os.write(fd, b"\0")
+        os.fsync(fd)
+    except OSError as err:
+        raise StorageError(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

@@ -11,12 +11,14 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
+
+from tclightning.files import replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -157,16 +159,15 @@ class LayoutTensorBoardLogger(TensorBoardLogger):
         super().finalize(status)
 
 def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
-    """Replace ``path`` by a CSV of ``rows`` in one atomic rename: a kill at any moment leaves
-    either the old file or the new one, never a file cut short."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # every rank of a run may rewrite it
-    with tmp.open("w", newline="") as handle:
+    """Replace ``path`` by a CSV of ``rows`` in one atomic rename: a kill or a full disk at any
+    moment leaves either the old file or the new one, never a file cut short."""
+
+    def write(handle: IO[str]) -> None:
         out = csv.DictWriter(handle, fieldnames=fieldnames)
         out.writeheader()
         out.writerows(rows)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+
+    replace_file(path, write)
 
 
 class AtomicExperimentWriter(ExperimentWriter):

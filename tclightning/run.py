@@ -18,8 +18,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.errors import StorageError, TclightningError
+from tclightning.files import refused_by_storage, regular_file, replace_text, require_writable
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -249,7 +249,13 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
         run_dir.mkdir(parents=True, exist_ok=True)
     marker = run_dir / RUN_MARKER
     if not marker.exists():
-        marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
+        try:
+            marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
+        except OSError:
+            if new:  # the directory this run just claimed holds nothing else
+                marker.unlink(missing_ok=True)
+                run_dir.rmdir()
+            raise
     return run_dir
 
 
@@ -447,6 +453,8 @@ def run(
     changed: tuple[str, ...] = ()
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step)
+        for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
+            require_writable(folder, "--resume")
         if changed:
             plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
                                           f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
@@ -465,16 +473,21 @@ def run(
     quiet_lightning()
     torch.set_num_threads(intra_op_threads(recipe))  # before any warm-up: its float sums depend on it
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
-    module = None
-    if plan.ckpt_path is not None:
-        try:
-            module = resume_module(recipe, plan.ckpt_path)
-        except (WarmupInterrupted, KeyboardInterrupt) as err:
-            what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
-            raise RunInterrupted(f"{what}; nothing was written") from None
+    started = time.perf_counter()
+    try:  # the model and the task before the run directory: what they refuse leaves nothing behind
+        module = resume_module(recipe, plan.ckpt_path) if plan.ckpt_path is not None else None
+        module = module if module is not None else build_module(recipe)
+    except (WarmupInterrupted, KeyboardInterrupt) as err:
+        what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
+        raise RunInterrupted(f"{what}; nothing was written") from None
     a_launched_rank = multiprocess and bool(os.environ.get(RUN_DIR_ENV))
     created = plan.new_dir and not a_launched_rank  # only a directory this run made is ever removed
-    run_dir = mark_run_dir(plan.run_dir, recipe, new=created)
+    try:
+        run_dir = mark_run_dir(plan.run_dir, recipe, new=created)
+    except OSError as err:
+        if not refused_by_storage(err):
+            raise
+        raise StorageError(f"cannot create the run directory {plan.run_dir}: {err.strerror}; nothing was saved") from None
     if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
         notices = plan.notices
         if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in
@@ -486,11 +499,10 @@ def run(
     if not a_launched_rank:
         print(f"run directory: {plan.run_dir}", flush=True)
     try:
-        if changed:  # the earlier steps' record stays beside the new one
-            os.replace(plan.run_dir / "recipe.yaml", plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
-        (plan.run_dir / "recipe.yaml").write_text(to_yaml(cfg))
-        started = time.perf_counter()
-        module = module if module is not None else build_module(recipe)
+        record = plan.run_dir / "recipe.yaml"
+        if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
+            replace_text(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml", record.read_text())
+        replace_text(record, to_yaml(cfg))
         trainer = build_trainer(recipe, plan, user_callbacks)
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
@@ -508,8 +520,14 @@ def run(
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         raise RunInterrupted(f"{what}; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone
                                             else f"{plan.run_dir} is kept")) from None
-    except BaseException:
-        if discard_unfinished_run(plan.run_dir, created):
+    except BaseException as err:
+        gone = discard_unfinished_run(plan.run_dir, created)
+        if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug
+            raise StorageError(f"the storage refused a write to {err.filename or plan.run_dir}: {err.strerror}; "
+                               + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
+                                  f"what {plan.run_dir} saved is kept: free space and resume with "
+                                  f"`tclightning run --resume {plan.run_dir}`")) from None
+        if gone:
             print(f"note: removed {plan.run_dir}: the run failed before it logged or saved anything",
                   file=sys.stderr, flush=True)
         raise
@@ -517,8 +535,14 @@ def run(
         logger.finalize("success")
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
-    summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
-                        monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
+    try:
+        summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
+                            monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
+    except OSError as err:
+        if not refused_by_storage(err):
+            raise
+        raise StorageError(f"the run finished, but the storage refused {err.filename or 'its summary'}: "
+                           f"{err.strerror}; its checkpoints and metrics.csv are kept") from None
     if not quiet:
         from tclightning.grpo.summary import print_summary
 

@@ -116,6 +116,12 @@ CASES: dict[str, Case] = {
     "task-operations": override("task.operations=/", names=("command line: override 'task.operations=/'",)),
     "template-without-question": override("task.prompt_template=hello"),
     "task-path-missing": override("task.name=gsm8k", "task.path={tmp}/nowhere.jsonl"),
+    "task-data-not-json": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
+                                "task.path={tmp}/bad.jsonl"), ("bad.jsonl:1: not valid JSON",),
+                               {"bad.jsonl": b'{"question": "1+1?", "answer": "#### 2"\n'}),
+    "task-data-no-usable-rows": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
+                                      "task.path={tmp}/rows.jsonl", "task.eval_size=1"), ("rows.jsonl", "no usable training rows"),
+                                     {"rows.jsonl": b'{"text": "no question here"}\n' * 4}),
     "reward-timeout-zero": override("task.reward_timeout_s=0"),
     "hf-without-name": override("model.source=hf", names=("command line: override 'model.source=hf'", "model.name")),
     "gguf-file-missing": override("model.source=gguf", "model.gguf_file={tmp}/none.gguf"),
@@ -377,13 +383,13 @@ def test_a_run_whose_planned_directory_is_taken_meanwhile_uses_the_next_and_remo
         (plan.run_dir / "other-run.txt").write_text("the other run's\n")
         return plan
 
-    def fail(recipe):
-        raise RuntimeError("model build failed")
+    def fail(*args):
+        raise RuntimeError("trainer build failed")
 
     real_plan = run_module.plan_run
     monkeypatch.setattr(run_module, "plan_run", plan_then_taken)
-    monkeypatch.setattr(run_module, "build_module", fail)
-    with pytest.raises(RuntimeError, match="model build failed"):
+    monkeypatch.setattr(run_module, "build_trainer", fail)
+    with pytest.raises(RuntimeError, match="trainer build failed"):
         run_module.run("tiny", [f"logging.root={tmp_path}/runs"], quiet=True)
     out = capsys.readouterr()
     ours = planned[0].parent / f"{planned[0].name}-1"

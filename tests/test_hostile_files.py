@@ -111,3 +111,64 @@ def test_analyze_health_refuses_a_fifo_metrics_csv(tmp_path: Path, capsys: pytes
         assert main(["analyze", "health", str(given)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is a named pipe (FIFO), not a regular file" in err[0], err
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by relative path, with its SHA-256."""
+    import hashlib
+
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _storage_refuses(monkeypatch: pytest.MonkeyPatch, folder: Path, refusal: str, after: int = 0) -> None:
+    """From the ``after``-th temporary file created under ``folder`` on, the storage refuses:
+    ``read-only`` fails the file's creation with EROFS, ``full`` creates it for real but hands back
+    a descriptor of ``/dev/full``, whose every write fails with ENOSPC as a full disk's does."""
+    import errno
+    import tempfile
+
+    real, calls = tempfile.mkstemp, []
+
+    def mkstemp(*args: object, dir: object = None, **kwargs: object) -> tuple[int, str]:
+        under = dir is not None and Path(str(dir)).resolve().is_relative_to(folder.resolve())
+        calls.append(under)
+        if not under or calls.count(True) <= after:
+            return real(*args, dir=dir, **kwargs)
+        if refusal == "read-only":
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        fd, name = real(*args, dir=dir, **kwargs)
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+
+
+@pytest.mark.parametrize("refusal", ["read-only", "full"])
+def test_a_resume_onto_storage_that_takes_no_writes_is_one_line_and_loses_nothing(
+        run_dir: Path, tmp_path: Path, refusal: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    before = _snapshot(copy)
+    _storage_refuses(monkeypatch, copy, refusal)
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    reason = "Read-only file system" if refusal == "read-only" else "No space left on device"
+    assert len(err) == 1 and err[0].startswith("error: --resume: cannot write in") and reason in err[0], err
+    assert "nothing was written" in err[0]
+    assert _snapshot(copy) == before  # no file changed, none added (no temporary file left either)
+
+
+def test_a_disk_that_fills_up_during_a_resume_is_one_line_and_keeps_the_run(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The write check passes, then the disk is full when the resume rewrites the run's records
+    (a changed learning rate keeps the earlier record too): each is replaced whole or not at all."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    before = _snapshot(copy)
+    _storage_refuses(monkeypatch, copy, "full", after=2)  # the two write checks (run, checkpoints) pass
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "grpo.lr=1e-4", "--resume", str(copy)]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+    assert len(err) == 1 and "No space left on device" in err[0] and f"--resume {copy}" in err[0], err
+    assert _snapshot(copy) == before

@@ -232,9 +232,10 @@ class StepCheckpoint(Checkpoint):
             for leftover in (self._tmp_path, self.dirpath / ".step.ckpt.tmp"):
                 with contextlib.suppress(OSError):
                     leftover.unlink()
-            then = (f"{self.last_path} (step {self.committed_step}) is kept: free space and resume with "
-                    f"`tclightning run --resume {self.dirpath.parent}`" if self.committed_step is not None
-                    else "no checkpoint of this run was written, so there is nothing to resume")
+            kept = (f"{self.last_path} (step {self.committed_step})" if self.committed_step is not None
+                    else str(self.last_path) if self.last_path.is_file() else None)  # a resumed run's
+            then = (f"{kept} is kept: free space and resume with `tclightning run --resume {self.dirpath.parent}`"
+                    if kept else "no checkpoint of this run was written, so there is nothing to resume")
             raise StorageError(f"cannot write the checkpoint of step {step} in {self.dirpath}: "
                                f"{err.strerror or err}; {then}") from None
 

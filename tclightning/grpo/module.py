@@ -177,11 +177,12 @@ class GRPOModule(L.LightningModule):
                 "seed": seed,
             }
         )
-        self.policy, self.tokenizer = load_model(self.model_cfg, seed=seed)
+        # The task first: its data is refused (missing, malformed) before any weights are loaded.
         agentic = is_agentic(self.task_cfg.name)
         self.task = build_agentic_task(self.task_cfg) if agentic else build_task(self.task_cfg)
         self.train_examples: list[Example] = list(self.task.train_examples())
         self.eval_examples: list[Example] = list(self.task.eval_examples())
+        self.policy, self.tokenizer = load_model(self.model_cfg, seed=seed)
         # Agentic prompts are conversations (the history so far), rendered by the same chat template.
         formatter = ConversationFormatter if agentic else PromptFormatter
         self.formatter = formatter(self.tokenizer, self.task.system_prompt, self.model_cfg.chat_template)

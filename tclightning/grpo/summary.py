@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tclightning.files import regular_file
+from tclightning.files import regular_file, replace_text
 
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
 """``health/state`` values 0, 1, 2 by name."""
@@ -137,7 +137,7 @@ def summarize(
     if wall_time_s is not None:
         summary["wall_time_s"] = wall_time_s
     summary.update(extra or {})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    replace_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 

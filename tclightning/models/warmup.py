@@ -295,16 +295,18 @@ def _one_line(err: BaseException) -> str:
 
 
 def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
-                   write: Callable[[Path], None]) -> None:
+                   write: Callable[[Path], None]) -> str | None:
     """Write a new entry beside the unreadable one and swap it into place in one step (never
     deleting first: a reader sees the old entry or the new one, never none), then remove the old.
     If another process replaced the entry since it was found unreadable (``seen`` is its
-    ``lstat``), its entry is kept. A cache that cannot be written only costs the saving."""
+    ``lstat``), its entry is kept. Returns ``None`` once a readable entry is in place, or why the
+    cache could not be written (that only costs the saving)."""
     target = cache.path(key)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache.directory))
-    except OSError:
-        return
+    except OSError as err:
+        return err.strerror or str(err)
+    why = None
     try:
         write(tmp)
         (tmp / DirectoryCache.COMPLETE).write_text("ok\n")
@@ -317,8 +319,8 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
         elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
                                                                                   seen.st_mtime_ns):
             exchange(tmp, target)  # tmp now holds the unreadable entry
-    except OSError:
-        pass
+    except OSError as err:
+        why = err.strerror or str(err)
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -327,6 +329,7 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
                 tmp.unlink()  # the unreadable entry was a file (or a FIFO)
             except OSError:
                 pass
+    return None if cache.get(key) is not None else why or "the entry was not replaced"
 
 
 def cached_supervised_warmup(
@@ -370,8 +373,8 @@ def cached_supervised_warmup(
         try:
             state, stats = read_warmup_entry(entry, model)
         except UnreadableEntry as why:
-            print(f"note: the cached supervised warm-up {entry} is unreadable ({why}); training it again "
-                  "and replacing the entry", file=sys.stderr, flush=True)
+            print(f"note: the cached supervised warm-up {entry} is unreadable ({why}); training it again",
+                  file=sys.stderr, flush=True)
         else:
             model.load_state_dict(state, strict=True)
             print(f"note: supervised warm-up reused from the cache ({int(stats['warmup/steps'])} steps, {entry}; "
@@ -385,8 +388,9 @@ def cached_supervised_warmup(
             torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / WEIGHTS)
             (directory / STATS).write_text(json.dumps(stats, indent=1, sort_keys=True))
 
-        if seen is None:
-            cache.put(key, write)
-        else:
-            _replace_entry(cache, key, seen, write)
+        unstored = cache.put(key, write) if seen is None else _replace_entry(cache, key, seen, write)
+        if unstored is not None:  # said once per run, so that a run that keeps retraining says why
+            print(f"note: the supervised warm-up could not be stored in the cache {cache.directory} ({unstored}); "
+                  "the next run trains it again (TCLIGHTNING_CACHE names another folder, --no-cache skips the "
+                  "cache)", file=sys.stderr, flush=True)
     return stats
