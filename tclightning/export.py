@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tclightning.errors import TclightningError
-from tclightning.files import exchange
+from tclightning.errors import StorageError, TclightningError
+from tclightning.files import exchange, refused_by_storage
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -280,8 +280,12 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             shutil.rmtree(staging, ignore_errors=True)
         else:
             os.replace(staging, target)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)  # the new export, not yet (or never) in place
+        if refused_by_storage(err):
+            kept = f"; the export already in {target} is kept" if target.exists() else ""
+            raise StorageError(f"export: the storage refused a write in {target.parent}: {err.strerror}; "
+                               f"nothing was written{kept}") from None
         raise
     return target
 

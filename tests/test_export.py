@@ -293,3 +293,26 @@ def test_export_to_a_link_or_under_a_file_is_one_line(run_dir: Path, tmp_path: P
         with pytest.raises(TclightningError, match="is a symbolic link"):
             export_policy(run_dir, tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling", "real", "to-a-folder"]
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_keeps_the_old_export(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from transformers import PreTrainedModel
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full(self: PreTrainedModel, folder: str | Path, *args: object, **kwargs: object) -> None:
+        (Path(folder) / "model.safetensors").write_bytes(b"half a model")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "is kept" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no staging folder left

@@ -12,7 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
-from tclightning.errors import TclightningError
+from tclightning.errors import StorageError, TclightningError
+from tclightning.files import refused_by_storage
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +45,14 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         # one line, whatever the message: a user error is never a wall of text
         print("error: " + " ".join(line.strip() for line in str(err).splitlines() if line.strip()), file=sys.stderr)
         return err.exit_code
+    except OSError as err:
+        if args.debug or not refused_by_storage(err):  # a bug, or a file the command names: in full
+            raise
+        # the backstop for a write the storage refused (full, read-only, quota) that no command
+        # words itself: the machine's state, one line; writes that matter replace files whole
+        where = f" to {err.filename}" if err.filename else ""
+        print(f"error: the storage refused a write{where}: {err.strerror}", file=sys.stderr)
+        return StorageError.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
