@@ -115,3 +115,22 @@ def require_writable(folder: Path, what: str) -> None:
         os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+
+
+def save_tensors(obj: object, path: Path) -> None:
+    """``torch.save(obj, path)``, except that a write the storage refuses raises the storage's
+    ``OSError`` (torch's own file writer reports a full disk as a ``RuntimeError``): the object is
+    serialised in memory first, then written in one call. A failed write removes the partial file."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    try:
+        with open(path, "wb") as handle:
+            handle.write(buffer.getbuffer())
+    except BaseException:
+        if path.is_file():  # the partial file (never a device the path may name)
+            path.unlink()
+        raise

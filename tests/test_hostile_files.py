@@ -172,3 +172,22 @@ def test_a_disk_that_fills_up_during_a_resume_is_one_line_and_keeps_the_run(
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
     assert len(err) == 1 and "No space left on device" in err[0] and f"--resume {copy}" in err[0], err
     assert _snapshot(copy) == before
+
+
+def test_tensors_onto_a_full_disk_raise_the_storage_error(tmp_path: Path) -> None:
+    """torch's file writer reports a full disk as a RuntimeError ("unexpected pos"); the warm-up cache
+    and the trajectory points are written so that it is the OSError, which a run reports in one line."""
+    import errno
+
+    import torch
+
+    from tclightning.files import refused_by_storage, save_tensors
+
+    full = tmp_path / "full.pt"
+    full.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
+    with pytest.raises(OSError) as caught:
+        save_tensors({"w": torch.zeros(1000)}, full)
+    assert caught.value.errno == errno.ENOSPC and refused_by_storage(caught.value)
+    assert os.path.exists("/dev/full")  # the device the path named is never removed
+    save_tensors({"w": torch.ones(3)}, tmp_path / "ok.pt")
+    assert torch.equal(torch.load(tmp_path / "ok.pt", weights_only=True)["w"], torch.ones(3))

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
+from tclightning.files import save_tensors
 
 _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
 _CHUNK = 1 << 20
@@ -131,7 +132,7 @@ class TrajectoryRecorder(Callback):
             "step": int(index), "unit": self.unit, "point": point, "method": method,
             "dim": int(point.numel()), "seed": self.seed, "num_params": int(num),
         }
-        torch.save(record, tmp)
+        save_tensors(record, tmp)
         os.replace(tmp, path)  # a killed run never leaves a half-written point
         return path
 

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.errors import TclightningError
-from tclightning.files import exchange, regular_file
+from tclightning.files import exchange, regular_file, save_tensors
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
 
@@ -385,7 +385,7 @@ def cached_supervised_warmup(
     if torch.equal(rng, torch.get_rng_state()):
 
         def write(directory: Path) -> None:
-            torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / WEIGHTS)
+            save_tensors({k: v.detach().cpu() for k, v in model.state_dict().items()}, directory / WEIGHTS)
             (directory / STATS).write_text(json.dumps(stats, indent=1, sort_keys=True))
 
         unstored = cache.put(key, write) if seen is None else _replace_entry(cache, key, seen, write)
