@@ -20,8 +20,10 @@ from tclightning.codecs.context import context_keys
 from tclightning.codecs import make_codec
 from tclightning.codecs.prf import PRFCodec
 
-BENCH_CODECS = ("prf", "lowrank", "lowrank-entropy")
-"""``lowrank``: float coefficients; ``lowrank-entropy``: entropy-coded ones (``pipeline.entropy_coding``)."""
+BENCH_CODECS = ("prf", "lowrank", "lowrank-4bit", "lowrank-entropy")
+"""``lowrank``: float coefficients; ``lowrank-4bit``: 4-bit ones beside a 16-bit lead (``pipeline.bits=4
+pipeline.bits_lead=true``, as ``fast-only-lowrank``); ``lowrank-entropy``: entropy-coded ones
+(``pipeline.entropy_coding``)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -172,9 +174,11 @@ def bench_codec(
 
 def _fitted_basis(name: str, x: torch.Tensor, k: int, token_ids: torch.Tensor) -> Any:
     """A ``lowrank`` codec with its basis and token centres fitted on ``x`` and its
-    ``token_ids`` (the steady state); ``lowrank-entropy``: entropy-coded at the bytes of ``k``
-    values of ``x``'s dtype."""
-    codec = make_codec("lowrank", x.shape[-1], k=k, entropy_coding=name == "lowrank-entropy", value_bytes=x.element_size())
+    ``token_ids`` (the steady state); ``lowrank-4bit`` and ``lowrank-entropy``: quantised at the
+    bytes of ``k`` values of ``x``'s dtype."""
+    quantised = {"bits": 4, "bits_lead": True} if name == "lowrank-4bit" else {}
+    codec = make_codec("lowrank", x.shape[-1], k=k, entropy_coding=name == "lowrank-entropy",
+                       value_bytes=x.element_size(), **quantised)
     codec.observe_dense(x.float(), token_ids.reshape(-1))  # x: [tokens, d]
     codec.fit_shared(1)
     return codec
