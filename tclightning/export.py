@@ -273,13 +273,19 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         provenance = {"checkpoint": str(found.checkpoint.resolve()), "rl_step": found.rl_step,
                       "model": checkpoint["hyper_parameters"]["model"]}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
-        if target.exists():
+        if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, removed by the next export
             exchange(staging, target)
             shutil.rmtree(staging, ignore_errors=True)
         else:
-            os.replace(staging, target)
+            try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
+                os.rename(staging, target)
+            except OSError as err:
+                if refused_by_storage(err) or not target.is_dir():
+                    raise
+                raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
+                                       "replaced (--overwrite replaces it)") from None
     except BaseException as err:
         shutil.rmtree(staging, ignore_errors=True)  # the new export, not yet (or never) in place
         if refused_by_storage(err):

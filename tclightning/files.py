@@ -134,3 +134,19 @@ def save_tensors(obj: object, path: Path) -> None:
         if path.is_file():  # the partial file (never a device the path may name)
             path.unlink()
         raise
+
+
+def hold_lock(folder: Path, what: str) -> int:
+    """Take ``folder``'s lock file (``.lock``, an exclusive ``flock``) for as long as this process
+    lives or until the returned descriptor is closed; the system drops it when the process dies, a
+    kill -9 included. ``TclightningError`` (one line naming ``what``) when another process holds it."""
+    import fcntl
+
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TclightningError(f"{what}: another process is writing {folder} (a run or a resume of it is still "
+                               "going); wait for it to end, or start a new run") from None
+    return fd

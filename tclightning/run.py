@@ -6,6 +6,7 @@ before the run directory is created.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import refused_by_storage, regular_file, replace_text, require_writable
+from tclightning.files import hold_lock, refused_by_storage, regular_file, replace_text, require_writable
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -71,15 +72,24 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
             requested = requested / "checkpoints" / "last.ckpt"
         if not requested.is_file() and not (requested.name == "last.ckpt" and requested.parent.is_dir()):
             raise TclightningError(f"--resume: no such checkpoint: {requested}")
-    ckpt, step, notices = readable_checkpoint(requested.resolve())
+    ckpt, step, notices = readable_checkpoint(requested.absolute())
     run_dir = ckpt.parent.parent
-    if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file():
+    if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(ckpt):
         metrics = run_dir / "metrics.csv"
         if metrics.exists() or metrics.is_symlink():  # the run appends to it: a FIFO would block
             regular_file(metrics, "--resume: the run's metrics")
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
     return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))
+
+
+def _own_file(ckpt: Path) -> bool:
+    """Whether ``ckpt`` is a file of its own ``checkpoints/`` folder, not a link to another run's
+    (a resume in place rewrites the folder the file really lies in)."""
+    try:
+        return ckpt.resolve().parent.samefile(ckpt.parent)
+    except OSError:
+        return False
 
 
 def _new_dir_note(ckpt: Path, fresh: Path) -> str:
@@ -182,11 +192,19 @@ def checkpoint_step(path: Path) -> int:
     except TclightningError as err:
         raise type(err)(f"--resume: {err}") from None
     state = ckpt.get("tclightning")
-    if not isinstance(state, dict) or not isinstance(state.get("rl_step"), int) or state["rl_step"] < 0:
+    step = state.get("rl_step") if isinstance(state, dict) else None
+    if type(step) is not int or step < 0:  # a bool is an int to isinstance
         # it read whole, so it is not damaged: someone else's file, which no older file may replace
         raise CheckpointRefused(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded); "
                                 "nothing was loaded")
-    return int(state["rl_step"])
+    try:  # the step Lightning's loops restore (the step the checkpoint was written at)
+        looped = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+    except (KeyError, TypeError):
+        looped = None
+    if looped != step:  # a resume would misalign the run's rows with its steps, or drop them
+        raise CheckpointRefused(f"--resume: {path} records RL step {step} but its training loops are at "
+                                f"{looped!r}: not a checkpoint tclightning wrote; nothing was loaded")
+    return step
 
 
 RESUME_FIXED = ("model", "task", "pipeline", "anchor", "sampler.group_size", "trainer.strategy", "trainer.devices",
@@ -199,19 +217,43 @@ RESUME_RETIRED = RETIRED_KEYS
 ``RETIRED_KEYS``): left out of the comparison, so a run recorded with them resumes."""
 
 
-def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int) -> tuple[str, ...]:
+def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path) -> tuple[str, ...]:
     """Compare the run's record ``recipe.yaml`` with the recipe a resume in place would run.
 
     Raises ``TclightningError`` (one line, before anything is written) when a key of
     :data:`RESUME_FIXED` differs; returns the other changed keys, for which the earlier record is
     kept as ``recipe.before-step-<S>.yaml`` (``trainer.steps`` aside: extending a run is what a
-    resume is for). A run without a readable record returns ()."""
+    resume is for). A run without a readable record is compared with the checkpoint's own
+    hyper-parameters instead (:func:`checkpoint_changes`), and returns ()."""
     from tclightning.recipes.loader import read_record
 
     before = read_record(run_dir / "recipe.yaml")
     if before is None:
+        checkpoint_changes(ckpt, cfg, resume_step)
         return ()
-    old_leaves, new_leaves = _leaves(before), _leaves(OmegaConf.to_container(cfg))
+    return _changed_keys(_leaves(before), _leaves(OmegaConf.to_container(cfg)), f"in {run_dir}", resume_step)
+
+
+def checkpoint_changes(ckpt: Path, cfg: DictConfig, resume_step: int) -> None:
+    """Refuse (``TclightningError``, one line) a recipe that changes a key of :data:`RESUME_FIXED`
+    that the checkpoint's hyper-parameters record (the model, task, anchor, group size, seed): a
+    resume from a checkpoint outside its run directory, or from a run without its record."""
+    from tclightning.callbacks.checkpointing import load_checkpoint
+
+    saved = load_checkpoint(ckpt, mmap=True).get("hyper_parameters")
+    if not isinstance(saved, dict):
+        return
+    record = {section: saved[section] for section in ("model", "task", "sampler", "anchor") if section in saved}
+    if "seed" in saved:
+        record["trainer"] = {"seed": saved["seed"]}
+    old_leaves = _leaves(record)
+    new_leaves = {key: value for key, value in _leaves(OmegaConf.to_container(cfg)).items()
+                  if key in old_leaves or key.split(".", 1)[0] in record and key != "trainer.steps"
+                  and not key.startswith("trainer.")}
+    _changed_keys(old_leaves, new_leaves, f"of {ckpt}", resume_step)
+
+
+def _changed_keys(old_leaves: dict[str, Any], new_leaves: dict[str, Any], where: str, resume_step: int) -> tuple[str, ...]:
     changed = [key for key in sorted(old_leaves.keys() | new_leaves.keys())
                if old_leaves.get(key, _MISSING) != new_leaves.get(key, _MISSING) and key != "trainer.steps"
                and not (key in RESUME_RETIRED and key not in new_leaves)]
@@ -219,7 +261,7 @@ def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int) -> tuple[st
         if any(key == fixed or key.startswith(fixed + ".") for fixed in RESUME_FIXED):
             old, new = old_leaves.get(key, "unset"), new_leaves.get(key, "unset")
             raise TclightningError(
-                f"--resume: key '{key}' was {old!r} for the {resume_step} steps in {run_dir}, the recipe now says "
+                f"--resume: key '{key}' was {old!r} for the {resume_step} steps {where}, the recipe now says "
                 f"{new!r}: a resumed run keeps its {', '.join(RESUME_FIXED)} (start a new run for the change)")
     return tuple(changed)
 
@@ -434,8 +476,16 @@ def run(
 ) -> dict[str, Any]:
     """Train one recipe; returns the run summary (also written to ``<run_dir>/summary.json``).
 
-    ``extra_callbacks`` are added after the recipe's (for programmatic use and tests).
+    ``extra_callbacks`` are added after the recipe's (for programmatic use and tests). The run
+    holds its run directory's lock (:func:`~tclightning.files.hold_lock`) until it returns, so a
+    second resume of a run that is still going is refused instead of writing beside it.
     """
+    with contextlib.ExitStack() as held:
+        return _run(recipe_ref, overrides, resume, quiet, extra_callbacks, held)
+
+
+def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: bool,
+         extra_callbacks: Sequence[Any], held: contextlib.ExitStack) -> dict[str, Any]:
     cfg: DictConfig = load_recipe(recipe_ref, overrides)
     recipe = to_dataclass(cfg)
     user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref))), *extra_callbacks]
@@ -451,10 +501,17 @@ def run(
     if resume is not None and plan.new_dir:  # a checkpoint outside a run directory: a new one
         require_writable_root(recipe)
     changed: tuple[str, ...] = ()
+    if plan.resume_step is not None and plan.resume_step >= recipe.trainer.steps:
+        raise TclightningError(f"--resume: {plan.ckpt_path} is at step {plan.resume_step}, and trainer.steps="
+                               f"{recipe.trainer.steps} leaves nothing to train; raise trainer.steps to continue the run")
+    if plan.new_dir and plan.ckpt_path is not None:  # outside its run: its own record is the checkpoint's
+        checkpoint_changes(plan.ckpt_path, cfg, plan.resume_step)
     if not plan.new_dir and plan.resume_step is not None:
-        changed = resume_changes(plan.run_dir, cfg, plan.resume_step)
+        changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
         for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
             require_writable(folder, "--resume")
+        if not os.environ.get(RUN_DIR_ENV):  # a rank launched into the run: its rank 0 holds the lock
+            held.callback(os.close, hold_lock(plan.run_dir, "--resume"))
         if changed:
             plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
                                           f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
@@ -488,6 +545,8 @@ def run(
         if not refused_by_storage(err):
             raise
         raise StorageError(f"cannot create the run directory {plan.run_dir}: {err.strerror}; nothing was saved") from None
+    if created:
+        held.callback(os.close, hold_lock(run_dir, "run"))
     if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
         notices = plan.notices
         if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in
@@ -512,6 +571,12 @@ def run(
             # the anchor replay); anything else in the file is refused, never run.
             with checkpoint_allow_list():
                 trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
+        except Exception as err:
+            if not _failed_restoring(err, trainer, plan):
+                raise
+            detail = " ".join(str(err).split())[:200] or "no detail"
+            raise TclightningError(f"--resume: {plan.ckpt_path} could not be restored ({type(err).__name__}: "
+                                   f"{detail}): its state does not fit this run; nothing was trained") from err
         finally:
             if launched_here:
                 os.environ.pop(RUN_DIR_ENV, None)
@@ -548,6 +613,15 @@ def run(
 
         print_summary(summary)
     return summary
+
+
+def _failed_restoring(err: Exception, trainer: Any, plan: RunPlan) -> bool:
+    """Whether ``err`` came while a resume restored its checkpoint (weights, optimizer, loops, RNG,
+    callback and codec states), before its first new step began: the checkpoint's state, not a bug
+    of the run (``--debug`` still shows the traceback)."""
+    if plan.ckpt_path is None or plan.resume_step is None or isinstance(err, TclightningError) or refused_by_storage(err):
+        return False
+    return trainer.fit_loop.epoch_loop.batch_progress.total.started <= plan.resume_step
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -316,3 +316,22 @@ def test_an_export_onto_a_full_disk_is_one_line_and_keeps_the_old_export(
     assert len(err) == 1 and "No space left on device" in err[0] and "is kept" in err[0], err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # no staging folder left
+
+
+def test_an_export_never_replaces_what_another_export_wrote_meanwhile(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import PreTrainedModel
+
+    out = tmp_path / "policy"
+    real = PreTrainedModel.save_pretrained
+
+    def another_export_finishes_first(self: PreTrainedModel, folder: str | Path, *args: object, **kwargs: object) -> None:
+        real(self, folder, *args, **kwargs)
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text('{"the other export": true}')
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", another_export_finishes_first)
+    with pytest.raises(TclightningError, match="written by another export meanwhile"):
+        export_policy(run_dir, out, step=1)
+    assert (out / "config.json").read_text() == '{"the other export": true}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # our staging folder is gone

@@ -24,7 +24,7 @@ import lightning as L
 import pytest
 import torch
 
-from tclightning.callbacks.checkpointing import FAULT_ENV, checkpoint_allow_list, load_checkpoint, reopen_finished_epoch
+from tclightning.callbacks.checkpointing import FAULT_ENV, checkpoint_allow_list, load_checkpoint, reopen_completed_batch
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
 from tclightning.grpo.summary import read_metrics
@@ -142,7 +142,7 @@ def test_a_checkpoint_written_at_the_end_of_training_still_extends(tmp_path: Pat
     assert_same_run(run_dir, reference, range(STEPS))
 
 
-def test_reopen_finished_epoch_gives_the_counters_of_a_batch_end_checkpoint() -> None:
+def test_reopen_completed_batch_gives_the_counters_of_a_batch_end_checkpoint() -> None:
     def progress(ready: int, completed: int, processed: int) -> dict[str, int]:
         return {"ready": ready, "started": ready, "processed": processed, "completed": completed}
 
@@ -155,8 +155,11 @@ def test_reopen_finished_epoch_gives_the_counters_of_a_batch_end_checkpoint() ->
         }}}
 
     at_end, at_batch_end = checkpoint(7, 1, 7), checkpoint(6, 0, 6)
-    assert reopen_finished_epoch(at_end) and at_end == at_batch_end
-    assert not reopen_finished_epoch(at_batch_end) and at_batch_end == checkpoint(6, 0, 6)
+    assert reopen_completed_batch(at_end) and at_end == at_batch_end
+    assert not reopen_completed_batch(at_batch_end) and at_batch_end == checkpoint(6, 0, 6)
+    during_validation = checkpoint(7, 0, 7)  # a SIGTERM after the step, while its validation ran
+    during_validation["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] = False
+    assert reopen_completed_batch(during_validation) and during_validation == at_batch_end
 
 
 # -- kill -9 -------------------------------------------------------------------------------------

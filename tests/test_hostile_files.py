@@ -191,3 +191,101 @@ def test_tensors_onto_a_full_disk_raise_the_storage_error(tmp_path: Path) -> Non
     assert os.path.exists("/dev/full")  # the device the path named is never removed
     save_tensors({"w": torch.ones(3)}, tmp_path / "ok.pt")
     assert torch.equal(torch.load(tmp_path / "ok.pt", weights_only=True)["w"], torch.ones(3))
+
+
+def _edit_last(run: Path, edit) -> None:
+    import torch
+
+    path = run / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    edit(checkpoint)
+    torch.save(checkpoint, path)
+
+
+@pytest.mark.parametrize("rl_step", [0, True])
+def test_a_checkpoint_whose_rl_step_disagrees_with_its_loops_is_refused_and_keeps_the_rows(
+        run_dir: Path, tmp_path: Path, rl_step: object, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    _edit_last(copy, lambda c: c["tclightning"].__setitem__("rl_step", rl_step))
+    before = _snapshot(copy)
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "last.ckpt" in err[0] and ("training loops" in err[0] or "no RL step" in err[0]), err
+    assert _snapshot(copy) == before  # metrics.csv keeps its rows
+
+
+def test_a_last_ckpt_linked_into_another_run_never_writes_that_run(run_dir: Path, tmp_path: Path) -> None:
+    victim, ours = tmp_path / "victim", tmp_path / "ours"
+    shutil.copytree(run_dir, victim)
+    shutil.copytree(run_dir, ours)
+    (ours / "checkpoints" / "last.ckpt").unlink()
+    (ours / "checkpoints" / "last.ckpt").symlink_to(victim / "checkpoints" / "step-000002.ckpt")
+    before = _snapshot(victim)
+    summary = run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
+                  resume=str(ours), quiet=True)
+    assert Path(summary["run_dir"]).parent.parent == tmp_path / "runs"  # a new run directory continues it
+    assert _snapshot(victim) == before
+
+
+def test_a_second_resume_of_a_run_that_is_still_going_is_refused(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tclightning.files import hold_lock
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    held = hold_lock(copy, "test")  # as the other resume's process holds it
+    try:
+        before = _snapshot(copy)
+        assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another process is writing" in err[0], err
+        assert _snapshot(copy) == before
+    finally:
+        os.close(held)
+    run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0"], resume=str(copy), quiet=True)  # free again
+
+
+def test_a_resume_from_outside_its_run_keeps_the_checkpoints_model_and_group_size(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    loose = tmp_path / "loose.ckpt"
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", loose)
+    for change in ("model.tiny.hidden_size=64", "sampler.group_size=3"):
+        assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", f"logging.root={tmp_path}/runs", change,
+                     "--resume", str(loose)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"key '{change.partition('=')[0]}' was" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused(run_dir: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    before = _snapshot(copy)
+    for steps in (1, 2):  # the checkpoint is at step 2
+        assert main(["run", "--recipe", "tiny", *FAST, f"trainer.steps={steps}", "--resume", str(copy)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "leaves nothing to train" in err[0], err
+    assert _snapshot(copy) == before
+
+
+def test_a_checkpoint_whose_state_does_not_fit_is_one_line(run_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    _edit_last(copy, lambda c: c["state_dict"].pop(next(iter(c["state_dict"]))))
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+    assert len(err) == 1 and "could not be restored" in err[0] and "Traceback" not in err[0], err
+    assert (copy / "checkpoints" / "last.ckpt").is_file() and (copy / "checkpoints" / "step-000002.ckpt").is_file()
+
+
+def test_task_data_that_is_a_fifo_is_refused_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "gsm8k").mkdir()
+    os.mkfifo(tmp_path / "gsm8k" / "train.jsonl")
+    assert main(["run", "--recipe", "tiny", *FAST, f"logging.root={tmp_path}/runs", "task.name=gsm8k",
+                 f"task.path={tmp_path / 'gsm8k'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a named pipe (FIFO)" in err[0], err
+    assert not (tmp_path / "runs").exists()

@@ -104,27 +104,32 @@ def fault_point(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def reopen_finished_epoch(checkpoint: dict[str, Any]) -> bool:
-    """Make a checkpoint saved at the end of training (Lightning counts the epoch, and the last
-    batch, as completed) look like one saved at the end of that step's batch, the form every
-    other checkpoint has: resumed with a larger ``trainer.steps`` it then continues instead of
-    ending at once. Returns whether it changed anything (checkpoints of other forms are left)."""
+def reopen_completed_batch(checkpoint: dict[str, Any]) -> bool:
+    """Make a checkpoint whose last batch Lightning already counted as completed look like one
+    saved at the end of that step's batch, the form every other checkpoint has (Lightning adds the
+    step back when it restarts from that form). Two such checkpoints exist: one saved at the end of
+    training (the epoch counted as finished too: resumed with a larger ``trainer.steps`` it would
+    end at once), and one saved by a SIGTERM that arrived after the step, during its validation
+    (resumed as is, the run would log the next step one row too far). Returns whether it changed
+    anything (checkpoints of the batch-end form are left as they are)."""
     loops = checkpoint.get("loops", {}).get("fit_loop")
     if not loops:
         return False
     batches, epochs = loops.get("epoch_loop.batch_progress"), loops.get("epoch_progress")
-    if not batches or not epochs or epochs["total"].get("completed", 0) < 1:
+    if not batches or not epochs:
         return False
     if batches["total"]["completed"] != batches["total"]["processed"] or batches["total"]["processed"] < 1:
         return False
+    finished_epoch = epochs["total"].get("completed", 0) >= 1
     for part in ("total", "current"):
         batches[part]["completed"] = batches[part]["processed"] - 1
-        epochs[part]["completed"] = epochs[part]["processed"] = epochs[part]["started"] - 1
+        if finished_epoch:
+            epochs[part]["completed"] = epochs[part]["processed"] = epochs[part]["started"] - 1
     batches["is_last_batch"] = False
     state = loops.setdefault("epoch_loop.state_dict", {})
-    # Lightning adds the step back when it restarts from a batch-end checkpoint.
     state["_batches_that_stepped"] = max(int(state.get("_batches_that_stepped", 1)) - 1, 0)
-    checkpoint["epoch"] = max(int(checkpoint.get("epoch", 1)) - 1, 0)
+    if finished_epoch:
+        checkpoint["epoch"] = max(int(checkpoint.get("epoch", 1)) - 1, 0)
     return True
 
 
@@ -276,8 +281,8 @@ class StepCheckpoint(Checkpoint):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         # Runs before Lightning restores its loops: a checkpoint written at the end of training
-        # by an earlier version resumes like any other.
-        reopen_finished_epoch(checkpoint)
+        # by an earlier version, or by a SIGTERM during a validation, resumes like any other.
+        reopen_completed_batch(checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
         return {"saved_step": self.saved_step}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -55,7 +56,9 @@ def load_with_datasets(
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """All rows of one local file (.jsonl, .json, .parquet, .csv)."""
+    """All rows of one local file (.jsonl, .json, .parquet, .csv); a FIFO or a device is refused
+    before it is opened (reading one would wait forever)."""
+    regular_file(path, "task data")
     if path.suffix == ".jsonl":
         rows = []
         with path.open(encoding="utf-8") as handle:
