@@ -140,6 +140,10 @@ CASES: dict[str, Case] = {
     "run-name-escapes-root": override("logging.name=../elsewhere"),
     "unknown-key": override("grpo.clip_hihg=0.3", names=("command line", "did you mean 'grpo.clip_high'")),
     "override-without-equals": override("grpo.lr", names=("command line", "key=value")),
+    "override-escaped-interpolation": override('logging.name="\\u0024{oc.env:HOME}"',
+                                               names=("command line", "interpolation")),
+    "override-list-index": override("grpo.betas[0]=0.5", names=("command line", "a list is set whole")),
+    "override-nested-too-deep": override("grpo.lr=" + "[" * 300 + "]" * 300, names=("command line",)),
     "recipe-binary": recipe(b"\x00\x01\x02 binary\n", "not valid YAML"),
     "recipe-a-list": recipe("- 1\n- 2\n", "mapping"),
     "recipe-bad-yaml": recipe("description: [unclosed\n", "not valid YAML", "line 2"),
@@ -166,6 +170,18 @@ CASES: dict[str, Case] = {
     "bench-link-bandwidth-nan": Case(("bench", "link", "--bandwidth", "nan"), ("--bandwidth",)),
     "bench-link-one-stage": Case(("bench", "link", "--stages", "1"), ("--stages",)),
     "bench-codec-no-repeats": Case(("bench", "codec", "--repeats", "0"), ("--repeats",)),
+    # sizes that would hang a command or exhaust the machine: refused before anything is loaded
+    "bench-codec-tokens-huge": Case(("bench", "codec", "--tokens", "1000000000000"), ("--tokens x --dim",)),
+    "bench-codec-device-unknown": Case(("bench", "codec", "--device", "tpu"), ("--device 'tpu'",)),
+    "bench-codec-threads-huge": Case(("bench", "codec", "--threads", "100000"), ("--threads",)),
+    "bench-link-stages-huge": Case(("bench", "link", "--stages", "100000"), ("bench link: --stages",)),
+    "bench-link-rows-huge": Case(("bench", "link", "--rows", "1000000000000"), ("bench link: --rows",)),
+    "probe-cuts-threads-huge": Case(("probe", "cuts", "--recipe", "tiny", "--threads", "100000"), ("--threads",)),
+    "probe-coherence-lags-huge": Case(("probe", "coherence", "--recipe", "tiny", "--lags", "1000000000"), ("--steps",)),
+    "probe-inference-max-new-tokens-huge": Case(("probe", "inference", "--recipe", "tiny", "--max-new-tokens",
+                                                 "1000000000"), ("--max-new-tokens",)),
+    "probe-inference-batch-size-zero": Case(("probe", "inference", "--recipe", "tiny", "--batch-size", "0"),
+                                            ("--batch-size",)),
 }
 
 

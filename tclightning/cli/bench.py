@@ -25,6 +25,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from tclightning.cli.options import MAX_THREADS, within
+
 
 def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``bench codec`` (shared with ``benchmarks/codec.py``)."""
@@ -43,6 +45,22 @@ def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
                              "zero-fill prf decode")
 
 
+def _require_device(command: str, device: str) -> None:
+    """Refuse, before anything is built there, a device torch does not know or this machine lacks."""
+    import torch
+
+    from tclightning.errors import TclightningError
+
+    try:
+        target = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise TclightningError(f"{command}: --device {device!r} is not a torch device (cpu, cuda, cuda:N)") from None
+    if target.type == "cuda" and (not torch.cuda.is_available() or (target.index or 0) >= torch.cuda.device_count()):
+        raise TclightningError(f"{command}: --device {device}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if target.type not in ("cpu", "cuda"):
+        raise TclightningError(f"{command}: --device {device}: only cpu and cuda are timed")
+
+
 def run_codec(args: argparse.Namespace) -> int:
     """Handler of ``bench codec``: prints the result; exit code 0."""
     from tclightning.bench.codec import bench_codec
@@ -57,6 +75,9 @@ def run_codec(args: argparse.Namespace) -> int:
             f"bench codec: need --repeats >= 1, --warmup >= 0 and --threads >= 1 (got {args.repeats}, {args.warmup}, "
             f"{args.threads})"
         )
+    within("bench codec", "--threads", args.threads, 1, MAX_THREADS)
+    within("bench codec", "--tokens x --dim", args.tokens * args.dim, 1, 1 << 30)  # 4 GiB of float32 at most
+    _require_device("bench codec", args.device)
     result = bench_codec(
         tokens=args.tokens,
         dim=args.dim,
@@ -193,6 +214,11 @@ def run_link(args: argparse.Namespace) -> int:
     """Handler of ``bench link``: the slow-link table (``benchmarks/slow_link.py`` runs the same)."""
     from tclightning.bench.link import format_table, run_link_bench
 
+    for flag, value, high in (("--stages", args.stages, 64), ("--rows", args.rows, 4096), ("--length", args.length, 65536),
+                              ("--dim", args.dim, 65536), ("--microbatches", args.microbatches, 4096),
+                              ("--steps", args.steps, 10000), ("--warmup", args.warmup, 10000)):
+        within("bench link", flag, value, 0 if flag == "--warmup" else 1, high)
+    within("bench link", "--rows x --length x --dim", args.rows * args.length * args.dim, 1, 1 << 30)
     result = run_link_bench(
         bandwidths=args.bandwidth, layouts=args.layouts, stages=args.stages, link=args.link, rows=args.rows,
         length=args.length, dim=args.dim, k=args.k, microbatches=args.microbatches, schedule=args.schedule,

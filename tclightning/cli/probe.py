@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tclightning.cli.options import MAX_THREADS, within
 from tclightning.errors import TclightningError
 
 
@@ -73,6 +74,7 @@ def run_cuts(args: argparse.Namespace) -> int:
         raise TclightningError(f"--warmup-prompts must be >= 1, got {args.warmup_prompts}")
     if args.warmup_steps < 1:
         raise TclightningError(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
+    within("probe cuts", "--threads", args.threads, 1, MAX_THREADS)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts"
 
@@ -290,7 +292,8 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--task", default=None, help="task name overriding the recipe's (gsm8k, math, bigmath, arithmetic)")
     inference.add_argument("--split", choices=("eval", "train"), default="eval", help="problems to evaluate (default eval)")
     inference.add_argument("--limit", type=int, default=16, help="problems evaluated (default 16)")
-    inference.add_argument("--max-new-tokens", type=int, default=128, help="generation limit (default 128)")
+    inference.add_argument("--max-new-tokens", type=int, default=None,
+                           help="generation limit (default 128, at most the model's positions less one)")
     inference.add_argument("--layout", default="all",
                            help="which cuts are compressed: all, shallow, solo:i (default all)")
     inference.add_argument("--calibration", type=int, default=16,
@@ -328,9 +331,11 @@ def run_inference(args: argparse.Namespace) -> int:
     from tclightning.recipes.loader import load_recipe, to_dataclass
 
     points = sweep_points([c.strip() for c in args.codec.split(",") if c.strip()], _floats(args.rates, "--rates"))
-    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
-            raise TclightningError(f"{flag} must be >= 1, got {value}")
+    if args.limit < 1:
+        raise TclightningError(f"--limit must be >= 1, got {args.limit}")
+    within("probe inference", "--max-new-tokens", args.max_new_tokens, 1, 32768)
+    within("probe inference", "--batch-size", args.batch_size, 1, 1 << 16)
+    within("probe inference", "--threads", args.threads, 1, MAX_THREADS)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     if args.model:
         recipe.model = dataclasses.replace(recipe.model, **model_override(args.model))
@@ -349,6 +354,11 @@ def run_inference(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     model, tokenizer, task = load_for_probe(recipe, args.threads)
+    positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    max_new_tokens = min(128, positions - 1) if args.max_new_tokens is None else args.max_new_tokens
+    if max_new_tokens >= positions:  # generating past them never ends well
+        raise TclightningError(f"probe inference: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
+                               f"in the model's {positions} positions")
     pool = task.eval_examples() if args.split == "eval" else task.train_examples()
     examples = list(pool)[: args.limit]
     calibration = list(task.train_examples())[-args.calibration :] if args.calibration > 0 else []
@@ -358,7 +368,7 @@ def run_inference(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     result = inference_sweep(
         model, formatter, task, examples, recipe.pipeline, points,
-        calibration_examples=calibration, layout=args.layout, max_new_tokens=args.max_new_tokens,
+        calibration_examples=calibration, layout=args.layout, max_new_tokens=max_new_tokens,
         batch_size=args.batch_size or recipe.sampler.batch_size, step=args.step, on_point=print_point,
     )  # fmt: skip
     finished = time.perf_counter()

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tclightning.cli.options import MAX_THREADS, within
 from tclightning.errors import TclightningError
 
 
@@ -91,8 +92,8 @@ def run_coherence(args: argparse.Namespace) -> int:
         raise TclightningError(f"--steps must be >= 1, got {steps}")
     if steps <= max(lags):
         raise TclightningError(f"--steps {steps} must exceed the largest lag {max(lags)}")
-    if args.threads is not None and args.threads < 1:
-        raise TclightningError(f"--threads must be >= 1, got {args.threads}")
+    within("probe coherence", "--threads", args.threads, 1, MAX_THREADS)
+    within("probe coherence", "--steps", steps, 1, 10000)  # a step keeps its gradient for the later lags
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     alpha = recipe.anchor.alpha if args.alpha is None else args.alpha
     if not 0.0 <= alpha <= 1.0:

@@ -247,6 +247,13 @@ def _check_size(root: yaml.Node, source: str) -> None:
         stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
 
 
+def _holds_interpolation(data: Any) -> bool:
+    if isinstance(data, str):
+        return "${" in data
+    values = data.values() if isinstance(data, dict) else data if isinstance(data, list) else ()
+    return any(_holds_interpolation(v) for v in values)
+
+
 def _refuse_interpolation(data: Any, source: str, key: str = "") -> None:
     if isinstance(data, str) and "${" in data:
         raise RecipeError(f"holds an interpolation ({data!r}); recipes hold values, write the value itself",
@@ -378,8 +385,17 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
     ``{key: override}`` of the keys the command line set (the last override of a key wins)."""
     credited: dict[str, str] = {}
     for override in overrides:
-        data = OmegaConf.to_container(parse_overrides([override]))
-        cfg = _merge(cfg, data, COMMAND_LINE, override=override)
+        try:
+            data = OmegaConf.to_container(parse_overrides([override]))
+            if _holds_interpolation(data):  # one a YAML escape spells (\u0024{...}) too
+                raise RecipeError("holds an interpolation (${...}); write the value itself", file=COMMAND_LINE,
+                                  override=override)
+            cfg = _merge(cfg, data, COMMAND_LINE, override=override)
+        except RecursionError:
+            raise RecipeError("the value is nested too deeply", file=COMMAND_LINE, override=override) from None
+        except TypeError:  # OmegaConf: an indexed key (`a.b[0]=x`) against a list of the schema
+            raise RecipeError("a list is set whole (key=[a, b]), not by index", file=COMMAND_LINE,
+                              override=override) from None
         credited[override.partition("=")[0].strip()] = override
     return cfg, credited
 
