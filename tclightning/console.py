@@ -1,4 +1,5 @@
-"""How warnings read on the console: one line, no file:line where that line says nothing.
+"""The console: warnings on one line, no file:line where that line says nothing; and a standard
+output that outlives its reader.
 
 Lightning installs a warning format that prefixes every warning raised through its rank-zero
 helpers with the helper's own location (``.../rank_zero.py:42:``), whatever raised it; this
@@ -7,8 +8,11 @@ module replaces that prefix (and gives the health monitors' warnings a ``health:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from pathlib import Path
+from typing import Any, TextIO
 
 
 def _plain_warning_format(message: Warning | str, category: type[Warning], filename: str, lineno: int,
@@ -38,3 +42,43 @@ def install_warning_format() -> None:
         _installed = True
         _previous_warning_format = warnings.formatwarning
         warnings.formatwarning = _plain_warning_format
+
+
+class _OutlivingStdout:
+    """``sys.stdout`` for a run whose reader may go away: once a write or flush finds the pipe
+    closed (``tclightning run ... | head -1``), standard output becomes ``/dev/null`` (the stream and
+    file descriptor 1) and the run goes on; its record is in the run directory, not on the console."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def _lost(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)  # the original stream's own last flush at exit then succeeds too
+        os.close(null)
+        self._stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._lost()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._lost()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def outlive_stdout() -> None:
+    """Give the process a standard output that never fails it: ``/dev/null`` when there is none
+    (started with stdout closed, ``>&-``), and one that turns a closed pipe into ``/dev/null``."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    elif not isinstance(sys.stdout, _OutlivingStdout):
+        sys.stdout = _OutlivingStdout(sys.stdout)  # type: ignore[assignment]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import exchange, refused_by_storage
+from tclightning.files import exchange, refused_by_storage, storage_reason
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -97,6 +97,8 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
     rebuilds the base from the whole recipe (its warm-up needs the task) and refuses one that does
     not match the checkpoint's fingerprint. A policy with adapters keeps them (and a GGUF model its
     marker, see :func:`without_gguf_marker`): :func:`~tclightning.models.lora.merged` folds them in."""
+    import torch
+
     from tclightning.grpo.module import BASE_KEY, GRPOModule, as_config
     from tclightning.models.config import RETIRED_KEYS, ModelConfig
     from tclightning.models.loading import load_model
@@ -107,8 +109,11 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
     model_hparams = hparams.get("model") if isinstance(hparams, dict) else None
     if not isinstance(model_hparams, dict):
         raise TclightningError(f"checkpoint {source}: not a tclightning checkpoint (no model hyper-parameters)")
-    state = {key[len(POLICY_PREFIX):]: value for key, value in checkpoint.get("state_dict", {}).items()
-             if key.startswith(POLICY_PREFIX)}
+    weights = checkpoint.get("state_dict", {})
+    if not isinstance(weights, dict):
+        raise TclightningError(f"checkpoint {source}: its state_dict is a {type(weights).__name__}, not weights by name")
+    state = {key[len(POLICY_PREFIX):]: value for key, value in weights.items()
+             if isinstance(key, str) and key.startswith(POLICY_PREFIX) and isinstance(value, torch.Tensor)}
     if not state:
         raise TclightningError(f"checkpoint {source}: holds no policy weights (no 'policy.*' in its state_dict)")
     check_checkpoint_hparams(checkpoint, source)
@@ -124,7 +129,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
             module = GRPOModule.from_checkpoint_data(checkpoint, source)
             return module.policy.eval(), module.tokenizer
         model, tokenizer = load_model(cfg, seed=0)
-    except OSError as err:  # a hub model neither cached nor reachable, a moved local folder
+    except (OSError, ValueError) as err:  # not cached nor reachable, a moved folder, one needing its own code
         where = cfg.name if cfg.source == "hf" else cfg.gguf_file
         raise TclightningError(f"checkpoint {source}: cannot build its model (model.source={cfg.source}, {where}): "
                                f"{' '.join(str(err).split())[:160]}") from None
@@ -276,7 +281,13 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, removed by the next export
-            exchange(staging, target)
+            try:
+                exchange(staging, target)
+            except OSError as err:
+                if refused_by_storage(err):
+                    raise
+                raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
+                                       "on another filesystem?); nothing was replaced") from None
             shutil.rmtree(staging, ignore_errors=True)
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
@@ -290,7 +301,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         shutil.rmtree(staging, ignore_errors=True)  # the new export, not yet (or never) in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
-            raise StorageError(f"export: the storage refused a write in {target.parent}: {err.strerror}; "
+            raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
                                f"nothing was written{kept}") from None
         raise
     return target

@@ -25,8 +25,19 @@ machine's state, not a bug; a run reports them in one line and keeps what it sav
 
 
 def refused_by_storage(err: BaseException) -> bool:
-    """Whether ``err`` is an ``OSError`` of :data:`STORAGE_ERRNOS`."""
-    return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
+    """Whether ``err`` is an ``OSError`` of :data:`STORAGE_ERRNOS`, or a writer's own error that
+    carries one (safetensors reports a full disk as ``SafetensorError: ... code: 28 ...``)."""
+    if isinstance(err, OSError):
+        return err.errno in STORAGE_ERRNOS
+    text = str(err)
+    return isinstance(err, Exception) and any(os.strerror(code) in text for code in STORAGE_ERRNOS)
+
+
+def storage_reason(err: BaseException) -> str:
+    """What the storage said, on one line: ``No space left on device``, with the file when known."""
+    if isinstance(err, OSError):
+        return f"{err.filename}: {err.strerror}" if err.filename else str(err.strerror or err)
+    return next(os.strerror(code) for code in STORAGE_ERRNOS if os.strerror(code) in str(err))
 
 
 def regular_file(path: str | os.PathLike, what: str) -> Path:

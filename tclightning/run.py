@@ -20,7 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import hold_lock, refused_by_storage, regular_file, replace_text, require_writable
+from tclightning.files import (hold_lock, refused_by_storage, regular_file, replace_text, require_writable,
+                              storage_reason)
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -588,7 +589,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except BaseException as err:
         gone = discard_unfinished_run(plan.run_dir, created)
         if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug
-            raise StorageError(f"the storage refused a write to {err.filename or plan.run_dir}: {err.strerror}; "
+            raise StorageError(f"the storage refused a write in {plan.run_dir} ({storage_reason(err)}); "
                                + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
                                   f"what {plan.run_dir} saved is kept: free space and resume with "
                                   f"`tclightning run --resume {plan.run_dir}`")) from None
@@ -606,8 +607,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except OSError as err:
         if not refused_by_storage(err):
             raise
-        raise StorageError(f"the run finished, but the storage refused {err.filename or 'its summary'}: "
-                           f"{err.strerror}; its checkpoints and metrics.csv are kept") from None
+        raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
+                           "its checkpoints and metrics.csv are kept") from None
     if not quiet:
         from tclightning.grpo.summary import print_summary
 

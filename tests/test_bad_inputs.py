@@ -171,6 +171,7 @@ CASES: dict[str, Case] = {
     "bench-link-one-stage": Case(("bench", "link", "--stages", "1"), ("--stages",)),
     "bench-codec-no-repeats": Case(("bench", "codec", "--repeats", "0"), ("--repeats",)),
     # sizes that would hang a command or exhaust the machine: refused before anything is loaded
+    "warmup-batch-size-huge": override("model.warmup.batch_size=1000000000"),
     "bench-codec-tokens-huge": Case(("bench", "codec", "--tokens", "1000000000000"), ("--tokens x --dim",)),
     "bench-codec-device-unknown": Case(("bench", "codec", "--device", "tpu"), ("--device 'tpu'",)),
     "bench-codec-threads-huge": Case(("bench", "codec", "--threads", "100000"), ("--threads",)),

@@ -289,3 +289,25 @@ def test_task_data_that_is_a_fifo_is_refused_at_once(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a named pipe (FIFO)" in err[0], err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("stdout", ["a-pipe-closed-early", "closed"])
+def test_a_run_whose_stdout_goes_away_finishes_without_a_traceback(stdout: str, tmp_path: Path) -> None:
+    """`tclightning run ... | head -1`, or stdout closed (`>&-`): the run trains to the end."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *[a for a in FAST if "progress" not in a],
+            "logging.progress=tqdm", "trainer.steps=3", "trainer.val_every=0", f"logging.root={tmp_path}"]
+    if stdout == "closed":
+        child = subprocess.run(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=100,
+                               preexec_fn=lambda: os.close(1))
+        code, err = child.returncode, child.stderr
+    else:
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().startswith("run directory:")
+        child.stdout.close()  # as `head -1` does
+        code, err = child.wait(timeout=100), child.stderr.read()
+    assert code == 0 and "Traceback" not in err and "Error" not in err, err
+    (run,) = (tmp_path / "tiny").iterdir()
+    assert (run / "checkpoints" / "step-000003.ckpt").is_file()

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
+from tclightning.console import outlive_stdout
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import refused_by_storage
+from tclightning.files import refused_by_storage, storage_reason
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,8 +51,7 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
             raise
         # the backstop for a write the storage refused (full, read-only, quota) that no command
         # words itself: the machine's state, one line; writes that matter replace files whole
-        where = f" to {err.filename}" if err.filename else ""
-        print(f"error: the storage refused a write{where}: {err.strerror}", file=sys.stderr)
+        print(f"error: the storage refused a write ({storage_reason(err)})", file=sys.stderr)
         return StorageError.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -59,7 +59,13 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return dispatch(build_parser(), argv)
+    outlive_stdout()  # `| head -1`, or stdout closed: the command goes on, never a traceback
+    try:
+        parser = build_parser()
+    except KeyboardInterrupt:  # Ctrl-C while the subcommands import
+        print("interrupted", file=sys.stderr)
+        return 130
+    return dispatch(parser, argv)
 
 
 if __name__ == "__main__":

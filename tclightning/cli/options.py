@@ -3,6 +3,8 @@ value past them would hang the command or exhaust the machine, never measure any
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tclightning.errors import TclightningError
 
 MAX_THREADS = 4096
@@ -14,3 +16,14 @@ def within(command: str, flag: str, value: int | float | None, low: int | float,
     (the option's default) passes."""
     if value is not None and not low <= value <= high:
         raise TclightningError(f"{command}: {flag} must be in [{low}, {high}], got {value}")
+
+
+def output_folder(command: str, path: Path) -> Path:
+    """``path`` as the folder a probe writes its files to, refused up front (before anything is
+    measured) when it, or a folder on the way to it, is a file."""
+    for folder in (path, *path.absolute().parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise TclightningError(f"{command}: --out {path}: {folder} is a file, not a folder")
+            break
+    return path

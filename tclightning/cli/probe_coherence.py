@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tclightning.cli.options import MAX_THREADS, within
+from tclightning.cli.options import MAX_THREADS, output_folder, within
 from tclightning.errors import TclightningError
 
 
@@ -55,15 +55,15 @@ def warm_start(module: Any) -> None:
 
 
 def load_checkpoint_weights(module: Any, path: str) -> None:
-    import torch
+    from tclightning.callbacks.checkpointing import load_checkpoint
 
-    from tclightning.callbacks.checkpointing import checkpoint_allow_list
-
-    if not Path(path).is_file():
-        raise TclightningError(f"--checkpoint {path}: no such file")
-    with checkpoint_allow_list():
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    state = {k[len("policy."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("policy.")}
+    try:
+        ckpt = load_checkpoint(Path(path))  # data only; a FIFO, a damaged or a crafted file is one line
+    except TclightningError as err:
+        raise TclightningError(f"--checkpoint: {err}") from None
+    weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    state = {k[len("policy."):]: v for k, v in (weights if isinstance(weights, dict) else {}).items()
+             if isinstance(k, str) and k.startswith("policy.")}
     if not state:
         raise TclightningError(f"--checkpoint {path}: no policy weights in its state_dict")
     missing, unexpected = module.policy.load_state_dict(state, strict=False)
@@ -98,7 +98,7 @@ def run_coherence(args: argparse.Namespace) -> int:
     alpha = recipe.anchor.alpha if args.alpha is None else args.alpha
     if not 0.0 <= alpha <= 1.0:
         raise TclightningError(f"--alpha must be in [0, 1], got {alpha}")
-    out = Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-coherence"
+    out = output_folder("probe coherence", Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-coherence")
     log = sys.stderr if args.json else sys.stdout
 
     import torch

@@ -24,8 +24,8 @@ class GRPOConfig:
     weight_decay: float = setting(0.0, number(0.0), "AdamW weight decay")
     betas: list[float] = setting([0.9, 0.99], list_of(number(0.0, 1.0, high_open=True), 2), "AdamW betas")
     warmup_steps: int = setting(0, integer(0), "linear LR warm-up, in optimizer ticks")
-    epochs: int = setting(1, positive(), "mu: passes over the step's rollouts")
-    minibatches: int = setting(1, positive(), "optimizer ticks per pass; tick count per step = epochs x minibatches")
+    epochs: int = setting(1, positive(1000), "mu: passes over the step's rollouts")
+    minibatches: int = setting(1, positive(1 << 16), "optimizer ticks per pass; tick count per step = epochs x minibatches")
     clip_low: float = setting(0.2, number(0.0, 1.0),
                               'ratio clipped to [1 - clip_low, 1 + clip_high] ("clip-higher"); the floor stays in [0, 1]')
     clip_high: float = setting(0.28, number(0.0), "the ratio's ceiling is 1 + clip_high")

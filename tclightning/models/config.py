@@ -51,7 +51,7 @@ class WarmupConfig:
     """
 
     steps: int = setting(0, integer(0, MAX_STEPS), "most steps; 0 disables the warm-up")
-    batch_size: int = setting(64, positive(), "demonstrations per warm-up step")
+    batch_size: int = setting(64, positive(1 << 16), "demonstrations per warm-up step")
     lr: float = setting(3.0e-3, number(0.0, low_open=True),
                         "after a 20-step ramp, constant (the stopping point is not known ahead)")
     seed: int = setting(0, seed(), "which demonstrations each step draws, and which get noisy labels")
@@ -61,7 +61,7 @@ class WarmupConfig:
         "`check_every` steps; 0 = always run `steps`). Small models learn arithmetic in a sudden jump whose "
         "timing varies with the seed: a target makes the start of RL comparable")
     check_every: int = setting(100, positive(), "warm-up steps between accuracy checks")
-    check_examples: int = setting(64, positive(), "training prompts the check decodes greedily")
+    check_examples: int = setting(64, positive(1 << 20), "training prompts the check decodes greedily")
     label_noise: float = setting(
         0.0, share(),
         "share of targets replaced by another example's solution: imperfect demonstrations, which leave the "

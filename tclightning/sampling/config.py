@@ -26,7 +26,7 @@ class SamplerConfig:
     temperature: float = setting(1.0, number(0.0, low_open=True), "sampling temperature")
     top_p: float = setting(1.0, number(0.0, 1.0, low_open=True), "nucleus sampling: the smallest set of tokens of this mass")
     max_new_tokens: int = setting(64, positive(MAX_TOKENS), "most tokens a completion may have")
-    batch_size: int = setting(64, positive(), "sequences per generate call (memory knob, not a semantics knob)")
+    batch_size: int = setting(64, positive(1 << 16), "sequences per generate call (memory knob, not a semantics knob)")
     seed: int = setting(0, seed(), "each step samples with seed (seed, step): resumable without RNG state")
     eval_max_new_tokens: int | None = setting(None, positive(MAX_TOKENS, optional=True),
                                               "greedy validation length (default: max_new_tokens)")
