@@ -558,6 +558,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         print(f"note: {notice}", file=sys.stderr, flush=True)
     if not a_launched_rank:
         print(f"run directory: {plan.run_dir}", flush=True)
+    trainer = None
     try:
         record = plan.run_dir / "recipe.yaml"
         if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
@@ -586,6 +587,14 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         raise RunInterrupted(f"{what}; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone
                                             else f"{plan.run_dir} is kept")) from None
+    except SystemExit:
+        if trainer is None or not trainer.interrupted:
+            raise
+        # Lightning turns a Ctrl-C it did not see coming (before the first step, or a second one
+        # during a step) into exit 1 after its own graceful shutdown: say so, and exit 130
+        gone = discard_unfinished_run(plan.run_dir, created)
+        raise RunInterrupted("interrupted; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
+                                                f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)")) from None
     except BaseException as err:
         gone = discard_unfinished_run(plan.run_dir, created)
         if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug

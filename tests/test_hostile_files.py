@@ -74,6 +74,14 @@ def test_a_resume_with_a_new_learning_rate_keeps_the_earlier_record(run_dir: Pat
                  f"logging.root={run_dir.parent.parent}"], resume=str(copy), quiet=True)
     assert (copy / "recipe.before-step-2.yaml").read_text() == record
     assert "lr: 0.0001" in (copy / "recipe.yaml").read_text()
+    # ...and trains at it: the schedule goes on where it was, at half the rate (2e-4 -> 1e-4)
+    from tclightning.grpo.summary import read_metrics
+
+    before_lr = read_metrics(run_dir / "metrics.csv")[1]["policy/lr"]
+    resumed_lr = read_metrics(copy / "metrics.csv")[2]["policy/lr"]
+    warmup = 5  # tiny's grpo.warmup_steps; one tick a step, logged after it: lr = lr0 * (step + 2) / (warmup + 1)
+    assert before_lr == pytest.approx(2e-4 * 3 / (warmup + 1), rel=1e-6)
+    assert resumed_lr == pytest.approx(1e-4 * 4 / (warmup + 1), rel=1e-6)
 
 
 @pytest.mark.parametrize("content", ["foreign-dict", "a-list"])

@@ -335,3 +335,20 @@ def test_a_checkpoint_the_disk_refuses_stops_the_run_in_one_line_and_keeps_the_l
     checkpoints = run_dir / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step-000002.ckpt"]
     assert load_checkpoint(checkpoints / "last.ckpt")["global_step"] >= 1
+
+
+def test_ctrl_c_before_the_first_step_is_an_interrupt_not_a_failure(run_root: Path) -> None:
+    """Lightning turns a KeyboardInterrupt it did not expect (here at the start of training, after
+    the warm-up) into exit 1 after its own shutdown; the run reports an interrupt (exit 130)."""
+    import lightning as L
+
+    from tclightning.run import RunInterrupted
+
+    class CtrlCAtTrainStart(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(RunInterrupted, match=r"^interrupted; removed .* \(nothing was saved yet\)"):
+        run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "logging.name=ctrl-c-start"], quiet=True,
+            extra_callbacks=[CtrlCAtTrainStart()])
+    assert not any((run_root / "ctrl-c-start").glob("*"))

@@ -126,6 +126,25 @@ def _global_rngs_untouched() -> Iterator[None]:
         np.random.set_state(numpy_state)
 
 
+def _rescale_learning_rate(checkpoint: dict[str, Any], lr: float) -> None:
+    """A resume whose recipe sets another ``grpo.lr`` trains at it: the saved optimizer and
+    schedule (restored after this hook) are scaled by new / old, so the schedule's position and
+    any scaling a rollback applied are kept, and the new rate is what the run logs and uses."""
+    old = ((checkpoint.get("hyper_parameters") or {}).get("grpo") or {}).get("lr")
+    if not isinstance(old, (int, float)) or isinstance(old, bool) or old <= 0 or old == lr:
+        return
+    ratio = lr / old
+    for optimizer in checkpoint.get("optimizer_states") or []:
+        for group in optimizer.get("param_groups", []):
+            for key in ("lr", "initial_lr"):
+                if isinstance(group.get(key), (int, float)):
+                    group[key] *= ratio
+    for schedule in checkpoint.get("lr_schedulers") or []:
+        for key in ("base_lrs", "_last_lr"):
+            if isinstance(schedule.get(key), list):
+                schedule[key] = [value * ratio for value in schedule[key]]
+
+
 class GRPOModule(L.LightningModule):
     """GRPO on a causal LM with verifiable rewards.
 
@@ -651,6 +670,7 @@ class GRPOModule(L.LightningModule):
                 torch.cuda.set_rng_state_all(rng["cuda"])
         self.warmup_stats = state.get("warmup", {})
         self._resume_step = int(state.get("rl_step", 0))
+        _rescale_learning_rate(checkpoint, self.cfg.lr)
         # A checkpoint saved at a run's last step records that the prompt stream ended there;
         # restored as is, Lightning ends the resumed run before its first step. Where the stream
         # ends is this run's `trainer.steps` (the PromptStream built from it tells the fetcher).
