@@ -115,17 +115,15 @@ def require_writable(folder: Path, what: str) -> None:
     file there, flushed and removed. :class:`StorageError` (one line) naming ``what``."""
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-check.", suffix=".tmp")
+        try:
+            os.write(fd, b"\0")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     except OSError as err:
         raise StorageError(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
-    try:
-        os.write(fd, b"\0")
-        os.fsync(fd)
-    except OSError as err:
-        raise StorageError(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
-    finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
 
 def save_tensors(obj: object, path: Path) -> None:

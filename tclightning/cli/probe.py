@@ -76,7 +76,7 @@ def run_cuts(args: argparse.Namespace) -> int:
         raise TclightningError(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
     within("probe cuts", "--threads", args.threads, 1, MAX_THREADS)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
-    out = output_folder("probe cuts", Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-cuts")
+    out = output_folder("probe cuts", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-cuts"))
 
 
     from tclightning.pipeline.cuts import find_decoder_layers
@@ -342,7 +342,7 @@ def run_inference(args: argparse.Namespace) -> int:
     if args.task:
         recipe.task = dataclasses.replace(recipe.task, name=args.task)
     dataclasses.replace(recipe.pipeline, layout=args.layout).validate()
-    out = output_folder("probe inference", Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-inference")
+    out = output_folder("probe inference", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-inference"))
 
 
     from tclightning.probes.inference import (

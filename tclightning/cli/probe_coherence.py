@@ -98,7 +98,7 @@ def run_coherence(args: argparse.Namespace) -> int:
     alpha = recipe.anchor.alpha if args.alpha is None else args.alpha
     if not 0.0 <= alpha <= 1.0:
         raise TclightningError(f"--alpha must be in [0, 1], got {alpha}")
-    out = output_folder("probe coherence", Path(args.out) if args.out else Path("runs") / "probes" / f"{recipe.name}-coherence")
+    out = output_folder("probe coherence", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-coherence"))
     log = sys.stderr if args.json else sys.stdout
 
     import torch
