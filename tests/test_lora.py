@@ -336,10 +336,15 @@ def test_a_base_that_changed_since_the_run_is_refused_in_one_line_and_nothing_is
         assert files() == before, argv
     with pytest.raises(TclightningError, match="another base model"):
         GRPOModule.load_from_checkpoint(ckpt)
-    elsewhere = tmp_path / "elsewhere.ckpt"  # out of its run directory, so the recipe may drop the adapters
+    elsewhere = tmp_path / "elsewhere.ckpt"  # out of its run directory: checked against its own hyper-parameters
     shutil.copyfile(ckpt, elsewhere)
-    with pytest.raises(TclightningError, match="holds LoRA adapters without their base, and the recipe has model.lora.r=0"):
+    with pytest.raises(TclightningError, match="key 'model.lora.r' was 4 for the 2 steps of .*elsewhere.ckpt"):
         run("tiny", [*settings, "model.lora.r=0", "trainer.steps=3"], resume=str(elsewhere), quiet=True)
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+    from tclightning.run import resume_module  # and behind that check, the load itself refuses too
+
+    with pytest.raises(TclightningError, match="holds LoRA adapters without their base, and the recipe has model.lora.r=0"):
+        resume_module(to_dataclass(load_recipe("tiny", [*settings, "model.lora.r=0"])), elsewhere)
     elsewhere.unlink()
     assert files() == before
     # Trainer.fit's own load checks too (a fit that does not come through `tclightning run`)
