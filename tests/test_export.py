@@ -229,6 +229,8 @@ def test_a_checkpoint_never_turns_on_remote_code(run_dir: Path, tmp_path: Path) 
         export_policy(crafted, tmp_path / "out")
     with pytest.raises(TclightningError, match="never turns on remote code"):
         GRPOModule.load_from_checkpoint(crafted)
+    with crafted.open("rb") as handle, pytest.raises(TclightningError, match="an open file.*never turns on remote code"):
+        GRPOModule.load_from_checkpoint(handle)  # an open file, as Lightning also takes one
     assert not ran.exists() and not (tmp_path / "out").exists()
 
 

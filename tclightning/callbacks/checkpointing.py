@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import lightning as L
 import torch
@@ -70,7 +70,7 @@ def checkpoint_error(path: str | os.PathLike, err: BaseException) -> Tclightning
     return TclightningError(f"checkpoint {path}: cannot read it (truncated or corrupted?): {detail}")
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cpu", *, mmap: bool = False) -> dict[str, Any]:
     """Load a tclightning/Lightning checkpoint as data only (``weights_only=True`` with
     :func:`checkpoint_allow_list`): a file that would run code when unpickled is refused.
 
@@ -79,7 +79,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str = "cpu", *, mmap:
     ``CheckpointRefused`` for one holding anything outside the allow-list. ``mmap=True`` maps the tensors instead of reading them (cheap to peek
     at, but the file must then not be rewritten in place while they are in use).
     """
-    regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
+    if isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
+        regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     try:
         with checkpoint_allow_list():
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import copy
 import inspect
+import io
 import math
 import os
 import random
@@ -582,10 +583,16 @@ class GRPOModule(L.LightningModule):
         rebuild the frozen base of a ``model.lora`` checkpoint (which holds the adapters alone; a base
         whose fingerprint differs from the checkpoint's is refused, one line).
         To take the policy out as a Hugging Face folder use :func:`tclightning.export.export_policy`."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and "model" not in kwargs:
+        named = isinstance(checkpoint_path, (str, os.PathLike))
+        if not named:  # an open file: read once, checked, then loaded from the same bytes
+            checkpoint_path = io.BytesIO(checkpoint_path.read())
+        if "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
             # larger than its weights (your own ``model=...`` argument is yours to decide)
-            check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=True), f"checkpoint {checkpoint_path}")
+            check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=named),
+                                   f"checkpoint {checkpoint_path}" if named else "checkpoint (an open file)")
+            if not named:
+                checkpoint_path.seek(0)
         token = _LOADING.set(str(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else "checkpoint")
         try:
             with checkpoint_allow_list():
