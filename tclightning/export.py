@@ -245,8 +245,12 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             if not parent.is_dir():
                 raise TclightningError(f"export: cannot create {target}: {parent} is a file, not a folder")
             break
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
+    if target.is_dir() and any(target.iterdir()):
+        if not overwrite:
+            raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
+        if not (target / PROVENANCE_FILE).is_file():  # a run, its tb/, another run: never replaced
+            raise TclightningError(f"export: {target} is not an export (no {PROVENANCE_FILE}); --overwrite replaces only "
+                                   "an earlier export, so nothing was touched: choose a new folder")
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
     if source.is_relative_to(target.resolve()):

@@ -35,6 +35,10 @@ RUN_MARKER = ".tclightning-run"
 holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
+RUN_FILES = ("checkpoints", "tb", "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER)
+"""What a resume in place writes in its run directory (each a file or folder of the run's own)."""
+
+
 @dataclass
 class RunPlan:
     """Where a run writes and what it resumes from (decided before anything is written)."""
@@ -76,6 +80,11 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     ckpt, step, notices = readable_checkpoint(requested.absolute())
     run_dir = ckpt.parent.parent
     if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(ckpt):
+        for name in RUN_FILES:  # a link would carry the resume's writes out of the run directory
+            if (run_dir / name).is_symlink():
+                raise TclightningError(f"--resume: {run_dir / name} is a symbolic link; a resume in place writes "
+                                       "only the run's own files, so nothing was written (start a new run from "
+                                       "the checkpoint: copy it out of the run directory)")
         metrics = run_dir / "metrics.csv"
         if metrics.exists() or metrics.is_symlink():  # the run appends to it: a FIFO would block
             regular_file(metrics, "--resume: the run's metrics")

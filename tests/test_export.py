@@ -261,7 +261,7 @@ def test_a_checkpoint_of_an_anchor_run_exports(merger: str, run_dir: Path, tmp_p
 @pytest.mark.parametrize("inside", ["checkpoints", "."])
 def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) -> None:
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    with pytest.raises(TclightningError, match="holds the checkpoint it would export"):
+    with pytest.raises(TclightningError, match="is not an export|holds the checkpoint it would export"):
         export_policy(run_dir, run_dir / inside, overwrite=True)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
@@ -337,3 +337,17 @@ def test_an_export_never_replaces_what_another_export_wrote_meanwhile(
         export_policy(run_dir, out, step=1)
     assert (out / "config.json").read_text() == '{"the other export": true}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]  # our staging folder is gone
+
+
+def test_overwrite_replaces_only_an_earlier_export(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other-run"
+    shutil.copytree(run_dir, other)
+    for out in (other, run_dir / "tb", tmp_path / "mine"):
+        if out.name == "mine":
+            out.mkdir()
+            (out / "notes.txt").write_text("the user's own")
+        before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+        assert main(["export", str(run_dir), str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not an export" in err[-1], err
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before

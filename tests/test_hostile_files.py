@@ -319,3 +319,17 @@ def test_a_run_whose_stdout_goes_away_finishes_without_a_traceback(stdout: str, 
     assert code == 0 and "Traceback" not in err and "Error" not in err, err
     (run,) = (tmp_path / "tiny").iterdir()
     assert (run / "checkpoints" / "step-000003.ckpt").is_file()
+
+
+@pytest.mark.parametrize("linked", ["hparams.yaml", "checkpoints", "tb"])
+def test_a_resume_never_writes_through_a_link_in_its_run_directory(
+        run_dir: Path, tmp_path: Path, linked: str, capsys: pytest.CaptureFixture[str]) -> None:
+    copy, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(run_dir, copy)
+    shutil.move(copy / linked, elsewhere)
+    (copy / linked).symlink_to(elsewhere)
+    before = _snapshot(elsewhere) if elsewhere.is_dir() else elsewhere.read_bytes()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link" in err[0], err
+    assert (_snapshot(elsewhere) if elsewhere.is_dir() else elsewhere.read_bytes()) == before

@@ -76,6 +76,8 @@ def run_codec(args: argparse.Namespace) -> int:
             f"{args.threads})"
         )
     within("bench codec", "--threads", args.threads, 1, MAX_THREADS)
+    within("bench codec", "--repeats", args.repeats, 1, 10000)
+    within("bench codec", "--warmup", args.warmup, 0, 10000)
     within("bench codec", "--tokens x --dim", args.tokens * args.dim, 1, 1 << 30)  # 4 GiB of float32 at most
     _require_device("bench codec", args.device)
     result = bench_codec(

@@ -75,6 +75,10 @@ def run_cuts(args: argparse.Namespace) -> int:
     if args.warmup_steps < 1:
         raise TclightningError(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
     within("probe cuts", "--threads", args.threads, 1, MAX_THREADS)
+    within("probe cuts", "--prompts", args.prompts, 1, 1 << 16)
+    within("probe cuts", "--group-size", args.group_size, 1, 1 << 10)
+    within("probe cuts", "--warmup-prompts", args.warmup_prompts, 1, 1 << 16)
+    within("probe cuts", "--warmup-steps", args.warmup_steps, 1, 10000)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = output_folder("probe cuts", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-cuts"))
 
@@ -293,7 +297,7 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--split", choices=("eval", "train"), default="eval", help="problems to evaluate (default eval)")
     inference.add_argument("--limit", type=int, default=16, help="problems evaluated (default 16)")
     inference.add_argument("--max-new-tokens", type=int, default=None,
-                           help="generation limit (default 128, at most the model's positions less one)")
+                           help="generation limit (default 128, at most half the model's positions)")
     inference.add_argument("--layout", default="all",
                            help="which cuts are compressed: all, shallow, solo:i (default all)")
     inference.add_argument("--calibration", type=int, default=16,
@@ -355,7 +359,7 @@ def run_inference(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     model, tokenizer, task = load_for_probe(recipe, args.threads)
     positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    max_new_tokens = min(128, positions - 1) if args.max_new_tokens is None else args.max_new_tokens
+    max_new_tokens = min(128, positions // 2) if args.max_new_tokens is None else args.max_new_tokens  # half for the prompt
     if max_new_tokens >= positions:  # generating past them never ends well
         raise TclightningError(f"probe inference: --max-new-tokens {args.max_new_tokens} leaves no room for a prompt "
                                f"in the model's {positions} positions")

@@ -675,7 +675,9 @@ class GRPOModule(L.LightningModule):
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
-        self.warmup_stats = state.get("warmup", {})
+        warmup = state.get("warmup")
+        self.warmup_stats = {k: float(v) for k, v in warmup.items() if isinstance(v, (int, float))} \
+            if isinstance(warmup, dict) else {}
         self._resume_step = int(state.get("rl_step", 0))
         _rescale_learning_rate(checkpoint, self.cfg.lr)
         # A checkpoint saved at a run's last step records that the prompt stream ended there;
