@@ -29,6 +29,8 @@ def refused_by_storage(err: BaseException) -> bool:
     carries one (safetensors reports a full disk as ``SafetensorError: ... code: 28 ...``)."""
     if isinstance(err, OSError):
         return err.errno in STORAGE_ERRNOS
+    if isinstance(err, TclightningError):  # worded already (a StorageError names what it kept)
+        return False
     text = str(err)
     return isinstance(err, Exception) and any(os.strerror(code) in text for code in STORAGE_ERRNOS)
 

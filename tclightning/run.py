@@ -227,19 +227,20 @@ RESUME_RETIRED = RETIRED_KEYS
 ``RETIRED_KEYS``): left out of the comparison, so a run recorded with them resumes."""
 
 
-def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path) -> tuple[str, ...]:
+def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path | None = None) -> tuple[str, ...]:
     """Compare the run's record ``recipe.yaml`` with the recipe a resume in place would run.
 
     Raises ``TclightningError`` (one line, before anything is written) when a key of
     :data:`RESUME_FIXED` differs; returns the other changed keys, for which the earlier record is
     kept as ``recipe.before-step-<S>.yaml`` (``trainer.steps`` aside: extending a run is what a
-    resume is for). A run without a readable record is compared with the checkpoint's own
-    hyper-parameters instead (:func:`checkpoint_changes`), and returns ()."""
+    resume is for). A run without a readable record is compared with the hyper-parameters of
+    its checkpoint ``ckpt`` instead (:func:`checkpoint_changes`), and returns ()."""
     from tclightning.recipes.loader import read_record
 
     before = read_record(run_dir / "recipe.yaml")
     if before is None:
-        checkpoint_changes(ckpt, cfg, resume_step)
+        if ckpt is not None:
+            checkpoint_changes(ckpt, cfg, resume_step)
         return ()
     return _changed_keys(_leaves(before), _leaves(OmegaConf.to_container(cfg)), f"in {run_dir}", resume_step)
 

@@ -143,17 +143,19 @@ def test_a_damaged_warmup_cache_entry_is_trained_again_and_replaced(
     capsys.readouterr()
 
     # The new entry is written while the damaged one is still in place (never deleted first).
+    import tclightning.models.warmup as warmup_module
+
     present_while_writing: list[bool] = []
-    save = torch.save
+    save = warmup_module.save_tensors
 
-    def spy(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and Path(f).parent.parent == entry.parent:
+    def spy(obj, path):
+        if Path(path).parent.parent == entry.parent:
             present_while_writing.append(os.path.lexists(entry))
-        return save(obj, f, *args, **kwargs)
+        return save(obj, path)
 
-    monkeypatch.setattr(torch, "save", spy)
+    monkeypatch.setattr(warmup_module, "save_tensors", spy)
     second = run("tiny", [*settings, "logging.name=second"], quiet=True)
-    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(warmup_module, "save_tensors", save)
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "cached supervised warm-up" in notes[0] and "unreadable" in notes[0], notes
     assert "training it again" in notes[0] and str(entry) in notes[0]

@@ -40,7 +40,8 @@ def add_codec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--codec", default="prf", choices=("prf", "lowrank", "lowrank-4bit", "lowrank-entropy"),
-                        help="codec timed (default prf); lowrank (float coefficients), lowrank-4bit (4 bits "
+                        metavar="CODEC",
+                        help="prf (default), lowrank (float coefficients), lowrank-4bit (4 bits "
                              "and a 16-bit lead) and lowrank-entropy (entropy-coded) are timed beside the "
                              "zero-fill prf decode")
 
