@@ -82,7 +82,7 @@ def find_checkpoint(path: str | os.PathLike, step: int | None = None) -> ExportS
         except TclightningError as err:
             raise _plain(err) from None
     try:
-        found, rl_step, notices = readable_checkpoint((folder / "last.ckpt").resolve())
+        found, rl_step, notices = readable_checkpoint((folder / "last.ckpt").absolute())  # a link loop too
     except TclightningError as err:
         raise _plain(err) from None
     notices = tuple(note.replace("resuming from", "exporting") for note in notices)

@@ -35,7 +35,9 @@ RUN_MARKER = ".tclightning-run"
 holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
-RUN_FILES = ("checkpoints", "tb", "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER)
+RUN_FOLDERS = ("checkpoints", "tb")
+RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER,
+             "tb/hparams.yaml")
 """What a resume in place writes in its run directory (each a file or folder of the run's own)."""
 
 
@@ -81,16 +83,25 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     run_dir = ckpt.parent.parent
     if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(ckpt):
         for name in RUN_FILES:  # a link would carry the resume's writes out of the run directory
-            if (run_dir / name).is_symlink():
-                raise TclightningError(f"--resume: {run_dir / name} is a symbolic link; a resume in place writes "
+            path = run_dir / name
+            if path.is_symlink():
+                raise TclightningError(f"--resume: {path} is a symbolic link; a resume in place writes "
                                        "only the run's own files, so nothing was written (start a new run from "
                                        "the checkpoint: copy it out of the run directory)")
-        metrics = run_dir / "metrics.csv"
-        if metrics.exists() or metrics.is_symlink():  # the run appends to it: a FIFO would block
-            regular_file(metrics, "--resume: the run's metrics")
+            if path.exists() and name not in RUN_FOLDERS:  # the run writes it: a FIFO would block
+                regular_file(path, "--resume: the run's own file")
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
     return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``<stem>-1<suffix>``, ``-2``... when a file of that name is there already (an
+    earlier resume's record, or a file of the user's: never overwritten)."""
+    candidate, n = path, 1
+    while candidate.exists() or candidate.is_symlink():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
 
 
 def _own_file(ckpt: Path) -> bool:
@@ -524,9 +535,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if not os.environ.get(RUN_DIR_ENV):  # a rank launched into the run: its rank 0 holds the lock
             held.callback(os.close, hold_lock(plan.run_dir, "--resume"))
         if changed:
+            kept_record = _unused(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
             plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
                                           f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
-                                          f"the earlier record is kept as recipe.before-step-{plan.resume_step}.yaml"))
+                                          f"the earlier record is kept as {kept_record.name}"))
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
         plan = RunPlan(Path(os.environ[RUN_DIR_ENV]), plan.ckpt_path, plan.resume_step, new_dir=plan.new_dir)
@@ -572,7 +584,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     try:
         record = plan.run_dir / "recipe.yaml"
         if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
-            replace_text(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml", record.read_text())
+            replace_text(kept_record, record.read_text())
         replace_text(record, to_yaml(cfg))
         trainer = build_trainer(recipe, plan, user_callbacks)
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ

@@ -333,3 +333,27 @@ def test_a_resume_never_writes_through_a_link_in_its_run_directory(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is a symbolic link" in err[0], err
     assert (_snapshot(elsewhere) if elsewhere.is_dir() else elsewhere.read_bytes()) == before
+
+
+@pytest.mark.parametrize("name", ["hparams.yaml", "tb/hparams.yaml", ".lock"])
+def test_a_run_file_that_is_a_fifo_or_a_folder_is_refused_at_once(
+        run_dir: Path, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    target = copy / name
+    if target.exists():
+        target.unlink()
+    (target.mkdir() if name == ".lock" else os.mkfifo(target))
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a regular file" in err[0], err
+
+
+def test_a_resume_never_overwrites_a_file_named_like_its_earlier_record(run_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "recipe.before-step-2.yaml").write_text("the user's own\n")
+    record = (copy / "recipe.yaml").read_text()
+    run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0", "grpo.lr=1e-4"], resume=str(copy), quiet=True)
+    assert (copy / "recipe.before-step-2.yaml").read_text() == "the user's own\n"
+    assert (copy / "recipe.before-step-2-1.yaml").read_text() == record
