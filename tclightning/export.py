@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import exchange, refused_by_storage, storage_reason
+from tclightning.files import exchange, file_in_the_way, refused_by_storage, storage_reason
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -238,13 +238,11 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if target.is_symlink():  # a swap would replace the link, not the folder it names
         raise TclightningError(f"export: {target} is a symbolic link; give the folder itself "
                                f"({os.path.realpath(target)}) or a new path")
-    if target.exists() and not target.is_dir():
+    blocking = file_in_the_way(target)
+    if blocking == target:
         raise TclightningError(f"export: {target} is a file, expected a folder to write the model to")
-    for parent in target.absolute().parents:  # the folder would be created under a file
-        if parent.exists():
-            if not parent.is_dir():
-                raise TclightningError(f"export: cannot create {target}: {parent} is a file, not a folder")
-            break
+    if blocking is not None:  # the folder would be created under a file
+        raise TclightningError(f"export: cannot create {target}: {blocking} is a file, not a folder")
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
             raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")

@@ -58,6 +58,15 @@ def regular_file(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
+def file_in_the_way(folder: Path) -> Path | None:
+    """The file that keeps ``folder`` from being a folder to write into: ``folder`` itself, or the
+    nearest existing folder on the way to it, when that is not a directory; ``None`` otherwise."""
+    for candidate in (folder, *folder.absolute().parents):
+        if candidate.exists():
+            return None if candidate.is_dir() else candidate
+    return None
+
+
 def exchange(a: Path, b: Path) -> None:
     """Swap two folders atomically (Linux ``renameat2(RENAME_EXCHANGE)``); elsewhere, or where the
     filesystem cannot, move ``b`` aside, ``a`` into place and the old ``b`` to ``a``'s name."""

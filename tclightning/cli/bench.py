@@ -71,11 +71,6 @@ def run_codec(args: argparse.Namespace) -> int:
         raise TclightningError(
             f"bench codec: need 1 <= k <= dim and tokens >= 1 (got k={args.k}, dim={args.dim}, tokens={args.tokens})"
         )
-    if args.repeats < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
-        raise TclightningError(
-            f"bench codec: need --repeats >= 1, --warmup >= 0 and --threads >= 1 (got {args.repeats}, {args.warmup}, "
-            f"{args.threads})"
-        )
     within("bench codec", "--threads", args.threads, 1, MAX_THREADS)
     within("bench codec", "--repeats", args.repeats, 1, 10000)
     within("bench codec", "--warmup", args.warmup, 0, 10000)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tclightning.errors import TclightningError
+from tclightning.files import file_in_the_way
 
 MAX_THREADS = 4096
 """The most intra-op threads any command takes (as ``trainer.num_threads``)."""
@@ -21,9 +22,7 @@ def within(command: str, flag: str, value: int | float | None, low: int | float,
 def output_folder(command: str, path: Path) -> Path:
     """``path`` as the folder a probe writes its files to, refused up front (before anything is
     measured) when it, or a folder on the way to it, is a file."""
-    for folder in (path, *path.absolute().parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise TclightningError(f"{command}: --out {path}: {folder} is a file, not a folder")
-            break
+    blocking = file_in_the_way(path)
+    if blocking is not None:
+        raise TclightningError(f"{command}: --out {path}: {blocking} is a file, not a folder")
     return path

@@ -66,14 +66,6 @@ def run_cuts(args: argparse.Namespace) -> int:
     """Handler of ``probe cuts``: writes the three files, prints the table; exit code 0."""
     from tclightning.recipes.loader import load_recipe, to_dataclass
 
-    if args.prompts < 1:
-        raise TclightningError(f"--prompts must be >= 1, got {args.prompts}")
-    if args.group_size is not None and args.group_size < 1:
-        raise TclightningError(f"--group-size must be >= 1, got {args.group_size}")
-    if args.warmup_prompts < 1:
-        raise TclightningError(f"--warmup-prompts must be >= 1, got {args.warmup_prompts}")
-    if args.warmup_steps < 1:
-        raise TclightningError(f"--warmup-steps must be >= 1, got {args.warmup_steps}")
     within("probe cuts", "--threads", args.threads, 1, MAX_THREADS)
     within("probe cuts", "--prompts", args.prompts, 1, 1 << 16)
     within("probe cuts", "--group-size", args.group_size, 1, 1 << 10)
