@@ -8,11 +8,33 @@ module replaces that prefix (and gives the health monitors' warnings a ``health:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
+
+
+def exit_at_late_interrupt() -> None:
+    """From now on, Ctrl-C ends the process at once with one line and exit 130: for the moment
+    after a command has finished, when Python's own shutdown (flushing loggers, joining threads,
+    atexit hooks) would otherwise print a traceback or die by the signal without a word."""
+
+    def interrupted(signum: int, frame: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("interrupted while exiting; the command had finished\n")
+            sys.stderr.flush()
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
+def shown(text: str) -> str:
+    """``text`` with each character a terminal would act on (escapes, bells, bidi overrides,
+    line breaks) written as its Python escape: a listing or an error shows a hostile name, never runs it."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _plain_warning_format(message: Warning | str, category: type[Warning], filename: str, lineno: int,

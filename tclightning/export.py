@@ -101,7 +101,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
 
     from tclightning.grpo.module import BASE_KEY, GRPOModule, as_config
     from tclightning.models.config import RETIRED_KEYS, ModelConfig
-    from tclightning.models.loading import load_model
+    from tclightning.models.loading import check_weights, load_model
     from tclightning.models.lora import apply_lora, has_adapters
     from tclightning.settings import without_keys
 
@@ -139,6 +139,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         raise TclightningError(
             f"checkpoint {source}: its policy weights do not fit the model its hyper-parameters describe "
             f"(missing: {', '.join(missing[:3]) or 'none'}; unexpected: {', '.join(unexpected[:3]) or 'none'})")
+    check_weights(model.state_dict(), state, f"checkpoint {source}")
     model.load_state_dict(state, strict=True)
     # a plain model of the same config cannot take the adapters' weights: export strips it after merging
     return (model if has_adapters(model) else without_gguf_marker(model)).eval(), tokenizer

@@ -15,7 +15,7 @@ import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from tclightning.errors import StorageError, TclightningError
 
@@ -98,13 +98,14 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
-def replace_file(path: Path, write: Callable[[IO[str]], None]) -> None:
-    """Replace ``path`` by what ``write`` writes into a text handle, in one atomic rename: the new
-    content goes to a temporary file beside it, is flushed to disk, then renamed over ``path``. Any
-    failure (a full disk, a kill) leaves ``path`` as it was and removes the temporary file."""
+def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = False) -> None:
+    """Replace ``path`` by what ``write`` writes into a text (or ``binary``) handle, in one atomic
+    rename: the new content goes to a temporary file beside it, is flushed to disk, then renamed
+    over ``path``. Any failure (a full disk, a kill) leaves ``path`` as it was and removes the
+    temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", newline="") as handle:
+        with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())

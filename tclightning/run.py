@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (hold_lock, refused_by_storage, regular_file, replace_text, require_writable,
-                              storage_reason)
+from tclightning.files import (hold_lock, refused_by_storage, regular_file, replace_file, replace_text,
+                              require_writable, storage_reason)
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -581,6 +581,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     if not a_launched_rank:
         print(f"run directory: {plan.run_dir}", flush=True)
     trainer = None
+    before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
     try:
         record = plan.run_dir / "recipe.yaml"
         if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
@@ -596,11 +597,15 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             with checkpoint_allow_list():
                 trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
         except Exception as err:
+            if before is not None and _restoring(trainer, plan) and not refused_by_storage(err):
+                _finish_loggers(trainer)  # nothing of a refused resume stays in the run's record
+                before.put_back(kept_record if changed else None)
             if not _failed_restoring(err, trainer, plan):
                 raise
             detail = " ".join(str(err).split())[:200] or "no detail"
             raise TclightningError(f"--resume: {plan.ckpt_path} could not be restored ({type(err).__name__}: "
-                                   f"{detail}): its state does not fit this run; nothing was trained") from err
+                                   f"{detail}): its state does not fit this run; nothing was trained or "
+                                   "written") from err
         finally:
             if launched_here:
                 os.environ.pop(RUN_DIR_ENV, None)
@@ -647,11 +652,58 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     return summary
 
 
+@dataclass(frozen=True)
+class RecordSnapshot:
+    """A run directory's record (recipe.yaml, hparams.yaml, metrics.csv, summary.json and the
+    TensorBoard files) as it was before a resume in place wrote to it, so that a resume refused
+    while restoring its checkpoint leaves the run as it found it."""
+
+    run_dir: Path
+    files: dict[str, bytes | None]
+    tb_files: frozenset[str]
+
+    RECORDS = ("recipe.yaml", "hparams.yaml", "tb/hparams.yaml", "metrics.csv", "summary.json")
+
+    @classmethod
+    def take(cls, run_dir: Path) -> RecordSnapshot:
+        files = {name: (run_dir / name).read_bytes() if (run_dir / name).is_file() else None for name in cls.RECORDS}
+        tb = run_dir / "tb"
+        return cls(run_dir, files, frozenset(p.name for p in tb.iterdir()) if tb.is_dir() else frozenset())
+
+    def put_back(self, extra: Path | None = None) -> None:
+        """Each record file as it was (replaced whole, and only where it changed); the files the
+        resume added (TensorBoard events, ``extra``) removed."""
+        for name, data in self.files.items():
+            path = self.run_dir / name
+            if data is None:
+                path.unlink(missing_ok=True)
+            elif not path.is_file() or path.read_bytes() != data:
+                replace_file(path, lambda handle, data=data: handle.write(data), binary=True)
+        tb = self.run_dir / "tb"
+        for added in (p for p in tb.iterdir() if p.name not in self.tb_files) if tb.is_dir() else ():
+            if added.is_file() and not added.is_symlink():
+                added.unlink()
+        if extra is not None:
+            extra.unlink(missing_ok=True)
+
+
+def _finish_loggers(trainer: Any) -> None:
+    """Close the trainer's loggers, so a record put back is not written over by a late flush."""
+    for logger in getattr(trainer, "loggers", ()):
+        with contextlib.suppress(Exception):
+            logger.finalize("failed")
+
+
 def _failed_restoring(err: Exception, trainer: Any, plan: RunPlan) -> bool:
     """Whether ``err`` came while a resume restored its checkpoint (weights, optimizer, loops, RNG,
     callback and codec states), before its first new step began: the checkpoint's state, not a bug
     of the run (``--debug`` still shows the traceback)."""
-    if plan.ckpt_path is None or plan.resume_step is None or isinstance(err, TclightningError) or refused_by_storage(err):
+    return not isinstance(err, TclightningError) and not refused_by_storage(err) and _restoring(trainer, plan)
+
+
+def _restoring(trainer: Any, plan: RunPlan) -> bool:
+    """Whether a resume has not begun its first new step yet (it is still restoring its checkpoint)."""
+    if plan.ckpt_path is None or plan.resume_step is None:
         return False
     return trainer.fit_loop.epoch_loop.batch_progress.total.started <= plan.resume_step
 

@@ -118,8 +118,10 @@ def one_of(options: Iterable[str], *, optional: bool = False) -> Rule:
     return rule
 
 
-def text(*, nonempty: bool = False, optional: bool = False) -> Rule:
-    """A string (non-blank with ``nonempty``); null only with ``optional``."""
+def text(*, nonempty: bool = False, optional: bool = False, printable: bool = False, lines: bool = False) -> Rule:
+    """A string (non-blank with ``nonempty``; with ``printable``, no control or format characters,
+    which a terminal or a folder name would act on, and no line breaks or tabs unless ``lines``);
+    null only with ``optional``."""
 
     def rule(value: Any) -> str | None:
         if value is None:
@@ -128,6 +130,10 @@ def text(*, nonempty: bool = False, optional: bool = False) -> Rule:
             return f"expected a string, got {value!r}"
         if nonempty and not value.strip():
             return "expected a non-empty string"
+        shown = value.replace("\n", "").replace("\t", "") if lines else value
+        if printable and not shown.isprintable():
+            bad = next(c for c in shown if not c.isprintable())
+            return f"expected printable text, got {value!r} (it holds U+{ord(bad):04X})"
         return None
 
     return rule
@@ -233,6 +239,16 @@ def without_keys(section: Mapping[str, Any], keys: Iterable[str]) -> dict[str, A
     return out
 
 
+def check_arguments(owner: str, arguments: Mapping[str, tuple[Any, Rule]]) -> None:
+    """Constructor arguments checked by the same rules as recipe keys (``{name: (value, rule)}``):
+    the first out of its range raises ``ValueError("owner: name: ...")``, which a recipe's
+    ``callbacks[i].init_args`` reports as that key's error."""
+    for name, (value, rule) in arguments.items():
+        problem = rule(value)
+        if problem is not None:
+            raise ValueError(f"{owner}: {name}: {problem}")
+
+
 __all__ = ["MAX_STEPS", "MAX_TOKENS", "MAX_WIDTH", "SEED_MAX", "Problem", "Rule", "Setting", "anything",
-           "field_problems", "flag", "help_text", "integer", "list_of", "number", "one_of", "positive", "seed", "setting",
-           "settings", "share", "text", "without_keys"]
+           "check_arguments", "field_problems", "flag", "help_text", "integer", "list_of", "number", "one_of",
+           "positive", "seed", "setting", "settings", "share", "text", "without_keys"]

@@ -186,6 +186,33 @@ CASES: dict[str, Case] = {
                                                  "1000000000"), ("--max-new-tokens",)),
     "probe-inference-batch-size-zero": Case(("probe", "inference", "--recipe", "tiny", "--batch-size", "0"),
                                             ("--batch-size",)),
+    # text a terminal or a folder name would act on; names no folder can hold
+    "recipe-name-escape": recipe(BASE + 'name: "e\\e[31mRED"\n', "key 'name'", "U+001B"),
+    "recipe-description-bidi": recipe('defaults: [tiny]\ndescription: "a\\u202eb"\nlogging: {root: runs}\n',
+                                      "key 'description'", "U+202E"),
+    "logging-name-bell": override("logging.name=\"x\\ay\"", names=("override 'logging.name=", "U+0007")),
+    "logging-name-too-long": override("logging.name=" + "n" * 256, names=("256 bytes", "at most 255")),
+    # callback arguments out of their range, and rules a recipe cannot build
+    "collapse-rules-text": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.collapse.CollapseDetector\n"
+        "    init_args: {rules: x}\n", "callbacks[0].init_args", "expected health Rule objects"),
+    "length-growth-warn-nan": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.length_feedback.LengthFeedbackMonitor\n"
+        "    init_args: {growth_warn: .nan}\n", "callbacks[0].init_args", "growth_warn"),
+    "length-truncation-collapse-above-1": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.length_feedback.LengthFeedbackMonitor\n"
+        "    init_args: {truncation_collapse: 5}\n", "callbacks[0].init_args", "truncation_collapse"),
+    "gap-k3-band-negative": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.gap_monitor.GapMonitor\n"
+        "    init_args: {k3_band: -1}\n", "callbacks[0].init_args", "k3_band"),
+    "collapse-max-rollbacks-negative": recipe(
+        NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.collapse.CollapseDetector\n"
+        "    init_args: {max_rollbacks: -1}\n", "callbacks[0].init_args", "max_rollbacks"),
+    "analyze-health-negative-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:3", "whole number >= 0"),
+                                         {"m.csv": b"step,reward/mean\n0,1.0\n-5,1.0\n"}),
+    "analyze-health-fractional-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "'1.5'"),
+                                           {"m.csv": b"step,reward/mean\n1.5,1.0\n"}),
+    "task-sources-nested": override("task.name=bigmath", "task.sources=[[x, 1]]"),
 }
 
 
@@ -272,6 +299,32 @@ def test_one_bad_file_on_the_search_path_breaks_no_other_lookup(
     code = main(["recipes", "show", "broken"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "broken.yaml" in err[0] and "not valid YAML" in err[0]
+
+
+def test_a_listing_shows_control_characters_in_a_recipe_as_escapes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "esc.yaml").write_text('name: "e\\e[31mRED\\a"\ndescription: "clear \\e[2J \\u202e"\n')
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", str(tmp_path))
+    capsys.readouterr()
+    assert main(["recipes", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "e\\x1b[31mRED\\x07" in out and "clear \\x1b[2J \\u202e" in out
+    assert all(c.isprintable() for line in out.splitlines() for c in line), "a listing never writes a control character"
+
+
+@pytest.mark.parametrize("entry", ["/dev/null", "{tmp}/file.txt", "{tmp}/missing"])
+def test_a_recipe_search_path_entry_that_is_not_a_folder_is_one_line(
+    entry: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", f"{tmp_path}{os.pathsep}{entry.replace('{tmp}', str(tmp_path))}")
+    for argv in (["recipes", "list"], ["run", "--recipe", "tiny", f"logging.root={tmp_path}/runs"]):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "TCLIGHTNING_RECIPES" in err[0] and entry.replace("{tmp}", "") in err[0], err
+    assert not (tmp_path / "runs").exists()
 
 
 def _as_an_ordinary_user(path: str | os.PathLike, mode: int, *args: object, **kwargs: object) -> bool:

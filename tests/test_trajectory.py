@@ -18,7 +18,6 @@ from tclightning.callbacks.trajectory import (
     trajectory_point,
 )
 from tclightning.cli.main import main
-from tclightning.errors import TclightningError
 from tclightning.probes.trajectory import analyze_points, analyze_run, load_trajectory
 
 
@@ -113,7 +112,7 @@ def test_recorder_writes_points_every_n_steps(tmp_path: Path) -> None:
     _fit(tmp_path / "ticks", TrajectoryRecorder(every=2, unit="tick", dim=3, dirpath=tmp_path / "ticks" / "pts"))
     steps, x, meta = load_trajectory(tmp_path / "ticks" / "pts")
     assert steps == [0, 2, 4, 6, 8] and x.shape == (5, 3) and meta["method"] == "count_sketch"
-    with pytest.raises(TclightningError):
+    with pytest.raises(ValueError, match="unit: expected one of step, tick"):
         TrajectoryRecorder(unit="epoch")
 
 

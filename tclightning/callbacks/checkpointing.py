@@ -88,6 +88,10 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
         raise checkpoint_error(path, err) from None
     if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)
         raise CheckpointRefused(f"checkpoint {path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
+    for section in ("hyper_parameters", "tclightning", "state_dict", "loops", "callbacks"):
+        if section in ckpt and not isinstance(ckpt[section], dict):  # each reader takes it as a mapping
+            raise CheckpointRefused(f"checkpoint {path}: not a checkpoint tclightning wrote (its '{section}' "
+                                    f"is a {type(ckpt[section]).__name__}, not a dict)")
     return ckpt
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from tclightning.callbacks.health_actions import HealthMonitor
 from tclightning.health.rules import Rule, gap_rules
+from tclightning.settings import check_arguments, number, positive
 
 
 class GapMonitor(HealthMonitor):
@@ -33,6 +34,12 @@ class GapMonitor(HealthMonitor):
         name: str = "gap",
         **kwargs: Any,
     ) -> None:
+        check_arguments(type(self).__name__, {
+            "abs_mean_band": (abs_mean_band, number(0.0, low_open=True)),
+            "k3_band": (k3_band, number(0.0, low_open=True)),
+            "rise_warn": (rise_warn, number(0.0, low_open=True)),
+            "window": (window, positive()),
+        })
         if rules is None:
             rules = gap_rules(abs_mean_band, k3_band, rise_warn, window, nonfinite=True, coupling=True)
         super().__init__(rules=rules, name=name, **kwargs)

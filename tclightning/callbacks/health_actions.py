@@ -62,6 +62,7 @@ from tclightning.health.names import (
 )
 from tclightning.health.rules import HealthState, Rule
 from tclightning.health.rules.base import INFO, parse_severity
+from tclightning.settings import check_arguments, flag, integer, list_of, number, positive, text
 
 ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
 
@@ -132,8 +133,18 @@ class HealthMonitor(Callback):
             raise TclightningError(f"{type(self).__name__}: unknown action(s) {sorted(unknown)}; choose from {ACTIONS}")
         if act_on not in ("warning", "collapsing"):
             raise TclightningError(f"{type(self).__name__}: act_on must be 'warning' or 'collapsing', got {act_on!r}")
-        if checkpoint_every < 1 or max_rollbacks < 0 or rollback_lr_scale <= 0:
-            raise TclightningError(f"{type(self).__name__}: checkpoint_every >= 1, max_rollbacks >= 0, rollback_lr_scale > 0")
+        if rules is not None and not all(isinstance(rule, Rule) for rule in rules):
+            raise ValueError(f"{type(self).__name__}: rules: expected health Rule objects (built in Python, "
+                             f"tclightning.health.rules), got {rules!r}; a recipe sets the thresholds instead")
+        check_arguments(type(self).__name__, {
+            "checkpoint_every": (checkpoint_every, positive()),
+            "max_rollbacks": (max_rollbacks, integer(0)),
+            "rollback_lr_scale": (rollback_lr_scale, number(0.0, low_open=True)),
+            "clear_after": (clear_after, positive()),
+            "no_data_after": (no_data_after, positive()),
+            "tolerated_rules": (list(tolerated_rules), list_of(text())),
+            "validation_metrics": (list(validation_metrics), list_of(text(nonempty=True))),
+        })
         self.name = name
         self.detector = HealthDetector(rules, clear_after=clear_after)
         self._explicit_names = metric_names is not None
@@ -200,13 +211,24 @@ class HealthMonitor(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a value out of its range (a negative rollback
+        count, a learning-rate factor that is not a finite number > 0, a path that is not text)
+        raises ``ValueError`` before anything changes."""
+        check_arguments(f"{type(self).__name__} state", {
+            "rollbacks": (state_dict.get("rollbacks", 0), integer(0)),
+            "last_healthy_path": (state_dict.get("last_healthy_path"), text(optional=True)),
+            "last_healthy_step": (state_dict.get("last_healthy_step"), integer(0, optional=True)),
+            "stopped_at": (state_dict.get("stopped_at"), integer(0, optional=True)),
+            "lr_factor": (state_dict.get("lr_factor", 1.0), number(0.0, low_open=True)),
+            "no_data_warned": (state_dict.get("no_data_warned", False), flag),
+        })
         self.detector.load_state_dict(state_dict["detector"])
-        self.rollbacks = int(state_dict.get("rollbacks", 0))
+        self.rollbacks = state_dict.get("rollbacks", 0)
         self.last_healthy_path = state_dict.get("last_healthy_path")
         self.last_healthy_step = state_dict.get("last_healthy_step")
         self.stopped_at = state_dict.get("stopped_at")
         self._lr_factor = float(state_dict.get("lr_factor", 1.0))
-        self._no_data_warned = bool(state_dict.get("no_data_warned", False))
+        self._no_data_warned = state_dict.get("no_data_warned", False)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

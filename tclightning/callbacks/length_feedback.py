@@ -7,6 +7,7 @@ from typing import Any
 
 from tclightning.callbacks.health_actions import HealthMonitor
 from tclightning.health.rules import Rule, length_rules
+from tclightning.settings import check_arguments, number, positive
 
 
 class LengthFeedbackMonitor(HealthMonitor):
@@ -34,6 +35,13 @@ class LengthFeedbackMonitor(HealthMonitor):
         name: str = "length",
         **kwargs: Any,
     ) -> None:
+        check_arguments(type(self).__name__, {
+            "window": (window, positive()),
+            "growth_warn": (growth_warn, number(0.0, low_open=True)),
+            "drift_growth_warn": (drift_growth_warn, number(0.0, low_open=True)),
+            "truncation_rise_warn": (truncation_rise_warn, number(0.0, 1.0, low_open=True)),
+            "truncation_collapse": (truncation_collapse, number(0.0, 1.0, low_open=True)),
+        })
         if rules is None:
             rules = length_rules(
                 window, growth_warn, drift_growth_warn, truncation_rise_warn, truncation_collapse, nonfinite=True

@@ -33,6 +33,8 @@ from torch import Tensor
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
 from tclightning.files import save_tensors
+from tclightning.settings import check_arguments, integer, one_of, positive
+from tclightning.settings import seed as seed_rule
 
 _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
 _CHUNK = 1 << 20
@@ -96,12 +98,10 @@ class TrajectoryRecorder(Callback):
         self, every: int = 1, unit: str = "step", dim: int = 4096, seed: int = 0,
         dirpath: str | os.PathLike[str] | None = None, parameters: list[str] | None = None,
     ) -> None:
-        if every < 1:
-            raise TclightningError(f"TrajectoryRecorder: every must be >= 1, got {every}")
-        if unit not in ("step", "tick"):
-            raise TclightningError(f"TrajectoryRecorder: unit must be 'step' or 'tick', got {unit!r}")
-        if dim < 2:
-            raise TclightningError(f"TrajectoryRecorder: dim must be >= 2, got {dim}")
+        check_arguments("TrajectoryRecorder", {
+            "every": (every, positive()), "unit": (unit, one_of(("step", "tick"))),
+            "dim": (dim, integer(2)), "seed": (seed, seed_rule()),
+        })
         self.every, self.unit, self.dim, self.seed = int(every), unit, int(dim), int(seed)
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.parameters = parameters

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from tclightning.cli import run as run_cli
 from tclightning.cli.formatting import HelpFormatter
 from tclightning.cli.main import dispatch
+from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
@@ -75,13 +76,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = args[1:] if debug else args
     if rest and rest[0] in CLI_COMMANDS:  # LightningCLI parses its own options (argparse would refuse them)
         try:
-            return lightning_cli(rest)
+            code = lightning_cli(rest)
         except TclightningError as err:
             if debug:
                 raise
-            print(f"error: {err}", file=sys.stderr)
-            return err.exit_code
-    return dispatch(build_parser(), args)
+            print(f"error: {shown(str(err))}", file=sys.stderr)
+            code = err.exit_code
+    else:
+        code = dispatch(build_parser(), args)
+    if argv is None:  # the console command: Ctrl-C during Python's shutdown must not undo its result
+        exit_at_late_interrupt()
+    return code
 
 
 if __name__ == "__main__":

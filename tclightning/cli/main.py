@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
-from tclightning.console import outlive_stdout
+from tclightning.console import exit_at_late_interrupt, outlive_stdout, shown
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
 
@@ -44,7 +44,8 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         if args.debug:
             raise
         # one line, whatever the message: a user error is never a wall of text
-        print("error: " + " ".join(line.strip() for line in str(err).splitlines() if line.strip()), file=sys.stderr)
+        print("error: " + shown(" ".join(line.strip() for line in str(err).splitlines() if line.strip())),
+              file=sys.stderr)
         return err.exit_code
     except OSError as err:
         if args.debug or not refused_by_storage(err):  # a bug, or a file the command names: in full
@@ -65,7 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the subcommands import
         print("interrupted", file=sys.stderr)
         return 130
-    return dispatch(parser, argv)
+    code = dispatch(parser, argv)
+    if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
+        exit_at_late_interrupt()
+    return code
 
 
 if __name__ == "__main__":

@@ -67,6 +67,37 @@ def dense_bytes(tokens: int, dim: int, dtype: torch.dtype) -> int:
     return tokens * dim * dtype.itemsize
 
 
+def saved_tensor(state: dict[str, Any], key: str, shape: tuple[int | None, ...], *, floating: bool = True,
+                 optional: bool = False) -> Tensor | None:
+    """``state[key]`` as a codec's :meth:`Codec.load_state_dict` may take it: a tensor of
+    ``shape`` (None: any length there), floating (finite) or integer, or None with ``optional``.
+    Anything else raises ``ValueError`` naming the key: a checkpoint written for another cut, or
+    crafted, would otherwise resume and code with a basis of the wrong size or kind."""
+    value = state.get(key)
+    if value is None and optional:
+        return None
+    ok = (isinstance(value, Tensor) and value.dim() == len(shape)
+          and all(want is None or got == want for got, want in zip(value.shape, shape))
+          and (value.is_floating_point() if floating else not value.is_floating_point() and value.dtype != torch.bool))
+    if ok and floating and not bool(torch.isfinite(value).all()):
+        ok = False
+    if not ok:
+        kind = "finite float" if floating else "integer"
+        got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor)
+               else type(value).__name__)
+        want = "x".join("n" if d is None else str(d) for d in shape)
+        raise ValueError(f"codec state '{key}': expected a {kind} tensor of shape {want}, got {got}")
+    return value
+
+
+def saved_count(state: dict[str, Any], key: str, low: int = 0) -> int:
+    """``state[key]`` as a whole number >= ``low`` (a version, a step, a count); else ``ValueError``."""
+    value = state.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"codec state '{key}': expected a whole number >= {low}, got {value!r}")
+    return value
+
+
 class Codec(ABC):
     """A boundary codec for a ``d``-channel cut.
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tclightning.codecs.base import Codec, CodecKey
+from tclightning.codecs.base import Codec, CodecKey, saved_count, saved_tensor
 from tclightning.codecs.context import ID_LIMIT, sorted_rows, token_of
 from tclightning.codecs.entropy import quantise_forward, quantise_gradient
 from tclightning.codecs.prf import fold32, key_hash, mix32
@@ -207,10 +207,16 @@ class TokenMoments:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.clear()
         if state:
-            self.count, self.total, self.outer = int(state["count"]), state["total"], state["outer"]
+            count = saved_count(state, "count")
+            total = saved_tensor(state, "total", (self.dim,))
+            outer = saved_tensor(state, "outer", (self.dim, self.dim))
             if "ids" in state:
-                self.with_ids, self.ids = int(state["with_ids"]), state["ids"]
-                self.token_total, self.token_count = state["token_total"], state["token_count"]
+                ids = saved_tensor(state, "ids", (None,), floating=False)
+                assert ids is not None
+                self.with_ids, self.ids = saved_count(state, "with_ids"), ids
+                self.token_total = saved_tensor(state, "token_total", (ids.numel(), self.dim))
+                self.token_count = saved_tensor(state, "token_count", (ids.numel(),))
+            self.count, self.total, self.outer = count, total, outer
 
 
 def water_level(variances: Tensor, bits: float) -> float:
@@ -297,7 +303,9 @@ class SVDCodec(Codec):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            self.basis, self.mean, self.energy_kept = state["basis"], state["mean"], state.get("energy_kept")
+            self.basis = saved_tensor(state, "basis", (self.dim, self.rank))
+            self.mean = saved_tensor(state, "mean", (self.dim,))
+            self.energy_kept = state.get("energy_kept")
 
     def __repr__(self) -> str:
         return f"SVDCodec(dim={self.dim}, rank={self.rank})"
@@ -1019,18 +1027,22 @@ class AdaptiveLowRankCodec(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        basis, entropy = state["basis"], state.get("variances") is not None
-        if basis is not None and (basis.shape[1] != self.rank or entropy != (self.entropy_budget is not None)):
+        basis, entropy = state.get("basis"), state.get("variances") is not None
+        if isinstance(basis, Tensor) and basis.dim() == 2 and (
+                basis.shape[1] != self.rank or entropy != (self.entropy_budget is not None)):
             raise ValueError(
                 f"the saved basis has rank {basis.shape[1]} with {'entropy-coded' if entropy else 'other'} "
                 f"coefficients; this cut's codec has rank {self.rank} with "
                 f"{'entropy-coded' if self.entropy_budget is not None else 'other'} ones: resume with the run's "
                 f"own pipeline settings (pipeline.entropy_coding={str(entropy).lower()})")
-        self.basis, self.mean = state["basis"], state["mean"]
-        self.token_ids, self.token_offsets = state.get("token_ids"), state.get("token_offsets")
-        self.variances = state.get("variances")
+        self.basis = saved_tensor(state, "basis", (self.dim, self.rank), optional=True)
+        self.mean = saved_tensor(state, "mean", (self.dim,), optional=self.basis is None)
+        self.token_ids = saved_tensor(state, "token_ids", (None,), floating=False, optional=True)
+        slots = None if self.token_ids is None else self.token_ids.numel()
+        self.token_offsets = saved_tensor(state, "token_offsets", (slots, self.dim), optional=slots is None)
+        self.variances = saved_tensor(state, "variances", (self.rank,), optional=True)
         self._table_cache = {}
-        self.version, self.checked_step = int(state["version"]), int(state["checked_step"])
+        self.version, self.checked_step = saved_count(state, "version"), saved_count(state, "checked_step", low=-1)
         self.shared.load_state_dict(state.get("shared", {}))
         self.window.load_state_dict(state.get("window", {}))
 

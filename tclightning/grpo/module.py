@@ -63,7 +63,7 @@ from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.update import UpdateResult, grpo_update
 from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import DTYPES, ModelConfig
-from tclightning.models.loading import check_checkpoint_model, load_model
+from tclightning.models.loading import check_checkpoint_model, check_weights, load_model
 from tclightning.models.lora import apply_lora, base_fingerprint, frozen_parameter_names
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
@@ -144,6 +144,21 @@ def _rescale_learning_rate(checkpoint: dict[str, Any], lr: float) -> None:
         for key in ("base_lrs", "_last_lr"):
             if isinstance(schedule.get(key), list):
                 schedule[key] = [value * ratio for value in schedule[key]]
+
+
+def _check_training_state(checkpoint: Mapping[str, Any]) -> None:
+    """That a checkpoint to resume holds the one optimizer and one schedule
+    :meth:`GRPOModule.configure_optimizers` makes, else ``ValueError``: Lightning restores by
+    zipping its optimizers with the saved states, so an empty list would restart AdamW's moments
+    and the warm-up schedule without a word."""
+    optimizers, schedules = checkpoint.get("optimizer_states"), checkpoint.get("lr_schedulers")
+    if not (isinstance(optimizers, list) and len(optimizers) == 1 and isinstance(optimizers[0], Mapping)
+            and {"state", "param_groups"} <= set(optimizers[0])):
+        raise ValueError("optimizer_states: expected the state of the one AdamW optimizer, got "
+                         f"{len(optimizers) if isinstance(optimizers, list) else type(optimizers).__name__}")
+    if not (isinstance(schedules, list) and len(schedules) == 1 and isinstance(schedules[0], Mapping)):
+        raise ValueError("lr_schedulers: expected the state of the one learning-rate schedule, got "
+                         f"{len(schedules) if isinstance(schedules, list) else type(schedules).__name__}")
 
 
 class GRPOModule(L.LightningModule):
@@ -588,7 +603,8 @@ class GRPOModule(L.LightningModule):
             checkpoint_path = io.BytesIO(checkpoint_path.read())
         if "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
-            # larger than its weights (your own ``model=...`` argument is yours to decide)
+            # larger than its weights or of a shape none can have (your own ``model=...`` argument
+            # is yours to decide)
             check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=named),
                                    f"checkpoint {checkpoint_path}" if named else "checkpoint (an open file)")
             if not named:
@@ -663,11 +679,14 @@ class GRPOModule(L.LightningModule):
                 if self.cfg.kl_coef > 0 and self.reference is None:
                     self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
             apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)  # after the (base) reference
+            check_weights(self.state_dict(), checkpoint.get("state_dict", {}), f"checkpoint {_LOADING.get()}")
             self._check_left_out(checkpoint, _LOADING.get(), verify=True)
             return
         # Rank 0 checks the base it rebuilt in setup; the other ranks take rank 0's weights once
         # the pipeline is built (their own rebuild may differ where GPU kernels do).
         self._check_left_out(checkpoint, str(self.trainer.ckpt_path), verify=self.trainer.global_rank == 0)
+        _check_training_state(checkpoint)
+        check_weights(self.state_dict(), checkpoint.get("state_dict", {}), f"checkpoint {self.trainer.ckpt_path}")
         rng = state.get("rng")
         if rng:
             random.setstate(rng["python"])

@@ -50,9 +50,12 @@ def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
             if not raw_step:
                 continue
             try:
-                step = int(float(raw_step))
+                number = float(raw_step)
+                step = int(number)
             except (ValueError, OverflowError) as err:  # "abc", "inf", "nan"
                 raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a number") from err
+            if step < 0 or step != number:
+                raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a whole number >= 0")
             row = merged.setdefault(step, {})
             for column, cell in record.items():
                 if column is None or column in _SKIP_COLUMNS or cell is None or not cell.strip():

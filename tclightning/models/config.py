@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive, seed
-from tclightning.settings import list_of, setting, share, text
+from tclightning.settings import Problem, field_problems, list_of, setting, share, text
 
 SOURCES = ("tiny", "hf", "gguf")
 """``model.source``: where the policy comes from (see :class:`ModelConfig`)."""
@@ -36,6 +37,23 @@ class TinyModelConfig:
     num_kv_heads: int = setting(2, positive(MAX_WIDTH), "key/value heads (divide num_heads)")
     intermediate_size: int = setting(256, positive(MAX_WIDTH * 8), "MLP width")
     max_positions: int = setting(128, integer(2, MAX_TOKENS), "positions: prompt plus completion")
+
+    def problems(self, prefix: str = "model.tiny") -> Iterator[Problem]:
+        """Each value out of its range, then what the shape needs: heads divide the width with an
+        even head width (rotary positions rotate channel pairs), key/value heads divide the heads."""
+        found = list(field_problems(self, prefix))
+        yield from found
+        if found:
+            return
+        heads, width = (f"{prefix}.num_heads", f"{prefix}.hidden_size")
+        if self.hidden_size % self.num_heads:
+            yield Problem((heads, width), f"{self.num_heads} heads do not divide hidden_size {self.hidden_size}")
+        elif (self.hidden_size // self.num_heads) % 2:
+            yield Problem((heads, width), f"head width hidden_size / num_heads = {self.hidden_size // self.num_heads} "
+                                          "must be even (rotary positions rotate channel pairs)")
+        if self.num_heads % self.num_kv_heads:
+            yield Problem((f"{prefix}.num_kv_heads", heads),
+                          f"{self.num_kv_heads} key/value heads do not divide num_heads {self.num_heads}")
 
 
 @dataclass

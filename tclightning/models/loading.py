@@ -46,6 +46,22 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, s
         return AutoModelForCausalLM.from_config(config)
 
 
+def check_weights(expected: Mapping[str, Any], given: Mapping[str, Any], source: str) -> None:
+    """That each of ``given``'s tensors that ``expected`` (a model's ``state_dict``) also names
+    has its shape and kind (floating or not) and, floating, only finite values; else
+    ``TclightningError`` naming ``source`` and the weight. ``load_state_dict`` would cast a bool or
+    int tensor and copy a NaN without a word."""
+    for key, value in given.items():
+        want = expected.get(key)
+        if want is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.shape != want.shape or value.is_floating_point() != want.is_floating_point():
+            raise TclightningError(f"{source}: weight '{key}' is a {value.dtype} tensor of shape {tuple(value.shape)}; "
+                                   f"the model holds a {want.dtype} one of shape {tuple(want.shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise TclightningError(f"{source}: weight '{key}' holds NaN or Inf")
+
+
 def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: str = "policy.") -> None:
     """Before a model is built from a checkpoint's ``model`` hyper-parameters: a checkpoint is
     data, so one asking for ``trust_remote_code`` is refused (remote code is turned on only by a
@@ -69,6 +85,8 @@ def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: s
             cfg = TinyModelConfig(**tiny)
         except TypeError as err:
             raise TclightningError(f"{source}: key 'model.tiny': {err}") from None
+        for shape_problem in cfg.problems():
+            raise TclightningError(f"{source}: key '{shape_problem.keys[0]}': {shape_problem.message}")
         problem = tiny_weights_mismatch(cfg, state)
         if problem is not None:
             raise TclightningError(f"{source}: its hyper-parameters do not describe its weights: {problem}")

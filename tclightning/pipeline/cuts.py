@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from tclightning.codecs import CodecKey
+from tclightning.codecs import CODECS, CodecKey
 from tclightning.codecs.context import context_keys
 from tclightning.errors import TclightningError
 from tclightning.pipeline.boundary import Boundary, LoopbackWire, Wire, WireMeter
@@ -268,12 +268,16 @@ class CutSet:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        codec = state.get("codec")
+        """Restore :meth:`state_dict`'s output. A state that is not one for these cuts (other
+        keys, a codec unknown here, another count of cuts, a step that is not a whole number)
+        raises ``ValueError`` before anything changes."""
+        check_cut_state(state, len(self.boundaries))
+        codec, step, forward = state.get("codec"), state.get("step", 0), state.get("forward", [])
         if codec is not None and codec != self.config.codec and self.compressed:  # saved after a switch_codec
             self.switch_codec(codec)
-        self.step = int(state.get("step", 0))
-        for boundary, fwd in zip(self.boundaries, state.get("forward", [])):
-            boundary.codec.load_state_dict(fwd)
+        self.step = step
+        for boundary, fwd in zip(self.boundaries, forward):
+            boundary.codec.load_state_dict(dict(fwd))
 
     def remove(self) -> None:
         """Delete every hook; the model is hook-free again. Idempotent."""
@@ -286,6 +290,28 @@ class CutSet:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def check_cut_state(state: Any, cuts: int) -> None:
+    """That ``state`` is a cut state for ``cuts`` cuts (:meth:`CutSet.state_dict`, or the
+    multi-process form with each sender's state), else ``ValueError``: a state with other keys,
+    a codec unknown here, another count of cuts or a step that is not a whole number would resume
+    with the wrong bases, or none, without a word."""
+    if not isinstance(state, Mapping) or set(state) - {"step", "codec", "forward", "sender"}:
+        raise ValueError(f"cut state: expected step, codec and forward, got "
+                         f"{sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__}")
+    codec, step = state.get("codec"), state.get("step", 0)
+    if codec is not None and codec not in CODECS:
+        raise ValueError(f"cut state: codec {codec!r} is none of {', '.join(CODECS)}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"cut state: step {step!r} is not a whole number >= 0")
+    for key in ("forward", "sender"):
+        entries = state.get(key, [] if key == "forward" else None)
+        if entries is None:
+            continue
+        if not isinstance(entries, list) or len(entries) != cuts or not all(isinstance(e, Mapping) for e in entries):
+            raise ValueError(f"cut state: expected one codec state per cut ({cuts}) in '{key}', got "
+                             f"{len(entries) if isinstance(entries, list) else type(entries).__name__}")
 
 
 def codec_metrics(per_cut: list[dict[str, float]]) -> dict[str, float]:

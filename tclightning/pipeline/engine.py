@@ -38,7 +38,7 @@ from tclightning.pipeline.boundary import WireMeter
 from tclightning.pipeline.comm import StageComm, StageFailure, payload_stage
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.endpoint import CutEnd
-from tclightning.pipeline.cuts import boundary_width, codec_metrics
+from tclightning.pipeline.cuts import boundary_width, check_cut_state, codec_metrics
 from tclightning.pipeline.layout import CutSpec, cut_codec, resolve_layout
 from tclightning.pipeline.stage import StageInputs, StageModule, splittable_layers
 from tclightning.weight_sync import SamplerCopy, WeightMirror, full_bytes, message_bytes
@@ -666,6 +666,7 @@ class PipelineEngine:
 
     def load_cut_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's share of a ``CutSet.state_dict()`` (from one or many processes)."""
+        check_cut_state(state, len(self.specs))
         self.module.step = int(state.get("step", 0))
         forward = state.get("forward", [])
         if self.module.recv_codec is not None and len(forward) >= self.rank:

@@ -27,6 +27,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.ranges import problems
@@ -39,7 +40,12 @@ REPO_DIR = PACKAGE_DIR.parent
 
 def _search_path(env_var: str, folder: str) -> list[Path]:
     """User folders from ``env_var``, then the repo's top-level folder, then the packaged copy."""
-    extra = [Path(p) for p in os.environ.get(env_var, "").split(os.pathsep) if p]
+    extra = [Path(p).expanduser() for p in os.environ.get(env_var, "").split(os.pathsep) if p]
+    for entry in extra:  # a mistyped entry would hide the user's recipes without a word
+        if not entry.is_dir():
+            why = "is not a folder" if entry.exists() else "does not exist"
+            raise RecipeError(f"environment variable {env_var}: {entry} {why} (it lists folders, "
+                              f"separated by '{os.pathsep}')")
     candidates = [*extra, REPO_DIR / folder, PACKAGE_DIR / "hub" / folder]
     return [p for p in candidates if p.is_dir()]
 
@@ -76,7 +82,7 @@ def list_recipes() -> list[RecipeInfo]:
                 continue
             name = str(data.get("name") or path.stem) if isinstance(data, dict) else path.stem
             description = str(data.get("description", "")) if isinstance(data, dict) else ""
-            seen[path.name] = RecipeInfo(name, path, " ".join(description.split()))
+            seen[path.name] = RecipeInfo(shown(name), path, shown(" ".join(description.split())))
     return sorted(seen.values(), key=lambda r: r.name.lower())
 
 

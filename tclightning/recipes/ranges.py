@@ -46,19 +46,8 @@ def _get(cfg: DictConfig, key: str) -> Any:
 
 # ------------------------------------------------------------------------------ cross checks
 def _tiny_shape(cfg: DictConfig) -> Iterator[Problem]:
-    if cfg.model.source != "tiny":
-        return
-    t = cfg.model.tiny
-    if t.hidden_size % t.num_heads:
-        yield Problem(("model.tiny.num_heads", "model.tiny.hidden_size"),
-                      f"{t.num_heads} heads do not divide hidden_size {t.hidden_size}")
-    elif (t.hidden_size // t.num_heads) % 2:
-        yield Problem(("model.tiny.num_heads", "model.tiny.hidden_size"),
-                      f"head width hidden_size / num_heads = {t.hidden_size // t.num_heads} must be even (rotary "
-                      "positions rotate channel pairs)")
-    if t.num_heads % t.num_kv_heads:
-        yield Problem(("model.tiny.num_kv_heads", "model.tiny.num_heads"),
-                      f"{t.num_kv_heads} key/value heads do not divide num_heads {t.num_heads}")
+    if cfg.model.source == "tiny":
+        yield from OmegaConf.to_object(cfg.model.tiny).problems()
 
 
 def _lengths(cfg: DictConfig) -> Iterator[Problem]:
@@ -177,11 +166,18 @@ def _pipeline(cfg: DictConfig) -> Iterator[Problem]:
             yield Problem(("pipeline", "model.tiny.num_layers"), str(err))
 
 
+NAME_MAX = 255
+"""Bytes in one folder name on the common filesystems (ext4, XFS, APFS, NTFS in UTF-16 units)."""
+
+
 def _run_name(cfg: DictConfig) -> Iterator[Problem]:
     name = cfg.logging.name or cfg.name
     key = "logging.name" if cfg.logging.name else "name"
     if "/" in name or "\\" in name or name.strip() in (".", ".."):
         yield Problem((key,), f"the run folder's name must be one plain folder name, got {name!r}")
+    elif len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        yield Problem((key,), f"the run folder's name is {len(name.encode('utf-8', 'surrogateescape'))} bytes; "
+                              f"a folder name holds at most {NAME_MAX}")
 
 
 def _anchor(cfg: DictConfig) -> Iterator[Problem]:

@@ -106,8 +106,9 @@ class TrainerConfig:
 class LoggingConfig:
     """Where runs go and what records them."""
 
-    root: str = setting("runs", text(nonempty=True), "run directories are <root>/<name>/<timestamp>/")
-    name: Optional[str] = setting(None, text(nonempty=True, optional=True), "default: the recipe's name")
+    root: str = setting("runs", text(nonempty=True, printable=True), "run directories are <root>/<name>/<timestamp>/")
+    name: Optional[str] = setting(None, text(nonempty=True, optional=True, printable=True),
+                                  "default: the recipe's name")
     tensorboard: bool = setting(True, flag, "TensorBoard events in <run_dir>/tb, with a Custom Scalars layout")
     csv: bool = setting(True, flag, "metrics.csv in the run directory (columns = metric names, plus `step`)")
     progress: str = setting("rich", one_of(PROGRESS_BARS), "rich | tqdm | none")
@@ -131,8 +132,9 @@ class RecipeConfig:
     order); ``callback_presets`` names YAML files in the top-level ``callbacks/`` folder whose
     callbacks come before the recipe's own ``callbacks``."""
 
-    name: str = setting("", text(nonempty=True), "what `--recipe NAME` finds; also the default run directory name")
-    description: str = setting("", text(), "one line for `tclightning recipes list`")
+    name: str = setting("", text(nonempty=True, printable=True),
+                        "what `--recipe NAME` finds; also the default run directory name")
+    description: str = setting("", text(printable=True, lines=True), "one line for `tclightning recipes list`")
     defaults: list[str] = setting([], anything, "recipes merged underneath, in order")
     callback_presets: list[str] = setting([], anything, "callbacks/<name>.yaml lists, before `callbacks`")
     model: ModelConfig = field(default_factory=ModelConfig)

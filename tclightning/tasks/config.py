@@ -11,7 +11,7 @@ task's own settings, by building it (``tclightning/recipes/ranges.py``).
 from dataclasses import dataclass
 from typing import List, Optional
 
-from tclightning.settings import anything, flag, integer, number, one_of, positive, seed, setting, text
+from tclightning.settings import flag, integer, list_of, number, one_of, positive, seed, setting, text
 
 ANSWER_AT = ("first", "last")
 """``task.answer_at``: which integer of an arithmetic completion is the answer."""
@@ -94,7 +94,8 @@ class TaskConfig:
     max_solve_rate: Optional[float] = setting(None, number(0.0, 1.0, optional=True),
                                               "bigmath: the upper bound of that range; None = no bound")
     sources: Optional[List[str]] = setting(
-        None, anything, 'bigmath: keep only these `source` values (e.g. ["olympiads", "MATH"]); None = all sources')
+        None, list_of(text(nonempty=True), optional=True),
+        'bigmath: keep only these `source` values (e.g. ["olympiads", "MATH"]); None = all sources')
 
 
 RETIRED_KEYS = ("fixed_width",)

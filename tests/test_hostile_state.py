@@ -1,0 +1,180 @@
+"""State a checkpoint carries that no recipe checks: codec bases, cut counters, health-monitor
+records, optimizer states, weights and the checkpoint's own sections. Each one that does not fit
+is refused with one line, and a refused resume leaves its run directory byte for byte as it was."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from tclightning.callbacks.collapse import CollapseDetector
+from tclightning.cli.main import main
+from tclightning.codecs.lowrank import AdaptiveLowRankCodec
+from tclightning.errors import TclightningError
+from tclightning.grpo.module import GRPOModule
+from tclightning.pipeline import PipelineConfig
+from tclightning.pipeline.cuts import CutSet
+from tclightning.run import run
+from tests.conftest import FAST
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hostile-state")
+    summary = run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                           f"logging.root={root}"], quiet=True)
+    return Path(summary["run_dir"])
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _crafted(run_dir: Path, tmp_path: Path, edit) -> Path:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    path = copied / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    edit(checkpoint)
+    torch.save(checkpoint, path)
+    return copied
+
+
+def _first_float_weight(checkpoint: dict) -> str:
+    return next(k for k, v in checkpoint["state_dict"].items() if k.startswith("policy.") and v.is_floating_point())
+
+
+def _resume(copied: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.val_every=0", "--quiet",
+                 "--resume", str(copied)])
+    err = [line for line in capsys.readouterr().err.splitlines()
+           if line.startswith("error:") or "Traceback" in line]
+    return code, err
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda c: c["tclightning"]["rng"].__setitem__("python", (3, (1, 2, 3), None)), ("could not be restored",)),
+    (lambda c: c.__setitem__("optimizer_states", []), ("optimizer_states", "could not be restored")),
+    (lambda c: c["state_dict"].__setitem__(_first_float_weight(c), c["state_dict"][_first_float_weight(c)] > 0),
+     ("torch.bool",)),
+], ids=["rng", "no-optimizer-state", "bool-weight"])
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(
+        run_dir: Path, tmp_path: Path, edit, names: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    copied = _crafted(run_dir, tmp_path, edit)
+    before = _snapshot(copied)
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1, err
+    for name in names:
+        assert name in err[0], err
+    assert _snapshot(copied) == before  # recipe.yaml, hparams.yaml, metrics.csv and tb/ untouched
+
+
+@pytest.mark.parametrize("edit, names", [
+    (lambda c: c.__setitem__("hyper_parameters", None), ("'hyper_parameters' is a NoneType",)),
+    (lambda c: c.__setitem__("tclightning", [1, 2]), ("'tclightning' is a list",)),
+    (lambda c: c["hyper_parameters"]["model"]["tiny"].__setitem__("num_heads", 3), ("model.tiny.num_heads",)),
+    (lambda c: c["state_dict"][_first_float_weight(c)].view(-1).__setitem__(0, float("nan")), ("NaN or Inf",)),
+    (lambda c: c["state_dict"].__setitem__(_first_float_weight(c), c["state_dict"][_first_float_weight(c)].long()),
+     ("torch.int64",)),
+], ids=["hparams-none", "state-a-list", "heads", "nan-weight", "int-weight"])
+def test_a_checkpoint_that_does_not_fit_is_one_line_for_export_and_the_api(
+        run_dir: Path, tmp_path: Path, edit, names: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    copied = _crafted(run_dir, tmp_path, edit)
+    ckpt = copied / "checkpoints" / "last.ckpt"
+    with pytest.raises(TclightningError) as refused:
+        GRPOModule.load_from_checkpoint(str(ckpt))
+    with ckpt.open("rb") as handle, pytest.raises(TclightningError):
+        GRPOModule.load_from_checkpoint(handle)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for name in names:
+        assert name in str(refused.value) and name in err[0], (name, str(refused.value), err)
+    assert not (tmp_path / "out").exists()
+
+
+def _cuts() -> CutSet:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return CutSet(model, PipelineConfig(layout="all", stages=2, codec="lowrank", rate=0.25))
+
+
+@pytest.mark.parametrize("state, match", [
+    ({"garbage": 1}, "expected step, codec and forward"),
+    ({"step": 3, "codec": "lowrank", "forward": []}, "one codec state per cut"),
+    ({"step": -7, "codec": "lowrank", "forward": [{}]}, "step -7"),
+    ({"step": True, "codec": "lowrank", "forward": [{}]}, "step True"),
+    ({"step": 0, "codec": "zip", "forward": [{}]}, "codec 'zip'"),
+    ({"step": 0, "forward": [[1]]}, "one codec state per cut"),
+    ({"step": 0, "forward": [{}], "sender": [{}, {}]}, "in 'sender'"),
+], ids=["other-keys", "no-codec-states", "negative-step", "bool-step", "unknown-codec", "entry-a-list", "senders"])
+def test_a_cut_state_that_is_not_for_these_cuts_is_refused_before_anything_changes(state: dict, match: str) -> None:
+    with _cuts() as cuts:
+        assert len(cuts.boundaries) == 1
+        before = copy.deepcopy(cuts.state_dict())
+        with pytest.raises(ValueError, match=match):
+            cuts.load_state_dict(state)
+        assert cuts.state_dict() == before and cuts.config.codec == "lowrank"
+
+
+def _fitted(dim: int = 16, rank: int = 4) -> AdaptiveLowRankCodec:
+    codec = AdaptiveLowRankCodec(dim, rank, token_slots=4)
+    gen = torch.Generator().manual_seed(0)
+    codec.observe_dense(torch.randn(200, dim, generator=gen), torch.randint(0, 9, (200,), generator=gen))
+    codec.fit_shared(1)
+    return codec
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda s: s.__setitem__("basis", s["basis"][:-1]), "'basis'.*shape 16x4"),
+    (lambda s: s.__setitem__("basis", "x"), "'basis'.*got str"),
+    (lambda s: s.__setitem__("mean", s["mean"].long()), "'mean'"),
+    (lambda s: s["basis"].__setitem__((0, 0), float("inf")), "'basis'"),
+    (lambda s: s.__setitem__("token_offsets", s["token_offsets"][:1]), "'token_offsets'"),
+    (lambda s: s.__setitem__("version", -1), "'version'"),
+    (lambda s: s.__setitem__("shared", {"count": 5, "total": torch.zeros(16, dtype=torch.float64),
+                                        "outer": torch.zeros(3, 3, dtype=torch.float64)}), "'outer'"),
+], ids=["basis-rows", "basis-text", "mean-ints", "basis-inf", "offsets", "version", "moments"])
+def test_a_basis_codec_refuses_saved_state_of_another_size_or_kind(edit, match: str) -> None:
+    saved = _fitted().state_dict()
+    _fitted().load_state_dict(copy.deepcopy(saved))  # its own state loads
+    edit(saved)
+    with pytest.raises(ValueError, match=match):
+        AdaptiveLowRankCodec(16, 4, token_slots=4).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("key, value", [("rollbacks", -100), ("lr_factor", float("nan")), ("lr_factor", 0.0),
+                                        ("last_healthy_path", 3), ("stopped_at", -1), ("no_data_warned", "yes")])
+def test_a_health_monitor_refuses_a_saved_state_out_of_range(key: str, value: object) -> None:
+    state = CollapseDetector().state_dict()
+    CollapseDetector().load_state_dict(copy.deepcopy(state))
+    state[key] = value
+    monitor = CollapseDetector()
+    with pytest.raises(ValueError, match=key):
+        monitor.load_state_dict(state)
+    assert monitor.rollbacks == 0
+
+
+def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130() -> None:
+    script = ("import os, signal, time\n"
+              "from tclightning.console import exit_at_late_interrupt\n"
+              "exit_at_late_interrupt()\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished"
