@@ -198,3 +198,24 @@ def test_load_from_checkpoint_takes_no_hparams_file(run_dir: Path, tmp_path: Pat
     (tmp_path / "hp.yaml").write_text("model: {source: hf, name: x, trust_remote_code: true}\n")
     with pytest.raises(TclightningError, match="hparams_file"):
         GRPOModule.load_from_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), hparams_file=tmp_path / "hp.yaml")
+
+
+def test_a_resume_writes_no_file_through_a_planted_link_and_prunes_only_its_own_step_files(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    mine = tmp_path / "mine.txt"
+    mine.write_text("precious")
+    folder = copied / "checkpoints"
+    for name in (".step.ckpt.tmp", ".last.ckpt.tmp"):
+        (folder / name).symlink_to(mine)
+    keep = {name: name.encode() for name in ("step-000001.keep.ckpt", "step-000002 backup.ckpt")}
+    for name, data in keep.items():
+        (folder / name).write_bytes(data)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=4", "trainer.val_every=0",
+                 "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "--quiet", "--resume", str(copied)]) == 0
+    assert mine.read_text() == "precious"
+    assert all((folder / name).read_bytes() == data for name, data in keep.items())
+    assert not any(p.is_symlink() for p in folder.iterdir())
+    assert sorted(p.name for p in folder.glob("step-*.ckpt") if p.name not in keep) == ["step-000004.ckpt"]

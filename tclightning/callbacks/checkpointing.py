@@ -53,6 +53,17 @@ class CheckpointRefused(TclightningError):
     crafted, so it is never loaded and never silently replaced by another file."""
 
 
+STEP_FILE = re.compile(r"step-\d{6,}\.ckpt")
+"""The name of a periodic checkpoint this callback writes (and the only files it prunes)."""
+
+
+def _clear(path: Path) -> None:
+    """Remove whatever a temporary file's name holds before writing it: a link planted there
+    would carry the write to the file it names."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+
+
 def checkpoint_error(path: str | os.PathLike, err: BaseException) -> TclightningError:
     """The one-line error for a checkpoint ``torch.load`` could not read (refused or broken)."""
     text = " ".join(str(err).split())
@@ -192,6 +203,8 @@ class StepCheckpoint(Checkpoint):
         self.dirpath.mkdir(parents=True, exist_ok=True)
         self.saved_step = step  # first: the checkpoint records that it holds this step
         with self._refused_writes(step):
+            if trainer.is_global_zero:
+                _clear(self._tmp_path)
             trainer.save_checkpoint(self._tmp_path, weights_only=False)
         if trainer.is_global_zero:
             self._pending = step
@@ -220,12 +233,14 @@ class StepCheckpoint(Checkpoint):
             # `step-S` is always the newest state for step S (what metrics.csv now shows).
             periodic = self.dirpath / f"step-{step:06d}.ckpt"
             copy = self.dirpath / ".step.ckpt.tmp"
+            _clear(copy)
             shutil.copyfile(tmp, copy)  # a copy, not a link: damage to one never reaches the other
             _fsync(copy)
             os.replace(copy, periodic)
             # Prune among steps up to this one: files further on (from before a resume) are
             # replaced when the run gets there, and must not push out the one just written.
-            done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name]
+            done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name
+                    and STEP_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink()]  # never a user's file
             for old in done[: -self.keep]:
                 old.unlink()
             fault_point("step-file", step)
