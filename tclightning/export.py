@@ -330,7 +330,7 @@ def clear_abandoned_staging(target: Path) -> None:
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process (or no pid at all: a folder of someone's)
         return False
     except PermissionError:  # someone else's process
         return True

@@ -55,6 +55,9 @@ def regular_file(path: str | os.PathLike, what: str) -> Path:
                 else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
                 else "not a regular file")
         raise TclightningError(f"{what} {path}: is {kind}, not a regular file; nothing was read")
+    real = path.resolve()
+    if real.parts[1:2] in (("proc",), ("sys",)):  # kernel interfaces: S_ISREG, yet a read may block forever
+        raise TclightningError(f"{what} {path}: is {real}, a kernel interface, not a file; nothing was read")
     return path
 
 

@@ -219,3 +219,28 @@ def test_a_resume_writes_no_file_through_a_planted_link_and_prunes_only_its_own_
     assert all((folder / name).read_bytes() == data for name, data in keep.items())
     assert not any(p.is_symlink() for p in folder.iterdir())
     assert sorted(p.name for p in folder.glob("step-*.ckpt") if p.name not in keep) == ["step-000004.ckpt"]
+
+
+def test_a_kernel_interface_that_stat_calls_a_file_is_never_read(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tclightning.files import regular_file
+
+    (tmp_path / "kmsg.yaml").symlink_to("/proc/self/status")  # S_ISREG; /proc/kmsg of the same kind blocks
+    with pytest.raises(TclightningError, match="a kernel interface, not a file"):
+        regular_file(tmp_path / "kmsg.yaml", "recipe")
+    assert main(["run", "--recipe", str(tmp_path / "kmsg.yaml")]) == 2
+    assert "kernel interface" in capsys.readouterr().err
+
+
+def test_an_export_beside_a_folder_named_like_a_staging_folder_of_no_process_goes_on(run_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    (tmp_path / ".out.export-99999999999999999999-x").mkdir()
+    assert main(["export", str(run_dir), str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tclightning_export.json").is_file()
+
+
+def test_analyze_trajectory_refuses_a_fifo_point_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.mkfifo(tmp_path / "point-00000000.pt")
+    assert main(["analyze", "trajectory", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "named pipe (FIFO)" in err[0], err

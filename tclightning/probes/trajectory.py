@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -55,7 +56,8 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
         raise TclightningError(
             f"{path}: no trajectory points (point-*.pt); record them with the TrajectoryRecorder callback"
         )
-    records = [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    records = [torch.load(regular_file(f, "trajectory point"), map_location="cpu", weights_only=True)
+               for f in files]  # a FIFO named point-*.pt would wait forever
     records.sort(key=lambda r: int(r["step"]))
     dims = {int(r["point"].numel()) for r in records}
     if len(dims) != 1:
