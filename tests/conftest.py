@@ -27,6 +27,16 @@ FAST = [
 ]
 
 
+def two_step_run(root: Path) -> Path:
+    """The run directory of a finished two-step tiny run under ``root``, a checkpoint each step:
+    what the hostile-input tests copy and then damage."""
+    from tclightning.run import run
+
+    summary = run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                           f"logging.root={root}"], quiet=True)
+    return Path(summary["run_dir"])
+
+
 def require_shared_data(path: Path) -> None:
     """Tests on the real GSM8K/MATH-500 files need ``../shared/data`` (or ``$TCLIGHTNING_DATA``).
     Outside CI a missing copy skips them; in CI (``CI`` set) it fails, so CI never skips them."""

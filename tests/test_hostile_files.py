@@ -13,17 +13,14 @@ from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
 from tclightning.run import run
-from tests.conftest import FAST
+from tests.conftest import FAST, two_step_run
 
 pytestmark = pytest.mark.timeout(120)  # a regression here hangs: fail instead
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile-files")
-    summary = run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "trainer.checkpoint_every=1",
-                           f"logging.root={root}"], quiet=True)
-    return Path(summary["run_dir"])
+    return two_step_run(tmp_path_factory.mktemp("hostile-files"))
 
 
 def test_a_fifo_or_device_is_not_a_checkpoint(tmp_path: Path) -> None:

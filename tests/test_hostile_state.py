@@ -22,18 +22,14 @@ from tclightning.errors import TclightningError
 from tclightning.grpo.module import GRPOModule
 from tclightning.pipeline import PipelineConfig
 from tclightning.pipeline.cuts import CutSet
-from tclightning.run import run
-from tests.conftest import FAST
+from tests.conftest import FAST, two_step_run
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile-state")
-    summary = run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "trainer.checkpoint_every=1",
-                           f"logging.root={root}"], quiet=True)
-    return Path(summary["run_dir"])
+    return two_step_run(tmp_path_factory.mktemp("hostile-state"))
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
