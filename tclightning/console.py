@@ -66,41 +66,61 @@ def install_warning_format() -> None:
         warnings.formatwarning = _plain_warning_format
 
 
-class _OutlivingStdout:
-    """``sys.stdout`` for a run whose reader may go away: once a write or flush finds the pipe
-    closed (``tclightning run ... | head -1``), standard output becomes ``/dev/null`` (the stream and
-    file descriptor 1) and the run goes on; its record is in the run directory, not on the console."""
+class _OutlivingStream:
+    """``sys.stdout`` or ``sys.stderr`` for a command whose console may go away or refuse writes:
+    once a write or flush fails (a closed pipe, ``tclightning run ... | head -1``; ``/dev/full``; a
+    terminal gone), the stream becomes ``/dev/null`` (the stream and its file descriptor) and the
+    command goes on: a run's record is in its run directory, and its exit code still says how it
+    ended. ``refused`` keeps a failure other than a closed pipe (the output is then incomplete,
+    which :func:`refused_output` reports)."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, fd: int) -> None:
         self._stream = stream
+        self._fd = fd
+        self.refused: OSError | None = None
 
-    def _lost(self) -> None:
+    def _lost(self, err: OSError) -> None:
+        if not isinstance(err, BrokenPipeError):
+            self.refused = self.refused or err
         null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)  # the original stream's own last flush at exit then succeeds too
+        os.dup2(null, self._fd)  # the original stream's own last flush at exit then succeeds too
         os.close(null)
         self._stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._lost()
+        except OSError as err:
+            self._lost(err)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._lost()
+        except OSError as err:
+            self._lost(err)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
-def outlive_stdout() -> None:
-    """Give the process a standard output that never fails it: ``/dev/null`` when there is none
-    (started with stdout closed, ``>&-``), and one that turns a closed pipe into ``/dev/null``."""
-    if sys.stdout is None:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    elif not isinstance(sys.stdout, _OutlivingStdout):
-        sys.stdout = _OutlivingStdout(sys.stdout)  # type: ignore[assignment]
+def outlive_console() -> None:
+    """Give the process a standard output and error that never fail it: ``/dev/null`` for one it
+    was started without (``>&-``), and streams that turn a failed write into ``/dev/null``."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the process
+        elif not isinstance(stream, _OutlivingStream):
+            setattr(sys, name, _OutlivingStream(stream, fd))
+
+
+def refused_output() -> str | None:
+    """Why standard output refused a write this command made (``No space left on device`` for
+    ``> /dev/full``), after flushing it; ``None`` when all of it was written or only a reader went
+    away (``| head``: the reader chose to stop)."""
+    stream = sys.stdout
+    if not isinstance(stream, _OutlivingStream):
+        return None
+    stream.flush()
+    return None if stream.refused is None else (stream.refused.strerror or str(stream.refused))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from glob import escape as glob_escape
 from collections.abc import Mapping
@@ -24,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import exchange, file_in_the_way, refused_by_storage, storage_reason
+from tclightning.files import (exchange, file_in_the_way, refused_by_storage, remove_tree, require_writable,
+                              storage_reason)
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -118,7 +118,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         raise TclightningError(f"checkpoint {source}: holds no policy weights (no 'policy.*' in its state_dict)")
     check_checkpoint_hparams(checkpoint, source)
     try:
-        cfg = as_config(ModelConfig, without_keys(model_hparams, RETIRED_KEYS))  # an earlier version's keys
+        cfg = as_config(ModelConfig, without_keys(model_hparams, RETIRED_KEYS), "model")  # an earlier version's keys
     except TclightningError as err:
         raise TclightningError(f"checkpoint {source}: model hyper-parameters: {err}") from None
     adapters_alone = BASE_KEY in (checkpoint.get("tclightning") or {})
@@ -250,6 +250,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         if not (target / PROVENANCE_FILE).is_file():  # a run, its tb/, another run: never replaced
             raise TclightningError(f"export: {target} is not an export (no {PROVENANCE_FILE}); --overwrite replaces only "
                                    "an earlier export, so nothing was touched: choose a new folder")
+    require_writable(next(p for p in target.absolute().parents if p.is_dir()), "export", TclightningError)
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
     if source.is_relative_to(target.resolve()):
@@ -291,7 +292,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_tree(staging)  # the old export: a bind mount inside it is left alone
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -301,7 +302,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
     except BaseException as err:
-        shutil.rmtree(staging, ignore_errors=True)  # the new export, not yet (or never) in place
+        remove_tree(staging)  # the new export, not yet (or never) in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
             raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
@@ -324,7 +325,7 @@ def clear_abandoned_staging(target: Path) -> None:
     for folder in parent.glob(f"{glob_escape(marker)}*"):
         pid = folder.name[len(marker):].split("-", 1)[0]
         if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
 
 
 def _running(pid: int) -> bool:

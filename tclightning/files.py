@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Callable
@@ -42,14 +43,16 @@ def storage_reason(err: BaseException) -> str:
     return next(os.strerror(code) for code in STORAGE_ERRNOS if os.strerror(code) in str(err))
 
 
-def regular_file(path: str | os.PathLike, what: str) -> Path:
-    """``path`` as a ``Path`` if it names a regular file (links followed); ``TclightningError``
-    (one line: ``what``, the path and what it is instead) otherwise, including when it is missing."""
+def regular_file(path: str | os.PathLike, what: str, max_bytes: int | None = None) -> Path:
+    """``path`` as a ``Path`` if it names a regular file (links followed) of at most ``max_bytes``;
+    ``TclightningError`` (one line: ``what``, the path and what it is instead) otherwise, including
+    when it is missing."""
     path = Path(path)
     try:
-        mode = path.stat().st_mode
+        info = path.stat()
     except OSError as err:
         raise TclightningError(f"{what} {path}: {err.strerror or err}") from None
+    mode = info.st_mode
     if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
                 else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
@@ -58,7 +61,19 @@ def regular_file(path: str | os.PathLike, what: str) -> Path:
     real = path.resolve()
     if real.parts[1:2] in (("proc",), ("sys",)):  # kernel interfaces: S_ISREG, yet a read may block forever
         raise TclightningError(f"{what} {path}: is {real}, a kernel interface, not a file; nothing was read")
+    if max_bytes is not None and info.st_size > max_bytes:
+        raise TclightningError(f"{what} {path}: is {info.st_size / 2**30:.1f} GiB, more than the "
+                               f"{max_bytes / 2**30:g} GiB such a file may be; nothing was read")
     return path
+
+
+def unused_name(path: Path) -> Path:
+    """``path``, or ``<stem>-1<suffix>``, ``-2``... when a file of that name is there already (an
+    earlier resume's record, or a file of the user's: never overwritten)."""
+    candidate, n = path, 1
+    while candidate.exists() or candidate.is_symlink():
+        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
+    return candidate
 
 
 def file_in_the_way(folder: Path) -> Path | None:
@@ -124,10 +139,60 @@ def replace_text(path: Path, text: str) -> None:
     replace_file(path, lambda handle: handle.write(text))
 
 
-def require_writable(folder: Path, what: str) -> None:
+def save_figure(figure: Any, path: Path, dpi: int) -> None:
+    """``figure.savefig`` as a PNG by :func:`replace_file` (matplotlib's own open follows a link
+    planted at ``path`` and waits forever on a FIFO there)."""
+    replace_file(path, lambda handle: figure.savefig(handle, format="png", dpi=dpi), binary=True)
+
+
+def remove_tree(folder: Path) -> bool:
+    """``shutil.rmtree`` that stays on ``folder``'s own filesystem: a mount point below it (a bind
+    mount of someone's data) is left with everything in it, and links are removed, never followed.
+    Errors are ignored, as by ``rmtree(ignore_errors=True)``. Returns whether ``folder`` is gone."""
+    try:
+        device = folder.lstat().st_dev
+    except OSError:
+        return True
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    mounts = _mount_points()
+
+    def clear(path: str) -> None:
+        with contextlib.suppress(OSError), os.scandir(path) as entries:
+            for entry in list(entries):
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.stat(follow_symlinks=False).st_dev != device or os.path.realpath(entry.path) in mounts:
+                            continue  # another filesystem, or a bind mount of this one: not ours
+                        clear(entry.path)
+                        os.rmdir(entry.path)
+                    else:
+                        os.unlink(entry.path)
+
+    if os.path.realpath(folder) in mounts:
+        return False
+    clear(os.fspath(folder))
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return not folder.exists()
+
+
+def _mount_points() -> frozenset[str]:
+    """The mount points of this process (Linux ``/proc/self/mountinfo``; none known elsewhere)."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return frozenset()
+    points = (line.split(" ")[4] for line in text.splitlines() if len(line.split(" ")) > 4)
+    # mountinfo escapes space, tab, newline and backslash as octal
+    return frozenset(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point) for point in points)
+
+
+def require_writable(folder: Path, what: str, error: type[TclightningError] = StorageError) -> None:
     """Refuse, before anything is written, a ``folder`` whose storage takes no writes (read-only,
-    full, over quota; also for root, whom permissions never stop): a byte is written to a temporary
-    file there, flushed and removed. :class:`StorageError` (one line) naming ``what``."""
+    full, over quota, ``/proc``; also for root, whom permissions never stop): a byte is written to a
+    temporary file there, flushed and removed. ``error`` (one line, a :class:`StorageError` unless
+    the folder is the user's choice of where to write) naming ``what``."""
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".write-check.", suffix=".tmp")
         try:
@@ -138,26 +203,21 @@ def require_writable(folder: Path, what: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     except OSError as err:
-        raise StorageError(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
+        raise error(f"{what}: cannot write in {folder}: {err.strerror or err}; nothing was written") from None
 
 
 def save_tensors(obj: object, path: Path) -> None:
-    """``torch.save(obj, path)``, except that a write the storage refuses raises the storage's
-    ``OSError`` (torch's own file writer reports a full disk as a ``RuntimeError``): the object is
-    serialised in memory first, then written in one call. A failed write removes the partial file."""
+    """``torch.save(obj, path)`` by :func:`replace_file`: serialised in memory first (torch's own
+    file writer reports a full disk as a ``RuntimeError``; here the storage's ``OSError`` comes
+    through), then written to a new temporary file and renamed over ``path``. A kill or a refused
+    write leaves ``path`` as it was, and a link planted at any name is never written through."""
     import io
 
     import torch
 
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    try:
-        with open(path, "wb") as handle:
-            handle.write(buffer.getbuffer())
-    except BaseException:
-        if path.is_file():  # the partial file (never a device the path may name)
-            path.unlink()
-        raise
+    replace_file(path, lambda handle: handle.write(buffer.getbuffer()), binary=True)
 
 
 def hold_lock(folder: Path, what: str) -> int:

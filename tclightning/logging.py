@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -18,7 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import replace_file
+from tclightning.files import refused_by_storage, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -173,10 +174,30 @@ def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str,
 class AtomicExperimentWriter(ExperimentWriter):
     """Lightning's CSV writer (appends each step's rows), except that it never deletes an
     existing ``metrics.csv`` (the logger decides what a resumed run keeps) and rewrites the file
-    atomically when a new column appears (Lightning truncates it in place first)."""
+    atomically when a new column appears (Lightning truncates it in place first).
+
+    ``cut_from``: the rows of the file from this step on belong to a history the run replaces;
+    they go in the same atomic rewrite that adds the run's first new rows, so a run killed before
+    it logged anything leaves the file as it found it."""
+
+    cut_from: int | None = None
 
     def _check_log_dir_exists(self) -> None:
         pass
+
+    def save(self) -> None:
+        if self.cut_from is None or not self.metrics:
+            super().save()
+            return
+        path = Path(self.metrics_file_path)
+        rows: list[dict[str, str]] = []
+        if path.is_file():
+            with path.open(newline="") as handle:
+                rows = [row for row in csv.DictReader(handle)
+                        if row.get("step") and int(float(row["step"])) < self.cut_from]
+        self._record_new_keys()
+        write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+        self.metrics, self.cut_from = [], None
 
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
         path = Path(self.metrics_file_path)
@@ -188,24 +209,20 @@ class AtomicExperimentWriter(ExperimentWriter):
 class ResumableCSVLogger(CSVLogger):
     """``CSVLogger`` writing ``<run_dir>/metrics.csv``; on resume keeps only rows with
     ``step < resume_step`` and continues with the same header. Every rewrite of the file is an
-    atomic replace, so a kill never loses rows already on disk."""
+    atomic replace, and the rows past the resume point go only with the first new row, so a
+    kill never loses rows already on disk."""
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
         # Flushed every step (a row is tiny), so a killed run keeps every row it logged.
         super().__init__(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=1)
         path = Path(run_dir) / "metrics.csv"
         header: list[str] = []
-        rows: list[dict[str, str]] = []
         if resume_step is not None and path.is_file():
             with path.open(newline="") as handle:
-                reader = csv.DictReader(handle)
-                header = list(reader.fieldnames or [])
-                rows = [row for row in reader if row.get("step") and int(float(row["step"])) < resume_step]
-        if header:
-            write_csv_atomically(path, header, rows)
-        elif path.is_file():  # a fresh run in a directory of ours that already has one (RUN_DIR_ENV)
-            path.unlink()
+                header = list(csv.DictReader(handle).fieldnames or [])
         writer = self.experiment
+        if path.is_file():  # a fresh run in a directory of ours keeps none (RUN_DIR_ENV)
+            writer.cut_from = resume_step if header else 0
         if header:
             writer.metrics_keys = sorted(header)
 
@@ -219,9 +236,28 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
+def quiet_refused_event_writes() -> None:
+    """TensorBoard writes events from a thread of its own: a write the storage refuses is raised
+    again in the run's thread at the next log (and reported there in one line), so the thread's
+    own traceback is left out. Any other exception of any thread goes to the hook there was."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "quiet_event_writes", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.thread, _AsyncWriterThread) or not refused_by_storage(args.exc_value):
+            previous(args)
+
+    hook.quiet_event_writes = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> LayoutTensorBoardLogger:
     """Events under ``<run_dir>/tb``, with the Custom Scalars layout of the tags the run logs;
     ``purge_step`` drops events logged after the checkpoint."""
+    quiet_refused_event_writes()
     kwargs = {"purge_step": resume_step} if resume_step is not None else {}
     return LayoutTensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False, **kwargs)
 

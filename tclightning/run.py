@@ -20,8 +20,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (hold_lock, refused_by_storage, regular_file, replace_file, replace_text,
-                              require_writable, storage_reason)
+from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
+                              replace_text, require_writable, storage_reason, unused_name)
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -35,7 +35,7 @@ RUN_MARKER = ".tclightning-run"
 holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
-RUN_FOLDERS = ("checkpoints", "tb")
+RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
 RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER,
              "tb/hparams.yaml")
 """What a resume in place writes in its run directory (each a file or folder of the run's own)."""
@@ -56,9 +56,10 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     """Decide where the run writes and which checkpoint it continues from; reads, never writes.
 
     ``resume``: ``None`` (a fresh run), ``"last"`` (the run directory under
-    ``<logging.root>/<name>`` with the newest checkpoint), a run directory, or a checkpoint file.
-    The checkpoint is ``last.ckpt`` or, when that is unreadable, the newest readable
-    ``step-*.ckpt`` beside it that ``metrics.csv`` reaches (with a notice). The run continues in
+    ``<logging.root>/<name>`` with the newest checkpoint; a run folder that is a link is never
+    picked), a run directory, or a checkpoint file. The checkpoint is ``last.ckpt`` or, when that is
+    unreadable or past the rows of ``metrics.csv``, the newest readable ``step-*.ckpt`` beside it
+    that ``metrics.csv`` reaches (with a notice). The run continues in
     place only when the checkpoint is ``<run_dir>/checkpoints/<file>`` and ``run_dir`` holds
     :data:`RUN_MARKER`; any other checkpoint starts a new run directory under ``logging.root``
     that continues from it, and nothing beside the checkpoint is touched. Raises
@@ -68,7 +69,9 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     if resume is None:
         return RunPlan(new_run_dir(root), None, None)
     if resume == "last":
-        files = [p for p in root.glob("*/checkpoints/*.ckpt") if p.is_file()]
+        # the run folders themselves: a link among them is someone's pointer elsewhere, never "the last run"
+        files = [p for p in root.glob("*/checkpoints/*.ckpt") if p.is_file()
+                 and not p.parent.parent.is_symlink() and not p.parent.is_symlink()]
         if not files:
             raise TclightningError(f"--resume last: no checkpoint under {root}/*/checkpoints/")
         newest = max(files, key=lambda p: p.stat().st_mtime).parent
@@ -79,29 +82,37 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
             requested = requested / "checkpoints" / "last.ckpt"
         if not requested.is_file() and not (requested.name == "last.ckpt" and requested.parent.is_dir()):
             raise TclightningError(f"--resume: no such checkpoint: {requested}")
-    ckpt, step, notices = readable_checkpoint(requested.absolute())
-    run_dir = ckpt.parent.parent
-    if ckpt.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(ckpt):
-        for name in RUN_FILES:  # a link would carry the resume's writes out of the run directory
-            path = run_dir / name
+    requested = requested.absolute()
+    run_dir = requested.parent.parent
+    in_place = requested.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(requested)
+    ckpt, step, notices = readable_checkpoint(requested, _last_logged_step(run_dir / "metrics.csv") if in_place else None)
+    if in_place:
+        for path in _run_entries(run_dir):  # a link would carry the resume's writes out of the run directory
             if path.is_symlink():
                 raise TclightningError(f"--resume: {path} is a symbolic link; a resume in place writes "
                                        "only the run's own files, so nothing was written (start a new run from "
                                        "the checkpoint: copy it out of the run directory)")
-            if path.exists() and name not in RUN_FOLDERS:  # the run writes it: a FIFO would block
-                regular_file(path, "--resume: the run's own file")
+            if not path.exists() or path.relative_to(run_dir).as_posix() not in RUN_FILES:
+                continue
+            if path.name in RUN_FOLDERS and not path.is_dir():
+                raise TclightningError(f"--resume: {path} is not a folder, where the run keeps its {path.name}; "
+                                       "nothing was written (move it away to resume)")
+            if path.name not in RUN_FOLDERS:
+                regular_file(path, "--resume: the run's own file")  # the run writes it: a FIFO would block
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
     return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))
 
 
-def _unused(path: Path) -> Path:
-    """``path``, or ``<stem>-1<suffix>``, ``-2``... when a file of that name is there already (an
-    earlier resume's record, or a file of the user's: never overwritten)."""
-    candidate, n = path, 1
-    while candidate.exists() or candidate.is_symlink():
-        candidate, n = path.with_name(f"{path.stem}-{n}{path.suffix}"), n + 1
-    return candidate
+def _run_entries(run_dir: Path) -> list[Path]:
+    """The paths a resume in place may write: :data:`RUN_FILES`, and everything inside its
+    :data:`RUN_FOLDERS` (a link is listed, never followed)."""
+    entries = [run_dir / name for name in RUN_FILES]
+    for name in RUN_FOLDERS:
+        folder = run_dir / name
+        if folder.is_dir() and not folder.is_symlink():
+            entries += folder.rglob("*")
+    return entries
 
 
 def _own_file(ckpt: Path) -> bool:
@@ -151,22 +162,33 @@ def claim_run_dir(planned: Path) -> Path:
             run_dir, n = planned.parent / f"{stamp}-{n}", n + 1
 
 
-def readable_checkpoint(requested: Path) -> tuple[Path, int, tuple[str, ...]]:
+def readable_checkpoint(requested: Path, bound: int | None = None) -> tuple[Path, int, tuple[str, ...]]:
     """``(checkpoint, its RL step, notices)``: ``requested`` if it reads; for an unreadable
     (missing, truncated, corrupted; not refused) ``last.ckpt``, the newest readable ``step-S.ckpt`` beside it
-    with ``S`` at most one past the last row of its run's ``metrics.csv`` (older runs' files past
-    a resume point hold another history). Raises ``TclightningError`` when there is none."""
+    with ``S`` at most one past ``bound``, the last row of its run's ``metrics.csv`` (older runs' files past
+    a resume point hold another history). Raises ``TclightningError`` when there is none.
+
+    With a ``bound``, a checkpoint past it belongs to a history a resume from an earlier step has
+    replaced (its rows are gone, and continuing it would leave a gap in ``metrics.csv``): a
+    ``last.ckpt`` there falls back like an unreadable one, any other file is refused."""
     from tclightning.callbacks.checkpointing import CheckpointRefused
 
     try:
-        return requested, checkpoint_step(requested), ()
+        step = checkpoint_step(requested)
     except CheckpointRefused:
         raise  # a crafted file is a reason to stop, not to quietly resume from another one
     except TclightningError as err:
         if requested.name != "last.ckpt":
             raise
-        failure = err
-    bound = _last_logged_step(requested.parent.parent / "metrics.csv")
+        failure, why = err, "missing" if not requested.exists() else "unreadable"
+    else:
+        if bound is None or step <= bound + 1:
+            return requested, step, ()
+        failure, why = TclightningError(
+            f"--resume: {requested} is at step {step}, past the last row of metrics.csv (step {bound}): a resume "
+            "from an earlier step replaced that history"), "past the last row of metrics.csv"
+        if requested.name != "last.ckpt":
+            raise TclightningError(f"{failure}; resume from a checkpoint at step {bound + 1} or earlier")
     steps = []
     for path in requested.parent.glob("step-*.ckpt"):
         try:
@@ -182,7 +204,6 @@ def readable_checkpoint(requested: Path) -> tuple[Path, int, tuple[str, ...]]:
             raise
         except TclightningError:
             continue
-        why = "missing" if not requested.exists() else "unreadable"
         return path, step, (f"{requested} is {why}; resuming from {path.name} (step {step}), the newest "
                             "readable step checkpoint",)
     raise TclightningError(f"{failure}; and no readable step-*.ckpt beside it to fall back to") from None
@@ -349,6 +370,7 @@ def require_writable_root(recipe: RecipeConfig) -> None:
         raise TclightningError(f"logging.root: {existing} is a file, expected a directory for run folders")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise TclightningError(f"logging.root: cannot create run folders in {existing} (not writable)")
+    require_writable(existing, "logging.root", TclightningError)  # /proc, a read-only mount: access() lets root in
 
 
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "GROUP_RANK", "OMPI_COMM_WORLD_SIZE")
@@ -510,7 +532,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
          extra_callbacks: Sequence[Any], held: contextlib.ExitStack) -> dict[str, Any]:
     cfg: DictConfig = load_recipe(recipe_ref, overrides)
     recipe = to_dataclass(cfg)
-    user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref))), *extra_callbacks]
+    user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref)), overrides), *extra_callbacks]
+    from tclightning.callbacks.checkpointing import SigtermBeforeTraining
+
+    user_callbacks.append(held.enter_context(SigtermBeforeTraining()))
     require_hardware(recipe)
     require_pipeline_for_processes(recipe)
     require_launcher_for_nodes(recipe)
@@ -534,8 +559,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             require_writable(folder, "--resume")
         if not os.environ.get(RUN_DIR_ENV):  # a rank launched into the run: its rank 0 holds the lock
             held.callback(os.close, hold_lock(plan.run_dir, "--resume"))
+            again = plan_run(recipe, resume)  # planned before the lock: the run may have moved on since
+            if (again.ckpt_path, again.resume_step) != (plan.ckpt_path, plan.resume_step):
+                raise TclightningError(f"--resume: {plan.run_dir} changed while this resume started (its run was "
+                                       f"still going: now at step {again.resume_step}); nothing was written, "
+                                       "run the resume again")
         if changed:
-            kept_record = _unused(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
+            kept_record = unused_name(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
             plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
                                           f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
                                           f"the earlier record is kept as {kept_record.name}"))
@@ -716,16 +746,19 @@ class RunInterrupted(KeyboardInterrupt):
 def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     """Remove ``run_dir`` when this run ``created`` it and it holds nothing worth keeping: no
     checkpoint and no logged step in ``metrics.csv`` (a run stopped after a few logged steps, by a
-    NaN say, keeps its metrics for the diagnosis). A directory resumed into is never touched.
-    Returns whether it was removed."""
-    import shutil
-
+    NaN say, keeps its metrics for the diagnosis), and nothing but the run's own files (another
+    run whose ``logging.root`` lies inside it, a user's file, a bind mount: all kept, and the
+    directory with them). A directory resumed into is never touched. Returns whether it was removed."""
     if not created or not run_dir.is_dir() or any((run_dir / "checkpoints").glob("*.ckpt")):
         return False
     if _last_logged_step(run_dir / "metrics.csv") is not None:
         return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return not run_dir.exists()
+    own = {name.split("/", 1)[0] for name in RUN_FILES}
+    if any(entry.name not in own for entry in run_dir.iterdir()):
+        return False
+    if any(marker.parent != run_dir for marker in run_dir.rglob(RUN_MARKER)):
+        return False
+    return remove_tree(run_dir)
 
 
 def intra_op_threads(recipe: RecipeConfig) -> int:

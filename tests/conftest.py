@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import lightning as L
@@ -86,3 +87,19 @@ class CrashAt(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if batch.step == self.step:
             raise RuntimeError("simulated crash")
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM from a Lightning hook (``hook``: ``setup``, before Lightning holds
+    SIGTERM; or ``on_fit_start``, while a resume restores its checkpoint), like a scheduler's kill."""
+
+    def __init__(self, hook: str = "setup") -> None:
+        self.hook = hook
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.hook == "setup":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.hook == "on_fit_start":
+            os.kill(os.getpid(), signal.SIGTERM)

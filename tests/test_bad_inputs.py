@@ -213,6 +213,26 @@ CASES: dict[str, Case] = {
     "analyze-health-fractional-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "'1.5'"),
                                            {"m.csv": b"step,reward/mean\n1.5,1.0\n"}),
     "task-sources-nested": override("task.name=bigmath", "task.sources=[[x, 1]]"),
+    # --- issue 25, third pass: sizes and names that hung or read other files
+    "task-num-train-huge": override("task.num_train=1000000000000"),
+    "task-path-glob-character": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/a*.csv"),
+        ("a*.csv", "glob character"), {"a*.csv": b"question,answer\nq,#### 2\n", "ab.csv": b"question,answer\n"}),
+    "task-row-without-line-breaks": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/one.jsonl"),
+        ("one.jsonl:1", "longer than 16 MiB"), {"one.jsonl": b'{"question": "' + b"x" * (17 * 2**20) + b'"}'}),
+    **{f"task-row-{kind}": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/rows.jsonl"),
+        ("rows.jsonl:2", said), {"rows.jsonl": b'{"question": "q", "answer": "#### 1"}\n' + row + b"\n"})
+       for kind, row, said in [("list", b"[1, 2]", "not list"), ("null", b"null", "not null"),
+                               ("number", b"NaN", "not float"), ("deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply")]},
+    "defaults-override": override("defaults=[smollm2]"),
+    "callback-init-args-override": Case(
+        ("run", "--recipe", "{tmp}/mine.yaml",
+         "callbacks=[{class_path: tclightning.callbacks.gap_monitor.GapMonitor, init_args: {k3_band: -1}}]"),
+        ("command line: override 'callbacks=", "callbacks[0].init_args", "k3_band"), {"mine.yaml": NO_PRESETS.encode()}),
+    "logging-root-proc": override("logging.root=/proc", names=("logging.root: cannot write in /proc",)),
+    "logging-root-sys": override("logging.root=/sys", names=("logging.root: cannot write in /sys",)),
 }
 
 

@@ -195,6 +195,50 @@ def test_kill_inside_a_checkpoint_write_then_resume_leaves_no_hole(tmp_path: Pat
     assert_same_run(run_dir, reference, range(STEPS))
 
 
+@pytest.mark.parametrize("kill", ["step-start@2", "step-start@3"])
+def test_a_resume_from_an_earlier_step_killed_early_keeps_one_history_without_a_hole(
+        tmp_path: Path, five_steps, reference, kill: str) -> None:
+    """Resumed from ``step-2.ckpt`` of a 5-step run, killed as its first new step begins (no new
+    row yet: ``metrics.csv`` is as it was) or its second (the new step 2 on disk, no checkpoint):
+    ``last.ckpt`` is now the history ``metrics.csv`` records (the replaced one is kept as
+    ``last.before-step-2.ckpt``), and ``--resume last`` continues it with no hole."""
+    root = tmp_path / "runs"
+    run_dir = copy_run(five_steps, root)
+    rows, old_last = (run_dir / "metrics.csv").read_bytes(), (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+    killed = cli_run(root, STEPS, kill=kill, resume=str(run_dir / "checkpoints" / "step-000002.ckpt"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    if kill == "step-start@2":
+        assert (run_dir / "metrics.csv").read_bytes() == rows
+    else:
+        assert logged_steps(run_dir) == [0, 1, 2]
+    assert (run_dir / "checkpoints" / "last.before-step-2.ckpt").read_bytes() == old_last
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] == 2
+    train(root, STEPS, resume="last")
+    assert_same_run(run_dir, reference, range(STEPS))
+
+
+def test_a_resume_whose_run_moved_on_while_it_started_is_refused(
+        tmp_path: Path, five_steps, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume planned from ``last.ckpt`` at step 5; before it took the run's lock, the run
+    it waited for wrote another ``last.ckpt``. It stops in one line instead of cutting the rows to
+    the step it planned from."""
+    import tclightning.run as run_module
+
+    run_dir = copy_run(five_steps, tmp_path / "runs")
+    take_lock = run_module.hold_lock
+
+    def run_moves_on(folder: Path, what: str) -> int:
+        shutil.copyfile(run_dir / "checkpoints" / "step-000004.ckpt", run_dir / "checkpoints" / "last.ckpt")
+        return take_lock(folder, what)
+
+    monkeypatch.setattr(run_module, "hold_lock", run_moves_on)
+    before = snapshot(run_dir)
+    with pytest.raises(TclightningError, match="changed while this resume started"):
+        train(tmp_path / "runs", STEPS, resume=str(run_dir))
+    assert {k: v for k, v in snapshot(run_dir).items() if k != "checkpoints/last.ckpt"} == {
+        k: v for k, v in before.items() if k != "checkpoints/last.ckpt"}
+
+
 KILL_POINTS = ["step-start", "written", "half-written", "step-file", "committed"]
 
 
@@ -371,13 +415,15 @@ def test_resume_of_a_checkpoint_outside_its_run_directory_touches_nothing_beside
 
 def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keeping rows on resume and adding a column rewrite metrics.csv: by an atomic rename, so
-    dying before it (here: the rename fails) leaves the previous file whole."""
+    dying before it (here: the rename fails) leaves the previous file whole; and the rows past the
+    resume point go only with the first new row."""
     import tclightning.logging as run_logging
 
     path = tmp_path / "metrics.csv"
     path.write_text("a,step\n0.0,0\n1.0,1\n2.0,2\n")
     logger = run_logging.ResumableCSVLogger(tmp_path, resume_step=2)
-    assert path.read_text() == "a,step\n0.0,0\n1.0,1\n"
+    logger.save()  # nothing new logged: nothing cut
+    assert path.read_text() == "a,step\n0.0,0\n1.0,1\n2.0,2\n"
 
     def dies(*args: Any) -> None:
         raise OSError("killed before the rename")
@@ -385,7 +431,7 @@ def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(run_logging.os, "replace", dies)
     with pytest.raises(OSError, match="killed"):  # a new column: the file is rewritten (and saved at once)
         logger.log_metrics({"a": 2.5, "b": 7.0}, step=2)
-    assert path.read_text() == "a,step\n0.0,0\n1.0,1\n"
+    assert path.read_text() == "a,step\n0.0,0\n1.0,1\n2.0,2\n"
     monkeypatch.undo()
     logger.experiment.metrics_keys = ["a", "step"]  # as before the failed save
     logger.save()

@@ -181,21 +181,33 @@ def test_a_disk_that_fills_up_during_a_resume_is_one_line_and_keeps_the_run(
 
 def test_tensors_onto_a_full_disk_raise_the_storage_error(tmp_path: Path) -> None:
     """torch's file writer reports a full disk as a RuntimeError ("unexpected pos"); the warm-up cache
-    and the trajectory points are written so that it is the OSError, which a run reports in one line."""
-    import errno
+    and the trajectory points are written so that it is the OSError, which a run reports in one line,
+    and the file at the name stays as it was."""
+    import resource
+    import signal
 
     import torch
 
     from tclightning.files import refused_by_storage, save_tensors
 
+    path = tmp_path / "point.pt"
+    save_tensors({"w": torch.ones(3)}, path)
+    before = path.read_bytes()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 100, limits[1]))  # a disk that fills at once
+    try:
+        with pytest.raises(OSError) as caught:
+            save_tensors({"w": torch.zeros(100_000)}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert refused_by_storage(caught.value), caught.value
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["point.pt"]
     full = tmp_path / "full.pt"
-    full.symlink_to("/dev/full")  # every write fails with ENOSPC, as on a full disk
-    with pytest.raises(OSError) as caught:
-        save_tensors({"w": torch.zeros(1000)}, full)
-    assert caught.value.errno == errno.ENOSPC and refused_by_storage(caught.value)
-    assert os.path.exists("/dev/full")  # the device the path named is never removed
-    save_tensors({"w": torch.ones(3)}, tmp_path / "ok.pt")
-    assert torch.equal(torch.load(tmp_path / "ok.pt", weights_only=True)["w"], torch.ones(3))
+    full.symlink_to("/dev/full")  # a link at the name is replaced, never written through
+    save_tensors({"w": torch.ones(3)}, full)
+    assert not full.is_symlink() and torch.equal(torch.load(full, weights_only=True)["w"], torch.ones(3))
+    assert os.path.exists("/dev/full")
 
 
 def _edit_last(run: Path, edit) -> None:
@@ -318,6 +330,31 @@ def test_a_run_whose_stdout_goes_away_finishes_without_a_traceback(stdout: str, 
     assert (run / "checkpoints" / "step-000003.ckpt").is_file()
 
 
+def test_a_console_that_refuses_writes_changes_no_outcome(tmp_path: Path) -> None:
+    """stdout on ``/dev/full``: the run trains to the end (its record is whole) and exits 1 with a
+    line saying its output is incomplete, as ``recipes list`` does; stderr on ``/dev/full`` or
+    closed: a refused input still exits 2."""
+    import subprocess
+    import sys
+
+    def cli(*argv: str, **streams) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tclightning", *argv], text=True, timeout=120,
+                              stdin=subprocess.DEVNULL, **streams)
+
+    with open("/dev/full", "w") as full:
+        listed = cli("recipes", "list", stdout=full, stderr=subprocess.PIPE)
+        assert listed.returncode == 1 and "standard output refused a write" in listed.stderr, listed.stderr
+        ran = cli("run", "--recipe", "tiny", *FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path}",
+                  stdout=full, stderr=subprocess.PIPE)
+        assert ran.returncode == 1 and "Traceback" not in ran.stderr, ran.stderr
+        (run,) = (tmp_path / "tiny").iterdir()
+        assert (run / "summary.json").is_file() and (run / "checkpoints" / "last.ckpt").is_file()
+        assert cli("run", "--recipe", "no-such-recipe", stdout=subprocess.DEVNULL, stderr=full).returncode == 2
+    closed = subprocess.run([sys.executable, "-m", "tclightning", "run", "--recipe", "no-such-recipe"], timeout=120,
+                            stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    assert closed.returncode == 2
+
+
 @pytest.mark.parametrize("linked", ["hparams.yaml", "checkpoints", "tb"])
 def test_a_resume_never_writes_through_a_link_in_its_run_directory(
         run_dir: Path, tmp_path: Path, linked: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -354,3 +391,34 @@ def test_a_resume_never_overwrites_a_file_named_like_its_earlier_record(run_dir:
     run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0", "grpo.lr=1e-4"], resume=str(copy), quiet=True)
     assert (copy / "recipe.before-step-2.yaml").read_text() == "the user's own\n"
     assert (copy / "recipe.before-step-2-1.yaml").read_text() == record
+
+
+def test_a_full_disk_under_tensorboard_s_writer_thread_prints_no_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event writer's thread dies on a full disk; the run's own thread reports it (one line) at
+    its next log, so the thread's traceback is not shown. Other threads' errors still are."""
+    import errno
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    from tclightning.logging import build_tensorboard
+
+    shown: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: shown.append(args.exc_value))
+    build_tensorboard(tmp_path)
+
+    def fail(error: BaseException) -> None:
+        raise error
+
+    class Writer(_AsyncWriterThread):
+        def __init__(self, error: BaseException) -> None:
+            threading.Thread.__init__(self, target=fail, args=(error,))
+
+        run = threading.Thread.run
+
+    full, bug, other = OSError(errno.ENOSPC, "No space left on device"), ValueError("a bug"), OSError(errno.ENOSPC, "x")
+    for thread in (Writer(full), Writer(bug), threading.Thread(target=fail, args=(other,))):
+        thread.start()
+        thread.join()
+    assert shown == [bug, other]

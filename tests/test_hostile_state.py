@@ -196,24 +196,38 @@ def test_load_from_checkpoint_takes_no_hparams_file(run_dir: Path, tmp_path: Pat
         GRPOModule.load_from_checkpoint(str(run_dir / "checkpoints" / "last.ckpt"), hparams_file=tmp_path / "hp.yaml")
 
 
-def test_a_resume_writes_no_file_through_a_planted_link_and_prunes_only_its_own_step_files(
-        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("link", ["checkpoints/.step.ckpt.tmp", "checkpoints/.last.ckpt.tmp", "trajectory",
+                                  "trajectory/point-00000003.pt", "tb/checkpoints", "tb/nested/events.out"])
+def test_a_resume_refuses_a_link_planted_where_it_writes(run_dir: Path, tmp_path: Path, link: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     copied = tmp_path / "run"
     shutil.copytree(run_dir, copied)
-    mine = tmp_path / "mine.txt"
-    mine.write_text("precious")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("precious")
+    planted = copied / link
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.symlink_to(mine if link in ("trajectory", "tb/checkpoints") else mine / "precious.txt")
+    before = _snapshot(copied)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=4", "trainer.val_every=0", "--quiet",
+                 "--resume", str(copied)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a symbolic link" in err[0] and link in err[0], err
+    assert _snapshot(copied) == before
+    assert sorted(p.name for p in mine.iterdir()) == ["precious.txt"] and (mine / "precious.txt").read_text() == "precious"
+
+
+def test_a_resume_prunes_only_its_own_step_files(run_dir: Path, tmp_path: Path) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
     folder = copied / "checkpoints"
-    for name in (".step.ckpt.tmp", ".last.ckpt.tmp"):
-        (folder / name).symlink_to(mine)
     keep = {name: name.encode() for name in ("step-000001.keep.ckpt", "step-000002 backup.ckpt")}
     for name, data in keep.items():
         (folder / name).write_bytes(data)
-    capsys.readouterr()
     assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=4", "trainer.val_every=0",
                  "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "--quiet", "--resume", str(copied)]) == 0
-    assert mine.read_text() == "precious"
     assert all((folder / name).read_bytes() == data for name, data in keep.items())
-    assert not any(p.is_symlink() for p in folder.iterdir())
     assert sorted(p.name for p in folder.glob("step-*.ckpt") if p.name not in keep) == ["step-000004.ckpt"]
 
 
@@ -240,3 +254,198 @@ def test_analyze_trajectory_refuses_a_fifo_point_at_once(tmp_path: Path, capsys:
     assert main(["analyze", "trajectory", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "named pipe (FIFO)" in err[0], err
+
+
+def _write_probe_csv(path: Path) -> None:
+    from tclightning.cli.probe import write_csv
+
+    write_csv([{"config": "dense"}], path, ("config",))
+
+
+def _write_figure(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tclightning.files import save_figure
+
+    fig, _ = plt.subplots()
+    save_figure(fig, path, dpi=20)
+    plt.close(fig)
+
+
+def _write_tensors(path: Path) -> None:
+    from tclightning.files import save_tensors
+
+    save_tensors({"x": torch.zeros(2)}, path)
+
+
+def _write_trace(path: Path) -> None:
+    from tclightning.health.traces import Trace
+
+    import numpy as np
+
+    Trace("t", "", [(0, {"reward/mean": 0.5})], np.zeros(1), None, 1).to_csv(path)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+@pytest.mark.parametrize("write", [_write_probe_csv, _write_figure, _write_tensors, _write_trace],
+                         ids=["probe-csv", "figure", "tensors", "trace-csv"])
+def test_a_report_is_written_beside_a_link_or_fifo_never_through_it(tmp_path: Path, write, planted: str) -> None:
+    """``probe ... --out``, ``analyze trajectory``, trajectory points and synthetic traces write by
+    atomic replace: a link at the name is replaced (the file it names untouched), a FIFO never waited on."""
+    mine = tmp_path / "mine.txt"
+    mine.write_text("precious")
+    path = tmp_path / "out.file"
+    if planted == "link":
+        path.symlink_to(mine)
+    else:
+        os.mkfifo(path)
+    write(path)
+    assert mine.read_text() == "precious"
+    assert path.is_file() and not path.is_symlink() and path.stat().st_size > 0
+
+
+def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tmp_path: Path) -> None:
+    from tclightning.run import RUN_MARKER, discard_unfinished_run
+
+    def unfinished(name: str) -> Path:
+        folder = tmp_path / name
+        (folder / "tb").mkdir(parents=True)
+        (folder / RUN_MARKER).write_text("")
+        (folder / "recipe.yaml").write_text("name: tiny\n")
+        return folder
+
+    alone = unfinished("alone")
+    assert discard_unfinished_run(alone, created=True) and not alone.exists()
+    host = unfinished("host")
+    inner = host / "tb" / "tiny" / "20260101-000000"  # a run whose logging.root lies inside this one
+    (inner / "checkpoints").mkdir(parents=True)
+    (inner / RUN_MARKER).write_text("")
+    (inner / "checkpoints" / "note.txt").write_text("finished")
+    assert not discard_unfinished_run(host, created=True)
+    assert (inner / "checkpoints" / "note.txt").read_text() == "finished"
+    other = unfinished("other")
+    (other / "notes.md").write_text("mine")
+    assert not discard_unfinished_run(other, created=True) and (other / "notes.md").read_text() == "mine"
+
+
+def _bind_mount(source: Path, target: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a bind mount needs root")
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "--bind", str(source), str(target)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"mount --bind refused here: {done.stderr.decode().strip()}")
+
+
+@pytest.mark.parametrize("remove", ["remove_tree", "export --overwrite"])
+def test_a_removal_never_reaches_into_a_bind_mount(run_dir: Path, tmp_path: Path, remove: str) -> None:
+    from tclightning.files import remove_tree
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "precious.txt").write_text("precious")
+    out = tmp_path / "out"
+    if remove == "export --overwrite":
+        assert main(["export", str(run_dir), str(out)]) == 0
+    mounted = out / "sub"
+    _bind_mount(data, mounted)  # same filesystem: only the mount table tells it apart
+    try:
+        if remove == "remove_tree":
+            (out / "mine.txt").write_text("gone")
+            assert not remove_tree(out)
+            assert not (out / "mine.txt").exists()
+        else:
+            assert main(["export", str(run_dir), str(out), "--overwrite"]) == 0
+        assert (data / "precious.txt").read_text() == "precious"
+    finally:
+        for table in Path("/proc/self/mounts").read_text().splitlines():
+            point = table.split(" ")[1]
+            if point.startswith(str(tmp_path)):
+                subprocess.run(["umount", "-l", point], check=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("planted, said", [("fifo", "config.json: is a named pipe"),
+                                           ("kernel", "tokenizer.json: is /proc/")])
+def test_a_model_folder_whose_files_are_not_files_is_one_line(tmp_path: Path, planted: str, said: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if planted == "fifo":
+        os.mkfifo(folder / "config.json")  # transformers would wait on it forever
+    else:
+        (folder / "config.json").write_text("{}")
+        (folder / "tokenizer.json").symlink_to("/proc/self/status")  # S_ISREG, as /proc/kmsg, which blocks
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", "model.source=hf", f"model.name={folder}",
+                 f"logging.root={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.name" in err[0] and said in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_task_file_past_its_size_bound_is_refused_unread(tmp_path: Path) -> None:
+    from tclightning.tasks.data import TASK_FILE_MAX_BYTES, read_rows
+
+    big = tmp_path / "big.jsonl"
+    with big.open("wb") as handle:
+        handle.truncate(TASK_FILE_MAX_BYTES + 1)  # sparse: no disk used, and no line break in it
+    with pytest.raises(TclightningError, match="more than the 4 GiB"):
+        read_rows(big)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("key, value", [("task.num_train", 10**12), ("grpo.lr", -1.0), ("sampler.temperature", 0.0)])
+def test_load_from_checkpoint_checks_every_hyper_parameter_in_its_range(
+        run_dir: Path, tmp_path: Path, key: str, value: object) -> None:
+    def edit(checkpoint: dict) -> None:
+        section, name = key.split(".")
+        checkpoint["hyper_parameters"][section][name] = value
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    with pytest.raises(TclightningError, match=rf"^{key}: "):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+
+
+@pytest.mark.parametrize("out", ["/proc/out", "/sys/out"])
+def test_an_export_into_a_kernel_filesystem_is_one_line(run_dir: Path, out: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["export", str(run_dir), out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"export: cannot write in {Path(out).parent}" in err[0], err
+
+
+@pytest.mark.parametrize("folder", ["tb", "trajectory"])
+def test_a_resume_whose_run_folder_is_a_file_is_blamed_on_the_folder(run_dir: Path, tmp_path: Path, folder: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    if (copied / folder).is_dir():
+        shutil.rmtree(copied / folder)
+    (copied / folder).write_text("a file of mine")
+    before = _snapshot(copied)
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and f"{copied / folder} is not a folder" in err[0], err
+    assert _snapshot(copied) == before
+
+
+def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "runs"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run_dir, elsewhere)
+    (root / "tiny").mkdir(parents=True)
+    (root / "tiny" / "99991231-235959").symlink_to(elsewhere)  # the newest name, and the newest files
+    before = _snapshot(elsewhere)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.val_every=0", f"logging.root={root}",
+                 "--quiet", "--resume", "last"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint under" in err[0], err
+    assert _snapshot(elsewhere) == before

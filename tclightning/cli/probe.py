@@ -20,6 +20,7 @@ from typing import Any
 
 from tclightning.cli.options import MAX_THREADS, output_folder, within
 from tclightning.errors import TclightningError
+from tclightning.files import replace_file, replace_text, save_figure
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -138,7 +139,7 @@ def run_cuts(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, out / "cuts.csv")
     table = markdown_table(rows)
-    (out / "cuts.md").write_text(markdown_header(meta) + "\n" + table)
+    replace_text(out / "cuts.md", markdown_header(meta) + "\n" + table)
     plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}")
     print(markdown_header(meta))
     print(table)
@@ -178,11 +179,13 @@ def _cell(value: Any) -> Any:
 
 def write_csv(rows: list[dict[str, Any]], path: Path, columns: tuple[str, ...] = CSV_COLUMNS) -> None:
     """One row per configuration; list columns are space-separated layer indices."""
-    with path.open("w", newline="") as handle:
+    def write(handle: Any) -> None:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({key: _cell(row[key]) for key in columns})
+
+    replace_file(path, write)
 
 
 def markdown_header(meta: dict[str, Any]) -> str:
@@ -225,7 +228,7 @@ def _save_figure(fig: Any, axes: Any, path: Path, title: str) -> None:
     axes[0].legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -379,14 +382,15 @@ def run_inference(args: argparse.Namespace) -> int:
     }
     out.mkdir(parents=True, exist_ok=True)
     write_csv(result.rows, out / "inference.csv", INFERENCE_COLUMNS)
-    with (out / "generations.jsonl").open("w") as handle:
-        for row in result.rows:
-            rewards = task.rewards(row["texts"], examples)
-            for example, text, reward in zip(examples, row["texts"], rewards):
-                handle.write(json.dumps({"point": row["point"], "uid": example.uid, "reward": reward, "text": text}) + "\n")
+    lines = []
+    for row in result.rows:
+        rewards = task.rewards(row["texts"], examples)
+        for example, text, reward in zip(examples, row["texts"], rewards):
+            lines.append(json.dumps({"point": row["point"], "uid": example.uid, "reward": reward, "text": text}) + "\n")
+    replace_text(out / "generations.jsonl", "".join(lines))
     header = inference_header(meta)
     table = markdown_table(result.rows)
-    (out / "inference.md").write_text(header + "\n" + table + "\n" + markdown_continuations(result))
+    replace_text(out / "inference.md", header + "\n" + table + "\n" + markdown_continuations(result))
     plot_inference(result.rows, out / "inference.png", title=f"{meta['model']}: {meta['task']}, layout {meta['layout']}")
     print(header)
     print(table)

@@ -14,6 +14,7 @@ from typing import Any
 
 from tclightning.cli.options import MAX_THREADS, output_folder, within
 from tclightning.errors import TclightningError
+from tclightning.files import replace_text
 
 
 def register_coherence(tools: argparse._SubParsersAction) -> None:
@@ -144,14 +145,14 @@ def run_coherence(args: argparse.Namespace) -> int:
     })
     out.mkdir(parents=True, exist_ok=True)
     document = json.dumps(report, indent=2, allow_nan=False)
-    (out / "coherence.json").write_text(document + "\n")
+    replace_text(out / "coherence.json", document + "\n")
     cut = "no cuts" if cuts is None else f"{recipe.pipeline.codec} rate {recipe.pipeline.rate}"
     header = (f"Gradient coherence, recipe `{' '.join([recipe.name, *args.overrides])}` ({cut}; lr {recipe.grpo.lr}, "
               f"{recipe.grpo.prompts_per_step} prompts x {recipe.sampler.group_size}, alpha {alpha}): {steps} dense RL "
               f"steps from {report['start']}, mean reward {report['reward_mean']:.3f}. load {warmed - started:.0f} s, "
               f"trajectory {finished - warmed:.0f} s.\n")
     table = lag_table(report)
-    (out / "coherence.md").write_text(header + "\n" + table)
+    replace_text(out / "coherence.md", header + "\n" + table)
     plot(report, out / "coherence.png", title=f"{recipe.name} {' '.join(args.overrides)}".strip())
     if args.json:
         print(document)

@@ -72,7 +72,7 @@ from tclightning.pipeline.boundary import total_bytes
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
-from tclightning.settings import without_keys
+from tclightning.settings import field_problems, without_keys
 from tclightning.tasks import Example, TaskConfig, build_task
 from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
@@ -97,10 +97,11 @@ def _current(value: Any, retired: tuple[str, ...]) -> Any:
     return without_keys(value, retired) if isinstance(value, Mapping) else value
 
 
-def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
+def as_config(cls: type[C], value: C | Mapping[str, Any] | None, section: str = "") -> C:
     """``value`` as the config dataclass ``cls``: an instance is returned as is, ``None`` gives the
     defaults, and a mapping (the form checkpoints store hyper-parameters in) is validated against
-    ``cls`` key by key (an unknown key or a wrong type raises ``TclightningError``, one line)."""
+    ``cls`` key by key: an unknown key, a wrong type or a value outside its range (named
+    ``<section>.<key>``, as a recipe's would be) raises ``TclightningError``, one line."""
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -111,9 +112,12 @@ def as_config(cls: type[C], value: C | Mapping[str, Any] | None) -> C:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(value)))  # type: ignore[return-value]
+        config: C = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(value)))  # type: ignore[assignment]
     except OmegaConfBaseException as err:
         raise TclightningError(f"{cls.__name__}: {' '.join(str(err).split())[:200]}") from None
+    for problem in field_problems(config, section or cls.__name__):
+        raise TclightningError(f"{problem.keys[0]}: {problem.message}")
+    return config
 
 
 @contextlib.contextmanager
@@ -194,11 +198,11 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
         # a checkpoint's dicts may hold keys an earlier version saved (each section's RETIRED_KEYS)
-        self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED))
-        self.task_cfg = as_config(TaskConfig, _current(task, TASK_RETIRED))
-        self.sampler_cfg = as_config(SamplerConfig, sampler)
-        self.cfg = as_config(GRPOConfig, _current(grpo, GRPO_RETIRED))
-        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, ANCHOR_RETIRED))
+        self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED), "model")
+        self.task_cfg = as_config(TaskConfig, _current(task, TASK_RETIRED), "task")
+        self.sampler_cfg = as_config(SamplerConfig, sampler, "sampler")
+        self.cfg = as_config(GRPOConfig, _current(grpo, GRPO_RETIRED), "grpo")
+        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, ANCHOR_RETIRED), "anchor")
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size

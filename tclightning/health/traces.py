@@ -36,8 +36,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from tclightning.files import replace_file
 
 Row = tuple[int, dict[str, float]]
 
@@ -69,7 +72,8 @@ class Trace:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         names = sorted({k for _, m in self.rows for k in m})
-        with path.open("w", newline="") as fh:
+
+        def write(fh: Any) -> None:
             writer = csv.DictWriter(fh, fieldnames=["epoch", "step", *names])
             writer.writeheader()
             for step, metrics in self.rows:
@@ -78,6 +82,8 @@ class Trace:
                 for part in (train, val):
                     if part:
                         writer.writerow({"epoch": 0, "step": step, **{k: repr(float(v)) for k, v in part.items()}})
+
+        replace_file(path, write)
         return path
 
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 
@@ -169,9 +170,19 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
     else:
         path = Path(spec).expanduser()
         directory, name = path.parent, path.name
-    if not (directory / name).is_file():
+    if not (directory / name).exists():
         raise TclightningError(f"model.gguf_file: no such file: {directory / name}")
+    regular_file(directory / name, "model.gguf_file:")  # a FIFO or /proc/kmsg would be waited on forever
     return str(directory), name
+
+
+def check_model_folder(folder: Path) -> None:
+    """Every file of a local model folder is a regular file: transformers reads ``config.json``,
+    the tokenizer's and the weights' files by name, and a FIFO or a link to ``/proc/kmsg`` there
+    would be waited on forever. ``TclightningError`` (one line naming the file) otherwise."""
+    for entry in folder.iterdir():
+        if not entry.is_dir():
+            regular_file(entry, "the model folder's file")
 
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -215,6 +226,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
     elif cfg.source == "hf":
         if not cfg.name:
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
+        if Path(cfg.name).expanduser().is_dir():
+            check_model_folder(Path(cfg.name).expanduser())
         tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     elif cfg.source == "gguf":

@@ -249,7 +249,8 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
     anything touches the model: every file a regular one (a FIFO is never opened: it would wait
     forever), the statistics a JSON object with every field a warm-up writes, the weights loaded
     as data only (``weights_only=True``) and exactly ``model``'s parameter names, shapes and dtypes
-    (so ``load_state_dict`` cannot fail half-way and leave the model half-loaded). Raises
+    (so ``load_state_dict`` cannot fail half-way and leave the model half-loaded), every value
+    finite (a NaN would poison each run that reuses the entry). Raises
     :class:`UnreadableEntry` otherwise."""
     if not entry.is_dir():
         raise UnreadableEntry("not a folder")
@@ -285,6 +286,8 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
         got = state[name]
         if not isinstance(got, torch.Tensor) or got.shape != tensor.shape or got.dtype != tensor.dtype:
             raise UnreadableEntry(f"{WEIGHTS}: {name} is not this model's ({tuple(tensor.shape)}, {tensor.dtype})")
+        if got.is_floating_point() and not bool(torch.isfinite(got).all()):  # a warm-up never saves one
+            raise UnreadableEntry(f"{WEIGHTS}: {name} holds NaN or infinite values")
     return state, {k: float(v) for k, v in stats.items()}
 
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from tclightning.anchor.mergers import signed_ema_merge
 from tclightning.anchor.mergers import sign_agreement as _sign_agreement
 from tclightning.errors import TclightningError
+from tclightning.files import save_figure
 
 DEFAULT_LAGS = (0, 1, 2, 5, 10, 20)
 
@@ -354,7 +355,7 @@ def plot(report: dict[str, Any], path: Any, title: str = "") -> None:
     ax.legend(fontsize=7, loc="best")
     if title:
         fig.suptitle(title)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import regular_file, replace_text, save_figure
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -218,7 +218,7 @@ def plot(report: dict[str, Any], x: Tensor, path: str | Path, name: str = "") ->
     fig.suptitle(f"rank-1 weight trajectory{of}: {x.shape[0]} points, steps {steps[0]}-{steps[-1]}")
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
 
@@ -230,7 +230,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> tupl
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "analysis"
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "trajectory.json", "markdown": out / "trajectory.md", "png": out / "trajectory.png"}
-    paths["json"].write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    paths["markdown"].write_text(to_markdown(report))
+    replace_text(paths["json"], json.dumps(report, indent=2, allow_nan=False) + "\n")
+    replace_text(paths["markdown"], to_markdown(report))
     plot(report, x, paths["png"], name=Path(run_dir).resolve().name)
     return report, paths

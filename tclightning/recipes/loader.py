@@ -391,6 +391,9 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
     ``{key: override}`` of the keys the command line set (the last override of a key wins)."""
     credited: dict[str, str] = {}
     for override in overrides:
+        if override.partition("=")[0].strip().split(".")[0].split("[")[0] == "defaults":
+            raise RecipeError("a recipe's defaults are read when its file is composed, before any override: "
+                              "write a recipe that lists them (defaults: [...])", file=COMMAND_LINE, override=override)
         try:
             data = OmegaConf.to_container(parse_overrides([override]))
             if _holds_interpolation(data):  # one a YAML escape spells (\u0024{...}) too
@@ -589,9 +592,11 @@ def _import_class(class_path: str, source: str, key: str, what: str) -> Any:
     return cls
 
 
-def instantiate_callbacks(cfg: DictConfig, source: str = "recipe") -> list[Any]:
+def instantiate_callbacks(cfg: DictConfig, source: str = "recipe", overrides: Sequence[str] = ()) -> list[Any]:
     """The recipe's callbacks, built; a constructor refusing its ``init_args`` (TypeError or
-    ValueError) is a :class:`RecipeError` naming ``callbacks[i].init_args`` in ``source``."""
+    ValueError) is a :class:`RecipeError` naming ``callbacks[i].init_args`` in ``source``, or the
+    override among ``overrides`` (the command line :func:`load_recipe` took) that set the callbacks."""
+    override = _credit(("callbacks",), {o.partition("=")[0].strip(): o for o in overrides})
     callbacks = []
     for i, spec in enumerate(cfg.callbacks):
         cls = resolve_callback_class(spec.class_path, source, f"callbacks[{i}].class_path")
@@ -600,7 +605,8 @@ def instantiate_callbacks(cfg: DictConfig, source: str = "recipe") -> list[Any]:
             callbacks.append(cls(**init_args))
         except (TypeError, ValueError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
-            raise RecipeError(reason, file=source, key=f"callbacks[{i}].init_args") from None
+            raise RecipeError(reason, file=COMMAND_LINE if override else source, key=f"callbacks[{i}].init_args",
+                              override=override) from None
     return callbacks
 
 

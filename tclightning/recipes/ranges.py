@@ -86,8 +86,15 @@ def _model_source(cfg: DictConfig) -> Iterator[Problem]:
         if not local.is_dir():
             yield Problem(("model.name",), f"{m.name} is a file, not a model folder (a .gguf file is "
                                            "model.source=gguf with model.gguf_file)")
-        elif not (local / "config.json").is_file():
+        elif not (local / "config.json").exists():
             yield Problem(("model.name",), f"{m.name} has no config.json: not a Hugging Face model folder")
+        else:
+            from tclightning.models.loading import check_model_folder
+
+            try:
+                check_model_folder(local)
+            except TclightningError as err:
+                yield Problem(("model.name",), str(err))
 
 
 def _head(path: Path, size: int) -> bytes:

@@ -69,7 +69,7 @@ class TaskConfig:
     digits: int = setting(2, positive(), "arithmetic: operands are drawn from [0, 10**digits)")
     operations: str = setting("+", text(nonempty=True),
                               'arithmetic: operators to draw from, any of "+-*" (e.g. "+-"). "-" keeps results >= 0')
-    num_train: int = setting(5000, positive(),
+    num_train: int = setting(5000, positive(10**6),
                              "arithmetic: number of training problems (capped by the number of distinct problems)")
     reverse_answer: bool = setting(
         False, flag,
