@@ -225,12 +225,18 @@ CASES: dict[str, Case] = {
         ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/rows.jsonl"),
         ("rows.jsonl:2", said), {"rows.jsonl": b'{"question": "q", "answer": "#### 1"}\n' + row + b"\n"})
        for kind, row, said in [("list", b"[1, 2]", "not list"), ("null", b"null", "not null"),
-                               ("number", b"NaN", "not float"), ("deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply")]},
+                               ("number", b"NaN", "not float"), ("deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                               ("lone-surrogate", b'{"question": "\\ud800", "answer": "#### 1"}', "lone surrogate"),
+                               ("not-utf8", b'{"question": "\xff", "answer": "#### 1"}', "not UTF-8 text (byte 0xff)")]},
     "defaults-override": override("defaults=[smollm2]"),
     "callback-init-args-override": Case(
         ("run", "--recipe", "{tmp}/mine.yaml",
          "callbacks=[{class_path: tclightning.callbacks.gap_monitor.GapMonitor, init_args: {k3_band: -1}}]"),
         ("command line: override 'callbacks=", "callbacks[0].init_args", "k3_band"), {"mine.yaml": NO_PRESETS.encode()}),
+    "task-every-prompt-too-long": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/long.jsonl",
+         "task.eval_size=1"), ("every training prompt is longer than the model's 128 positions",),
+        {"long.jsonl": b"".join(b'{"question": "%s", "answer": "#### 1"}\n' % (b"q" * (200 + i)) for i in range(4))}),
     "logging-root-proc": override("logging.root=/proc", names=("logging.root: cannot write in /proc",)),
     "logging-root-sys": override("logging.root=/sys", names=("logging.root: cannot write in /sys",)),
 }

@@ -5,6 +5,7 @@ is refused with one line, and a refused resume leaves its run directory byte for
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -449,3 +450,24 @@ def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Pa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no checkpoint under" in err[0], err
     assert _snapshot(elsewhere) == before
+
+
+@pytest.mark.timeout(120)
+def test_prompts_that_leave_no_room_to_answer_are_left_out_with_a_note(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A 100k-character question on a 128-position model would never finish sampling: such
+    prompts are left out (as verl's filter_overlong_prompts), and the run says how many."""
+    rows = [{"question": "q" * n, "answer": "#### 1"} for n in (5, 6, 7, 8, 9, 10, 11, 12, 100_000, 500)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=1", "trainer.val_every=0", "task.name=gsm8k",
+                 f"task.path={tmp_path / 'rows.jsonl'}", "task.eval_size=2", "grpo.prompts_per_step=2",
+                 f"logging.root={tmp_path / 'runs'}", "--quiet"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "prompts are longer" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: 2 of 10 prompts"), notes
+
+
+@pytest.mark.parametrize("argument, value", [("seed", 2**70), ("total_steps", -5), ("val_batch_size", 0)])
+def test_the_module_s_own_arguments_are_checked_as_a_checkpoint_stores_them(argument: str, value: int) -> None:
+    with pytest.raises(TclightningError, match=rf"^{argument}: "):
+        GRPOModule(**{argument: value})

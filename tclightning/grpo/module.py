@@ -34,6 +34,7 @@ import io
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict
@@ -72,7 +73,8 @@ from tclightning.pipeline.boundary import total_bytes
 from tclightning.sampling.base import NonFiniteError, PromptFormatter, Rollouts, nonfinite_parameters, sequence_seed
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.factory import build_sampler
-from tclightning.settings import field_problems, without_keys
+from tclightning.settings import MAX_STEPS, field_problems, positive, without_keys
+from tclightning.settings import seed as seed_rule
 from tclightning.tasks import Example, TaskConfig, build_task
 from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
@@ -196,6 +198,11 @@ class GRPOModule(L.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
+        for name, value, rule in (("total_steps", total_steps, positive(MAX_STEPS)), ("seed", seed, seed_rule()),
+                                  ("val_batch_size", val_batch_size, positive())):
+            problem = rule(value)  # a checkpoint passes these back as it stored them
+            if problem is not None:
+                raise TclightningError(f"{name}: {problem}")
         # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
         # a checkpoint's dicts may hold keys an earlier version saved (each section's RETIRED_KEYS)
         self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED), "model")
@@ -226,6 +233,8 @@ class GRPOModule(L.LightningModule):
         # Agentic prompts are conversations (the history so far), rendered by the same chat template.
         formatter = ConversationFormatter if agentic else PromptFormatter
         self.formatter = formatter(self.tokenizer, self.task.system_prompt, self.model_cfg.chat_template)
+        if not agentic:
+            self.train_examples, self.eval_examples = self._fitting(self.train_examples, self.eval_examples)
         self.sampler = build_sampler(self.sampler_cfg, self.formatter)
         self.multi_turn = MultiTurnRollout(self.task, self.sampler, self.tokenizer.pad_token_id) if agentic else None
         self.reference: torch.nn.Module | None = None
@@ -246,6 +255,30 @@ class GRPOModule(L.LightningModule):
         self._nonfinite_step: int | None = None
         self._step_metric_names: tuple[str, ...] = ()
         self._val_nonfinite = False  # this validation met a non-finite policy: its other batches are skipped
+
+    def _fitting(self, train: list[Example], evals: list[Example]) -> tuple[list[Example], list[Example]]:
+        """The prompts that leave room for ``sampler.max_new_tokens`` within the model's positions
+        (``max_position_embeddings``), as verl's ``filter_overlong_prompts``: a longer one would
+        sample past what the model was built for, and one of 100k tokens would not finish. Says how
+        many it left out; none left to train on is one line."""
+        positions = getattr(self.policy.config, "max_position_embeddings", None)
+        if not positions:
+            return train, evals
+        room = positions - self.sampler_cfg.max_new_tokens
+        kept = []
+        for examples in (train, evals):
+            lengths = self.formatter.lengths([e.prompt for e in examples])
+            kept.append([e for e, n in zip(examples, lengths) if n <= room])
+        dropped = len(train) + len(evals) - len(kept[0]) - len(kept[1])
+        where = (f"longer than the model's {positions} positions less sampler.max_new_tokens="
+                 f"{self.sampler_cfg.max_new_tokens}")
+        if not kept[0]:
+            raise TclightningError(f"task: every training prompt is {where}; lower sampler.max_new_tokens or use "
+                                   "shorter prompts")
+        if dropped:
+            print(f"note: {dropped} of {len(train) + len(evals)} prompts are {where}: left out", file=sys.stderr,
+                  flush=True)
+        return kept[0], kept[1]
 
     # ----------------------------------------------------------------------------- setup
     def setup(self, stage: str) -> None:

@@ -142,6 +142,13 @@ class PromptFormatter:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return f"{self.system_prompt}\n{user_text}" if self.system_prompt else user_text
 
+    def lengths(self, user_texts: Sequence[str]) -> list[int]:
+        """How many tokens :meth:`encode` gives each prompt, without padding."""
+        if not user_texts:
+            return []
+        ids = self.tokenizer([self.render(t) for t in user_texts], add_special_tokens=not self.templated)["input_ids"]
+        return [len(row) for row in ids]
+
     def encode(self, user_texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Left-padded ``input_ids``/``attention_mask`` for a batch of prompts."""
         return self.tokenizer(

@@ -58,35 +58,17 @@ def load_with_datasets(
 TASK_FILE_MAX_BYTES = 4 * 2**30
 """The largest local task file read (a prompt set is megabytes; past this, a hub dataset)."""
 
-ROW_MAX_CHARS = 16 * 2**20
+ROW_MAX_BYTES = 16 * 2**20
 """The longest ``.jsonl`` row read: a file without line breaks is refused, not read whole."""
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """All rows of one local file (.jsonl, .json, .parquet, .csv); a FIFO, a device, a file over
-    :data:`TASK_FILE_MAX_BYTES` or a ``.jsonl`` row over :data:`ROW_MAX_CHARS` is refused (reading
+    :data:`TASK_FILE_MAX_BYTES` or a ``.jsonl`` row over :data:`ROW_MAX_BYTES` is refused (reading
     one would wait or fill memory), as is a name ``datasets`` would take for a glob pattern."""
     regular_file(path, "task data", TASK_FILE_MAX_BYTES)
     if path.suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as handle:
-            for line_no, line in enumerate(iter(lambda: handle.readline(ROW_MAX_CHARS + 1), ""), 1):
-                if len(line) > ROW_MAX_CHARS:
-                    raise TclightningError(f"{path}:{line_no}: a row longer than {ROW_MAX_CHARS // 2**20} MiB "
-                                           "characters (is the file one JSON object a line?)")
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TclightningError(f"{path}:{line_no}: not valid JSON ({exc})") from None
-                except RecursionError:
-                    raise TclightningError(f"{path}:{line_no}: nested too deeply to be a row") from None
-                if not isinstance(row, dict):
-                    raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
-                                           f"{type(row).__name__ if row is not None else 'null'}")
-                rows.append(row)
-        return rows
+        return _jsonl_rows(path)
     builder = _DATASETS_BUILDERS.get(path.suffix)
     if builder is None:
         raise TclightningError(f"{path}: unsupported file type (use one of {LOCAL_EXTENSIONS})")
@@ -94,6 +76,42 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise TclightningError(f"task data {path}: its name holds a glob character (* ? [ ] {{ }}), which "
                                "datasets would read as a pattern for other files; rename it")
     return load_with_datasets(builder, split="train", data_files=str(path))
+
+
+def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``.jsonl`` file: UTF-8 text, one JSON object a line; one line naming the line
+    of anything else."""
+    rows = []
+    line_no = 0
+    with path.open("rb") as handle:
+        while True:
+            line_no += 1
+            raw = handle.readline(ROW_MAX_BYTES + 1)
+            if not raw:
+                return rows
+            if len(raw) > ROW_MAX_BYTES:
+                raise TclightningError(f"{path}:{line_no}: a row longer than {ROW_MAX_BYTES // 2**20} MiB "
+                                       "(is the file one JSON object a line?)")
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as exc:
+                raise TclightningError(f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                json.dumps(row, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate is no text
+            except json.JSONDecodeError as exc:
+                raise TclightningError(f"{path}:{line_no}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise TclightningError(f"{path}:{line_no}: nested too deeply to be a row") from None
+            except UnicodeEncodeError:
+                raise TclightningError(f"{path}:{line_no}: holds a lone surrogate (\\ud800-\\udfff), "
+                                       "which is not text") from None
+            if not isinstance(row, dict):
+                raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
+                                       f"{type(row).__name__ if row is not None else 'null'}")
+            rows.append(row)
 
 
 @dataclass(frozen=True)
