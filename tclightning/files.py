@@ -76,6 +76,27 @@ def unused_name(path: Path) -> Path:
     return candidate
 
 
+def own_file(path: Path, mode: str) -> IO[str]:
+    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``) only if it is still a regular file
+    of the run's own: never through a link, never a FIFO or a device (which someone may have put
+    in its place while the run went on). ``TclightningError`` (one line) otherwise."""
+    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST):
+            raise
+        fd = -1
+    if fd >= 0 and not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        fd = -1
+    if fd < 0:
+        raise TclightningError(f"{path}: is no longer the run's own file (a link, a FIFO or a device was put in "
+                               "its place); nothing was written through it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r" if mode == "r" else "w", newline="")
+
+
 def file_in_the_way(folder: Path) -> Path | None:
     """The file that keeps ``folder`` from being a folder to write into: ``folder`` itself, or the
     nearest existing folder on the way to it, when that is not a directory; ``None`` otherwise."""

@@ -19,7 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import refused_by_storage, replace_file
+from tclightning.files import own_file, refused_by_storage, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -173,8 +173,10 @@ def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str,
 
 class AtomicExperimentWriter(ExperimentWriter):
     """Lightning's CSV writer (appends each step's rows), except that it never deletes an
-    existing ``metrics.csv`` (the logger decides what a resumed run keeps) and rewrites the file
-    atomically when a new column appears (Lightning truncates it in place first).
+    existing ``metrics.csv`` (the logger decides what a resumed run keeps), rewrites the file
+    atomically when a new column appears (Lightning truncates it in place first), and opens it
+    only as the run's own file (:func:`~tclightning.files.own_file`: a link or a FIFO put in its
+    place during the run stops the run, never written through or waited on).
 
     ``cut_from``: the rows of the file from this step on belong to a history the run replaces;
     they go in the same atomic rewrite that adds the run's first new rows, so a run killed before
@@ -186,24 +188,23 @@ class AtomicExperimentWriter(ExperimentWriter):
         pass
 
     def save(self) -> None:
-        if self.cut_from is None or not self.metrics:
-            super().save()
+        if not self.metrics:
             return
         path = Path(self.metrics_file_path)
-        rows: list[dict[str, str]] = []
-        if path.is_file():
-            with path.open(newline="") as handle:
-                rows = [row for row in csv.DictReader(handle)
-                        if row.get("step") and int(float(row["step"])) < self.cut_from]
-        self._record_new_keys()
-        write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+        exists = os.path.lexists(path)
+        new_keys = self._record_new_keys()
+        if exists and (self.cut_from is not None or new_keys):
+            with own_file(path, "r") as handle:
+                rows = [row for row in csv.DictReader(handle) if self.cut_from is None
+                        or row.get("step") and int(float(row["step"])) < self.cut_from]
+            write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+        else:
+            with own_file(path, "a" if exists else "x") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self.metrics_keys)
+                if not exists:
+                    writer.writeheader()
+                writer.writerows(self.metrics)
         self.metrics, self.cut_from = [], None
-
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        path = Path(self.metrics_file_path)
-        with path.open(newline="") as handle:
-            rows = list(csv.DictReader(handle))
-        write_csv_atomically(path, fieldnames, rows)
 
 
 class ResumableCSVLogger(CSVLogger):

@@ -598,21 +598,22 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if not refused_by_storage(err):
             raise
         raise StorageError(f"cannot create the run directory {plan.run_dir}: {err.strerror}; nothing was saved") from None
-    if created:
-        held.callback(os.close, hold_lock(run_dir, "run"))
     if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
         notices = plan.notices
         if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in
             old, new = _new_dir_note(plan.ckpt_path, plan.run_dir), _new_dir_note(plan.ckpt_path, run_dir)
             notices = tuple(new if n == old else n for n in notices)
         plan = replace(plan, run_dir=run_dir, notices=notices)
-    for notice in plan.notices:
-        print(f"note: {notice}", file=sys.stderr, flush=True)
-    if not a_launched_rank:
-        print(f"run directory: {plan.run_dir}", flush=True)
     trainer = None
-    before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
-    try:
+    before = None
+    try:  # from here on, whatever stops the run (a Ctrl-C while a slow console prints) tidies its directory
+        if created:
+            held.callback(os.close, hold_lock(run_dir, "run"))
+        for notice in plan.notices:
+            print(f"note: {notice}", file=sys.stderr, flush=True)
+        if not a_launched_rank:
+            print(f"run directory: {plan.run_dir}", flush=True)
+        before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
         record = plan.run_dir / "recipe.yaml"
         if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
             replace_text(kept_record, record.read_text())

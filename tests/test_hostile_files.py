@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+import lightning as L
 import pytest
 
 from tclightning.callbacks.checkpointing import load_checkpoint
@@ -422,3 +423,27 @@ def test_a_full_disk_under_tensorboard_s_writer_thread_prints_no_traceback(
         thread.start()
         thread.join()
     assert shown == [bug, other]
+
+
+class PlantAt(L.Callback):
+    """At the start of RL step 2 puts a link to ``target`` (or a FIFO) where the run's metrics.csv is."""
+
+    def __init__(self, target: Path | None) -> None:
+        self.target = target
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == 2:
+            path = Path(trainer.default_root_dir) / "metrics.csv"
+            path.unlink()
+            path.symlink_to(self.target) if self.target is not None else os.mkfifo(path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_metrics_csv_replaced_during_the_run_is_never_written_through_or_waited_on(tmp_path: Path, planted: str) -> None:
+    mine = tmp_path / "mine.csv"
+    mine.write_text("my,own\n1,2\n")
+    with pytest.raises(TclightningError, match="is no longer the run's own file"):
+        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
+            quiet=True, extra_callbacks=[PlantAt(mine if planted == "link" else None)])
+    assert mine.read_text() == "my,own\n1,2\n"

@@ -142,3 +142,17 @@ def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], (done.returncode, done.stderr[-3000:])
     assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_ctrl_c_right_after_the_run_folder_is_made_removes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between the run folder's creation and the trainer (here: as the run takes its lock,
+    where a slow console's "run directory:" line also falls) is one line and takes the folder with it."""
+    import tclightning.run as run_module
+
+    def interrupted(folder: Path, what: str) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "hold_lock", interrupted)
+    with pytest.raises(run_module.RunInterrupted, match="interrupted before training started; removed"):
+        run("tiny", [*FAST, "trainer.steps=1", f"logging.root={tmp_path / 'runs'}"], quiet=True)
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
