@@ -39,7 +39,7 @@ def refused_by_storage(err: BaseException) -> bool:
 def storage_reason(err: BaseException) -> str:
     """What the storage said, on one line: ``No space left on device``, with the file when known."""
     if isinstance(err, OSError):
-        return f"{err.filename}: {err.strerror}" if err.filename else str(err.strerror or err)
+        return f"{os.fsdecode(err.filename)}: {err.strerror}" if err.filename else str(err.strerror or err)
     return next(os.strerror(code) for code in STORAGE_ERRNOS if os.strerror(code) in str(err))
 
 

@@ -238,9 +238,10 @@ class ResumableCSVLogger(CSVLogger):
 
 
 def quiet_refused_event_writes() -> None:
-    """TensorBoard writes events from a thread of its own: a write the storage refuses is raised
-    again in the run's thread at the next log (and reported there in one line), so the thread's
-    own traceback is left out. Any other exception of any thread goes to the hook there was."""
+    """TensorBoard writes events from a thread of its own: a write the file system refuses (a full
+    disk, a run folder removed) is raised again in the run's thread at the next log or flush (and
+    reported there in one line), so the thread's own traceback is left out. Any other exception of
+    any thread goes to the hook there was."""
     from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 
     previous = threading.excepthook
@@ -248,7 +249,7 @@ def quiet_refused_event_writes() -> None:
         return
 
     def hook(args: threading.ExceptHookArgs) -> None:
-        if not isinstance(args.thread, _AsyncWriterThread) or not refused_by_storage(args.exc_value):
+        if not isinstance(args.thread, _AsyncWriterThread) or not isinstance(args.exc_value, OSError):
             previous(args)
 
     hook.quiet_event_writes = True  # type: ignore[attr-defined]

@@ -654,6 +654,9 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         raise RunInterrupted("interrupted; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
                                                 f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)")) from None
     except BaseException as err:
+        if isinstance(err, OSError) and not (plan.run_dir / RUN_MARKER).is_file():
+            raise TclightningError(f"the run directory {plan.run_dir} went away during the run (removed, moved or "
+                                   f"replaced: {storage_reason(err)}); nothing more was saved") from None
         gone = discard_unfinished_run(plan.run_dir, created)
         if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug
             raise StorageError(f"the storage refused a write in {plan.run_dir} ({storage_reason(err)}); "

@@ -208,7 +208,7 @@ CASES: dict[str, Case] = {
     "collapse-max-rollbacks-negative": recipe(
         NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.collapse.CollapseDetector\n"
         "    init_args: {max_rollbacks: -1}\n", "callbacks[0].init_args", "max_rollbacks"),
-    "analyze-health-negative-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:3", "whole number >= 0"),
+    "analyze-health-negative-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:3", "not a whole number in [0,"),
                                          {"m.csv": b"step,reward/mean\n0,1.0\n-5,1.0\n"}),
     "analyze-health-fractional-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "'1.5'"),
                                            {"m.csv": b"step,reward/mean\n1.5,1.0\n"}),
@@ -237,6 +237,9 @@ CASES: dict[str, Case] = {
         ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/long.jsonl",
          "task.eval_size=1"), ("every training prompt is longer than the model's 128 positions",),
         {"long.jsonl": b"".join(b'{"question": "%s", "answer": "#### 1"}\n' % (b"q" * (200 + i)) for i in range(4))}),
+    "analyze-health-huge-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "not a whole number in [0,"),
+                                     {"m.csv": b"step,reward/mean\n100000000000000000000000000,1.0\n"}),
+    "analyze-health-proc": Case(("analyze", "health", "/proc"), ("/proc: is a kernel interface",)),
     "logging-root-proc": override("logging.root=/proc", names=("logging.root: cannot write in /proc",)),
     "logging-root-sys": override("logging.root=/sys", names=("logging.root: cannot write in /sys",)),
 }

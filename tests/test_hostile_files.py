@@ -447,3 +447,22 @@ def test_metrics_csv_replaced_during_the_run_is_never_written_through_or_waited_
         run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
             quiet=True, extra_callbacks=[PlantAt(mine if planted == "link" else None)])
     assert mine.read_text() == "my,own\n1,2\n"
+
+
+class MoveRunAway(L.Callback):
+    """At the start of RL step 2 moves the run's folder elsewhere, as an `rm -rf` or a `mv` would take it."""
+
+    def __init__(self, to: Path) -> None:
+        self.to = to
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == 2:
+            shutil.move(trainer.default_root_dir, self.to)
+
+
+@pytest.mark.timeout(120)
+def test_a_run_whose_folder_goes_away_stops_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(TclightningError, match="went away during the run"):
+        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
+            quiet=True, extra_callbacks=[MoveRunAway(tmp_path / "moved")])
+    assert (tmp_path / "moved" / "metrics.csv").is_file()  # what it saved is where it was taken

@@ -471,3 +471,37 @@ def test_prompts_that_leave_no_room_to_answer_are_left_out_with_a_note(tmp_path:
 def test_the_module_s_own_arguments_are_checked_as_a_checkpoint_stores_them(argument: str, value: int) -> None:
     with pytest.raises(TclightningError, match=rf"^{argument}: "):
         GRPOModule(**{argument: value})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config, said", [
+    (b"{bad", "cannot be loaded as a model (OSError"),
+    (b'{"model_type": "llama", "hidden_size": 65536, "num_hidden_layers": 100000, "num_attention_heads": 2}',
+     "far more than its weight files hold"),
+])
+def test_a_model_folder_transformers_cannot_load_is_one_line(tmp_path: Path, config: bytes, said: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(config)
+    (folder / "model.safetensors").write_bytes(os.urandom(64))
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", "model.source=hf", f"model.name={folder}",
+                 f"logging.root={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(30)
+def test_an_export_of_a_checkpoint_naming_an_uncached_hub_model_is_one_line_at_once(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def edit(checkpoint: dict) -> None:
+        checkpoint["hyper_parameters"]["model"].update(source="hf", name="nobody-here/no-such-model")
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    capsys.readouterr()
+    assert main(["export", str(copied), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not in the Hugging Face cache" in err[0], err

@@ -11,8 +11,12 @@ from pathlib import Path
 
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
+from tclightning.settings import MAX_STEPS
 
 Row = tuple[int, dict[str, float]]
+
+METRICS_MAX_BYTES = 2**30
+"""The largest metrics file read (a million steps of a hundred metrics is about this)."""
 
 #: Columns that are bookkeeping, not metrics.
 _SKIP_COLUMNS = {"step", "epoch", "wall_time", "time", "timestamp"}
@@ -26,7 +30,7 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
     the same step are merged. ``names`` maps the file's column names to canonical names
     (``{"train/reward": "reward/mean"}``); unmapped columns keep their names.
     """
-    path = regular_file(path, "metrics")  # a FIFO named metrics.csv would wait forever
+    path = regular_file(path, "metrics", METRICS_MAX_BYTES)  # a FIFO named metrics.csv would wait forever
     try:
         return _read_metrics_csv(path, dict(names or {}))
     except UnicodeDecodeError as err:
@@ -54,8 +58,8 @@ def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
                 step = int(number)
             except (ValueError, OverflowError) as err:  # "abc", "inf", "nan"
                 raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a number") from err
-            if step < 0 or step != number:
-                raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a whole number >= 0")
+            if step < 0 or step != number or step > MAX_STEPS:
+                raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a whole number in [0, {MAX_STEPS}]")
             row = merged.setdefault(step, {})
             for column, cell in record.items():
                 if column is None or column in _SKIP_COLUMNS or cell is None or not cell.strip():
@@ -106,6 +110,8 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
         if p.name.startswith("events.out.tfevents."):
             return read_tensorboard(p, names)
         return read_metrics_csv(p, names)
+    if p.resolve().parts[1:2] in (("proc",), ("sys",)):  # entries vanish while searched, reads may block
+        raise TclightningError(f"{p}: is a kernel interface, not a run directory")
     direct = p / "metrics.csv"
     if direct.is_file():
         return read_metrics_csv(direct, names)

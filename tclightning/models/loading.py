@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import refused_by_storage, regular_file
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 
@@ -176,13 +177,41 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
     return str(directory), name
 
 
+CONFIG_MAX_BYTES = 64 * 2**20
+"""The largest JSON file of a local model folder read (a tokenizer.json is a few MB; a config KB)."""
+
+
 def check_model_folder(folder: Path) -> None:
     """Every file of a local model folder is a regular file: transformers reads ``config.json``,
     the tokenizer's and the weights' files by name, and a FIFO or a link to ``/proc/kmsg`` there
     would be waited on forever. ``TclightningError`` (one line naming the file) otherwise."""
     for entry in folder.iterdir():
         if not entry.is_dir():
-            regular_file(entry, "the model folder's file")
+            regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
+    described, stored = _described_parameters(folder / "config.json"), _weight_bytes(folder)
+    # at 4 bits a parameter the weights could be a quarter of bf16's; past twice that, the config lies
+    if described is not None and stored and described / 2 > 2 * stored + 2**26:
+        raise TclightningError(f"the model folder {folder}: config.json describes about {described:.3g} parameters, "
+                               f"far more than its weight files hold ({stored / 2**20:.1f} MiB); nothing was allocated")
+
+
+def _described_parameters(config: Path) -> float | None:
+    """About how many parameters a decoder's ``config.json`` describes (its layers' attention and
+    MLP and the embedding), or None when it does not say."""
+    import json
+
+    try:
+        c = json.loads(config.read_text())
+        hidden, layers = float(c["hidden_size"]), float(c["num_hidden_layers"])
+        inner, vocab = float(c.get("intermediate_size") or 4 * hidden), float(c.get("vocab_size") or 0)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return layers * (4 * hidden * hidden + 3 * hidden * inner) + vocab * hidden
+
+
+def _weight_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+               and p.is_file())
 
 
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -226,20 +255,39 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
     elif cfg.source == "hf":
         if not cfg.name:
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
-        if Path(cfg.name).expanduser().is_dir():
-            check_model_folder(Path(cfg.name).expanduser())
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        local = Path(cfg.name).expanduser()
+        if local.is_dir():
+            check_model_folder(local)
+        with _loader_errors(f"model.name {cfg.name}", local.is_dir()):
+            tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     elif cfg.source == "gguf":
         if not cfg.gguf_file:
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         directory, name = resolve_gguf(cfg.gguf_file)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        with _loader_errors(f"model.gguf_file {cfg.gguf_file}", True):
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     else:
         raise TclightningError(f"model.source: unknown source '{cfg.source}', expected tiny | hf | gguf")
     prepare_tokenizer(tokenizer, model)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _loader_errors(what: str, local: bool) -> Iterator[None]:
+    """transformers' refusal of a local model (a config it cannot parse, a weights file that is not
+    one, custom code without ``trust_remote_code``) as one line naming ``what``; ``--debug`` shows
+    the traceback. A hub name's errors (the network, the hub) pass as they are."""
+    try:
+        yield
+    except TclightningError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError) as err:
+        if not local or refused_by_storage(err):
+            raise
+        reason = " ".join(str(err).split())[:240] or type(err).__name__
+        raise TclightningError(f"{what}: cannot be loaded as a model ({type(err).__name__}: {reason})") from err
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:

@@ -131,6 +131,8 @@ class DataSource:
         if not path.exists():
             hint = "" if cfg.path else " (set task.path, task.hf_name or $TCLIGHTNING_DATA)"
             raise TclightningError(f"task data not found: {path}{hint}")
+        if not path.is_dir():  # one file: a FIFO or a device is named as such, not "no splits"
+            regular_file(path, "task data", TASK_FILE_MAX_BYTES)
         return cls(path=path)
 
     def _split_files(self) -> dict[str, Path]:
