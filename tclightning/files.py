@@ -76,11 +76,13 @@ def unused_name(path: Path) -> Path:
     return candidate
 
 
-def own_file(path: Path, mode: str) -> IO[str]:
-    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``) only if it is still a regular file
-    of the run's own: never through a link, never a FIFO or a device (which someone may have put
-    in its place while the run went on). ``TclightningError`` (one line) otherwise."""
-    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
+def own_file(path: Path, mode: str) -> IO[Any]:
+    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``ab`` for bytes to append) only
+    if it is still a regular file of the run's own: never through a link, never a FIFO or a device
+    (which someone may have put in its place while the run went on). ``TclightningError`` (one
+    line) otherwise."""
+    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "ab": os.O_WRONLY | os.O_APPEND,
+             "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:
@@ -94,6 +96,8 @@ def own_file(path: Path, mode: str) -> IO[str]:
         raise TclightningError(f"{path}: is no longer the run's own file (a link, a FIFO or a device was put in "
                                "its place); nothing was written through it")
     os.set_blocking(fd, True)
+    if mode == "ab":
+        return os.fdopen(fd, "ab", buffering=0)
     return os.fdopen(fd, "r" if mode == "r" else "w", newline="")
 
 
@@ -144,6 +148,7 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
     temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's file is private; the file it replaces was not
         with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")) as handle:
             write(handle)
             handle.flush()
@@ -153,6 +158,12 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def replace_text(path: Path, text: str) -> None:

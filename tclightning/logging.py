@@ -117,6 +117,27 @@ def scalar_layout(
     return result
 
 
+class _HeldEventFile:
+    """The write end of a TensorBoard event file TensorBoard has just created, opened once as the
+    run's own file (:func:`~tclightning.files.own_file`), in place of its reopen-by-name writer."""
+
+    def __init__(self, path: Path) -> None:
+        self._handle = own_file(path, "ab")
+
+    def write(self, data: bytes) -> None:
+        self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+
 class LayoutTensorBoardLogger(TensorBoardLogger):
     """Lightning's ``TensorBoardLogger`` that also writes a Custom Scalars layout built from the
     tags the run logs (:func:`scalar_layout`), and leaves out Lightning's ``epoch`` scalar (with
@@ -134,6 +155,19 @@ class LayoutTensorBoardLogger(TensorBoardLogger):
         self._seen: set[str] = set()
         self._first_step: int | None = None
         self._layout_written = False
+
+    @property
+    def experiment(self) -> Any:
+        """Lightning's ``SummaryWriter``, whose event files are then written through descriptors
+        held from the start (TensorBoard's own writer reopens each file by name at every write, so
+        a link or a FIFO put at the name during the run would be written through or waited on)."""
+        fresh = self._experiment is None
+        experiment = super().experiment
+        if fresh:
+            for writer in getattr(experiment, "all_writers", {}).values():
+                records = writer.event_writer._async_writer._writer  # RecordWriter(GFile)
+                records._writer = _HeldEventFile(Path(writer.event_writer._file_name))
+        return experiment
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:

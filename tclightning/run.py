@@ -671,19 +671,41 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         logger.finalize("success")
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
-    try:
-        summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
-                            monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
-    except OSError as err:
-        if not refused_by_storage(err):
-            raise
-        raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
-                           "its checkpoints and metrics.csv are kept") from None
+    with _signals_wait():  # the run has finished: a Ctrl-C must not leave it without its summary
+        try:
+            summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
+                                monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
+        except OSError as err:
+            if not refused_by_storage(err):
+                raise
+            raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
+                               "its checkpoints and metrics.csv are kept") from None
     if not quiet:
         from tclightning.grpo.summary import print_summary
 
         print_summary(summary)
     return summary
+
+
+@contextlib.contextmanager
+def _signals_wait() -> Any:
+    """SIGINT and SIGTERM held back until the block is done (on the main thread; elsewhere no
+    handler can be set): one that came meanwhile is raised again then, to the handler there was."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(came):
+            signal.raise_signal(sig)
 
 
 @dataclass(frozen=True)

@@ -426,26 +426,37 @@ def test_a_full_disk_under_tensorboard_s_writer_thread_prints_no_traceback(
 
 
 class PlantAt(L.Callback):
-    """At the start of RL step 2 puts a link to ``target`` (or a FIFO) where the run's metrics.csv is."""
+    """At the start of RL step 2 puts a link to ``target`` (or a FIFO) where the run's file
+    ``pattern`` (a glob in the run directory) is."""
 
-    def __init__(self, target: Path | None) -> None:
-        self.target = target
+    def __init__(self, pattern: str, target: Path | None) -> None:
+        self.pattern, self.target = pattern, target
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         if batch.step == 2:
-            path = Path(trainer.default_root_dir) / "metrics.csv"
+            (path,) = Path(trainer.default_root_dir).glob(self.pattern)
             path.unlink()
             path.symlink_to(self.target) if self.target is not None else os.mkfifo(path)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("planted", ["link", "fifo"])
-def test_metrics_csv_replaced_during_the_run_is_never_written_through_or_waited_on(tmp_path: Path, planted: str) -> None:
+@pytest.mark.parametrize("pattern", ["metrics.csv", "tb/events.out.tfevents.*"])
+def test_a_record_replaced_during_the_run_is_never_written_through_or_waited_on(
+        tmp_path: Path, planted: str, pattern: str) -> None:
+    """Lightning's CSV writer and TensorBoard's reopen their file by name at each write: a link or a
+    FIFO put there mid-run would be written through or waited on. The CSV is opened as the run's
+    own file (a replaced one stops the run in one line); the event file is written through the
+    descriptor it was created with."""
     mine = tmp_path / "mine.csv"
     mine.write_text("my,own\n1,2\n")
-    with pytest.raises(TclightningError, match="is no longer the run's own file"):
-        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
-            quiet=True, extra_callbacks=[PlantAt(mine if planted == "link" else None)])
+    settings = [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"]
+    plant = PlantAt(pattern, mine if planted == "link" else None)
+    if pattern == "metrics.csv":
+        with pytest.raises(TclightningError, match="is no longer the run's own file"):
+            run("tiny", settings, quiet=True, extra_callbacks=[plant])
+    else:
+        run("tiny", settings, quiet=True, extra_callbacks=[plant])
     assert mine.read_text() == "my,own\n1,2\n"
 
 

@@ -156,3 +156,20 @@ def test_ctrl_c_right_after_the_run_folder_is_made_removes_it(tmp_path: Path, mo
     with pytest.raises(run_module.RunInterrupted, match="interrupted before training started; removed"):
         run("tiny", [*FAST, "trainer.steps=1", f"logging.root={tmp_path / 'runs'}"], quiet=True)
     assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_ctrl_c_while_a_finished_run_writes_its_summary_waits_for_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import tclightning.grpo.summary as summary_module
+
+    write = summary_module.summarize
+
+    def interrupted_then_written(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(summary_module, "summarize", interrupted_then_written)
+    with pytest.raises(KeyboardInterrupt):  # delivered once the summary is on disk
+        run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"], quiet=True)
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert (run_dir / "summary.json").is_file()

@@ -105,3 +105,17 @@ def test_mlflow_local_file_store(run_root, monkeypatch):
     assert found.info.run_name == run_dir.name
     history = client.get_metric_history(found.info.run_id, "reward/mean")
     assert sorted(m.step for m in history) == [0, 1, 2]
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
+def test_wandb_without_a_key_and_not_offline_is_one_line(run_root, monkeypatch, capsys):
+    from tclightning.cli.main import main
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(run_root.parent / "no-netrc"))
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=1", "logging.loggers=[wandb]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "logging.loggers[0]" in err[0] and "no API key" in err[0], err
+    assert not run_root.exists()

@@ -410,5 +410,10 @@ class GracefulStop(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._limit_val_batches is not None:
             trainer.limit_val_batches, self._limit_val_batches = self._limit_val_batches, None
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # After every on_train_end (the last checkpoint is committed there): a Ctrl-C until then
+        # still only asks to stop, and the run ends as it would have.
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+            self._previous = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tclightning.errors import TclightningError
 
@@ -56,9 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_trajectory(args: argparse.Namespace) -> int:
     """Handler of ``analyze trajectory``: writes the three outputs, prints the table or JSON."""
+    from tclightning.cli.options import output_folder
     from tclightning.probes.trajectory import to_markdown, write_report
 
-    report, paths = write_report(args.run_dir, args.out)
+    out = Path(args.out) if args.out is not None else Path(args.run_dir) / "analysis"
+    if args.out is None and out.is_symlink():  # the default folder, not one the user named: never followed
+        raise TclightningError(f"analyze trajectory: {out} is a symbolic link; name the folder to write to with --out")
+    out = output_folder("analyze trajectory", out)
+    report, paths = write_report(args.run_dir, out)
     if args.json:
         print(json.dumps(report, allow_nan=False))
         return 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tclightning.errors import TclightningError
-from tclightning.files import file_in_the_way
+from tclightning.files import file_in_the_way, require_writable
 
 MAX_THREADS = 4096
 """The most intra-op threads any command takes (as ``trainer.num_threads``)."""
@@ -25,4 +25,6 @@ def output_folder(command: str, path: Path) -> Path:
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise TclightningError(f"{command}: --out {path}: {blocking} is a file, not a folder")
+    nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.is_dir())
+    require_writable(nearest, f"{command}: --out {path}", TclightningError)  # /proc, a read-only mount
     return path

@@ -173,7 +173,11 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
         directory, name = path.parent, path.name
     if not (directory / name).exists():
         raise TclightningError(f"model.gguf_file: no such file: {directory / name}")
-    regular_file(directory / name, "model.gguf_file:")  # a FIFO or /proc/kmsg would be waited on forever
+    with regular_file(directory / name, "model.gguf_file:").open("rb") as handle:  # never a FIFO or /proc/kmsg
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise TclightningError(f"model.gguf_file: {spec} is not a GGUF file (it does not start with the GGUF magic "
+                               "bytes)")
     return str(directory), name
 
 
@@ -283,7 +287,7 @@ def _loader_errors(what: str, local: bool) -> Iterator[None]:
         yield
     except TclightningError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, ImportError) as err:
+    except Exception as err:  # noqa: BLE001 - a local file's content is the user's input, not a bug (--debug shows it)
         if not local or refused_by_storage(err):
             raise
         reason = " ".join(str(err).split())[:240] or type(err).__name__

@@ -56,9 +56,8 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
         raise TclightningError(
             f"{path}: no trajectory points (point-*.pt); record them with the TrajectoryRecorder callback"
         )
-    records = [torch.load(regular_file(f, "trajectory point"), map_location="cpu", weights_only=True)
-               for f in files]  # a FIFO named point-*.pt would wait forever
-    records.sort(key=lambda r: int(r["step"]))
+    records = [_point(f) for f in files]
+    records.sort(key=lambda r: r["step"])
     dims = {int(r["point"].numel()) for r in records}
     if len(dims) != 1:
         raise TclightningError(f"{folder}: points of different sizes {sorted(dims)}; record one run with one setting")
@@ -66,6 +65,24 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
     meta = {k: first.get(k) for k in ("unit", "method", "dim", "seed", "num_params")}
     steps = [int(r["step"]) for r in records]
     return steps, torch.stack([r["point"].double() for r in records]), meta
+
+
+def _point(path: Path) -> dict[str, Any]:
+    """One trajectory point, read as data only: a record with a whole ``step`` and a 1-D finite
+    float ``point``; one line naming the file otherwise (a FIFO named point-*.pt is never opened)."""
+    try:
+        record = torch.load(regular_file(path, "trajectory point"), map_location="cpu", weights_only=True)
+    except TclightningError:
+        raise
+    except Exception as err:  # noqa: BLE001 - garbage, cut short, a pickle asking for code: the file, not a bug
+        raise TclightningError(f"trajectory point {path}: not a point file ({type(err).__name__})") from None
+    point = record.get("point") if isinstance(record, dict) else None
+    step = record.get("step") if isinstance(record, dict) else None
+    if type(step) is not int or step < 0 or not isinstance(point, Tensor) or point.dim() != 1 \
+            or not point.is_floating_point() or point.numel() < 2 or not bool(torch.isfinite(point).all()):
+        raise TclightningError(f"trajectory point {path}: not a point (a whole step >= 0 and a 1-D finite float "
+                               "point of at least 2 values, as TrajectoryRecorder writes)")
+    return record
 
 
 def _top(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from urllib.parse import urlparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.ranges import problems
-from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
+from tclightning.recipes.schema import LOGGERS, RETIRED_KEYS, RecipeConfig
 from tclightning.settings import without_keys
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -496,7 +497,14 @@ def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = Non
         key = f"logging.loggers[{i}]"
         override = _credit(("logging.loggers",), credited)
         try:
-            resolve_logger_class(entry if isinstance(entry, str) else entry.class_path, source, key)
+            class_path = entry if isinstance(entry, str) else entry.class_path
+            resolve_logger_class(class_path, source, key)
+            if class_path in ("wandb", LOGGERS["wandb"][0]):
+                init_args = {} if isinstance(entry, str) else OmegaConf.to_container(entry.init_args or {})
+                if not wandb_can_log(init_args):  # W&B would stop the run later, with a traceback
+                    raise RecipeError("W&B has no API key here (set WANDB_API_KEY or run `wandb login`), and the "
+                                      "logger is not offline (WANDB_MODE=offline, or init_args: {offline: true})",
+                                      file=source, key=key)
         except RecipeError as err:
             if override is None:
                 raise
@@ -546,6 +554,22 @@ def resolve_callback_class(class_path: str, source: str, key: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         raise RecipeError(f"'{class_path}' is not a lightning Callback", file=source, key=key)
     return cls
+
+
+def wandb_can_log(init_args: Mapping[str, Any]) -> bool:
+    """Whether a W&B logger can start without asking for a key: offline or disabled, or a key in
+    ``WANDB_API_KEY`` or the netrc ``wandb login`` writes (W&B itself would stop the run with a traceback)."""
+    import netrc
+
+    if init_args.get("offline") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return True
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def resolve_logger_class(class_path: str, source: str, key: str) -> type:

@@ -18,7 +18,6 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
 from tclightning.pipeline.strategy import STRATEGY_NAME
 from tclightning.recipes.schema import RecipeConfig
 from tclightning.settings import Problem, Rule, one_of, settings
@@ -74,13 +73,13 @@ def _model_source(cfg: DictConfig) -> Iterator[Problem]:
     if m.source == "gguf":
         if not m.gguf_file:
             yield Problem(("model.gguf_file", "model.source"), "required for source 'gguf' (a path or package:file)")
-        elif ":" not in m.gguf_file:
-            path = Path(m.gguf_file).expanduser()
-            if not path.is_file():
-                yield Problem(("model.gguf_file",), f"no such file: {m.gguf_file}")
-            elif _head(path, 4) != b"GGUF":
-                yield Problem(("model.gguf_file",), f"{m.gguf_file} is not a GGUF file (it does not start with the "
-                                                    "GGUF magic bytes)")
+        else:  # a path or package:file, found as loading finds it (never importing the package)
+            from tclightning.models.loading import resolve_gguf
+
+            try:
+                resolve_gguf(m.gguf_file)
+            except TclightningError as err:
+                yield Problem(("model.gguf_file",), str(err).removeprefix("model.gguf_file: "))
     if m.source == "hf" and m.name and Path(m.name).expanduser().exists():  # a local model, not a hub name
         local = Path(m.name).expanduser()
         if not local.is_dir():
@@ -95,15 +94,6 @@ def _model_source(cfg: DictConfig) -> Iterator[Problem]:
                 check_model_folder(local)
             except TclightningError as err:
                 yield Problem(("model.name",), str(err))
-
-
-def _head(path: Path, size: int) -> bytes:
-    """The first ``size`` bytes of a regular file (b"" for anything that cannot be read so)."""
-    try:
-        with regular_file(path, "model.gguf_file").open("rb") as handle:
-            return handle.read(size)
-    except (OSError, TclightningError):
-        return b""
 
 
 MAX_COMPLETIONS = 2**20
