@@ -215,6 +215,16 @@ CASES: dict[str, Case] = {
     "task-sources-nested": override("task.name=bigmath", "task.sources=[[x, 1]]"),
     # --- issue 25, third pass: sizes and names that hung or read other files
     "task-num-train-huge": override("task.num_train=1000000000000"),
+    "task-eval-size-huge": override("task.eval_size=100000000"),
+    "probe-inference-calibration-negative": Case(
+        ("probe", "inference", "--recipe", "tiny", "--calibration", "-5", "--out", "{tmp}/o"), ("--calibration must be",)),
+    "probe-cuts-step-negative": Case(("probe", "cuts", "--recipe", "tiny", "--step", "-1", "--out", "{tmp}/o"),
+                                     ("--step must be",)),
+    "probe-inference-model-not-gguf": Case(
+        ("probe", "inference", "--recipe", "tiny", "--model", "{tmp}/x.gguf", "--out", "{tmp}/o"),
+        ("x.gguf is not a GGUF file",), {"x.gguf": b"not a gguf"}),
+    "probe-cuts-out-under-proc": Case(("probe", "cuts", "--recipe", "tiny", "--out", "/proc/self/x"),
+                                      ("--out /proc/self/x: cannot write in /proc/self",)),
     "task-path-glob-character": Case(
         ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/a*.csv"),
         ("a*.csv", "glob character"), {"a*.csv": b"question,answer\nq,#### 2\n", "ab.csv": b"question,answer\n"}),

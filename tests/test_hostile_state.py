@@ -505,3 +505,29 @@ def test_an_export_of_a_checkpoint_naming_an_uncached_hub_model_is_one_line_at_o
     assert main(["export", str(copied), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not in the Hugging Face cache" in err[0], err
+
+
+@pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "out-is-a-file", "out-under-proc", "linked-default"])
+def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "run" / "trajectory"
+    folder.mkdir(parents=True)
+    for i in range(4):
+        point = torch.full((8,), float(i)) + torch.arange(8.0) * i
+        if bad == "nan" and i == 2:
+            point[0] = float("nan")
+        record = {"step": i, "point": point if bad != "scalar" else torch.tensor(float(i))}
+        torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
+    if bad == "garbage":
+        (folder / "point-00000009.pt").write_bytes(b"not torch")
+    out = {"out-is-a-file": tmp_path / "afile", "out-under-proc": Path("/proc/self/x")}.get(bad)
+    (tmp_path / "afile").write_text("mine")
+    if bad == "linked-default":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "run" / "analysis").symlink_to(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert main(["analyze", "trajectory", str(tmp_path / "run"), *(["--out", str(out)] if out else [])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "elsewhere").glob("*")) \
+        if bad == "linked-default" else (tmp_path / "afile").read_text() == "mine"

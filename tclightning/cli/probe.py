@@ -21,6 +21,7 @@ from typing import Any
 from tclightning.cli.options import MAX_THREADS, output_folder, within
 from tclightning.errors import TclightningError
 from tclightning.files import replace_file, replace_text, save_figure
+from tclightning.settings import MAX_STEPS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,6 +71,7 @@ def run_cuts(args: argparse.Namespace) -> int:
     within("probe cuts", "--threads", args.threads, 1, MAX_THREADS)
     within("probe cuts", "--prompts", args.prompts, 1, 1 << 16)
     within("probe cuts", "--group-size", args.group_size, 1, 1 << 10)
+    within("probe cuts", "--step", args.step, 0, MAX_STEPS)
     within("probe cuts", "--warmup-prompts", args.warmup_prompts, 1, 1 << 16)
     within("probe cuts", "--warmup-steps", args.warmup_steps, 1, 10000)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
@@ -335,11 +337,12 @@ def run_inference(args: argparse.Namespace) -> int:
     within("probe inference", "--max-new-tokens", args.max_new_tokens, 1, 32768)
     within("probe inference", "--batch-size", args.batch_size, 1, 1 << 16)
     within("probe inference", "--threads", args.threads, 1, MAX_THREADS)
-    recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
-    if args.model:
-        recipe.model = dataclasses.replace(recipe.model, **model_override(args.model))
-    if args.task:
-        recipe.task = dataclasses.replace(recipe.task, name=args.task)
+    within("probe inference", "--calibration", args.calibration, 0, 1 << 16)
+    within("probe inference", "--step", args.step, 0, MAX_STEPS)
+    # --model and --task as overrides: the recipe's checks (a GGUF's magic, a model folder's files) see them
+    chosen = {**({f"model.{k}": v for k, v in model_override(args.model).items()} if args.model else {}),
+              **({"task.name": args.task} if args.task else {})}
+    recipe = to_dataclass(load_recipe(args.recipe, [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in chosen.items())]))
     dataclasses.replace(recipe.pipeline, layout=args.layout).validate()
     out = output_folder("probe inference", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-inference"))
 

@@ -115,10 +115,15 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
     direct = p / "metrics.csv"
     if direct.is_file():
         return read_metrics_csv(direct, names)
-    nested = sorted(p.rglob("metrics.csv"), key=lambda f: f.stat().st_mtime)
+    try:
+        nested = sorted(p.rglob("metrics.csv"), key=lambda f: f.stat().st_mtime)
+        events = not nested and any(p.rglob("events.out.tfevents.*"))
+    except FileNotFoundError as err:  # a folder below went away while it was searched (a run tidying up)
+        raise TclightningError(f"{p}: changed while it was searched ({err.filename} went away); run it again, "
+                               "or name the metrics.csv") from None
     if nested:
         return read_metrics_csv(nested[-1], names)
-    if any(p.rglob("events.out.tfevents.*")):
+    if events:
         return read_tensorboard(p, names)
     raise TclightningError(f"{p}: no metrics.csv or TensorBoard event files in this directory")
 

@@ -50,7 +50,8 @@ class TaskConfig:
         "deterministic held-out slice of the training split")
     train_size: Optional[int] = setting(None, positive(optional=True),
                                         "cap on the number of training examples (None: all); applied after the held-out cut")
-    eval_size: int = setting(64, integer(0), "number of held-out examples (a seeded sample when the eval split is larger)")
+    eval_size: int = setting(64, integer(0, 10**6),
+                             "number of held-out examples (a seeded sample when the eval split is larger)")
     seed: int = setting(0, seed(), "seed for every random choice a task makes (held-out cut, eval sample, arithmetic problems)")
     system_prompt: Optional[str] = setting(None, text(optional=True), "system message for chat models (None: none)")
     prompt_template: str = setting(
