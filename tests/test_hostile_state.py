@@ -531,3 +531,15 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
     assert len(err) == 1 and err[0].startswith("error: "), err
     assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "elsewhere").glob("*")) \
         if bad == "linked-default" else (tmp_path / "afile").read_text() == "mine"
+
+
+@pytest.mark.timeout(30)
+def test_load_from_checkpoint_naming_an_uncached_hub_model_is_refused_at_once(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def edit(checkpoint: dict) -> None:
+        checkpoint["hyper_parameters"]["model"].update(source="hf", name="nobody-here/no-such-model")
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TclightningError, match="not in the Hugging Face cache"):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))

@@ -262,6 +262,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         local = Path(cfg.name).expanduser()
         if local.is_dir():
             check_model_folder(local)
+        check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
         with _loader_errors(f"model.name {cfg.name}", local.is_dir()):
             tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)

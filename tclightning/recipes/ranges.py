@@ -74,12 +74,15 @@ def _model_source(cfg: DictConfig) -> Iterator[Problem]:
         if not m.gguf_file:
             yield Problem(("model.gguf_file", "model.source"), "required for source 'gguf' (a path or package:file)")
         else:  # a path or package:file, found as loading finds it (never importing the package)
-            from tclightning.models.loading import resolve_gguf
+            from tclightning.models.loading import package_folder, resolve_gguf
 
-            try:
-                resolve_gguf(m.gguf_file)
-            except TclightningError as err:
-                yield Problem(("model.gguf_file",), str(err).removeprefix("model.gguf_file: "))
+            package = m.gguf_file.split(":", 1)[0]
+            uninstalled = ":" in m.gguf_file and not Path(m.gguf_file).exists() and package_folder(package) is None
+            if not uninstalled:  # a package not installed yet (`make smollm2`) is named when the model loads
+                try:
+                    resolve_gguf(m.gguf_file)
+                except TclightningError as err:
+                    yield Problem(("model.gguf_file",), str(err).removeprefix("model.gguf_file: "))
     if m.source == "hf" and m.name and Path(m.name).expanduser().exists():  # a local model, not a hub name
         local = Path(m.name).expanduser()
         if not local.is_dir():
