@@ -240,12 +240,17 @@ def checkpoint_step(path: Path) -> int:
         raise CheckpointRefused(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded); "
                                 "nothing was loaded")
     try:  # the step Lightning's loops restore (the step the checkpoint was written at)
-        looped = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["processed"]
+        total = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        looped = total["processed"]
+        counted = (total["ready"], total["started"], total["completed"])
     except (KeyError, TypeError):
-        looped = None
-    if looped != step:  # a resume would misalign the run's rows with its steps, or drop them
+        looped, counted = None, None
+    # a resume would misalign the run's rows with its steps, or drop them; the batch of the step
+    # is completed or not yet (a checkpoint of the end of training, or of its batch's end)
+    if looped != step or counted not in ((step, step, step), (step, step, step - 1)):
         raise CheckpointRefused(f"--resume: {path} records RL step {step} but its training loops are at "
-                                f"{looped!r}: not a checkpoint tclightning wrote; nothing was loaded")
+                                f"{looped!r} (ready, started, completed: {counted!r}): not a checkpoint tclightning "
+                                "wrote; nothing was loaded")
     return step
 
 

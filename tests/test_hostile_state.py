@@ -543,3 +543,31 @@ def test_load_from_checkpoint_naming_an_uncached_hub_model_is_refused_at_once(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(TclightningError, match="not in the Hugging Face cache"):
         GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+
+
+def _first_moment(checkpoint: dict) -> dict:
+    return next(iter(checkpoint["optimizer_states"][0]["state"].values()))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: _first_moment(c).update(exp_avg=torch.zeros(3)), "exp_avg of parameter"),
+    (lambda c: _first_moment(c).update(exp_avg_sq=_first_moment(c)["exp_avg_sq"] * float("nan")), "exp_avg_sq"),
+    (lambda c: c["optimizer_states"][0]["param_groups"][0].update(lr="big"), "are not numbers"),
+    (lambda c: c["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"].update(ready=9, started=9),
+     "ready, started, completed"),
+], ids=["moment-shape", "moment-nan", "lr-text", "loop-counters"])
+def test_an_optimizer_or_loop_state_that_does_not_fit_is_refused_before_the_first_step(
+        run_dir: Path, tmp_path: Path, edit, match: str, capsys: pytest.CaptureFixture[str]) -> None:
+    copied = _crafted(run_dir, tmp_path, edit)
+    before = _snapshot(copied)
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and match in err[0], err
+    assert _snapshot(copied) == before
+
+
+@pytest.mark.parametrize("edit", [lambda sd: sd.pop(next(iter(sd))), lambda sd: sd.update({"policy.extra": torch.zeros(1)})],
+                         ids=["missing", "unexpected"])
+def test_load_from_checkpoint_names_weights_that_are_not_the_model_s(run_dir: Path, tmp_path: Path, edit) -> None:
+    copied = _crafted(run_dir, tmp_path, lambda c: edit(c["state_dict"]))
+    with pytest.raises(TclightningError, match="weights"):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))

@@ -153,11 +153,12 @@ def _rescale_learning_rate(checkpoint: dict[str, Any], lr: float) -> None:
                 schedule[key] = [value * ratio for value in schedule[key]]
 
 
-def _check_training_state(checkpoint: Mapping[str, Any]) -> None:
+def _check_training_state(checkpoint: Mapping[str, Any], params: list[torch.Tensor]) -> None:
     """That a checkpoint to resume holds the one optimizer and one schedule
-    :meth:`GRPOModule.configure_optimizers` makes, else ``ValueError``: Lightning restores by
-    zipping its optimizers with the saved states, so an empty list would restart AdamW's moments
-    and the warm-up schedule without a word."""
+    :meth:`GRPOModule.configure_optimizers` makes, for these trainable ``params``, else
+    ``ValueError``: Lightning restores by zipping its optimizers with the saved states, so an empty
+    list would restart AdamW's moments and the warm-up schedule without a word, and a moment of
+    another shape or a learning rate that is not a number would fail only at the first step."""
     optimizers, schedules = checkpoint.get("optimizer_states"), checkpoint.get("lr_schedulers")
     if not (isinstance(optimizers, list) and len(optimizers) == 1 and isinstance(optimizers[0], Mapping)
             and {"state", "param_groups"} <= set(optimizers[0])):
@@ -166,6 +167,30 @@ def _check_training_state(checkpoint: Mapping[str, Any]) -> None:
     if not (isinstance(schedules, list) and len(schedules) == 1 and isinstance(schedules[0], Mapping)):
         raise ValueError("lr_schedulers: expected the state of the one learning-rate schedule, got "
                          f"{len(schedules) if isinstance(schedules, list) else type(schedules).__name__}")
+    groups, state = optimizers[0]["param_groups"], optimizers[0]["state"]
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not (isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups)
+            and sum(len(g.get("params") or ()) for g in groups) == len(params)):
+        raise ValueError(f"optimizer_states: its parameter groups are not for the {len(params)} trainable tensors")
+    for group in groups:
+        betas = group.get("betas")
+        if not (all(number(group.get(k)) for k in ("lr", "eps", "weight_decay")) and isinstance(betas, (list, tuple))
+                and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+            raise ValueError("optimizer_states: a parameter group's lr, eps, weight_decay or betas are not numbers")
+    if not isinstance(state, Mapping):
+        raise ValueError("optimizer_states: its state is not a mapping of parameter to moments")
+    for index, moments in state.items():
+        if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(moments, Mapping)):
+            raise ValueError(f"optimizer_states: state of parameter {index!r}, which this model does not have")
+        for name in ("exp_avg", "exp_avg_sq"):
+            moment = moments.get(name)
+            if not (isinstance(moment, torch.Tensor) and moment.shape == params[index].shape
+                    and bool(torch.isfinite(moment).all())):
+                raise ValueError(f"optimizer_states: {name} of parameter {index} is not a finite tensor of its "
+                                 f"shape {tuple(params[index].shape)}")
 
 
 class GRPOModule(L.LightningModule):
@@ -454,7 +479,8 @@ class GRPOModule(L.LightningModule):
         cfg, G = self.cfg, self.sampler_cfg.group_size
         logged_step = rl_step(self.trainer)
         if batch.step != logged_step:  # would misalign metrics.csv/TensorBoard after a resume
-            raise RuntimeError(f"prompt stream at step {batch.step} but Lightning logs step {logged_step}")
+            raise TclightningError(f"the prompt stream is at step {batch.step} but Lightning's loops at step {logged_step}: "
+                                   "the checkpoint's loop counters disagree; resume from another checkpoint")
         started = time.perf_counter()
         examples = [self.train_examples[i] for i in batch.indices]
         seed = sequence_seed(self.sampler_cfg.seed + self.seed, batch.step)
@@ -659,6 +685,11 @@ class GRPOModule(L.LightningModule):
             with checkpoint_allow_list():
                 return super().load_from_checkpoint(  # type: ignore[return-value]
                     io.BytesIO(data), map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
+        except RuntimeError as err:  # torch's load_state_dict: weights missing, unexpected or not tensors
+            if "state_dict" not in str(err) and "copying the parameter" not in str(err):
+                raise
+            raise TclightningError(f"checkpoint {where}: its weights are not this model's "
+                                   f"({' '.join(str(err).split())[:200]})") from None
         finally:
             _LOADING.reset(token)
 
@@ -729,7 +760,7 @@ class GRPOModule(L.LightningModule):
         # Rank 0 checks the base it rebuilt in setup; the other ranks take rank 0's weights once
         # the pipeline is built (their own rebuild may differ where GPU kernels do).
         self._check_left_out(checkpoint, str(self.trainer.ckpt_path), verify=self.trainer.global_rank == 0)
-        _check_training_state(checkpoint)
+        _check_training_state(checkpoint, [p for p in self.policy.parameters() if p.requires_grad])
         check_weights(self.state_dict(), checkpoint.get("state_dict", {}), f"checkpoint {self.trainer.ckpt_path}")
         rng = state.get("rng")
         if rng:
