@@ -19,7 +19,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import own_file, refused_by_storage, replace_file
+from tclightning.files import own_file, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
