@@ -148,7 +148,7 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
     temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's file is private; the file it replaces was not
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's file is private; the file it replaces was not
         with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")) as handle:
             write(handle)
             handle.flush()
@@ -160,7 +160,8 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting one and putting it back)."""
     mask = os.umask(0o22)
     os.umask(mask)
     return mask
@@ -253,12 +254,14 @@ def save_tensors(obj: object, path: Path) -> None:
 
 
 def hold_lock(folder: Path, what: str) -> int:
-    """Take ``folder``'s lock file (``.lock``, an exclusive ``flock``) for as long as this process
-    lives or until the returned descriptor is closed; the system drops it when the process dies, a
-    kill -9 included. ``TclightningError`` (one line naming ``what``) when another process holds it."""
+    """Take ``folder``'s lock (an exclusive ``flock`` on the folder itself) for as long as this
+    process lives or until the returned descriptor is closed; the system drops it when the process
+    dies, a kill -9 included. A lock file could be deleted as "stale" under a run that is only
+    stopped; the folder cannot. ``TclightningError`` (one line naming ``what``) when another
+    process holds it."""
     import fcntl
 
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import csv
 import os
+import contextlib
 import re
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -17,9 +19,10 @@ from typing import IO, Any
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import own_file, replace_file
+from tclightning.files import current_umask, own_file, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -170,6 +173,16 @@ class LayoutTensorBoardLogger(TensorBoardLogger):
         return experiment
 
     @rank_zero_only
+    def save(self) -> None:
+        # TensorBoardLogger.save, with hparams.yaml written by replace (it opens the name: a FIFO
+        # put there would be waited on, a dangling link written through)
+        super(TensorBoardLogger, self).save()
+        folder = Path(self.log_dir)
+        path = folder / self.NAME_HPARAMS_FILE
+        if folder.is_dir() and (path.is_symlink() or not path.is_file()):
+            write_hparams(path, self.hparams)
+
+    @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         metrics = {k: v for k, v in metrics.items() if k != "epoch"}
         if not self._layout_written:
@@ -192,6 +205,21 @@ class LayoutTensorBoardLogger(TensorBoardLogger):
     def finalize(self, status: str) -> None:
         self.write_layout()
         super().finalize(status)
+
+def write_hparams(path: Path, hparams: Any) -> None:
+    """Lightning's ``save_hparams_to_yaml`` into a new temporary file beside ``path``, renamed over
+    it: never through a link or into a FIFO at the name, and whole or not at all."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~current_umask())  # as the file Lightning would have made
+    os.close(fd)
+    try:
+        save_hparams_to_yaml(tmp, hparams)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
 
 def write_csv_atomically(path: Path, fieldnames: list[str], rows: list[dict[str, str]]) -> None:
     """Replace ``path`` by a CSV of ``rows`` in one atomic rename: a kill or a full disk at any
@@ -220,6 +248,10 @@ class AtomicExperimentWriter(ExperimentWriter):
 
     def _check_log_dir_exists(self) -> None:
         pass
+
+    def log_hparams(self, params: dict[str, Any]) -> None:
+        self.hparams.update(params)
+        write_hparams(Path(self.log_dir) / self.NAME_HPARAMS_FILE, self.hparams)
 
     def save(self) -> None:
         if not self.metrics:

@@ -441,13 +441,13 @@ class PlantAt(L.Callback):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("planted", ["link", "fifo"])
-@pytest.mark.parametrize("pattern", ["metrics.csv", "tb/events.out.tfevents.*"])
+@pytest.mark.parametrize("pattern", ["metrics.csv", "tb/events.out.tfevents.*", "tb/hparams.yaml"])
 def test_a_record_replaced_during_the_run_is_never_written_through_or_waited_on(
         tmp_path: Path, planted: str, pattern: str) -> None:
     """Lightning's CSV writer and TensorBoard's reopen their file by name at each write: a link or a
     FIFO put there mid-run would be written through or waited on. The CSV is opened as the run's
     own file (a replaced one stops the run in one line); the event file is written through the
-    descriptor it was created with."""
+    descriptor it was created with; hparams.yaml is replaced whole."""
     mine = tmp_path / "mine.csv"
     mine.write_text("my,own\n1,2\n")
     settings = [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"]

@@ -91,3 +91,17 @@ def test_tclightning_run_config_is_recipe(run_root, capsys):
     recipe = str(REPO / "recipes" / "tiny.yaml")
     assert main(["run", "--config", recipe, "--quiet", *FAST, "trainer.steps=1"]) == 0
     assert list(run_root.glob("tiny/*/summary.json"))
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_config_yaml_of_yours_is_never_overwritten(tmp_path, monkeypatch, capsys):
+    """With no logger LightningCLI saves its config in the working folder: one already there is
+    kept and the command says so in one line (LightningCLI's own default)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    (tmp_path / "config.yaml").write_text("mine: true\n")
+    argv = ["fit", "--config", "my_config.yaml", "--trainer.logger=false", "--trainer.default_root_dir=."]
+    assert lightning_cli.main(argv) != 0
+    assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and "config.yaml" in err[-1], err

@@ -261,3 +261,19 @@ def test_checkpoint_hyper_parameters_of_an_earlier_version_hold_retired_keys() -
     assert {"model.warmup.cache", "grpo.eps", "pipeline.compressed", "anchor.warmup_shape"} <= set(RETIRED_KEYS)
     with pytest.raises(RecipeError, match="grpo.eps"):  # a retired key is no recipe key
         load_recipe("tiny", ["grpo.eps=0.001"])
+
+
+def test_a_file_named_like_a_shipped_recipe_or_preset_in_the_working_folder_never_stands_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--recipe tiny` and `callback_presets: [monitoring]` are names: a file `tiny` or `monitoring`
+    where the command runs (a cloned repository, a shared folder) is not read, let alone its
+    class paths imported. A path says so: `./tiny`, `dir/tiny`, `tiny.yaml`."""
+    from tclightning.recipes.loader import find_preset, find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("defaults: []\ndescription: not the shipped one\n")
+    (tmp_path / "monitoring").write_text("- class_path: antigravity.Nope\n")
+    assert find_recipe("tiny") != (tmp_path / "tiny").resolve()
+    assert find_recipe("tiny").parent.name == "recipes"
+    assert find_preset("monitoring", tmp_path) != (tmp_path / "monitoring").resolve()
+    assert find_recipe("./tiny") == (tmp_path / "tiny").resolve()

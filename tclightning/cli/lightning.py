@@ -65,8 +65,12 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
-    LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                 args=args, save_config_kwargs={"overwrite": True})
+    try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
+        LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args)
+    except RuntimeError as err:
+        if "SaveConfigCallback" not in str(err):
+            raise
+        raise TclightningError(" ".join(str(err).split())[:300]) from None
     return 0
 
 

@@ -194,7 +194,7 @@ def check_model_folder(folder: Path) -> None:
             regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
     described, stored = _described_parameters(folder / "config.json"), _weight_bytes(folder)
     # at 4 bits a parameter the weights could be a quarter of bf16's; past twice that, the config lies
-    if described is not None and stored and described / 2 > 2 * stored + 2**26:
+    if described is not None and stored and described / 2 > 2 * stored + 2**20:
         raise TclightningError(f"the model folder {folder}: config.json describes about {described:.3g} parameters, "
                                f"far more than its weight files hold ({stored / 2**20:.1f} MiB); nothing was allocated")
 

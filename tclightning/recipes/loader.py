@@ -87,13 +87,20 @@ def list_recipes() -> list[RecipeInfo]:
     return sorted(seen.values(), key=lambda r: r.name.lower())
 
 
+def _names_a_path(ref: str) -> bool:
+    """Whether a recipe or preset reference is a path (``x.yaml``, ``dir/x``, ``./x``, ``~/x``)
+    rather than a name: a bare name is looked up on the search path only, so a file that happens
+    to be called ``tiny`` or ``monitoring`` in the working folder never stands in for the shipped one."""
+    return Path(ref).suffix in (".yaml", ".yml") or os.sep in ref or ref.startswith(("~", "."))
+
+
 def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
     """A recipe by path (absolute, cwd-relative, or relative to the including file) or by name."""
     as_path = Path(ref).expanduser()
-    for candidate in ([relative_to / as_path] if relative_to else []) + [as_path]:
-        if candidate.is_file():
-            return candidate.resolve()
-    if as_path.suffix in (".yaml", ".yml") or os.sep in ref:
+    if _names_a_path(ref):
+        for candidate in ([relative_to / as_path] if relative_to else []) + [as_path]:
+            if candidate.exists() and not candidate.is_dir():  # a FIFO is named as one when it is read
+                return candidate.resolve()
         hint = _installed_recipe_hint(as_path.stem, in_file=relative_to is not None)
         raise RecipeError(f"no such recipe file: {ref}{hint}", file=str(relative_to) if relative_to else None)
     recipes = list_recipes()
@@ -123,7 +130,7 @@ def _installed_recipe_hint(stem: str, in_file: bool) -> str:
 
 def find_preset(ref: str, relative_to: Path) -> Path:
     as_path = Path(ref)
-    for candidate in (relative_to / as_path, as_path):
+    for candidate in (relative_to / as_path, as_path) if _names_a_path(ref) else ():
         if candidate.is_file():
             return candidate.resolve()
     for folder in preset_dirs():
