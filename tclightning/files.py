@@ -76,6 +76,31 @@ def unused_name(path: Path) -> Path:
     return candidate
 
 
+class SameFolder:
+    """A folder as it was when first seen (its device and inode, not a link), so that a writer can
+    tell, before each write by name, that no one has put another folder or a link in its place
+    (writes would then land in another run)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._key = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            info = os.lstat(self.folder)
+        except OSError:
+            return None
+        return None if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) else (info.st_dev, info.st_ino)
+
+    def check(self) -> None:
+        """``TclightningError`` (one line) unless the folder is still the one first seen."""
+        if self._key is None:
+            self._key = self._identity()  # not made yet when first seen: the first folder there is it
+        elif self._identity() != self._key:
+            raise TclightningError(f"{self.folder} was replaced during the run (removed, moved, or a link or "
+                                   "another folder put in its place); nothing more was written there")
+
+
 def own_file(path: Path, mode: str) -> IO[Any]:
     """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``ab`` for bytes to append) only
     if it is still a regular file of the run's own: never through a link, never a FIFO or a device

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import current_umask, own_file, replace_file
+from tclightning.files import SameFolder, current_umask, own_file, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -256,6 +256,9 @@ class AtomicExperimentWriter(ExperimentWriter):
     def save(self) -> None:
         if not self.metrics:
             return
+        if getattr(self, "_folder", None) is None:
+            self._folder = SameFolder(Path(self.log_dir))
+        self._folder.check()  # the run folder itself replaced: its rows would land in another run
         path = Path(self.metrics_file_path)
         exists = os.path.lexists(path)
         new_keys = self._record_new_keys()

@@ -473,7 +473,35 @@ class MoveRunAway(L.Callback):
 
 @pytest.mark.timeout(120)
 def test_a_run_whose_folder_goes_away_stops_in_one_line(tmp_path: Path) -> None:
-    with pytest.raises(TclightningError, match="went away during the run"):
+    with pytest.raises(TclightningError, match="went away during the run|was replaced during the run"):
         run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"],
             quiet=True, extra_callbacks=[MoveRunAway(tmp_path / "moved")])
     assert (tmp_path / "moved" / "metrics.csv").is_file()  # what it saved is where it was taken
+
+
+class SwapFolder(L.Callback):
+    """At the start of RL step 2 puts a link to another run's folder where ``name`` (``checkpoints``
+    or the run folder itself) is, as a hostile neighbour in a shared folder could."""
+
+    def __init__(self, name: str, other: Path) -> None:
+        self.name, self.other = name, other
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == 2:
+            run_dir = Path(trainer.default_root_dir)
+            target = run_dir / "checkpoints" if self.name == "checkpoints" else run_dir
+            shutil.move(target, target.with_name(target.name + ".moved"))
+            target.symlink_to(self.other / ("checkpoints" if self.name == "checkpoints" else ""))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["checkpoints", "run"])
+def test_a_folder_swapped_for_a_link_mid_run_never_carries_writes_into_another_run(
+        run_dir: Path, tmp_path: Path, name: str) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    before = _snapshot(other)
+    with pytest.raises(TclightningError, match="was replaced during the run"):
+        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                     f"logging.root={tmp_path / 'runs'}"], quiet=True, extra_callbacks=[SwapFolder(name, other)])
+    assert _snapshot(other) == before

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import regular_file, unused_name
+from tclightning.files import SameFolder, regular_file, unused_name
 
 
 def checkpoint_globals() -> list[Any]:
@@ -185,6 +185,7 @@ class StepCheckpoint(Checkpoint):
         self.saved_step = -1
         self._pending: int | None = None  # step written to the temporary file, not yet committed
         self.committed_step: int | None = None  # step of the last checkpoint this process published
+        self._folders: tuple[SameFolder, SameFolder] | None = None  # checkpoints/ and the run folder, as first seen
 
     @property
     def last_path(self) -> Path:
@@ -201,6 +202,7 @@ class StepCheckpoint(Checkpoint):
         if step == self.saved_step:
             return self.last_path
         self.dirpath.mkdir(parents=True, exist_ok=True)
+        self._check_folders()
         self.saved_step = step  # first: the checkpoint records that it holds this step
         with self._refused_writes(step):
             if trainer.is_global_zero:
@@ -225,7 +227,16 @@ class StepCheckpoint(Checkpoint):
         with self._refused_writes(step):
             self._publish(step)
 
+    def _check_folders(self) -> None:
+        """Stop (one line) when ``checkpoints/`` or the run folder was replaced during the run: a
+        checkpoint written by name would land in the folder put in its place (another run's)."""
+        if self._folders is None:
+            self._folders = (SameFolder(self.dirpath), SameFolder(self.dirpath.parent))
+        for folder in self._folders:
+            folder.check()
+
     def _publish(self, step: int) -> None:
+        self._check_folders()
         tmp = self._tmp_path
         _fsync(tmp)
         if self.every_n_steps and self.keep > 0:
