@@ -530,6 +530,7 @@ def run(
     second resume of a run that is still going is refused instead of writing beside it.
     """
     with contextlib.ExitStack() as held:
+        held.enter_context(_signal_handlers_kept())
         return _run(recipe_ref, overrides, resume, quiet, extra_callbacks, held)
 
 
@@ -690,6 +691,22 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
         print_summary(summary)
     return summary
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Any:
+    """The SIGINT and SIGTERM handlers as they were before the run, put back however it ends (a
+    callback's handler must never outlive its run in the caller's process)."""
+    import signal
+
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                with contextlib.suppress(ValueError):  # not the main thread: nothing was set there
+                    signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

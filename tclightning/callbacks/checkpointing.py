@@ -425,6 +425,12 @@ class GracefulStop(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # After every on_train_end (the last checkpoint is committed there): a Ctrl-C until then
         # still only asks to stop, and the run ends as it would have.
+        self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
