@@ -12,13 +12,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from tclightning.files import remove_tree
 
 CACHE_ENV = "TCLIGHTNING_CACHE"
 NO_CACHE_ENV = "TCLIGHTNING_NO_CACHE"
@@ -108,5 +109,5 @@ class DirectoryCache:
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
         return None if self.get(key) is not None else why or "the entry did not appear"

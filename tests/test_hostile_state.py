@@ -571,3 +571,19 @@ def test_load_from_checkpoint_names_weights_that_are_not_the_model_s(run_dir: Pa
     copied = _crafted(run_dir, tmp_path, lambda c: edit(c["state_dict"]))
     with pytest.raises(TclightningError, match="weights"):
         GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+
+
+def test_a_run_dir_variable_naming_a_folder_of_yours_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from tclightning.run import RUN_DIR_ENV
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.csv").write_text("my,own\n")
+    monkeypatch.setenv(RUN_DIR_ENV, str(mine))
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.devices=2", "trainer.strategy=pipeline", "pipeline.stages=2",
+                 f"logging.root={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a folder of yours" in err[0], err
+    assert sorted(p.name for p in mine.iterdir()) == ["metrics.csv"] and (mine / "metrics.csv").read_text() == "my,own\n"

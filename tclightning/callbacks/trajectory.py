@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
-from tclightning.files import save_tensors
+from tclightning.files import SameFolder, save_tensors
 from tclightning.settings import check_arguments, integer, one_of, positive
 from tclightning.settings import seed as seed_rule
 
@@ -105,6 +105,7 @@ class TrajectoryRecorder(Callback):
         self.every, self.unit, self.dim, self.seed = int(every), unit, int(dim), int(seed)
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.parameters = parameters
+        self._folder: SameFolder | None = None  # the points' folder as first seen
 
     def directory(self, trainer: pl.Trainer) -> Path:
         return self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "trajectory"
@@ -126,6 +127,9 @@ class TrajectoryRecorder(Callback):
             point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
         folder = self.directory(trainer)
         folder.mkdir(parents=True, exist_ok=True)
+        if self._folder is None or self._folder.folder != folder:
+            self._folder = SameFolder(folder)
+        self._folder.check()  # a link swapped in mid-run would carry the points into another run
         path = folder / f"point-{index:08d}.pt"
         record: dict[str, Any] = {
             "step": int(index), "unit": self.unit, "point": point, "method": method,

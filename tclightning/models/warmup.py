@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.errors import TclightningError
-from tclightning.files import exchange, regular_file, save_tensors
+from tclightning.files import exchange, regular_file, remove_tree, save_tensors
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
 
@@ -326,7 +325,7 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
         why = err.strerror or str(err)
     finally:
         if tmp.is_dir() and not tmp.is_symlink():
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)  # the old entry: a bind mount someone put inside it is left alone
         else:
             try:
                 tmp.unlink()  # the unreadable entry was a file (or a FIFO)
