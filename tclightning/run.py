@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, unused_name)
+from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
@@ -97,8 +98,8 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
             if path.name in RUN_FOLDERS and not path.is_dir():
                 raise TclightningError(f"--resume: {path} is not a folder, where the run keeps its {path.name}; "
                                        "nothing was written (move it away to resume)")
-            if path.name not in RUN_FOLDERS:
-                regular_file(path, "--resume: the run's own file")  # the run writes it: a FIFO would block
+            if path.name not in RUN_FOLDERS:  # the run writes it: a FIFO would block, 8 GiB of rows fill memory
+                regular_file(path, "--resume: the run's own file", METRICS_MAX_BYTES if path.name == "metrics.csv" else None)
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
     return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))
@@ -219,6 +220,7 @@ def _last_logged_step(metrics: Path) -> int | None:
     if not metrics.is_file():
         return None
     try:
+        regular_file(metrics, "metrics", METRICS_MAX_BYTES)  # never read 8 GiB of rows (or a FIFO) whole
         return max(read_metrics(metrics), default=None)
     except (OSError, KeyError, ValueError, csv.Error, UnicodeDecodeError, TclightningError):
         return None

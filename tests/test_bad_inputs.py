@@ -250,6 +250,9 @@ CASES: dict[str, Case] = {
     "analyze-health-huge-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "not a whole number in [0,"),
                                      {"m.csv": b"step,reward/mean\n100000000000000000000000000,1.0\n"}),
     "analyze-health-proc": Case(("analyze", "health", "/proc"), ("/proc: is a kernel interface",)),
+    "bench-traffic-config-layers-huge": Case(
+        ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("num_hidden_layers 100000000",),
+        {"c.json": b'{"model_type": "llama", "num_hidden_layers": 100000000, "hidden_size": 8, "vocab_size": 10}'}),
     "logging-root-proc": override("logging.root=/proc", names=("logging.root: cannot write in /proc",)),
     "logging-root-sys": override("logging.root=/sys", names=("logging.root: cannot write in /sys",)),
 }

@@ -587,3 +587,14 @@ def test_a_run_dir_variable_naming_a_folder_of_yours_is_refused(tmp_path: Path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a folder of yours" in err[0], err
     assert sorted(p.name for p in mine.iterdir()) == ["metrics.csv"] and (mine / "metrics.csv").read_text() == "my,own\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_whose_metrics_csv_is_past_its_size_bound_is_refused_unread(run_dir: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    with (copied / "metrics.csv").open("r+b") as handle:
+        handle.truncate(8 * 2**30)  # sparse: 8 GiB of NULs, no disk used
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and "more than the 1 GiB" in err[0], err

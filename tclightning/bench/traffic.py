@@ -43,6 +43,8 @@ import torch
 
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
+from tclightning.models.loading import CONFIG_MAX_BYTES
 from tclightning.sign_message import sign_message_bytes
 from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
@@ -81,18 +83,25 @@ class Traffic:
         return {"config": self.config, "total_bytes": self.total, **{f"{k}_bytes": v for k, v in self.classes.items()}}
 
 
+MAX_LAYERS = 4096
+"""The most decoder layers a model config may declare here (the largest public models have ~200)."""
+
+
 def read_model_config(name_or_path: str) -> dict[str, Any]:
     """A model's ``config.json`` as a dict: a file, a folder holding one, or a Hugging Face name of a
     shipped config (``SHIPPED``). Refuses anything else in one line."""
     path = Path(name_or_path)
     for candidate in (path, path / "config.json", SHIPPED / f"{name_or_path.replace('/', '--')}.json"):
         if candidate.is_file():
-            try:
-                data = json.loads(candidate.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            try:  # a regular file of config size: never /proc/kmsg, a FIFO or a gigabyte of JSON
+                data = json.loads(regular_file(candidate, "model config", CONFIG_MAX_BYTES).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
                 raise TclightningError(f"{candidate}: not a readable config.json ({type(err).__name__})") from None
             if not isinstance(data, dict) or "model_type" not in data:
                 raise TclightningError(f"{candidate}: not a model config.json (no model_type)")
+            layers = data.get("num_hidden_layers", 0)
+            if not isinstance(layers, int) or not 0 <= layers <= MAX_LAYERS:
+                raise TclightningError(f"{candidate}: num_hidden_layers {layers!r} is not a layer count in [0, {MAX_LAYERS}]")
             return data
     shipped = ", ".join(sorted(p.stem.replace("--", "/") for p in SHIPPED.glob("*.json")))
     raise TclightningError(f"no config.json at {name_or_path!r}; give a file or folder (shipped: {shipped})")
