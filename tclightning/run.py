@@ -41,6 +41,9 @@ RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summar
              "tb/hparams.yaml")
 """What a resume in place writes in its run directory (each a file or folder of the run's own)."""
 
+RECORD_MAX_BYTES = 2**26
+"""The largest record file a resume reads back whole (a recipe or hyper-parameters are kilobytes)."""
+
 
 @dataclass
 class RunPlan:
@@ -99,7 +102,8 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
                 raise TclightningError(f"--resume: {path} is not a folder, where the run keeps its {path.name}; "
                                        "nothing was written (move it away to resume)")
             if path.name not in RUN_FOLDERS:  # the run writes it: a FIFO would block, 8 GiB of rows fill memory
-                regular_file(path, "--resume: the run's own file", METRICS_MAX_BYTES if path.name == "metrics.csv" else None)
+                regular_file(path, "--resume: the run's own file",
+                             METRICS_MAX_BYTES if path.name == "metrics.csv" else RECORD_MAX_BYTES)
         return RunPlan(run_dir, ckpt, step, notices, new_dir=False)
     fresh = new_run_dir(root)
     return RunPlan(fresh, ckpt, step, (*notices, _new_dir_note(ckpt, fresh)))

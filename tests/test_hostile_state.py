@@ -598,3 +598,63 @@ def test_a_resume_whose_metrics_csv_is_past_its_size_bound_is_refused_unread(run
         handle.truncate(8 * 2**30)  # sparse: 8 GiB of NULs, no disk used
     code, err = _resume(copied, capsys)
     assert code == 2 and len(err) == 1 and "more than the 1 GiB" in err[0], err
+
+
+def test_load_from_checkpoint_never_lets_lightning_build_classes_a_checkpoint_names(
+        run_dir: Path, tmp_path: Path) -> None:
+    """Lightning's load_from_checkpoint hands an ``_instantiator`` in the hyper-parameters the
+    ``class_path`` dicts it finds, importing their modules: a data-only checkpoint must not."""
+    (tmp_path / "evilpkg").mkdir()
+    (tmp_path / "evilpkg" / "__init__.py").write_text(f"open({str(tmp_path / 'PWNED')!r}, 'w').close()\nclass X: pass\n")
+
+    def edit(checkpoint: dict) -> None:
+        checkpoint["hyper_parameters"]["_instantiator"] = "lightning.pytorch.cli.instantiate_module"
+        checkpoint["hyper_parameters"]["task"]["sources"] = [{"class_path": "evilpkg.X"}]
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(TclightningError, match="_instantiator"):
+            GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert not (tmp_path / "PWNED").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_whose_shared_references_expand_without_end_is_refused(run_dir: Path, tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    def edit(checkpoint: dict) -> None:
+        node: list = ["x"]
+        for _ in range(60):  # 2^60 values to anything that walks it, 60 lists in the file
+            node = [node, node]
+        checkpoint["hyper_parameters"]["task"]["sources"] = node
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    with pytest.raises(TclightningError, match="expand without end"):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+    assert main(["export", str(copied), str(tmp_path / "out")]) == 2
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and "expand without end" in err[0], err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shape", ["holds-itself", "deep"])
+def test_a_checkpoint_that_nests_without_end_is_refused_in_one_line(run_dir: Path, tmp_path: Path, shape: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    def edit(checkpoint: dict) -> None:
+        if shape == "holds-itself":
+            looped: dict = {}
+            looped["again"] = looped
+            checkpoint["hyper_parameters"]["model"]["extra"] = looped
+        else:
+            deep: list = []
+            for _ in range(300):  # as deep as pickle itself writes; past the checkpoint's 64
+                deep = [deep]
+            checkpoint["hyper_parameters"]["task"]["sources"] = deep
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    capsys.readouterr()
+    assert main(["export", str(copied), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expand without end" in err[0], err

@@ -106,7 +106,39 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
         if section in ckpt and not isinstance(ckpt[section], dict):  # each reader takes it as a mapping
             raise CheckpointRefused(f"checkpoint {shown}: not a checkpoint tclightning wrote (its '{section}' "
                                     f"is a {type(ckpt[section]).__name__}, not a dict)")
+    if not _fewer_values_than(ckpt, MAX_CHECKPOINT_VALUES, MAX_CHECKPOINT_DEPTH):
+        raise CheckpointRefused(f"checkpoint {shown}: holds more than {MAX_CHECKPOINT_VALUES} values once its shared "
+                                f"references are followed, or nests deeper than {MAX_CHECKPOINT_DEPTH} (a structure "
+                                "built to expand without end); nothing was loaded")
     return ckpt
+
+
+MAX_CHECKPOINT_VALUES = 2_000_000
+"""The most values (containers and leaves, tensors counted once each) a checkpoint may hold when
+every shared reference is followed: a run's holds tens of thousands; a list that holds itself twice
+at each of 60 levels would be 2^60 to every reader that walks it."""
+
+
+MAX_CHECKPOINT_DEPTH = 64
+"""The deepest a checkpoint's containers may nest (a run's nest a few levels; every reader that
+recurses, OmegaConf's included, would fail on a list a million levels deep)."""
+
+
+def _fewer_values_than(obj: Any, limit: int, depth: int) -> bool:
+    """Whether walking ``obj`` (lists, tuples, dicts; anything else a leaf) visits fewer than
+    ``limit`` values, following every reference, a shared one once per place it appears, and never
+    goes more than ``depth`` containers deep."""
+    stack, seen = [(obj, 0)], 0
+    while stack:
+        value, level = stack.pop()
+        seen += 1
+        if seen >= limit or level > depth:
+            return False
+        if isinstance(value, dict):
+            stack.extend((item, level + 1) for item in (*value.keys(), *value.values()))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((item, level + 1) for item in value)
+    return True
 
 
 FAULT_ENV = "TCLIGHTNING_TEST_KILL"

@@ -675,11 +675,16 @@ class GRPOModule(L.LightningModule):
             data = Path(checkpoint_path).read_bytes()
         else:
             data = checkpoint_path.read()
+        checkpoint = load_checkpoint(io.BytesIO(data), name=where)
+        hparams = checkpoint.get("hyper_parameters") or {}
+        if "_instantiator" in hparams or "_class_path" in hparams:  # Lightning would import what they name
+            raise TclightningError(f"load_from_checkpoint: checkpoint {where} asks Lightning to build classes by name "
+                                   "(_instantiator), which could run code; nothing was loaded")
         if "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
             # larger than its weights or of a shape none can have (your own ``model=...`` argument
             # is yours to decide)
-            check_checkpoint_model(load_checkpoint(io.BytesIO(data), name=where), f"checkpoint {where}")
+            check_checkpoint_model(checkpoint, f"checkpoint {where}")
         token = _LOADING.set(where)
         try:
             with checkpoint_allow_list():
