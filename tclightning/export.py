@@ -101,7 +101,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
 
     from tclightning.grpo.module import BASE_KEY, GRPOModule, as_config
     from tclightning.models.config import RETIRED_KEYS, ModelConfig
-    from tclightning.models.loading import check_hub_model, check_weights, load_model
+    from tclightning.models.loading import check_weights, load_model
     from tclightning.models.lora import apply_lora, has_adapters
     from tclightning.settings import without_keys
 
@@ -122,10 +122,6 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
     except TclightningError as err:
         raise TclightningError(f"checkpoint {source}: model hyper-parameters: {err}") from None
     adapters_alone = BASE_KEY in (checkpoint.get("tclightning") or {})
-    try:  # an uncached hub name offline: one line now, not a minute of download retries
-        check_hub_model(cfg)
-    except TclightningError as err:
-        raise TclightningError(f"checkpoint {source}: cannot build its model: {err}") from None
     # The seed only picks the random initial weights of a tiny model; the checkpoint's replace them
     # (not so with the adapters alone: the module rebuilds the base with the run's seed).
     try:

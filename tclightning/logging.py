@@ -306,7 +306,7 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
-def quiet_refused_event_writes() -> None:
+def quiet_event_writer_errors() -> None:
     """TensorBoard writes events from a thread of its own: a write the file system refuses (a full
     disk, a run folder removed) is raised again in the run's thread at the next log or flush (and
     reported there in one line), so the thread's own traceback is left out. Any other exception of
@@ -328,7 +328,7 @@ def quiet_refused_event_writes() -> None:
 def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> LayoutTensorBoardLogger:
     """Events under ``<run_dir>/tb``, with the Custom Scalars layout of the tags the run logs;
     ``purge_step`` drops events logged after the checkpoint."""
-    quiet_refused_event_writes()
+    quiet_event_writer_errors()
     kwargs = {"purge_step": resume_step} if resume_step is not None else {}
     return LayoutTensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False, **kwargs)
 

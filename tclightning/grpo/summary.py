@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.files import regular_file, replace_text
+from tclightning.health.io import METRICS_MAX_BYTES
 
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
 """``health/state`` values 0, 1, 2 by name."""
@@ -19,7 +20,7 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately)."""
     merged: dict[int, dict[str, float]] = {}
-    with regular_file(path, "metrics").open(newline="") as handle:
+    with regular_file(path, "metrics", METRICS_MAX_BYTES).open(newline="") as handle:  # 8 GiB of rows: refused
         for row in csv.DictReader(handle):
             step = int(float(row["step"]))
             for key, value in row.items():
