@@ -102,27 +102,27 @@ class SameFolder:
 
 
 def own_file(path: Path, mode: str) -> IO[Any]:
-    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``ab`` for bytes to append) only
-    if it is still a regular file of the run's own: never through a link, never a FIFO or a device
-    (which someone may have put in its place while the run went on). ``TclightningError`` (one
-    line) otherwise."""
-    flags = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "ab": os.O_WRONLY | os.O_APPEND,
-             "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
+    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``rb``, ``ab`` or ``wb`` for bytes)
+    only if it is still a regular file of the run's own: never through a link, never a FIFO or a
+    device (which someone may have put in its place while the run went on). ``TclightningError``
+    (one line) otherwise."""
+    flags = {"r": os.O_RDONLY, "rb": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "ab": os.O_WRONLY | os.O_APPEND,
+             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:
-        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST):
+        if err.errno not in (errno.ELOOP, errno.ENXIO, errno.EEXIST, errno.EISDIR):
             raise
         fd = -1
     if fd >= 0 and not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         fd = -1
     if fd < 0:
-        raise TclightningError(f"{path}: is no longer the run's own file (a link, a FIFO or a device was put in "
-                               "its place); nothing was written through it")
+        raise TclightningError(f"{path}: is no longer the run's own file (a link, a folder, a FIFO or a device was "
+                               "put in its place); nothing was written through it")
     os.set_blocking(fd, True)
-    if mode == "ab":
-        return os.fdopen(fd, "ab", buffering=0)
+    if mode.endswith("b"):
+        return os.fdopen(fd, mode, buffering=0)
     return os.fdopen(fd, "r" if mode == "r" else "w", newline="")
 
 
@@ -169,8 +169,8 @@ def _renameat2_exchange(a: Path, b: Path) -> bool:
 def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = False) -> None:
     """Replace ``path`` by what ``write`` writes into a text (or ``binary``) handle, in one atomic
     rename: the new content goes to a temporary file beside it, is flushed to disk, then renamed
-    over ``path``. Any failure (a full disk, a kill) leaves ``path`` as it was and removes the
-    temporary file."""
+    over ``path``. Any failure (a full disk, a kill, a folder put at ``path``) leaves ``path`` as
+    it was and removes the temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's file is private; the file it replaces was not
@@ -178,11 +178,20 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        rename_over(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def rename_over(new: str | Path, path: Path) -> None:
+    """``os.replace(new, path)``; a folder someone put at ``path`` is left as it is, in one line."""
+    try:
+        os.replace(new, path)
+    except IsADirectoryError:
+        raise TclightningError(f"{path}: a folder is in its place; it was left as it is and nothing was written "
+                               "there") from None
 
 
 def current_umask() -> int:

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.files import SameFolder, current_umask, own_file, replace_file
+from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -214,7 +214,7 @@ def write_hparams(path: Path, hparams: Any) -> None:
     os.close(fd)
     try:
         save_hparams_to_yaml(tmp, hparams)
-        os.replace(tmp, path)
+        rename_over(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -398,6 +398,25 @@ def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
             "none is set here, and the ranks would wait for peers that never come (docs/distributed.md)")
 
 
+def require_logger_servers(recipe: RecipeConfig) -> None:
+    """A W&B logger that logs online needs its server to answer now: W&B retries a silent or
+    closed one for minutes, with the run folder made and nothing trained."""
+    from tclightning.network import WANDB_URL, host_of, no_answer
+    from tclightning.recipes.schema import LOGGERS
+
+    for entry in recipe.logging.loggers:
+        class_path = entry if isinstance(entry, str) else entry.get("class_path")
+        init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
+        offline = init_args.get("offline") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+        if class_path not in ("wandb", LOGGERS["wandb"][0]) or offline:
+            continue
+        url = os.environ.get("WANDB_BASE_URL") or WANDB_URL
+        silent = no_answer(url)
+        if silent is not None:
+            raise TclightningError(f"logging.loggers: the W&B server {host_of(url)} does not answer ({silent.reason}); "
+                                   "set WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
 def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
     """More than one process means one pipeline stage per process (``pipeline.replicas`` copies of
     each): refuse anything else early, naming the keys."""
@@ -553,6 +572,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     from tclightning.models.loading import check_hub_model
 
     check_hub_model(recipe.model)  # an uncached hub name offline: one line now, not a minute of retries
+    require_logger_servers(recipe)
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
         require_writable_root(recipe)
     plan = plan_run(recipe, resume)
@@ -704,11 +724,17 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
 @contextlib.contextmanager
 def _signal_handlers_kept() -> Any:
-    """The SIGINT and SIGTERM handlers as they were before the run, put back however it ends (a
-    callback's handler must never outlive its run in the caller's process)."""
+    """The SIGINT, SIGTERM and SIGHUP handlers as they were before the run, put back however it
+    ends (a callback's handler must never outlive its run in the caller's process). Meanwhile a
+    SIGHUP (the terminal closed) stops the run as SIGTERM does, unless the caller set its own
+    handler for it (``nohup``: ignored)."""
     import signal
 
-    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    hangup = getattr(signal, "SIGHUP", None)
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, hangup) if sig is not None}
+    if hangup is not None and kept[hangup] is signal.SIG_DFL:
+        with contextlib.suppress(ValueError):  # not the main thread: signals are the caller's
+            signal.signal(hangup, lambda signum, frame: signal.raise_signal(signal.SIGTERM))
     try:
         yield
     finally:
@@ -804,15 +830,17 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     """Remove ``run_dir`` when this run ``created`` it and it holds nothing worth keeping: no
     checkpoint and no logged step in ``metrics.csv`` (a run stopped after a few logged steps, by a
     NaN say, keeps its metrics for the diagnosis), and nothing but the run's own files (another
-    run whose ``logging.root`` lies inside it, a user's file, a bind mount: all kept, and the
-    directory with them). A directory resumed into is never touched. Returns whether it was removed."""
+    run whose ``logging.root`` lies inside it, a user's file, a folder where the run writes a file,
+    a bind mount: all kept, and the directory with them). A directory resumed into is never touched. Returns whether it was removed."""
     if not created or not run_dir.is_dir() or any((run_dir / "checkpoints").glob("*.ckpt")):
         return False
     if _last_logged_step(run_dir / "metrics.csv") is not None:
         return False
     own = {name.split("/", 1)[0] for name in RUN_FILES}
-    if any(entry.name not in own for entry in run_dir.iterdir()):
-        return False
+    if any(entry.name not in own or (entry.is_dir() and entry.name not in RUN_FOLDERS) for entry in run_dir.iterdir()):
+        return False  # a folder where the run writes a file was put there by someone else
+    if any(inner.is_dir() for folder in RUN_FOLDERS if (run_dir / folder).is_dir() for inner in (run_dir / folder).iterdir()):
+        return False  # the run's folders hold files only
     if any(marker.parent != run_dir for marker in run_dir.rglob(RUN_MARKER)):
         return False
     return remove_tree(run_dir)

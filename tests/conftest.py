@@ -90,16 +90,17 @@ class CrashAt(L.Callback):
 
 
 class SigtermAt(L.Callback):
-    """Sends this process SIGTERM from a Lightning hook (``hook``: ``setup``, before Lightning holds
-    SIGTERM; or ``on_fit_start``, while a resume restores its checkpoint), like a scheduler's kill."""
+    """Sends this process SIGTERM (or ``signum``) from a Lightning hook (``hook``: ``setup``, before
+    Lightning holds SIGTERM; or ``on_fit_start``, while a resume restores its checkpoint), like a
+    scheduler's kill."""
 
-    def __init__(self, hook: str = "setup") -> None:
-        self.hook = hook
+    def __init__(self, hook: str = "setup", signum: str = "SIGTERM") -> None:
+        self.hook, self.signum = hook, getattr(signal, signum)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.hook == "setup":
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.hook == "on_fit_start":
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)

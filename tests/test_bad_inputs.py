@@ -253,6 +253,14 @@ CASES: dict[str, Case] = {
     "bench-traffic-config-layers-huge": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("num_hidden_layers 100000000",),
         {"c.json": b'{"model_type": "llama", "num_hidden_layers": 100000000, "hidden_size": 8, "vocab_size": 10}'}),
+    "task-row-huge-integer": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/t.jsonl"),
+        ("t.jsonl:2: not a row", "4300"),
+        {"t.jsonl": b'{"question": "q", "answer": "#### 1"}\n{"question": "q", "answer": "#### 5", "x": ' + b"1" * 5000
+         + b"}\n"}),
+    "bench-traffic-config-huge-integer": Case(
+        ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("c.json: not a readable config.json",),
+        {"c.json": b'{"model_type": "llama", "hidden_size": ' + b"1" * 5000 + b"}"}),
     "logging-root-proc": override("logging.root=/proc", names=("logging.root: cannot write in /proc",)),
     "logging-root-sys": override("logging.root=/sys", names=("logging.root: cannot write in /sys",)),
 }
@@ -517,7 +525,8 @@ def test_a_run_whose_planned_directory_is_taken_meanwhile_uses_the_next_and_remo
 def test_an_uncached_hub_model_without_a_hub_is_refused_before_anything_is_written(
     env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for name in ("HF_HUB_OFFLINE", "HF_ENDPOINT", "HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                 "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -525,5 +534,5 @@ def test_an_uncached_hub_model_without_a_hub_is_refused_before_anything_is_writt
     assert main(["run", "--recipe", "tiny", "model.source=hf", "model.name=nobody/not-cached-anywhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.name 'nobody/not-cached-anywhere': not in the Hugging Face cache" in err[0], err
-    assert "HF_HUB_OFFLINE is set" in err[0] if "HF_HUB_OFFLINE" in env else "127.0.0.1 cannot be reached" in err[0]
+    assert "HF_HUB_OFFLINE is set" in err[0] if "HF_HUB_OFFLINE" in env else "127.0.0.1 does not answer" in err[0]
     assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ should be is refused with one line at once, never waited on."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -505,3 +506,61 @@ def test_a_folder_swapped_for_a_link_mid_run_never_carries_writes_into_another_r
         run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.checkpoint_every=1",
                      f"logging.root={tmp_path / 'runs'}"], quiet=True, extra_callbacks=[SwapFolder(name, other)])
     assert _snapshot(other) == before
+
+
+class FolderAt(L.Callback):
+    """At the start of RL step 2 puts a folder (holding a file of someone's) where the run's file
+    ``name`` is, or will be."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == 2:
+            path = Path(trainer.default_root_dir) / self.name
+            path.unlink(missing_ok=True)
+            path.mkdir()
+            (path / "keep.txt").write_text("mine")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, said", [("metrics.csv", "is no longer the run's own file (a link, a folder"),
+                                        ("tb/hparams.yaml", "a folder is in its place"),
+                                        ("summary.json", "a folder is in its place")])
+def test_a_folder_put_in_place_of_a_record_mid_run_is_one_error_and_kept(tmp_path: Path, name: str, said: str) -> None:
+    settings = [*FAST, "trainer.steps=3", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"]
+    with pytest.raises(TclightningError, match=re.escape(said)):
+        run("tiny", settings, quiet=True, extra_callbacks=[FolderAt(name)])
+    (kept,) = (tmp_path / "runs").glob(f"tiny/*/{name}/keep.txt")
+    assert kept.read_text() == "mine" and not list(kept.parent.parent.glob(f".{kept.parent.name}.*.tmp"))
+
+
+def test_own_file_writes_bytes_only_into_a_regular_file_of_its_own(tmp_path: Path) -> None:
+    from tclightning.files import own_file
+
+    theirs = tmp_path / "theirs.log"
+    theirs.write_text("keep")
+    (tmp_path / "linked.log").symlink_to(theirs)
+    os.mkfifo(tmp_path / "fifo.log")
+    (tmp_path / "folder.log").mkdir()
+    for planted in ("linked.log", "fifo.log", "folder.log"):
+        with pytest.raises(TclightningError, match="is no longer the run's own file"):
+            own_file(tmp_path / planted, "wb")
+    assert theirs.read_text() == "keep"
+    with own_file(tmp_path / "node0.log", "wb") as log:
+        log.write(b"abc")
+    with own_file(tmp_path / "node0.log", "wb") as log:  # truncated, as open("wb") would
+        log.write(b"d")
+    with own_file(tmp_path / "node0.log", "rb") as log:
+        assert log.read() == b"d"
+
+
+def test_a_two_node_bench_never_runs_into_an_earlier_run(tmp_path: Path) -> None:
+    from tclightning.bench.nodes import run_nodes
+
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "metrics.csv").write_text("step\n0\n")
+    with pytest.raises(TclightningError, match="already holds something"):
+        run_nodes(["--recipe", "tiny"], run_dir=earlier, cwd=tmp_path)
+    assert (earlier / "metrics.csv").read_text() == "step\n0\n"

@@ -477,6 +477,8 @@ def test_the_module_s_own_arguments_are_checked_as_a_checkpoint_stores_them(argu
 @pytest.mark.parametrize("config, said", [
     (b"{bad", "cannot be loaded as a model (OSError"),
     (b'{"model_type": "llama", "hidden_size": 65536, "num_hidden_layers": 100000, "num_attention_heads": 2}',
+     "declares 100000 layers, not a layer count"),
+    (b'{"model_type": "llama", "hidden_size": 65536, "num_hidden_layers": 8, "num_attention_heads": 2}',
      "far more than its weight files hold"),
 ])
 def test_a_model_folder_transformers_cannot_load_is_one_line(tmp_path: Path, config: bytes, said: str,
@@ -658,3 +660,18 @@ def test_a_checkpoint_that_nests_without_end_is_refused_in_one_line(run_dir: Pat
     assert main(["export", str(copied), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expand without end" in err[0], err
+
+
+def test_load_from_checkpoint_never_reads_a_huge_file_whole(tmp_path: Path) -> None:
+    """A sparse 64 GiB file (no disk used) under a 4 GiB address-space limit: refused in one line,
+    where reading it whole would fail with a MemoryError."""
+    sparse = tmp_path / "sparse.ckpt"
+    with sparse.open("wb") as handle:
+        handle.truncate(64 * 2**30)
+    code = ("import resource, sys\nresource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))\n"
+            "from tclightning.errors import TclightningError\nfrom tclightning.grpo.module import GRPOModule\n"
+            f"try:\n    GRPOModule.load_from_checkpoint({str(sparse)!r})\n"
+            "except TclightningError as err:\n    print('refused:', err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0 and done.stdout.startswith(f"refused: checkpoint {sparse}"), done.stderr[-2000:]

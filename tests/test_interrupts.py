@@ -129,18 +129,32 @@ def test_ctrl_c_then_resume_validates_exactly_when_an_uninterrupted_run_does(
     assert resumed["val_accuracy_last"] == validated_reference["val_accuracy_last"]
 
 
-@pytest.mark.parametrize("hook", ["setup", "on_fit_start"])
-def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp_path: Path, hook: str) -> None:
+@pytest.mark.parametrize("hook, signum", [("setup", "SIGTERM"), ("on_fit_start", "SIGTERM"), ("setup", "SIGHUP")])
+def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp_path: Path, hook: str,
+                                                                             signum: str) -> None:
     """Between the run folder and the first step (the trainer's setup, a checkpoint's restore)
     nothing holds SIGTERM yet: the run stops as Ctrl-C would, in one line, and takes its empty
-    folder with it."""
+    folder with it. A SIGHUP (the terminal closed) is a SIGTERM."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2",
-         "logging.root=runs", f"callbacks=[{{class_path: tests.conftest.SigtermAt, init_args: {{hook: {hook}}}}}]"],
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2", "logging.root=runs",
+         f"callbacks=[{{class_path: tests.conftest.SigtermAt, init_args: {{hook: {hook}, signum: {signum}}}}}]"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], (done.returncode, done.stderr[-3000:])
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_a_sighup_during_the_warm_up_stops_the_run_as_sigterm_does(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "TCLIGHTNING_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "trainer.steps=2",
+               "model.warmup.steps=100000", "logging.root=runs"]
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as child:
+        assert child.stdout is not None and child.stdout.readline().startswith("run directory: ")
+        child.send_signal(signal.SIGHUP)
+        _, err = child.communicate(timeout=120)
+    assert child.returncode == 130 and "interrupted" in err.strip().splitlines()[-1], (child.returncode, err[-3000:])
     assert not any((tmp_path / "runs" / "tiny").iterdir())
 
 

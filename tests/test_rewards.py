@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tclightning.limits import run_with_alarm
 from tclightning.tasks.rewards import (
     MAX_NUMERAL_EXPONENT,
     extract_answer_is,
@@ -22,7 +23,6 @@ from tclightning.tasks.rewards import (
     load_math_verify,
     normalize_math_answer,
     numbers_equal,
-    run_with_alarm,
     simple_math_equal,
     verify_gsm8k,
     verify_math,

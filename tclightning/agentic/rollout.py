@@ -38,13 +38,16 @@ class ConversationFormatter(PromptFormatter):
     """
 
     def render(self, prompt: str | Sequence[Message]) -> str:  # type: ignore[override]
+        return self.render_all([prompt])[0]
+
+    def _render_one(self, prompt: str | Sequence[Message]) -> str:  # type: ignore[override]
         if isinstance(prompt, str):
-            return super().render(prompt)
+            return super()._render_one(prompt)
         messages = list(prompt)
         if self.templated:
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._apply_template(messages)
         eos = self.tokenizer.eos_token or ""
         text = "".join(m["content"] + (eos if m["role"] == "assistant" else "") for m in messages)
         return f"{self.system_prompt}\n{text}" if self.system_prompt else text

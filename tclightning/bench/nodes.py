@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.bench.link import netns_problem
+from tclightning.errors import TclightningError
+from tclightning.files import own_file
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -76,6 +78,13 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def _tail(log: Path, size: int = 4000) -> str:
+    """The last ``size`` bytes of a node's log, as text."""
+    with own_file(log, "rb") as handle:
+        handle.seek(max(0, os.fstat(handle.fileno()).st_size - size))
+        return handle.read(size).decode(errors="replace")
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -101,6 +110,11 @@ def run_nodes(
     wall time, "mbit": mbit}``; ``link`` counts what each node's veth sent and received during the
     run (frames, headers included). Raises ``RuntimeError`` (saying why) where namespaces cannot
     be made."""
+    if run_dir.is_symlink() or (run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir()))):
+        # every node writes into run_dir as a launched rank (TCLIGHTNING_RUN_DIR), without the
+        # marker and lock checks a run makes of its own folder
+        raise TclightningError(f"{run_dir}: already holds something (an earlier run?); the nodes' run goes into a "
+                               "new or empty folder: give another --dir")
     problem = netns_problem()
     if problem is not None:
         raise RuntimeError(f"a multi-node launch needs network namespaces: {problem}")
@@ -138,7 +152,7 @@ def run_nodes(
             node_env = {**(env or os.environ), "TCLIGHTNING_RUN_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": veth,
                         "OMP_NUM_THREADS": "1"}
             echo(f"node {node} ({space}): {shlex.join(commands[node])}")
-            with logs[node].open("wb") as log:  # a file, not a pipe: a chatty node never blocks
+            with own_file(logs[node], "wb") as log:  # a file, not a pipe: a chatty node never blocks
                 procs.append(subprocess.Popen(["ip", "netns", "exec", space, *commands[node]], cwd=cwd, env=node_env,
                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = started + timeout_s
@@ -147,7 +161,7 @@ def run_nodes(
                 proc.wait(timeout=max(1.0, deadline - time.perf_counter()))
             except subprocess.TimeoutExpired:
                 _kill(proc)
-        outputs = [log.read_text(errors="replace")[-4000:] for log in logs]
+        outputs = [_tail(log) for log in logs]
         after = {key: [_counter(s, v, key) for s, v in zip(spaces, veths)] for key in ("tx_bytes", "rx_bytes")}
         return {
             "returncodes": [proc.returncode for proc in procs],

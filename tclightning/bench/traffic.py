@@ -44,7 +44,7 @@ import torch
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
-from tclightning.models.loading import CONFIG_MAX_BYTES
+from tclightning.models.loading import CONFIG_MAX_BYTES, MAX_LAYERS
 from tclightning.sign_message import sign_message_bytes
 from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
@@ -83,10 +83,6 @@ class Traffic:
         return {"config": self.config, "total_bytes": self.total, **{f"{k}_bytes": v for k, v in self.classes.items()}}
 
 
-MAX_LAYERS = 4096
-"""The most decoder layers a model config may declare here (the largest public models have ~200)."""
-
-
 def read_model_config(name_or_path: str) -> dict[str, Any]:
     """A model's ``config.json`` as a dict: a file, a folder holding one, or a Hugging Face name of a
     shipped config (``SHIPPED``). Refuses anything else in one line."""
@@ -95,7 +91,7 @@ def read_model_config(name_or_path: str) -> dict[str, Any]:
         if candidate.is_file():
             try:  # a regular file of config size: never /proc/kmsg, a FIFO or a gigabyte of JSON
                 data = json.loads(regular_file(candidate, "model config", CONFIG_MAX_BYTES).read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, text or a 5000-digit integer
                 raise TclightningError(f"{candidate}: not a readable config.json ({type(err).__name__})") from None
             if not isinstance(data, dict) or "model_type" not in data:
                 raise TclightningError(f"{candidate}: not a model config.json (no model_type)")

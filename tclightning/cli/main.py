@@ -8,6 +8,7 @@ transformers) happen inside handlers so ``--help`` and ``recipes list`` stay fas
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,6 +61,9 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # One tokenizer thread: a Rust tokenizer that panics on a prompt (a regex past its backtracking
+    # limit) deadlocks its thread pool; on one thread the panic is an error the run reports.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     outlive_console()  # `| head -1`, stdout or stderr closed or full: the command goes on, never a traceback
     try:
         parser = build_parser()

@@ -668,14 +668,23 @@ class GRPOModule(L.LightningModule):
                                    "replace it)")
         named = isinstance(checkpoint_path, (str, os.PathLike))
         where = str(checkpoint_path) if named else "(an open file)"
-        # Read once, checked, then loaded from the same bytes: Lightning would open a path through
-        # fsspec (``file://x`` is then another file than the ``./file:/x`` checked here).
-        if named:
-            regular_file(Path(checkpoint_path), "checkpoint")
-            data = Path(checkpoint_path).read_bytes()
-        else:
-            data = checkpoint_path.read()
-        checkpoint = load_checkpoint(io.BytesIO(data), name=where)
+        # Opened once, checked, then loaded from the same open file: Lightning would open a path
+        # through fsspec (``file://x`` is then another file than the ``./file:/x`` checked here).
+        # torch reads a checkpoint's parts where they lie, so a huge file is never read whole.
+        with contextlib.ExitStack() as opened:
+            if named:
+                handle: IO = opened.enter_context(regular_file(Path(checkpoint_path), "checkpoint").open("rb"))
+            elif checkpoint_path.seekable():
+                handle = checkpoint_path
+            else:
+                handle = io.BytesIO(checkpoint_path.read())
+            start = handle.tell()
+            return cls._load_checked(handle, start, where, map_location, strict, weights_only, kwargs)
+
+    @classmethod
+    def _load_checked(cls, handle: IO, start: int, where: str, map_location: Any, strict: bool | None,
+                      weights_only: bool | None, kwargs: dict[str, Any]) -> GRPOModule:
+        checkpoint = load_checkpoint(handle, name=where)
         hparams = checkpoint.get("hyper_parameters") or {}
         if "_instantiator" in hparams or "_class_path" in hparams:  # Lightning would import what they name
             raise TclightningError(f"load_from_checkpoint: checkpoint {where} asks Lightning to build classes by name "
@@ -687,9 +696,10 @@ class GRPOModule(L.LightningModule):
             check_checkpoint_model(checkpoint, f"checkpoint {where}")
         token = _LOADING.set(where)
         try:
+            handle.seek(start)
             with checkpoint_allow_list():
                 return super().load_from_checkpoint(  # type: ignore[return-value]
-                    io.BytesIO(data), map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
+                    handle, map_location=map_location, strict=strict, weights_only=weights_only, **kwargs)
         except RuntimeError as err:  # torch's load_state_dict: weights missing, unexpected or not tensors
             if "state_dict" not in str(err) and "copying the parameter" not in str(err):
                 raise

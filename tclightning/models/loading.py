@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
-import os
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from tclightning.errors import TclightningError
 from tclightning.files import refused_by_storage, regular_file
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
+from tclightning.network import host_of, hub_offline, hub_url, no_answer
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -185,46 +191,55 @@ CONFIG_MAX_BYTES = 64 * 2**20
 """The largest JSON file of a local model folder read (a tokenizer.json is a few MB; a config KB)."""
 
 
-def check_model_folder(folder: Path) -> None:
+MAX_LAYERS = 1024
+"""The most decoder layers a model may declare (the largest public models have ~130): every layer
+is built, even on the meta device, so a config asking for 10^5 thin layers would take minutes."""
+
+
+def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     """Every file of a local model folder is a regular file: transformers reads ``config.json``,
     the tokenizer's and the weights' files by name, and a FIFO or a link to ``/proc/kmsg`` there
-    would be waited on forever. ``TclightningError`` (one line naming the file) otherwise."""
+    would be waited on forever. Then :func:`check_model_size`. ``TclightningError`` (one line
+    naming the file) otherwise."""
     for entry in folder.iterdir():
         if not entry.is_dir():
             regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
-    described, stored = _described_parameters(folder / "config.json"), _weight_bytes(folder)
-    # at 4 bits a parameter the weights could be a quarter of bf16's; past twice that, the config lies
-    if described is not None and stored and described / 2 > 2 * stored + 2**20:
-        raise TclightningError(f"the model folder {folder}: config.json describes about {described:.3g} parameters, "
-                               f"far more than its weight files hold ({stored / 2**20:.1f} MiB); nothing was allocated")
-
-
-def _described_parameters(config: Path) -> float | None:
-    """About how many parameters a decoder's ``config.json`` describes (its layers' attention and
-    MLP and the embedding), or None when it does not say."""
-    import json
-
+    weights = sum(p.stat().st_size for p in folder.iterdir()
+                  if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
+    if not weights:  # transformers refuses the folder itself
+        return
     try:
-        c = json.loads(config.read_text())
-        hidden, layers = float(c["hidden_size"]), float(c["num_hidden_layers"])
-        inner, vocab = float(c.get("intermediate_size") or 4 * hidden), float(c.get("vocab_size") or 0)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return layers * (4 * hidden * hidden + 3 * hidden * inner) + vocab * hidden
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - a config transformers cannot read is the loader's to name, in one line
+        return
+    check_model_size(config, weights, f"the model folder {folder}")
 
 
-def _weight_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-               and p.is_file())
+def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str) -> None:
+    """A model's config may not describe far more parameters than its weight files hold, nor more
+    than :data:`MAX_LAYERS` layers: a 20 KB file whose config asks for a billion parameters would
+    allocate (or build layers) for minutes before anything failed. The parameters are counted on
+    the meta device (nothing is allocated) with the model's own classes, so every size key of
+    every architecture counts (``head_dim``, GPT-2's ``n_embd``, ...)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or not 0 < layers <= MAX_LAYERS):
+        raise TclightningError(f"{what}: its config declares {layers!r} layers, not a layer count in [1, {MAX_LAYERS}]; "
+                               "nothing was allocated")
+    try:
+        with torch.device("meta"):
+            described = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    except Exception:  # noqa: BLE001 - a config transformers cannot build is the loader's to report, in its words
+        return
+    # at 4 bits a parameter the weights could be a quarter of bf16's; past twice that, the config lies
+    if described / 2 > 2 * stored_bytes + 2**20:
+        raise TclightningError(f"{what}: its config describes {described:.3g} parameters, far more than its weight "
+                               f"files hold ({stored_bytes / 2**20:.1f} MiB); nothing was allocated")
 
 
-PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-
-
-def check_hub_model(cfg: ModelConfig, timeout_s: float = 3.0) -> None:
-    """A Hugging Face hub name (not a local folder) must be in the local cache or the Hugging Face Hub
-    must be reachable: otherwise the run is refused at once, in one line, instead of a traceback after a
-    minute of download retries. Behind a proxy the Hugging Face Hub is left to answer for itself."""
+def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
+    """A Hugging Face hub name (not a local folder) must be in the local cache or the Hugging Face
+    Hub must answer within ``timeout_s`` (default :data:`~tclightning.network.ANSWER_TIMEOUT_S`): otherwise the run is refused at once, in one line, instead
+    of a traceback after a minute of download retries (or a wait without end on a silent host)."""
     if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
         return
     from huggingface_hub import try_to_load_from_cache
@@ -236,18 +251,13 @@ def check_hub_model(cfg: ModelConfig, timeout_s: float = 3.0) -> None:
     except HFValidationError as err:
         raise TclightningError(f"model.name {cfg.name!r}: neither a local folder nor a hub name ({err})") from None
     advice = f"download it while online (hf download {cfg.name}) or give a local model folder"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if hub_offline():
         raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
                                f"{advice}")
-    if any(os.environ.get(name) for name in PROXY_VARIABLES):
-        return
-    endpoint = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host, port = endpoint.hostname or "huggingface.co", endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as err:
-        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host} cannot be reached "
-                               f"({err.strerror or err}); {advice}") from None
+    silent = no_answer(hub_url(), timeout_s)
+    if silent is not None:
+        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host_of(hub_url())} "
+                               f"does not answer ({silent.reason}); {advice}")
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -261,7 +271,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
         if local.is_dir():
-            check_model_folder(local)
+            check_model_folder(local, cfg.trust_remote_code)
         check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
         with _loader_errors(f"model.name {cfg.name}", local.is_dir()):
             tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
@@ -271,6 +281,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         directory, name = resolve_gguf(cfg.gguf_file)
         with _loader_errors(f"model.gguf_file {cfg.gguf_file}", True):
+            config = AutoConfig.from_pretrained(directory, gguf_file=name)  # the file's metadata only
+            check_model_size(config, (Path(directory) / name).stat().st_size, f"model.gguf_file {cfg.gguf_file}")
             tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     else:
@@ -283,28 +295,37 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
 def _loader_errors(what: str, local: bool) -> Iterator[None]:
     """transformers' refusal of a local model (a config it cannot parse, a weights file that is not
     one, custom code without ``trust_remote_code``) as one line naming ``what``; ``--debug`` shows
-    the traceback. A hub name's errors (the network, the hub) pass as they are."""
+    the traceback. A hub name's download that fails (transformers' ``OSError``: the network, a hub
+    that answers as none) is one line too; its other errors pass as they are."""
     try:
         yield
     except TclightningError:
         raise
     except Exception as err:  # noqa: BLE001 - a local file's content is the user's input, not a bug (--debug shows it)
-        if not local or refused_by_storage(err):
+        if refused_by_storage(err) or not (local or isinstance(err, OSError)):
             raise
         reason = " ".join(str(err).split())[:240] or type(err).__name__
-        raise TclightningError(f"{what}: cannot be loaded as a model ({type(err).__name__}: {reason})") from err
+        verb = "loaded as a model" if local else "downloaded from the Hugging Face Hub"
+        raise TclightningError(f"{what}: cannot be {verb} ({type(err).__name__}: {reason})") from err
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> None:
-    """Left padding, a pad token distinct from nothing at all, and eos/pad ids mirrored on the model."""
+    """Left padding, a pad token distinct from nothing at all, and eos/pad ids mirrored on the model
+    (whose generation config keeps only its special tokens)."""
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
-    if model.generation_config is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        if model.generation_config.eos_token_id is None:
-            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # Only the special tokens of the folder's generation_config.json: its sampling defaults
+    # (num_return_sequences, repetition_penalty, min_new_tokens, ...) would change what is sampled
+    # from the policy behind the sampler's back, and the GRPO log-probs assume the recipe's sampling.
+    given = model.generation_config or GenerationConfig()
+    model.generation_config = GenerationConfig(
+        bos_token_id=given.bos_token_id,
+        eos_token_id=given.eos_token_id if given.eos_token_id is not None else tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        decoder_start_token_id=given.decoder_start_token_id,
+    )
 
 
 def decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:

@@ -49,8 +49,8 @@ def sft_batch(formatter: PromptFormatter, prompts: Sequence[str], solutions: Seq
     """Right-padded ``prompt + solution + eos`` with labels only on the solution (and eos)."""
     tok = formatter.tokenizer
     rows, labels = [], []
-    for prompt, solution in zip(prompts, solutions, strict=True):
-        p = tok(formatter.render(prompt), add_special_tokens=not formatter.templated)["input_ids"]
+    rendered = formatter.tokenize(formatter.render_all(prompts), add_special_tokens=not formatter.templated)["input_ids"]
+    for p, solution in zip(rendered, solutions, strict=True):
         s = tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append(p + s)
         labels.append([-100] * len(p) + s)

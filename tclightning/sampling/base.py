@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
+from tclightning.limits import can_use_alarm, run_with_alarm
 
 
 class NonFiniteError(TclightningError):
@@ -117,13 +118,24 @@ class Sampler(Protocol):
     ) -> Rollouts: ...
 
 
+TEMPLATE_TIME_S = 1.0
+"""Time a chat template gets for one batch of prompts, plus ``TEMPLATE_TIME_PER_PROMPT_S`` a prompt
+(a real template renders a prompt in well under a millisecond; a template is code from the model
+folder, and two nested loops there would otherwise stall every run)."""
+TEMPLATE_TIME_PER_PROMPT_S = 0.01
+TEMPLATE_MAX_CHARS = 2**20
+"""Characters a chat template may add to a prompt's own text (a long system preamble is ~10k)."""
+
+
 @dataclass
 class PromptFormatter:
     """Turns task prompts (user text) into the token ids the model is conditioned on.
 
     With ``use_chat_template`` and a tokenizer that has one, the prompt is a chat with an
     optional system message and the generation prompt appended; otherwise it is the raw text
-    (and the tokenizer adds its usual special tokens, e.g. BOS).
+    (and the tokenizer adds its usual special tokens, e.g. BOS). The template runs under a time
+    and size bound, and a template or tokenizer that fails on a prompt is one
+    ``TclightningError`` naming the tokenizer.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -135,24 +147,68 @@ class PromptFormatter:
         return self.use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
 
     def render(self, user_text: str) -> str:
+        return self.render_all([user_text])[0]
+
+    def render_all(self, prompts: Sequence) -> list[str]:
+        """Each prompt as the model's input text; the chat template gets one time budget for all."""
+        if not self.templated or not prompts:
+            return [self._render_one(p) for p in prompts]
+        # the first prompt alone first: a template that loops is refused in a second, not a minute
+        return self._bounded(prompts[:1]) + self._bounded(prompts[1:])
+
+    def _bounded(self, prompts: Sequence) -> list[str]:
+        limit = TEMPLATE_TIME_S + TEMPLATE_TIME_PER_PROMPT_S * len(prompts)
+        try:
+            if can_use_alarm():
+                return run_with_alarm(lambda: [self._render_one(p) for p in prompts], limit)
+            return [self._render_one(p) for p in prompts]
+        except TclightningError:
+            raise
+        except TimeoutError:
+            raise self._refusal(f"its chat template took more than {limit:.3g} s on {len(prompts)} prompt(s)") from None
+        except (Exception, MemoryError) as err:  # noqa: BLE001 - the template is the model folder's code, not ours
+            raise self._refusal(f"its chat template fails on a prompt ({type(err).__name__}{': ' if str(err) else ''}"
+                                f"{err})") from None
+
+    def _render_one(self, user_text: str) -> str:
         if self.templated:
             messages = [{"role": "user", "content": user_text}]
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self._apply_template(messages)
         return f"{self.system_prompt}\n{user_text}" if self.system_prompt else user_text
+
+    def _apply_template(self, messages: list[dict[str, str]]) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not isinstance(text, str) or len(text) > sum(len(m["content"]) for m in messages) + TEMPLATE_MAX_CHARS:
+            raise self._refusal(f"its chat template adds more than {TEMPLATE_MAX_CHARS} characters to a prompt")
+        return text
+
+    def _refusal(self, reason: str) -> TclightningError:
+        name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__
+        return TclightningError(f"the tokenizer of {name}: {' '.join(reason.split())[:300]}")
+
+    def tokenize(self, texts: list[str], **kwargs: object) -> dict:
+        """``tokenizer(texts, **kwargs)``; a tokenizer that panics on them (a Rust tokenizer's
+        regex past its backtracking limit) is one ``TclightningError``."""
+        try:
+            return self.tokenizer(texts, **kwargs)
+        except BaseException as err:
+            if type(err).__name__ != "PanicException":  # pyo3's, a BaseException; importable from nowhere
+                raise
+            raise self._refusal(f"it fails on a prompt (tokenizers panicked: {err})") from None
 
     def lengths(self, user_texts: Sequence[str]) -> list[int]:
         """How many tokens :meth:`encode` gives each prompt, without padding."""
         if not user_texts:
             return []
-        ids = self.tokenizer([self.render(t) for t in user_texts], add_special_tokens=not self.templated)["input_ids"]
+        ids = self.tokenize(self.render_all(user_texts), add_special_tokens=not self.templated)["input_ids"]
         return [len(row) for row in ids]
 
     def encode(self, user_texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Left-padded ``input_ids``/``attention_mask`` for a batch of prompts."""
-        return self.tokenizer(
-            [self.render(t) for t in user_texts],
+        return self.tokenize(
+            self.render_all(user_texts),
             return_tensors="pt",
             padding=True,
             padding_side="left",

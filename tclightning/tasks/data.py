@@ -19,6 +19,7 @@ from typing import Any
 
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
+from tclightning.network import host_of, hub_offline, hub_url, no_answer
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -108,6 +109,8 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
             except UnicodeEncodeError:
                 raise TclightningError(f"{path}:{line_no}: holds a lone surrogate (\\ud800-\\udfff), "
                                        "which is not text") from None
+            except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
+                raise TclightningError(f"{path}:{line_no}: not a row ({exc})") from None
             if not isinstance(row, dict):
                 raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
                                        f"{type(row).__name__ if row is not None else 'null'}")
@@ -124,8 +127,14 @@ class DataSource:
 
     @classmethod
     def from_config(cls, cfg: TaskConfig, default_subdir: str) -> DataSource:
-        """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``."""
+        """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``. A hub that keeps
+        silent is refused here, in one line (``datasets`` would retry it for minutes)."""
         if cfg.hf_name:
+            silent = None if hub_offline() else no_answer(hub_url())
+            if silent is not None and silent.timed_out:  # unreachable at once: datasets falls back to its cache
+                raise TclightningError(f"task.hf_name {cfg.hf_name}: the Hugging Face Hub ({host_of(hub_url())}) "
+                                       f"gives no answer ({silent.reason}); set HF_HUB_OFFLINE=1 to use a copy in "
+                                       "the datasets cache, or task.path for a local file")
             return cls(hf_name=cfg.hf_name, hf_config=cfg.hf_config)
         path = Path(cfg.path).expanduser() if cfg.path else shared_data_dir() / default_subdir
         if not path.exists():

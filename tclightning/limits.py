@@ -1,0 +1,84 @@
+"""Wall-clock limits on work whose cost the input decides (sympy on an answer, a model's chat
+template on a prompt): a ``SIGALRM`` interval timer, main thread only."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def can_use_alarm() -> bool:
+    """Whether :func:`run_with_alarm` works here (POSIX, main thread: signals reach no other)."""
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+class _Timeout(BaseException):
+    """Raised by the alarm handler. A BaseException so that math-verify's and sympy's
+    ``except Exception`` blocks cannot swallow it and carry on past the limit."""
+
+
+# After the first expiry the alarm repeats this often until the call has unwound: a timeout
+# swallowed by a bare ``except:`` (mpmath has some) is raised again instead of lost.
+_ALARM_REPEAT_S = 0.1
+
+
+def _in_unraisable_context(frame: Any) -> bool:
+    """Whether ``frame`` runs inside a finalizer (``__del__``) or ``sys.unraisablehook``, where an
+    exception cannot propagate: Python prints it as "Exception ignored" and carries on (and a
+    test runner's hook counts it as a failure). The alarm then waits for its next repeat."""
+    hook = sys.unraisablehook
+    hook_code = getattr(getattr(hook, "func", hook), "__code__", None)
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code is hook_code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
+    """Run ``fn()`` (main thread only) under a SIGALRM interval timer; ``TimeoutError`` past it.
+
+    Only ``TimeoutError`` (or what ``fn`` itself raises) leaves this function, wherever the
+    alarm lands. The timer repeats every ``_ALARM_REPEAT_S`` past the limit until ``fn`` has
+    unwound, so code that catches and drops the first timeout is interrupted again. Nests with
+    a timer armed by someone else: ours never outlives theirs, and theirs is re-armed
+    afterwards with its remaining time (so it still fires, just after us). A signal cannot
+    interrupt one long C-level operation: callers keep those out by capping inputs.
+    """
+    armed = [True]  # cleared before disarming, so a late repeat raises nothing
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if armed[0] and not _in_unraisable_context(frame):
+            raise _Timeout()
+
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
+    try:
+        try:
+            # Both inside the try: an (outer) alarm landing between them is caught below.
+            signal.signal(signal.SIGALRM, on_alarm)
+            first = min(timeout_s, outer_delay) if outer_delay > 0 else timeout_s
+            signal.setitimer(signal.ITIMER_REAL, max(first, 1e-6), _ALARM_REPEAT_S)
+            return fn()
+        finally:
+            # If the alarm lands before this line, the except below still catches it.
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _Timeout:
+        armed[0] = False
+        raise TimeoutError(f"timed out after {timeout_s} s") from None
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if previous_handler is not None:  # None: set outside Python, cannot be restored
+            signal.signal(signal.SIGALRM, previous_handler)
+        if outer_delay > 0:
+            left = outer_delay - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)

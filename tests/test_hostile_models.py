@@ -1,0 +1,275 @@
+"""A model folder or GGUF file is someone else's code and sizes: its chat template, its tokenizer,
+its config and its generation defaults each get a bound, and a server a run depends on (the
+Hugging Face Hub, W&B) that keeps silent is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, normalizers, pre_tokenizers
+
+from tclightning import network
+from tclightning.cli.main import main
+from tclightning.errors import TclightningError
+from tclightning.models.char_tokenizer import build_char_tokenizer
+from tclightning.models.config import ModelConfig, TinyModelConfig
+from tclightning.models.loading import MAX_LAYERS, check_hub_model, check_model_folder, load_model
+from tclightning.recipes.loader import load_recipe, to_dataclass
+from tclightning.run import require_logger_servers
+from tclightning.sampling import PromptFormatter, SamplerConfig, build_sampler
+from tclightning.tasks.config import TaskConfig
+from tclightning.tasks.data import DataSource
+from tests.conftest import FAST
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[1]
+TINY = TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
+LOOPS = "{%- for a in range(100000) %}{%- for b in range(100000) %}{%- endfor %}{%- endfor %}{{ messages[0]['content'] }}"
+
+
+def _model_folder(folder: Path, chat_template: str | None = None) -> Path:
+    model, tokenizer = load_model(ModelConfig(source="tiny", tiny=TINY))
+    tokenizer.chat_template = chat_template
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+def _config_beside_small_weights(folder: Path, config: dict) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"norm.weight": torch.ones(8)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 64}
+
+
+@pytest.mark.parametrize("config, said", [
+    ({**LLAMA, "num_hidden_layers": 100_000, "hidden_size": 8}, f"not a layer count in [1, {MAX_LAYERS}]"),
+    ({**LLAMA, "head_dim": 2**24}, "far more than its weight files hold"),  # a size key of its own
+    ({"model_type": "gpt2", "n_embd": 4096, "n_layer": 1000, "n_head": 32, "vocab_size": 64}, "far more than"),
+], ids=["thin-layers", "head-dim", "gpt2-keys"])
+def test_a_config_describing_more_than_its_weights_is_refused_before_anything_is_allocated(
+        tmp_path: Path, config: dict, said: str) -> None:
+    folder = _config_beside_small_weights(tmp_path / "model", config)
+    with pytest.raises(TclightningError, match="nothing was allocated") as refused:
+        check_model_folder(folder)
+    assert said in str(refused.value)
+
+
+def _gguf(path: Path, blocks: int = 1, width: int = 16, chat_template: str | None = None) -> Path:
+    """A valid llama GGUF whose metadata says ``blocks`` layers of ``width``; its tensors are one
+    16-wide layer's."""
+    import gguf
+
+    tokens = ["<pad>", "<s>", "</s>", "<unk>", *"0123456789+-=abcdefghijklmnopqrstuvwxyz"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(128)
+    writer.add_embedding_length(width)
+    writer.add_block_count(blocks)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3, 2] + [1] * (len(tokens) - 4))
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    tensor("token_embd.weight", len(tokens), 16)
+    writer.add_tensor("output_norm.weight", np.ones(16, np.float32))
+    tensor("output.weight", len(tokens), 16)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(16, np.float32))
+    writer.add_tensor("blk.0.ffn_norm.weight", np.ones(16, np.float32))
+    for name, shape in (("attn_q", (16, 16)), ("attn_k", (8, 16)), ("attn_v", (8, 16)), ("attn_output", (16, 16)),
+                        ("ffn_gate", (32, 16)), ("ffn_up", (32, 16)), ("ffn_down", (16, 32))):
+        tensor(f"blk.0.{name}.weight", *shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_file_is_bounded_by_its_size_as_a_model_folder_is(tmp_path: Path) -> None:
+    model, _ = load_model(ModelConfig(source="gguf", gguf_file=str(_gguf(tmp_path / "ok.gguf"))))
+    assert model.config.num_hidden_layers == 1  # the control: the same file with honest metadata loads
+    for name, blocks, width, said in (("blocks", 100_000, 16, "not a layer count"), ("wide", 4, 100_000, "far more")):
+        with pytest.raises(TclightningError, match="nothing was allocated") as refused:
+            load_model(ModelConfig(source="gguf", gguf_file=str(_gguf(tmp_path / f"{name}.gguf", blocks, width))))
+        assert said in str(refused.value) and f"{name}.gguf" in str(refused.value)
+
+
+# --------------------------------------------------------------------------- chat templates, tokenizers
+
+
+@pytest.mark.parametrize("template, said", [
+    (LOOPS, "its chat template took more than"),
+    ("{{ raise_exception('boom') }}", "its chat template fails on a prompt (TemplateError: boom)"),
+    ("{{ messages[0]['content'] }}{{ 'a' * 3000000 }}", "its chat template adds more than"),
+], ids=["loops", "raises", "grows"])
+def test_a_chat_template_that_loops_raises_or_grows_is_one_error_naming_the_tokenizer(template: str, said: str) -> None:
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = template
+    formatter = PromptFormatter(tokenizer, "be brief", True)
+    for call in (lambda: formatter.lengths(["1+1=", "2+2="]), lambda: formatter.encode(["1+1="]),
+                 lambda: formatter.render("1+1=")):
+        with pytest.raises(TclightningError, match="^the tokenizer of ") as refused:
+            call()
+        assert said in str(refused.value)
+
+
+def test_a_run_on_a_model_whose_chat_template_loops_is_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = _model_folder(tmp_path / "model", LOOPS)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=1", "model.source=hf", f"model.name={folder}",
+                 f"logging.root={tmp_path / 'runs'}", "--quiet"]) == 2
+    said = capsys.readouterr().err
+    err = [line for line in said.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in said and len(err) == 1, said
+    assert err[0].startswith(f"error: the tokenizer of {folder}: its chat template took"), err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.ckpt"))
+
+
+def test_a_tokenizer_that_panics_on_a_prompt_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as the CLI sets it: a panic in the pool deadlocks it
+    tokenizer = build_char_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.normalizer = normalizers.Prepend("a" * 44)  # (a|aa)+$ on 44 a's: past Oniguruma's retry limit
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex("(a|aa)+$"), "isolated"),
+                                                     pre_tokenizers.Split(Regex("."), "isolated")])
+    with pytest.raises(TclightningError, match="tokenizers panicked"):
+        PromptFormatter(tokenizer, None, False).lengths(["1+1="])
+
+
+def test_the_cli_runs_tokenizers_on_one_thread() -> None:
+    code = ("import os; os.environ['TOKENIZERS_PARALLELISM'] = 'true'\nfrom tclightning.cli.main import main\n"
+            "main(['recipes', 'list']); print(os.environ['TOKENIZERS_PARALLELISM'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.stdout.strip().splitlines()[-1] == "false", done.stderr[-2000:]
+
+
+def test_a_model_folder_s_sampling_defaults_do_not_reach_the_sampler(tmp_path: Path) -> None:
+    folder = _model_folder(tmp_path / "model")
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "do_sample": True, "num_return_sequences": 3,
+         "repetition_penalty": 3.0, "min_new_tokens": 5}))
+    model, tokenizer = load_model(ModelConfig(source="hf", name=str(folder)))
+    given = model.generation_config
+    assert {given.num_return_sequences, given.repetition_penalty, given.min_new_tokens, given.do_sample} == {None}
+    assert (given.eos_token_id, given.pad_token_id) == (2, tokenizer.pad_token_id)
+    sampler = build_sampler(SamplerConfig(max_new_tokens=4), PromptFormatter(tokenizer, None, False))
+    rollouts = sampler.generate(model, ["1+1=", "2+2="], group_size=2, seed=0)
+    assert rollouts.num_sequences == 4  # not 12
+
+
+# --------------------------------------------------------------------------- servers that keep silent
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A host that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    listener.close()
+
+
+@pytest.fixture
+def closed_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.fixture
+def answering_server() -> Iterator[str]:
+    class NotFound(BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _no_proxies(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE",
+                 "HF_DATASETS_OFFLINE", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(network, "ANSWER_TIMEOUT_S", 0.5)
+
+
+def test_no_answer_tells_a_silent_host_from_a_closed_port_and_an_answer(
+        silent_server: str, closed_port: str, answering_server: str) -> None:
+    assert network.no_answer(silent_server).timed_out
+    refused = network.no_answer(closed_port)
+    assert refused is not None and not refused.timed_out
+    assert network.no_answer(answering_server) is None  # a 404 is an answer
+
+
+def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", silent_server)
+    with pytest.raises(TclightningError, match="not in the Hugging Face cache and 127.0.0.1 does not answer"):
+        check_hub_model(ModelConfig(source="hf", name="nobody/not-cached-anywhere"))
+    with pytest.raises(TclightningError, match="task.hf_name openai/gsm8k: the Hugging Face Hub .* gives no answer"):
+        DataSource.from_config(TaskConfig(name="gsm8k", hf_name="openai/gsm8k"), "gsm8k")
+
+
+def test_a_hub_that_cannot_be_reached_at_all_leaves_a_dataset_to_the_datasets_cache(closed_port: str,
+                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", closed_port)
+    assert DataSource.from_config(TaskConfig(name="gsm8k", hf_name="openai/gsm8k"), "gsm8k").hf_name == "openai/gsm8k"
+
+
+@pytest.mark.parametrize("server", ["silent_server", "closed_port"])
+def test_a_wandb_logger_whose_server_does_not_answer_is_refused(server: str, request: pytest.FixtureRequest,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_BASE_URL", request.getfixturevalue(server))
+    recipe = to_dataclass(load_recipe("tiny"))
+    recipe.logging.loggers = ["wandb"]
+    with pytest.raises(TclightningError, match="the W&B server 127.0.0.1 does not answer"):
+        require_logger_servers(recipe)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # logs locally: no server asked
+    require_logger_servers(recipe)
