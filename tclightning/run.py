@@ -23,7 +23,14 @@ from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
-from tclightning.recipes.loader import find_recipe, instantiate_callbacks, load_recipe, to_dataclass, to_yaml
+from tclightning.recipes.loader import (
+    find_recipe,
+    instantiate_callbacks,
+    load_recipe,
+    to_dataclass,
+    to_yaml,
+    wandb_offline,
+)
 from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
 
 RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
@@ -407,8 +414,7 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
     for entry in recipe.logging.loggers:
         class_path = entry if isinstance(entry, str) else entry.get("class_path")
         init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
-        offline = init_args.get("offline") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
-        if class_path not in ("wandb", LOGGERS["wandb"][0]) or offline:
+        if class_path not in ("wandb", LOGGERS["wandb"][0]) or wandb_offline(init_args):
             continue
         url = os.environ.get("WANDB_BASE_URL") or WANDB_URL
         silent = no_answer(url)

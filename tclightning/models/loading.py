@@ -238,8 +238,9 @@ def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str) -> 
 
 def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
     """A Hugging Face hub name (not a local folder) must be in the local cache or the Hugging Face
-    Hub must answer within ``timeout_s`` (default :data:`~tclightning.network.ANSWER_TIMEOUT_S`): otherwise the run is refused at once, in one line, instead
-    of a traceback after a minute of download retries (or a wait without end on a silent host)."""
+    Hub must answer within ``timeout_s`` (default :data:`~tclightning.network.ANSWER_TIMEOUT_S`):
+    otherwise the run is refused at once, in one line, instead of a traceback after a minute of
+    download retries (or a wait without end on a silent host)."""
     if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
         return
     from huggingface_hub import try_to_load_from_cache

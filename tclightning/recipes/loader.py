@@ -563,12 +563,17 @@ def resolve_callback_class(class_path: str, source: str, key: str) -> type:
     return cls
 
 
+def wandb_offline(init_args: Mapping[str, Any]) -> bool:
+    """Whether a W&B logger with these ``init_args`` logs locally only (or not at all)."""
+    return bool(init_args.get("offline")) or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+
+
 def wandb_can_log(init_args: Mapping[str, Any]) -> bool:
     """Whether a W&B logger can start without asking for a key: offline or disabled, or a key in
     ``WANDB_API_KEY`` or the netrc ``wandb login`` writes (W&B itself would stop the run with a traceback)."""
     import netrc
 
-    if init_args.get("offline") or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+    if wandb_offline(init_args):
         return True
     if os.environ.get("WANDB_API_KEY"):
         return True
