@@ -227,7 +227,8 @@ def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str) -> 
                                "nothing was allocated")
     try:
         with torch.device("meta"):
-            described = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            model = AutoModelForCausalLM.from_config(config)
+        described = sum(t.numel() for t in (*model.parameters(), *model.buffers()))  # a mask buffer is memory too
     except Exception:  # noqa: BLE001 - a config transformers cannot build is the loader's to report, in its words
         return
     # at 4 bits a parameter the weights could be a quarter of bf16's; past twice that, the config lies
