@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -62,9 +63,13 @@ def regular_file(path: str | os.PathLike, what: str, max_bytes: int | None = Non
     if real.parts[1:2] in (("proc",), ("sys",)):  # kernel interfaces: S_ISREG, yet a read may block forever
         raise TclightningError(f"{what} {path}: is {real}, a kernel interface, not a file; nothing was read")
     if max_bytes is not None and info.st_size > max_bytes:
-        raise TclightningError(f"{what} {path}: is {info.st_size / 2**30:.1f} GiB, more than the "
-                               f"{max_bytes / 2**30:g} GiB such a file may be; nothing was read")
+        raise TclightningError(f"{what} {path}: is {_size(info.st_size)}, more than the {_size(max_bytes)} such a "
+                               "file may be; nothing was read")
     return path
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 
 
 def unused_name(path: Path) -> Path:
@@ -192,6 +197,13 @@ def rename_over(new: str | Path, path: Path) -> None:
     except IsADirectoryError:
         raise TclightningError(f"{path}: a folder is in its place; it was left as it is and nothing was written "
                                "there") from None
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """``target`` replaced by a copy of ``source`` (the run's own regular file) by
+    :func:`replace_file`: never written through a link or into a FIFO planted at ``target``."""
+    with own_file(source, "rb") as original:
+        replace_file(target, lambda handle: shutil.copyfileobj(original, handle, 2**20), binary=True)
 
 
 def current_umask() -> int:

@@ -564,3 +564,54 @@ def test_a_two_node_bench_never_runs_into_an_earlier_run(tmp_path: Path) -> None
     with pytest.raises(TclightningError, match="already holds something"):
         run_nodes(["--recipe", "tiny"], run_dir=earlier, cwd=tmp_path)
     assert (earlier / "metrics.csv").read_text() == "step\n0\n"
+
+
+class LinksWhileSerialising(L.Callback):
+    """While each checkpoint is serialised (the window in which Lightning's own writer would copy
+    it from ``$TMPDIR`` onto the name), plants links to ``victim`` at every name a checkpoint is
+    written to: the temporary file, the step file and ``last.ckpt``."""
+
+    def __init__(self, victim: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.victim, self.monkeypatch, self.writers = victim, monkeypatch, set()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        import torch
+
+        folder, save = Path(trainer.default_root_dir) / "checkpoints", torch.save
+
+        def planting(obj: object, f: object, *args: object, **kwargs: object) -> None:
+            save(obj, f, *args, **kwargs)
+            if isinstance(obj, dict) and "state_dict" in obj:
+                self.writers.add(type(trainer.strategy.checkpoint_io).__name__)
+                for name in (".last.ckpt.tmp", "last.ckpt", f"step-{trainer.global_step:06d}.ckpt"):
+                    (folder / name).unlink(missing_ok=True)
+                    (folder / name).symlink_to(self.victim)
+
+        self.monkeypatch.setattr(torch, "save", planting)
+
+
+def test_a_link_planted_at_a_checkpoint_name_while_it_is_written_is_replaced_never_written_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    planting = LinksWhileSerialising(victim, monkeypatch)
+    summary = run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                           f"logging.root={tmp_path / 'runs'}"], quiet=True, extra_callbacks=[planting])
+    assert victim.read_text() == "precious" and planting.writers == {"OwnFileCheckpointIO"}
+    folder = Path(summary["run_dir"]) / "checkpoints"
+    assert not [p for p in folder.iterdir() if p.is_symlink() and p.name != ".last.ckpt.tmp"]
+    assert load_checkpoint(folder / "last.ckpt")["tclightning"]["rl_step"] == 3
+
+
+def test_copy_file_replaces_a_link_or_fifo_at_its_target(tmp_path: Path) -> None:
+    from tclightning.files import copy_file
+
+    source, victim = tmp_path / "source.bin", tmp_path / "victim.txt"
+    source.write_bytes(b"state" * 1000)
+    victim.write_text("precious")
+    (tmp_path / "linked").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo")
+    for target in ("linked", "fifo", "new"):
+        copy_file(source, tmp_path / target)
+        assert (tmp_path / target).read_bytes() == source.read_bytes() and not (tmp_path / target).is_symlink()
+    assert victim.read_text() == "precious"

@@ -123,6 +123,7 @@ DAMAGE = {
     "stats-not-json": lambda e: (e / "stats.json").write_text("{\"warmup/steps\": 2,"),
     "stats-missing-fields": lambda e: (e / "stats.json").write_text('{"warmup/seconds": 0.5}'),
     "stats-fifo": lambda e: _fifo(e / "stats.json"),
+    "stats-huge": lambda e: os.truncate(e / "stats.json", 2**33),  # sparse: 8 GiB that use no disk
     "entry-is-a-file": _entry_is_a_file,
     "entry-is-a-fifo": lambda e: (e.rename(e.with_name(".moved-away")), os.mkfifo(e)),
     "weights-nan": lambda e: _poison(e / "weights.pt"),

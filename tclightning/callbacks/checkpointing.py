@@ -7,7 +7,6 @@ import contextlib
 import os
 import pickle
 import re
-import shutil
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,12 +15,13 @@ from typing import IO, Any
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import SameFolder, regular_file, unused_name
+from tclightning.files import SameFolder, copy_file, regular_file, save_tensors, unused_name
 
 
 def checkpoint_globals() -> list[Any]:
@@ -55,13 +55,6 @@ class CheckpointRefused(TclightningError):
 
 STEP_FILE = re.compile(r"step-\d{6,}\.ckpt")
 """The name of a periodic checkpoint this callback writes (and the only files it prunes)."""
-
-
-def _clear(path: Path) -> None:
-    """Remove whatever a temporary file's name holds before writing it: a link planted there
-    would carry the write to the file it names."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
 
 
 def checkpoint_error(path: str | os.PathLike, err: BaseException) -> TclightningError:
@@ -192,6 +185,18 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+class OwnFileCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with its writes done by :func:`~tclightning.files.save_tensors`:
+    a new temporary file beside the checkpoint, renamed over it. Lightning's own write stages the
+    file in ``$TMPDIR`` and, when that is another filesystem, copies it onto the name, following a
+    link planted there (and needing the whole checkpoint's size free in ``$TMPDIR``)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        save_tensors(checkpoint, Path(path))
+
+
 class StepCheckpoint(Checkpoint):
     """Writes ``step-{S:06d}.ckpt`` every ``every_n_steps`` RL steps (keeping the newest
     ``keep``), and ``last.ckpt`` whenever it saves: every ``every_n_steps`` steps, after the
@@ -207,7 +212,9 @@ class StepCheckpoint(Checkpoint):
     on disk: a checkpoint never claims a step whose row a kill could still lose. ``step-S.ckpt``
     and ``last.ckpt`` are separate files, each replaced atomically, so a kill during a save
     leaves the previous ones whole. As a ``Checkpoint`` subclass Lightning runs it after every
-    other callback, so the states it saves include what they did at the end of the step.
+    other callback, so the states it saves include what they did at the end of the step. Each
+    file is written by a rename of a new temporary file beside it (the strategy's default
+    checkpoint writer becomes :class:`OwnFileCheckpointIO`), never through a link planted at a name.
     """
 
     def __init__(self, dirpath: str | os.PathLike, every_n_steps: int = 0, keep: int = 2) -> None:
@@ -218,6 +225,10 @@ class StepCheckpoint(Checkpoint):
         self._pending: int | None = None  # step written to the temporary file, not yet committed
         self.committed_step: int | None = None  # step of the last checkpoint this process published
         self._folders: tuple[SameFolder, SameFolder] | None = None  # checkpoints/ and the run folder, as first seen
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours writes by rename
+            trainer.strategy.checkpoint_io = OwnFileCheckpointIO()
 
     @property
     def last_path(self) -> Path:
@@ -237,8 +248,6 @@ class StepCheckpoint(Checkpoint):
         self._check_folders()
         self.saved_step = step  # first: the checkpoint records that it holds this step
         with self._refused_writes(step):
-            if trainer.is_global_zero:
-                _clear(self._tmp_path)
             trainer.save_checkpoint(self._tmp_path, weights_only=False)
         if trainer.is_global_zero:
             self._pending = step
@@ -269,17 +278,12 @@ class StepCheckpoint(Checkpoint):
 
     def _publish(self, step: int) -> None:
         self._check_folders()
-        tmp = self._tmp_path
-        _fsync(tmp)
+        tmp = self._tmp_path  # on disk already: written by a rename, after an fsync (OwnFileCheckpointIO)
         if self.every_n_steps and self.keep > 0:
             # A resumed run replaces the step files its earlier run wrote past the resume point:
             # `step-S` is always the newest state for step S (what metrics.csv now shows).
             periodic = self.dirpath / f"step-{step:06d}.ckpt"
-            copy = self.dirpath / ".step.ckpt.tmp"
-            _clear(copy)
-            shutil.copyfile(tmp, copy)  # a copy, not a link: damage to one never reaches the other
-            _fsync(copy)
-            os.replace(copy, periodic)
+            copy_file(tmp, periodic)  # a copy, not a link: damage to one never reaches the other
             # Prune among steps up to this one: files further on (from before a resume) are
             # replaced when the run gets there, and must not push out the one just written.
             done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name
@@ -300,9 +304,8 @@ class StepCheckpoint(Checkpoint):
             yield
         except OSError as err:
             self._pending = None
-            for leftover in (self._tmp_path, self.dirpath / ".step.ckpt.tmp"):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+            with contextlib.suppress(OSError):
+                self._tmp_path.unlink()
             kept = (f"{self.last_path} (step {self.committed_step})" if self.committed_step is not None
                     else str(self.last_path) if self.last_path.is_file() else None)  # a resumed run's
             then = (f"{kept} is kept: free space and resume with `tclightning run --resume {self.dirpath.parent}`"
@@ -319,15 +322,11 @@ class StepCheckpoint(Checkpoint):
                 or not self.last_path.is_file() or not resumed.parent.samefile(self.dirpath)):
             return
         kept = unused_name(self.dirpath / f"last.before-step-{completed_steps(trainer)}.ckpt")
-        copy = self.dirpath / ".step.ckpt.tmp"
-        _clear(copy)
-        shutil.copyfile(resumed, copy)
-        _fsync(copy)
         try:  # a second name for the old state, then the new state under last.ckpt: never a moment without one
             os.link(self.last_path, kept)
         except OSError:  # a filesystem without hard links
-            shutil.copyfile(self.last_path, kept)
-        os.replace(copy, self.last_path)
+            copy_file(self.last_path, kept)
+        copy_file(resumed, self.last_path)
         _fsync(self.dirpath)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

@@ -239,6 +239,10 @@ WEIGHTS, STATS = "weights.pt", "stats.json"
 REQUIRED_STATS = ("warmup/steps", "warmup/loss_first", "warmup/loss_last", "warmup/seconds")
 
 
+STATS_MAX_BYTES = 2**20
+"""The largest statistics (or marker) file of a warm-up cache entry read."""
+
+
 class UnreadableEntry(Exception):
     """A cache entry that cannot be used as it is; the message says why, on one line."""
 
@@ -254,8 +258,8 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
     if not entry.is_dir():
         raise UnreadableEntry("not a folder")
     for name in (DirectoryCache.COMPLETE, STATS, WEIGHTS):
-        try:
-            regular_file(entry / name, name)
+        try:  # the statistics are a few hundred bytes: a huge (sparse) file is never read whole
+            regular_file(entry / name, name, None if name == WEIGHTS else STATS_MAX_BYTES)
         except TclightningError as err:  # "weights.pt: is a named pipe (FIFO), not a regular file"
             raise UnreadableEntry(str(err).replace(f"{name} {entry / name}", name).split("; nothing was")[0]) from None
     try:
