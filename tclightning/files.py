@@ -226,7 +226,9 @@ def save_figure(figure: Any, path: Path, dpi: int) -> None:
 
 def remove_tree(folder: Path) -> bool:
     """``shutil.rmtree`` that stays on ``folder``'s own filesystem: a mount point below it (a bind
-    mount of someone's data) is left with everything in it, and links are removed, never followed.
+    mount of someone's data) is left with everything in it, and links are removed, never followed,
+    even one swapped in for a sub-folder while the removal runs (each folder is entered by a
+    descriptor opened with ``O_NOFOLLOW`` relative to its parent's, as ``shutil.rmtree`` does).
     Errors are ignored, as by ``rmtree(ignore_errors=True)``. Returns whether ``folder`` is gone."""
     try:
         device = folder.lstat().st_dev
@@ -235,22 +237,43 @@ def remove_tree(folder: Path) -> bool:
     if folder.is_symlink() or not folder.is_dir():
         return False
     mounts = _mount_points()
+    opening = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
-    def clear(path: str) -> None:
-        with contextlib.suppress(OSError), os.scandir(path) as entries:
-            for entry in list(entries):
-                with contextlib.suppress(OSError):
-                    if entry.is_dir(follow_symlinks=False):
-                        if entry.stat(follow_symlinks=False).st_dev != device or os.path.realpath(entry.path) in mounts:
-                            continue  # another filesystem, or a bind mount of this one: not ours
-                        clear(entry.path)
-                        os.rmdir(entry.path)
-                    else:
-                        os.unlink(entry.path)
+    def entered(fd: int) -> bool:
+        """Whether the folder open at ``fd`` is ours to empty: this filesystem, no mount point."""
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")  # where the descriptor really is, not a name
+        except OSError:
+            where = None
+        return os.fstat(fd).st_dev == device and where not in mounts
 
-    if os.path.realpath(folder) in mounts:
-        return False
-    clear(os.fspath(folder))
+    def clear(fd: int) -> None:
+        with contextlib.suppress(OSError), os.scandir(fd) as entries:
+            listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in listed:
+            with contextlib.suppress(OSError):
+                if not is_dir:
+                    os.unlink(name, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
+                    continue
+                child = os.open(name, opening, dir_fd=fd)  # a link swapped in meanwhile is refused (ELOOP)
+                try:
+                    if not entered(child):
+                        continue  # another filesystem, or a bind mount of this one: not ours
+                    clear(child)
+                finally:
+                    os.close(child)
+                os.rmdir(name, dir_fd=fd)
+
+    try:
+        root = os.open(folder, opening)
+    except OSError:
+        return not folder.exists()
+    try:
+        if not entered(root):
+            return False
+        clear(root)
+    finally:
+        os.close(root)
     with contextlib.suppress(OSError):
         folder.rmdir()
     return not folder.exists()

@@ -615,3 +615,44 @@ def test_copy_file_replaces_a_link_or_fifo_at_its_target(tmp_path: Path) -> None
         copy_file(source, tmp_path / target)
         assert (tmp_path / target).read_bytes() == source.read_bytes() and not (tmp_path / target).is_symlink()
     assert victim.read_text() == "precious"
+
+
+class _Listed:
+    """What ``os.scandir`` returns, listed already."""
+
+    def __init__(self, entries: list) -> None:
+        self.entries = entries
+
+    def __enter__(self) -> _Listed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __iter__(self):
+        return iter(self.entries)
+
+
+def test_remove_tree_never_follows_a_link_swapped_in_for_a_sub_folder_while_it_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning.files import remove_tree
+
+    tree, victim = tmp_path / "tree", tmp_path / "victim"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "ours.txt").write_text("ours")
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep")
+    real, swapped = os.scandir, []
+
+    def listing_then_swap(path: object = ".") -> _Listed:
+        entries = list(real(path))  # type: ignore[arg-type]
+        if not swapped:  # right after the first listing: sub/ becomes a link to the victim
+            swapped.append(True)
+            (tree / "sub").rename(tree / "sub.moved")
+            (tree / "sub").symlink_to(victim)
+        return _Listed(entries)
+
+    monkeypatch.setattr(os, "scandir", listing_then_swap)
+    remove_tree(tree)
+    assert swapped and sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert (victim / "precious.txt").read_text() == "keep"
