@@ -136,7 +136,7 @@ def test_a_gguf_file_is_bounded_by_its_size_as_a_model_folder_is(tmp_path: Path)
 @pytest.mark.parametrize("template, said", [
     (LOOPS, "its chat template took more than"),
     ("{{ raise_exception('boom') }}", "its chat template fails on a prompt (TemplateError: boom)"),
-    ("{{ messages[0]['content'] }}{{ 'a' * 3000000 }}", "its chat template adds more than"),
+    ("{{ messages[0]['content'] }}{{ 'a' * 100000 }}", "its chat template adds more than 65536 characters"),
 ], ids=["loops", "raises", "grows"])
 def test_a_chat_template_that_loops_raises_or_grows_is_one_error_naming_the_tokenizer(template: str, said: str) -> None:
     tokenizer = build_char_tokenizer()
@@ -171,6 +171,18 @@ def test_a_tokenizer_that_panics_on_a_prompt_is_one_error(monkeypatch: pytest.Mo
                                                      pre_tokenizers.Split(Regex("."), "isolated")])
     with pytest.raises(TclightningError, match="tokenizers panicked"):
         PromptFormatter(tokenizer, None, False).lengths(["1+1="])
+
+
+def test_the_tokenizer_gets_one_time_budget_for_the_prompts_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning.sampling import base
+
+    formatter = PromptFormatter(build_char_tokenizer(), None, False)
+    prompts = [f"{i}+{i}=" for i in range(200)]
+    assert formatter.lengths(prompts) == [len(p) for p in prompts]  # a token a character
+    monkeypatch.setattr(base, "TOKENIZE_TIME_S", 0.0)  # a budget no tokenizer meets: a quadratic regex's
+    monkeypatch.setattr(base, "TOKENIZE_TIME_PER_CHAR_S", 0.0)
+    with pytest.raises(TclightningError, match="^the tokenizer of .*: it took more than 0 s to tokenize 1 prompt"):
+        formatter.lengths(prompts)
 
 
 def test_the_cli_runs_tokenizers_on_one_thread() -> None:
@@ -273,3 +285,28 @@ def test_a_wandb_logger_whose_server_does_not_answer_is_refused(server: str, req
         require_logger_servers(recipe)
     monkeypatch.setenv("WANDB_MODE", "offline")  # logs locally: no server asked
     require_logger_servers(recipe)
+
+
+def test_weights_in_a_sub_folder_and_a_cached_hub_model_get_the_size_bound(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    sharded = _config_beside_small_weights(tmp_path / "sharded", {**LLAMA, "intermediate_size": 4_000_000,
+                                                                   "num_hidden_layers": 100})
+    (sharded / "shards").mkdir()
+    (sharded / "model.safetensors").rename(sharded / "shards" / "model.safetensors")  # named by an index
+    with pytest.raises(TclightningError, match="far more than its weight files hold"):
+        check_model_folder(sharded)
+    snapshot = tmp_path / "hub" / "models--evil--big" / "snapshots" / "abc"
+    snapshot.parent.mkdir(parents=True)
+    _config_beside_small_weights(snapshot, {**LLAMA, "intermediate_size": 4_000_000, "num_hidden_layers": 100})
+    (tmp_path / "hub" / "models--evil--big" / "refs").mkdir()
+    (tmp_path / "hub" / "models--evil--big" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(TclightningError, match="far more than its weight files hold"):
+        load_model(ModelConfig(source="hf", name="evil/big"))
+
+
+def test_a_tokenizer_without_an_end_of_sequence_token_is_refused(tmp_path: Path) -> None:
+    folder = _model_folder(tmp_path / "model")
+    (folder / "tokenizer_config.json").unlink()
+    with pytest.raises(TclightningError, match="has no end-of-sequence token"):
+        load_model(ModelConfig(source="hf", name=str(folder)))

@@ -204,7 +204,8 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     for entry in folder.iterdir():
         if not entry.is_dir():
             regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
-    weights = sum(p.stat().st_size for p in folder.iterdir()
+    # sub-folders too: a sharded checkpoint's index may name weight files anywhere below it
+    weights = sum(p.stat().st_size for p in folder.rglob("*")
                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
     if not weights:  # transformers refuses the folder itself
         return
@@ -242,16 +243,8 @@ def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
     Hub must answer within ``timeout_s`` (default :data:`~tclightning.network.ANSWER_TIMEOUT_S`):
     otherwise the run is refused at once, in one line, instead of a traceback after a minute of
     download retries (or a wait without end on a silent host)."""
-    if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
+    if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists() or cached_hub_folder(cfg.name):
         return
-    from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.errors import HFValidationError
-
-    try:
-        if isinstance(try_to_load_from_cache(cfg.name, "config.json"), str):
-            return
-    except HFValidationError as err:
-        raise TclightningError(f"model.name {cfg.name!r}: neither a local folder nor a hub name ({err})") from None
     advice = f"download it while online (hf download {cfg.name}) or give a local model folder"
     if hub_offline():
         raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
@@ -260,6 +253,20 @@ def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
     if silent is not None:
         raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host_of(hub_url())} "
                                f"does not answer ({silent.reason}); {advice}")
+
+
+def cached_hub_folder(name: str) -> Path | None:
+    """The local snapshot folder of hub model ``name`` when its ``config.json`` is in the Hugging
+    Face cache (its weights may still be missing), else None; a name that is no hub name is one
+    ``TclightningError``."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        found = try_to_load_from_cache(name, "config.json")
+    except HFValidationError as err:
+        raise TclightningError(f"model.name {name!r}: neither a local folder nor a hub name ({err})") from None
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -272,10 +279,11 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         if not cfg.name:
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
-        if local.is_dir():
-            check_model_folder(local, cfg.trust_remote_code)
+        on_disk = local if local.is_dir() else cached_hub_folder(cfg.name)  # a downloaded hub model is files too
+        if on_disk is not None:
+            check_model_folder(on_disk, cfg.trust_remote_code)
         check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
-        with _loader_errors(f"model.name {cfg.name}", local.is_dir()):
+        with _loader_errors(f"model.name {cfg.name}", on_disk is not None):
             tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     elif cfg.source == "gguf":
@@ -315,6 +323,9 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel
     """Left padding, a pad token distinct from nothing at all, and eos/pad ids mirrored on the model
     (whose generation config keeps only its special tokens)."""
     tokenizer.padding_side = "left"
+    if tokenizer.eos_token is None:  # a completion could never end, and nothing would pad the batch
+        raise TclightningError(f"the tokenizer of {tokenizer.name_or_path or 'the model'}: has no end-of-sequence "
+                               "token (eos_token in its tokenizer_config.json); nothing was trained")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id

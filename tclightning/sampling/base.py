@@ -123,8 +123,14 @@ TEMPLATE_TIME_S = 1.0
 (a real template renders a prompt in about 0.05 ms; a template is code from the model
 folder, and two nested loops there would otherwise stall every run)."""
 TEMPLATE_TIME_PER_PROMPT_S = 0.002
-TEMPLATE_MAX_CHARS = 2**20
+TEMPLATE_MAX_CHARS = 2**16
 """Characters a chat template may add to a prompt's own text (a long system preamble is ~10k)."""
+TOKENIZE_TIME_S = 1.0
+"""Time the tokenizer gets for the prompts :meth:`PromptFormatter.lengths` measures, plus
+``TOKENIZE_TIME_PER_CHAR_S`` a character (SmolLM2's tokenizer does about 4 MB/s on one thread;
+a tokenizer.json regex can be quadratic in the text, under its library's backtracking limit)."""
+TOKENIZE_TIME_PER_CHAR_S = 2e-6
+_TOKENIZE_CHUNK = 64
 
 
 @dataclass
@@ -199,11 +205,30 @@ class PromptFormatter:
             raise self._refusal(f"it fails on a prompt (tokenizers panicked: {err})") from None
 
     def lengths(self, user_texts: Sequence[str]) -> list[int]:
-        """How many tokens :meth:`encode` gives each prompt, without padding."""
-        if not user_texts:
+        """How many tokens :meth:`encode` gives each prompt, without padding: the tokenizer gets
+        one time budget for all, the first prompt alone first (a tokenizer that is slow on every
+        prompt is refused in a second or two). The budget is checked between calls of 64 prompts
+        (a signal cannot stop the tokenizer's own code)."""
+        texts = self.render_all(user_texts)
+        if not texts:
             return []
-        ids = self.tokenize(self.render_all(user_texts), add_special_tokens=not self.templated)["input_ids"]
-        return [len(row) for row in ids]
+        chunks = [texts[:1]] + [texts[i:i + _TOKENIZE_CHUNK] for i in range(1, len(texts), _TOKENIZE_CHUNK)]
+
+        def measure(chunk: list[str]) -> list[int]:
+            return [len(row) for row in self.tokenize(chunk, add_special_tokens=not self.templated)["input_ids"]]
+
+        lengths: list[int] = []
+        for part in (chunks[:1], chunks[1:]):
+            limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for chunk in part for t in chunk)
+            try:
+                if can_use_alarm():
+                    lengths += run_with_alarm(lambda: [n for chunk in part for n in measure(chunk)], limit)
+                else:
+                    lengths += [n for chunk in part for n in measure(chunk)]
+            except TimeoutError:
+                raise self._refusal(f"it took more than {limit:.3g} s to tokenize "
+                                    f"{sum(map(len, part))} prompt(s)") from None
+        return lengths
 
     def encode(self, user_texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Left-padded ``input_ids``/``attention_mask`` for a batch of prompts."""
