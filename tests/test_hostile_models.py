@@ -130,6 +130,16 @@ def test_a_gguf_file_is_bounded_by_its_size_as_a_model_folder_is(tmp_path: Path)
         assert said in str(refused.value) and f"{name}.gguf" in str(refused.value)
 
 
+def test_reading_a_gguf_file_s_metadata_has_a_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse file can claim an array of 10^9 empty strings in its metadata, and the reader builds
+    an object for each: a limit no reading meets stands in for one that takes minutes."""
+    from tclightning.models import loading
+
+    monkeypatch.setattr(loading, "GGUF_METADATA_TIME_S", 0.0)
+    with pytest.raises(TclightningError, match="ok.gguf: reading its metadata took more than 0 s"):
+        load_model(ModelConfig(source="gguf", gguf_file=str(_gguf(tmp_path / "ok.gguf"))))
+
+
 # --------------------------------------------------------------------------- chat templates, tokenizers
 
 

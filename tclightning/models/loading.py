@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import (
@@ -21,9 +21,13 @@ from transformers import (
 
 from tclightning.errors import TclightningError
 from tclightning.files import refused_by_storage, regular_file
+from tclightning.limits import can_use_alarm, run_with_alarm
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_offline, hub_url, no_answer
+
+
+T = TypeVar("T")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -290,15 +294,29 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         if not cfg.gguf_file:
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         directory, name = resolve_gguf(cfg.gguf_file)
-        with _loader_errors(f"model.gguf_file {cfg.gguf_file}", True):
-            config = AutoConfig.from_pretrained(directory, gguf_file=name)  # the file's metadata only
-            check_model_size(config, (Path(directory) / name).stat().st_size, f"model.gguf_file {cfg.gguf_file}")
-            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        what = f"model.gguf_file {cfg.gguf_file}"
+        with _loader_errors(what, True):
+            config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
+            check_model_size(config, (Path(directory) / name).stat().st_size, what)
+            tokenizer = _gguf_metadata(lambda: AutoTokenizer.from_pretrained(directory, gguf_file=name), what)
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
     else:
         raise TclightningError(f"model.source: unknown source '{cfg.source}', expected tiny | hf | gguf")
     prepare_tokenizer(tokenizer, model)
     return model, tokenizer
+
+
+GGUF_METADATA_TIME_S = 30.0
+"""Time reading a GGUF file's metadata may take (SmolLM2's takes ~3 s): the reader builds an object
+per array entry, and a sparse file can claim an array of 10^9 empty strings."""
+
+
+def _gguf_metadata(read: Callable[[], T], what: str) -> T:
+    try:
+        return run_with_alarm(read, GGUF_METADATA_TIME_S) if can_use_alarm() else read()
+    except TimeoutError:
+        raise TclightningError(f"{what}: reading its metadata took more than {GGUF_METADATA_TIME_S:g} s (an array of "
+                               "millions of entries?); nothing was allocated") from None
 
 
 @contextlib.contextmanager
