@@ -250,6 +250,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         if not (target / PROVENANCE_FILE).is_file():  # a run, its tb/, another run: never replaced
             raise TclightningError(f"export: {target} is not an export (no {PROVENANCE_FILE}); --overwrite replaces only "
                                    "an earlier export, so nothing was touched: choose a new folder")
+        foreign = next((p for p in target.iterdir() if p.is_dir()), None)
+        if foreign is not None:  # an export is flat files: a folder in it (a run?) is someone's
+            raise TclightningError(f"export: {target} holds {foreign.name}/, which no export writes (a run?); "
+                                   "--overwrite replaces only an earlier export's own files, so nothing was touched")
     require_writable(next(p for p in target.absolute().parents if p.is_dir()), "export", TclightningError)
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
@@ -270,6 +274,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
+    (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
     try:
         if adapter_only:
             save_adapter(model, _lora_config(checkpoint), staging)
@@ -282,6 +287,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         provenance = {"checkpoint": str(found.checkpoint.resolve()), "rl_step": found.rl_step,
                       "model": checkpoint["hyper_parameters"]["model"]}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        (staging / STAGING_MARKER).unlink()  # a whole export from here on
         if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, removed by the next export
@@ -311,20 +317,27 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     return target
 
 
+STAGING_MARKER = ".tclightning-export-staging"
+"""The file in an export's staging folder while it is written (holding the writer's pid)."""
+
+
 def _staging_prefix(target: Path, pid: int) -> str:
     return f".{target.name}.export-{pid}-"
 
 
 def clear_abandoned_staging(target: Path) -> None:
-    """Remove the staging folders beside ``target`` that an export killed part-way left behind
-    (named after a process that is no longer running)."""
+    """Remove the staging folders beside ``target`` that an export killed part-way left behind:
+    named after a process that is no longer running, and holding :data:`STAGING_MARKER` (a new
+    export being written) or :data:`PROVENANCE_FILE` (the old export swapped out): a folder of
+    yours that is only named like one stays."""
     parent = target.parent
     if not parent.is_dir():
         return
     marker = f".{target.name}.export-"
     for folder in parent.glob(f"{glob_escape(marker)}*"):
         pid = folder.name[len(marker):].split("-", 1)[0]
-        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid)):
+        if (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))
+                and any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE))):
             remove_tree(folder)
 
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
-from tclightning.export import PROVENANCE_FILE, export_policy, find_checkpoint
+from tclightning.export import PROVENANCE_FILE, STAGING_MARKER, export_policy, find_checkpoint
 from tclightning.files import exchange
 from tclightning.grpo.module import GRPOModule
 from tclightning.models.loading import load_model
@@ -273,10 +273,17 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     abandoned = tmp_path / ".policy.export-999999999-abc"
     abandoned.mkdir()
     (abandoned / "config.json").write_text("{}")
+    (abandoned / STAGING_MARKER).write_text("999999999\n")
+    # folders of yours only named like one (no staging marker, no provenance): never removed
+    mine = [tmp_path / ".policy.export-2024-notes", tmp_path / ".policy.export-99999999999999999999-x"]
+    for folder in mine:
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
     export_policy(run_dir, out, step=2, overwrite=True)
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
-    assert not abandoned.exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")] == []
+    assert not abandoned.exists() and not (out / STAGING_MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")) == sorted(f.name for f in mine)
+    assert all((folder / "notes.txt").read_text() == "mine" for folder in mine)
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, text in ((a, "new"), (b, "old")):
         folder.mkdir()
@@ -351,3 +358,15 @@ def test_overwrite_replaces_only_an_earlier_export(run_dir: Path, tmp_path: Path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is not an export" in err[-1], err
         assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before
+
+
+def test_overwrite_never_replaces_an_export_that_a_run_was_put_inside(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    inner = out / "runs" / "tiny" / "20260101-000000"
+    inner.mkdir(parents=True)
+    (inner / "metrics.csv").write_text("step\n0\n")
+    with pytest.raises(TclightningError, match="holds runs/, which no export writes"):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert (inner / "metrics.csv").read_text() == "step\n0\n"
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 1

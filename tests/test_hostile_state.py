@@ -675,3 +675,31 @@ def test_load_from_checkpoint_never_reads_a_huge_file_whole(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 0 and done.stdout.startswith(f"refused: checkpoint {sparse}"), done.stderr[-2000:]
+
+
+def test_a_checkpoint_whose_records_are_compressed_is_refused_before_anything_expands(
+        run_dir: Path, tmp_path: Path) -> None:
+    """torch.save stores its records as they are: a deflated one is a small file asking for gigabytes."""
+    import zipfile
+
+    from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
+
+    bomb = tmp_path / "bomb.ckpt"
+    with zipfile.ZipFile(run_dir / "checkpoints" / "last.ckpt") as original, \
+            zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as packed:
+        for info in original.infolist():
+            packed.writestr(info.filename, original.read(info))
+    with pytest.raises(CheckpointRefused, match="is compressed, which torch.save never does"):
+        load_checkpoint(bomb)
+    with pytest.raises(TclightningError, match="is compressed"):
+        GRPOModule.load_from_checkpoint(str(bomb))
+
+
+def test_load_from_checkpoint_refuses_a_pipe_at_once(run_dir: Path) -> None:
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as pipe:
+        try:
+            with pytest.raises(TclightningError, match="not seekable"):
+                GRPOModule.load_from_checkpoint(pipe)  # its writer never closes it: reading it would wait
+        finally:
+            os.close(write_end)

@@ -105,3 +105,26 @@ def test_a_config_yaml_of_yours_is_never_overwritten(tmp_path, monkeypatch, caps
     assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ") and "config.yaml" in err[-1], err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("hparams, said", [
+    ({"_class_path": "antigravity.Nothing"}, "names the class to build (_class_path)"),
+    ({"model": {"source": "hf", "name": "x", "trust_remote_code": True}}, "never turns on remote code"),
+])
+def test_a_ckpt_path_s_hyper_parameters_never_name_a_class_or_turn_on_remote_code(
+        hparams, said, tmp_path, monkeypatch, capsys):
+    """LightningCLI merges ``--ckpt_path``'s hyper-parameters into the model's arguments, and a
+    ``_class_path`` there would import any module the checkpoint names."""
+    import sys
+
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    torch.save({"hyper_parameters": hparams, "state_dict": {}}, tmp_path / "crafted.ckpt")
+    monkeypatch.delitem(sys.modules, "antigravity", raising=False)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "crafted.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: --ckpt_path crafted.ckpt") and said in err[-1], err
+    assert "antigravity" not in sys.modules

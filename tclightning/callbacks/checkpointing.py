@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,8 +44,10 @@ def checkpoint_globals() -> list[Any]:
 @contextmanager
 def checkpoint_allow_list() -> Iterator[None]:
     """Allow exactly :func:`checkpoint_globals` for ``torch.load(..., weights_only=True)`` inside
-    the block: wrap Lightning's own load (``trainer.fit(ckpt_path=..., weights_only=True)``)."""
-    with torch.serialization.safe_globals(checkpoint_globals()):
+    the block: wrap Lightning's own load (``trainer.fit(ckpt_path=..., weights_only=True)``).
+    Nests: an inner block takes away only what it added, never what an outer one allows."""
+    allowed = torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([g for g in checkpoint_globals() if g not in allowed]):
         yield
 
 
@@ -88,6 +91,10 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
     shown = name or path  # what the errors call it (an open file has no name of its own)
     if isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
         regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
+    compressed = _compressed_record(path)
+    if compressed is not None:
+        raise CheckpointRefused(f"checkpoint {shown}: its record {compressed} is compressed, which torch.save never "
+                                "does (a small file that would expand to gigabytes?); nothing was loaded")
     try:
         with checkpoint_allow_list():
             ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
@@ -104,6 +111,22 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
                                 f"references are followed, or nests deeper than {MAX_CHECKPOINT_DEPTH} (a structure "
                                 "built to expand without end); nothing was loaded")
     return ckpt
+
+
+def _compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:
+    """The name of a compressed record of the zip file ``path``, if any: ``torch.save`` stores
+    every record as it is, and a deflated one is how a small file asks for gigabytes. A file that
+    is no zip is torch.load's to judge. An open file is read from and left where it was."""
+    start = path.tell() if not isinstance(path, (str, os.PathLike)) else None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return next((info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED),
+                        None)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None
+    finally:
+        if start is not None:
+            path.seek(start)
 
 
 MAX_CHECKPOINT_VALUES = 2_000_000

@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tclightning.cli import run as run_cli
 from tclightning.cli.formatting import HelpFormatter
@@ -63,10 +64,35 @@ def lightning_cli(argv: Sequence[str]) -> int:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from tclightning.callbacks.checkpointing import checkpoint_allow_list
+
+    class CheckedCheckpointCLI(LightningCLI):
+        """LightningCLI, whose ``--ckpt_path`` hyper-parameters (which it merges into the model's
+        arguments) are read as tclightning reads a checkpoint: as data only, never naming the
+        class to build (``_class_path`` would import any module), never turning on remote code."""
+
+        def _parse_ckpt_path(self) -> None:
+            from tclightning.callbacks.checkpointing import load_checkpoint
+            from tclightning.models.loading import check_checkpoint_model
+
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            if ckpt_path and Path(ckpt_path).is_file():
+                checkpoint = load_checkpoint(ckpt_path)
+                hparams = checkpoint.get("hyper_parameters") or {}
+                if "_class_path" in hparams or "_instantiator" in hparams:
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint names the class to build "
+                                           "(_class_path), which would import any module; give the model with "
+                                           "--model yourself (nothing was built)")
+                check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
+            super()._parse_ckpt_path()
+
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
     try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
-        LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True, args=args)
+        with checkpoint_allow_list():  # a tclightning checkpoint's few data objects (the RNG states), for Lightning too
+            CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
+                                 subclass_mode_data=True, args=args)
     except RuntimeError as err:
         if "SaveConfigCallback" not in str(err):
             raise

@@ -30,7 +30,6 @@ import contextlib
 import contextvars
 import copy
 import inspect
-import io
 import math
 import os
 import random
@@ -676,8 +675,9 @@ class GRPOModule(L.LightningModule):
                 handle: IO = opened.enter_context(regular_file(Path(checkpoint_path), "checkpoint").open("rb"))
             elif checkpoint_path.seekable():
                 handle = checkpoint_path
-            else:
-                handle = io.BytesIO(checkpoint_path.read())
+            else:  # a pipe would be read whole into memory, and waited on until its writer closes it
+                raise TclightningError("load_from_checkpoint: the file given is not seekable (a pipe?); give a path "
+                                       "or a seekable file")
             start = handle.tell()
             return cls._load_checked(handle, start, where, map_location, strict, weights_only, kwargs)
 
