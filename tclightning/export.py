@@ -260,6 +260,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if source.is_relative_to(target.resolve()):
         raise TclightningError(f"export: {target} holds the checkpoint it would export ({found.checkpoint}); "
                                "writing there would replace it: choose a folder outside the run's checkpoints")
+    if source.parent.name == "checkpoints" and target.resolve().is_relative_to(source.parent):  # named last.ckpt?
+        raise TclightningError(f"export: {target} lies in the folder of the checkpoint it exports "
+                               f"({source.parent}), a run's checkpoints, whose names its resume reads: choose a "
+                               "folder outside it")
     clear_abandoned_staging(target)
     checkpoint = load_checkpoint(found.checkpoint)
     model, tokenizer = policy_from_checkpoint(checkpoint, found.checkpoint)

@@ -15,7 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,6 +70,20 @@ def regular_file(path: str | os.PathLike, what: str, max_bytes: int | None = Non
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
+
+
+def tree(folder: Path) -> Iterator[Path]:
+    """Every path below ``folder``, depth first, links listed and never followed. A loop with its
+    own stack, unlike ``Path.rglob``, so a chain of thousands of nested folders is no
+    ``RecursionError``; a folder that cannot be listed is skipped."""
+    stack = [folder]
+    while stack:
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as listing:
+            for entry in listing:
+                yield Path(entry.path)
+                with contextlib.suppress(OSError):
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
 
 
 def unused_name(path: Path) -> Path:

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
+from tclightning.errors import TclightningError
 from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
@@ -245,6 +246,7 @@ class AtomicExperimentWriter(ExperimentWriter):
     it logged anything leaves the file as it found it."""
 
     cut_from: int | None = None
+    _identity: tuple[int, int] | None = None  # metrics.csv's (st_dev, st_ino) as the run last wrote it
 
     def _check_log_dir_exists(self) -> None:
         pass
@@ -263,17 +265,31 @@ class AtomicExperimentWriter(ExperimentWriter):
         exists = os.path.lexists(path)
         new_keys = self._record_new_keys()
         if exists and (self.cut_from is not None or new_keys):
-            with own_file(path, "r") as handle:
+            with self._own(path, "r") as handle:
                 rows = [row for row in csv.DictReader(handle) if self.cut_from is None
                         or row.get("step") and int(float(row["step"])) < self.cut_from]
             write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+            info = os.stat(path)
+            self._identity = (info.st_dev, info.st_ino)  # the file the rewrite put in place
         else:
-            with own_file(path, "a" if exists else "x") as handle:
+            with self._own(path, "a" if exists else "x") as handle:
                 writer = csv.DictWriter(handle, fieldnames=self.metrics_keys)
                 if not exists:
                     writer.writeheader()
                 writer.writerows(self.metrics)
         self.metrics, self.cut_from = [], None
+
+    def _own(self, path: Path, mode: str) -> IO[str]:
+        """``own_file(path, mode)``, and the same file (device and inode) as the last time: another
+        regular file renamed or hard-linked into its place is someone's, never appended to."""
+        handle = own_file(path, mode)
+        info = os.fstat(handle.fileno())
+        if self._identity is not None and (info.st_dev, info.st_ino) != self._identity:
+            handle.close()
+            raise TclightningError(f"{path}: is no longer the run's own file (another file was put in its place); "
+                                   "nothing was written to it")
+        self._identity = (info.st_dev, info.st_ino)
+        return handle
 
 
 class ResumableCSVLogger(CSVLogger):

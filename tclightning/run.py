@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
-                              replace_text, require_writable, storage_reason, unused_name)
+                              replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.recipes.loader import (
     find_recipe,
@@ -123,7 +123,7 @@ def _run_entries(run_dir: Path) -> list[Path]:
     for name in RUN_FOLDERS:
         folder = run_dir / name
         if folder.is_dir() and not folder.is_symlink():
-            entries += folder.rglob("*")
+            entries += tree(folder)
     return entries
 
 
@@ -847,7 +847,7 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
         return False  # a folder where the run writes a file was put there by someone else
     if any(inner.is_dir() for folder in RUN_FOLDERS if (run_dir / folder).is_dir() for inner in (run_dir / folder).iterdir()):
         return False  # the run's folders hold files only
-    if any(marker.parent != run_dir for marker in run_dir.rglob(RUN_MARKER)):
+    if any(path.name == RUN_MARKER and path.parent != run_dir for path in tree(run_dir)):
         return False
     return remove_tree(run_dir)
 

@@ -370,3 +370,12 @@ def test_overwrite_never_replaces_an_export_that_a_run_was_put_inside(run_dir: P
         export_policy(run_dir, out, step=2, overwrite=True)
     assert (inner / "metrics.csv").read_text() == "step\n0\n"
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 1
+
+
+def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    (copied / "checkpoints" / "last.ckpt").unlink()  # the name is free: the export would take it
+    with pytest.raises(TclightningError, match="lies in the folder of the checkpoint it exports"):
+        export_policy(copied, copied / "checkpoints" / "last.ckpt")
+    assert not (copied / "checkpoints" / "last.ckpt").exists()

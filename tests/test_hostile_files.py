@@ -656,3 +656,68 @@ def test_remove_tree_never_follows_a_link_swapped_in_for_a_sub_folder_while_it_r
     remove_tree(tree)
     assert swapped and sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
     assert (victim / "precious.txt").read_text() == "keep"
+
+
+class HardLinkAt(L.Callback):
+    """At the start of RL step 2 puts a hard link to ``target`` (a regular file, not a link) in
+    place of the run's ``metrics.csv``."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == 2:
+            path = Path(trainer.default_root_dir) / "metrics.csv"
+            path.unlink()
+            os.link(self.target, path)
+
+
+@pytest.mark.timeout(120)
+def test_another_regular_file_put_in_place_of_metrics_csv_is_never_appended_to(tmp_path: Path) -> None:
+    mine = tmp_path / "mine.csv"
+    mine.write_text("name,balance\nalice,100\n")
+    settings = [*FAST, "trainer.steps=4", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"]
+    with pytest.raises(TclightningError, match="is no longer the run's own file"):
+        run("tiny", settings, quiet=True, extra_callbacks=[HardLinkAt(mine)])
+    assert mine.read_text() == "name,balance\nalice,100\n"
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_written_into_a_folder_swapped_in_while_it_was_written_is_taken_back(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``checkpoints/`` replaced (a link, a bind mount) between the folder check and the write: the
+    file lands in the other run's folder; the check before it is published stops the run and
+    removes that file, leaving the other run as it was."""
+    from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
+
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other)
+    before = _snapshot(other)
+    save = OwnFileCheckpointIO.save_checkpoint
+
+    def swapped_first(self, checkpoint, path, storage_options=None):
+        folder = Path(path).parent
+        if checkpoint["global_step"] == 2 and not folder.is_symlink():
+            folder.rename(folder.with_name("checkpoints.moved"))
+            folder.symlink_to(other / "checkpoints")
+        return save(self, checkpoint, path, storage_options)
+
+    monkeypatch.setattr(OwnFileCheckpointIO, "save_checkpoint", swapped_first)
+    with pytest.raises(TclightningError, match="was replaced during the run"):
+        run("tiny", [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                     f"logging.root={tmp_path / 'runs'}"], quiet=True)
+    assert _snapshot(other) == before
+
+
+def test_tree_walks_a_chain_of_a_thousand_and_more_nested_folders(tmp_path: Path) -> None:
+    """``Path.rglob`` recurses: 1500 nested folders in a run's checkpoints/ (or below a folder
+    ``analyze health`` searches) were a RecursionError traceback."""
+    from tclightning.files import tree
+
+    deepest = tmp_path
+    for _ in range(1500):  # 3000 characters of path: within PATH_MAX
+        deepest = deepest / "d"
+        os.mkdir(deepest)
+    (deepest / "metrics.csv").write_text("step\n0\n")
+    found = list(tree(tmp_path))
+    assert len(found) == 1501 and found[-1].name == "metrics.csv"

@@ -248,6 +248,7 @@ class StepCheckpoint(Checkpoint):
         self._pending: int | None = None  # step written to the temporary file, not yet committed
         self.committed_step: int | None = None  # step of the last checkpoint this process published
         self._folders: tuple[SameFolder, SameFolder] | None = None  # checkpoints/ and the run folder, as first seen
+        self._written: tuple[int, int] | None = None  # (st_dev, st_ino) of the temporary file last written
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours writes by rename
@@ -273,6 +274,8 @@ class StepCheckpoint(Checkpoint):
         with self._refused_writes(step):
             trainer.save_checkpoint(self._tmp_path, weights_only=False)
         if trainer.is_global_zero:
+            info = os.stat(self._tmp_path)
+            self._written = (info.st_dev, info.st_ino)
             self._pending = step
             fault_point("written", step)
             if os.environ.get(FAULT_ENV) == f"half-written@{step}":
@@ -300,7 +303,14 @@ class StepCheckpoint(Checkpoint):
             folder.check()
 
     def _publish(self, step: int) -> None:
-        self._check_folders()
+        try:
+            self._check_folders()
+        except TclightningError:  # the file just written went into the folder put in place: take it back
+            with contextlib.suppress(OSError):
+                info = os.stat(self._tmp_path)
+                if (info.st_dev, info.st_ino) == self._written:
+                    os.unlink(self._tmp_path)
+            raise
         tmp = self._tmp_path  # on disk already: written by a rename, after an fsync (OwnFileCheckpointIO)
         if self.every_n_steps and self.keep > 0:
             # A resumed run replaces the step files its earlier run wrote past the resume point:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import regular_file, tree
 from tclightning.settings import MAX_STEPS
 
 Row = tuple[int, dict[str, float]]
@@ -72,12 +72,16 @@ def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
     return [(step, merged[step]) for step in sorted(merged)]
 
 
+EVENT_PREFIX = "events.out.tfevents."
+"""How a TensorBoard event file's name starts."""
+
+
 def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
     """Scalars from every TensorBoard event file under ``path``, merged by step."""
     from tensorboard.backend.event_processing import event_accumulator
 
     root = Path(path)
-    files = sorted(root.rglob("events.out.tfevents.*")) if root.is_dir() else [root]
+    files = sorted(f for f in tree(root) if f.name.startswith(EVENT_PREFIX)) if root.is_dir() else [root]
     if not files:
         raise TclightningError(f"{root}: no TensorBoard event files found")
     names = dict(names or {})
@@ -107,7 +111,7 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
     if not p.exists():
         raise TclightningError(f"{p}: no such file or directory")
     if not p.is_dir():  # a file (a FIFO or a device is refused by the readers, never opened)
-        if p.name.startswith("events.out.tfevents."):
+        if p.name.startswith(EVENT_PREFIX):
             return read_tensorboard(p, names)
         return read_metrics_csv(p, names)
     if p.resolve().parts[1:2] in (("proc",), ("sys",)):  # entries vanish while searched, reads may block
@@ -116,8 +120,9 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
     if direct.is_file():
         return read_metrics_csv(direct, names)
     try:
-        nested = sorted(p.rglob("metrics.csv"), key=lambda f: f.stat().st_mtime)
-        events = not nested and any(p.rglob("events.out.tfevents.*"))
+        below = list(tree(p))
+        nested = sorted((f for f in below if f.name == "metrics.csv"), key=lambda f: f.stat().st_mtime)
+        events = not nested and any(f.name.startswith(EVENT_PREFIX) for f in below)
     except FileNotFoundError as err:  # a folder below went away while it was searched (a run tidying up)
         raise TclightningError(f"{p}: changed while it was searched ({err.filename} went away); run it again, "
                                "or name the metrics.csv") from None

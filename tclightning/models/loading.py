@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from tclightning.errors import TclightningError
-from tclightning.files import refused_by_storage, regular_file
+from tclightning.files import refused_by_storage, regular_file, tree
 from tclightning.limits import can_use_alarm, run_with_alarm
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
@@ -209,7 +209,7 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
         if not entry.is_dir():
             regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
     # sub-folders too: a sharded checkpoint's index may name weight files anywhere below it
-    weights = sum(p.stat().st_size for p in folder.rglob("*")
+    weights = sum(p.stat().st_size for p in tree(folder)
                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
     if not weights:  # transformers refuses the folder itself
         return
