@@ -4,10 +4,9 @@ once before the run starts: the libraries that talk to them retry a silent host 
 from __future__ import annotations
 
 import os
-import socket
 import urllib.error
 import urllib.request
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
 ANSWER_TIMEOUT_S = 5.0
@@ -40,22 +39,37 @@ def host_of(url: str) -> str:
     return urlparse(url).hostname or url
 
 
-def no_answer(url: str, timeout_s: float | None = None) -> NoAnswer | None:
-    """None when the server at ``url`` answers a ``HEAD`` request within ``timeout_s`` (default
-    :data:`ANSWER_TIMEOUT_S`) with any HTTP status (a 404 or a 401 is an answer); otherwise why
-    not. Proxies come from the environment, as for the libraries that will talk to it."""
+def no_answer(url: str, timeout_s: float | None = None, client: Any = None) -> NoAnswer | None:
+    """None when the server at ``url`` answers a ``GET`` within ``timeout_s`` (default
+    :data:`ANSWER_TIMEOUT_S`) with any HTTP status (a 404 or a 401 is an answer: only its status
+    line and headers are read); otherwise why not. ``client`` is the library's own HTTP client
+    (huggingface_hub's session for the hub, an httpx-style ``stream``), so its proxies are the
+    ones asked; by default ``urllib`` with the environment's proxies, ``ALL_PROXY`` included."""
     timeout_s = ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout_s):
+        if client is not None:
+            with client.stream("GET", url, timeout=timeout_s):
+                return None
+        proxies = urllib.request.getproxies()
+        for scheme in ("http", "https"):  # requests and httpx take ALL_PROXY for both; urllib for neither
+            if "all" in proxies:
+                proxies.setdefault(scheme, proxies["all"])
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies))
+        with opener.open(urllib.request.Request(url), timeout=timeout_s):
             return None
     except urllib.error.HTTPError:
         return None
-    except urllib.error.URLError as err:
-        if isinstance(err.reason, (TimeoutError, socket.timeout)):
+    except Exception as err:  # noqa: BLE001 - every failure to get an answer is the same verdict
+        cause = getattr(err, "reason", None) or err.__cause__ or err.__context__
+        if any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in (err, cause)):
             return NoAnswer(f"no answer within {timeout_s:g} s", True)
-        reason = err.reason.strerror if isinstance(err.reason, OSError) and err.reason.strerror else err.reason
-        return NoAnswer(str(reason), False)
-    except (TimeoutError, socket.timeout):
-        return NoAnswer(f"no answer within {timeout_s:g} s", True)
-    except (OSError, ValueError) as err:  # a connection cut mid-answer, a URL that is not one
-        return NoAnswer(" ".join(str(err).split()) or type(err).__name__, False)
+        reason = getattr(cause, "strerror", None) or " ".join(str(err).split()) or type(err).__name__
+        return NoAnswer(reason, False)
+
+
+def hub_answer(path: str, timeout_s: float | None = None) -> NoAnswer | None:
+    """:func:`no_answer` for ``path`` on the Hugging Face Hub (e.g. ``api/models/NAME``), asked with
+    huggingface_hub's own session."""
+    from huggingface_hub.utils import get_session
+
+    return no_answer(f"{hub_url().rstrip('/')}/{path}", timeout_s, get_session())

@@ -94,7 +94,7 @@ def test_hub_name_by_default_and_a_clear_offline_error(monkeypatch: pytest.Monke
         raise TclightningError(f"cannot list splits of {self.hf_name}: no network")
 
     monkeypatch.setattr(data.DataSource, "splits", offline)
-    monkeypatch.setattr(data, "no_answer", lambda url: None)  # whatever this machine's network does
+    monkeypatch.setattr(data, "hub_answer", lambda path: None)  # whatever this machine's network does
     with pytest.raises(TclightningError, match="set task.path to a local .parquet/.jsonl"):
         task.train_examples()
 

@@ -719,5 +719,11 @@ def test_tree_walks_a_chain_of_a_thousand_and_more_nested_folders(tmp_path: Path
         deepest = deepest / "d"
         os.mkdir(deepest)
     (deepest / "metrics.csv").write_text("step\n0\n")
-    found = list(tree(tmp_path))
+    try:
+        found = list(tree(tmp_path))
+    finally:  # from the deepest up: pytest's own clean-up (shutil.rmtree) recurses too
+        (deepest / "metrics.csv").unlink()
+        for level in range(1500):
+            deepest.rmdir()
+            deepest = deepest.parent
     assert len(found) == 1501 and found[-1].name == "metrics.csv"

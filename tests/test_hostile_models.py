@@ -237,22 +237,42 @@ def closed_port() -> str:
         return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
-@pytest.fixture
-def answering_server() -> Iterator[str]:
-    class NotFound(BaseHTTPRequestHandler):
-        def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
-            self.send_response(404)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), NotFound)
+def _serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = HTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
     server.server_close()
+
+
+class _NotFound(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's names
+        self.send_response(404)
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _HeadOnly(_NotFound):
+    """Answers HEAD at once and keeps every GET waiting (as long as the test runs)."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        threading.Event().wait(30)
+
+
+@pytest.fixture
+def answering_server() -> Iterator[str]:
+    yield from _serve(_NotFound)
+
+
+@pytest.fixture
+def head_only_server() -> Iterator[str]:
+    yield from _serve(_HeadOnly)
 
 
 @pytest.fixture(autouse=True)
@@ -271,8 +291,19 @@ def test_no_answer_tells_a_silent_host_from_a_closed_port_and_an_answer(
     assert network.no_answer(answering_server) is None  # a 404 is an answer
 
 
-def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_ENDPOINT", silent_server)
+@pytest.mark.parametrize("how", ["silent", "answers-head-only", "through-a-silent-all-proxy"])
+def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_server: str, head_only_server: str,
+                                                            answering_server: str, request: pytest.FixtureRequest,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "through-a-silent-all-proxy":  # the hub answers, but its library's requests go through the proxy
+        from huggingface_hub.utils._http import close_session
+
+        monkeypatch.setenv("HF_ENDPOINT", answering_server)
+        monkeypatch.setenv("ALL_PROXY", silent_server)
+        close_session()  # huggingface_hub's session reads the proxies once, when it is made
+        request.addfinalizer(close_session)
+    else:
+        monkeypatch.setenv("HF_ENDPOINT", silent_server if how == "silent" else head_only_server)
     with pytest.raises(TclightningError, match="not in the Hugging Face cache and 127.0.0.1 does not answer"):
         check_hub_model(ModelConfig(source="hf", name="nobody/not-cached-anywhere"))
     with pytest.raises(TclightningError, match="task.hf_name openai/gsm8k: the Hugging Face Hub .* gives no answer"):

@@ -24,7 +24,7 @@ from tclightning.files import refused_by_storage, regular_file, tree
 from tclightning.limits import can_use_alarm, run_with_alarm
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
-from tclightning.network import host_of, hub_offline, hub_url, no_answer
+from tclightning.network import host_of, hub_answer, hub_offline, hub_url
 
 
 T = TypeVar("T")
@@ -253,7 +253,7 @@ def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
     if hub_offline():
         raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
                                f"{advice}")
-    silent = no_answer(hub_url(), timeout_s)
+    silent = hub_answer(f"api/models/{cfg.name}", timeout_s)
     if silent is not None:
         raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host_of(hub_url())} "
                                f"does not answer ({silent.reason}); {advice}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
-from tclightning.network import host_of, hub_offline, hub_url, no_answer
+from tclightning.network import host_of, hub_answer, hub_offline, hub_url
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -130,7 +130,7 @@ class DataSource:
         """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``. A hub that keeps
         silent is refused here, in one line (``datasets`` would retry it for minutes)."""
         if cfg.hf_name:
-            silent = None if hub_offline() else no_answer(hub_url())
+            silent = None if hub_offline() else hub_answer(f"api/datasets/{cfg.hf_name}")
             if silent is not None and silent.timed_out:  # unreachable at once: datasets falls back to its cache
                 raise TclightningError(f"task.hf_name {cfg.hf_name}: the Hugging Face Hub ({host_of(hub_url())}) "
                                        f"gives no answer ({silent.reason}); set HF_HUB_OFFLINE=1 to use a copy in "
