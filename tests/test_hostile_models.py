@@ -195,6 +195,21 @@ def test_the_tokenizer_gets_one_time_budget_for_the_prompts_it_measures(monkeypa
         formatter.lengths(prompts)
 
 
+def test_a_tokenizer_that_multiplies_the_text_is_refused_from_a_separate_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven chained normalizers each turning "1" into forty: 40^7 characters for every digit.
+    In the run's own process that is a crash (or the OOM killer); tried in a separate process
+    with a memory limit, it is one refusal."""
+    from tclightning.sampling import base
+
+    monkeypatch.setattr(base, "PROBE_MEMORY_BYTES", 2**30)
+    assert base.probe_tokenizer(build_char_tokenizer(), ["1+1=", "2+2="]) is None  # the control
+    tokenizer = build_char_tokenizer()
+    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Replace("1", "1" * 40)] * 7)
+    with pytest.raises(TclightningError, match="tokenizing a few prompts ran out of 1 GiB of memory"):
+        PromptFormatter(tokenizer, None, False).lengths(["2+3=", "1+1="])
+
+
 def test_the_cli_runs_tokenizers_on_one_thread() -> None:
     code = ("import os; os.environ['TOKENIZERS_PARALLELISM'] = 'true'\nfrom tclightning.cli.main import main\n"
             "main(['recipes', 'list']); print(os.environ['TOKENIZERS_PARALLELISM'])")

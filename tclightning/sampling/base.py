@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -131,6 +134,51 @@ TOKENIZE_TIME_S = 1.0
 a tokenizer.json regex can be quadratic in the text, under its library's backtracking limit)."""
 TOKENIZE_TIME_PER_CHAR_S = 2e-6
 _TOKENIZE_CHUNK = 64
+PROBE_TIME_S = 20.0
+"""Time a fresh process gets to load the tokenizer and tokenize the first prompt (about 0.5 s)."""
+PROBE_MEMORY_BYTES = 4 * 2**30
+"""Memory that process may take (a tokenizer.json normalizer can multiply the text without end)."""
+
+_PROBE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
+from tokenizers import Tokenizer
+spec, text = sys.stdin.buffer.read().split(b"\\0", 1)
+Tokenizer.from_str(spec.decode()).encode(text.decode())
+"""
+
+
+_probed: dict[str, str | None] = {}  # probe_tokenizer's verdicts, by the tokenizer's JSON
+
+
+def probe_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> str | None:
+    """Why ``tokenizer`` cannot tokenize ``texts`` (a few prompts), found in a separate process
+    with a time and a memory limit (``None``: it can, or it is no Rust tokenizer to probe); asked
+    once per tokenizer in a process. The Rust code of a fast tokenizer holds the interpreter: no
+    signal stops a regex quadratic in the text, and a normalizer that multiplies the text exhausts
+    the memory; in the run's own process either would be a wait without end or a crash."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = backend.to_str()
+    if spec not in _probed:
+        _probed[spec] = _probe(spec, "\n".join(texts))
+    return _probed[spec]
+
+
+def _probe(spec: str, text: str) -> str | None:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(PROBE_MEMORY_BYTES)],
+                              input=spec.encode() + b"\0" + text.encode("utf-8", "surrogatepass"),
+                              capture_output=True, timeout=PROBE_TIME_S, env=env)
+    except subprocess.TimeoutExpired:
+        return f"tokenizing a few prompts took more than {PROBE_TIME_S:g} s"
+    except OSError:  # no process to spare: the in-process budget still applies
+        return None
+    if done.returncode < 0 or b"MemoryError" in done.stderr or b"memory allocation" in done.stderr:
+        return f"tokenizing a few prompts ran out of {PROBE_MEMORY_BYTES / 2**30:g} GiB of memory or crashed"
+    return None
 
 
 @dataclass
@@ -205,13 +253,17 @@ class PromptFormatter:
             raise self._refusal(f"it fails on a prompt (tokenizers panicked: {err})") from None
 
     def lengths(self, user_texts: Sequence[str]) -> list[int]:
-        """How many tokens :meth:`encode` gives each prompt, without padding: the tokenizer gets
-        one time budget for all, the first prompt alone first (a tokenizer that is slow on every
-        prompt is refused in a second or two). The budget is checked between calls of 64 prompts
-        (a signal cannot stop the tokenizer's own code)."""
+        """How many tokens :meth:`encode` gives each prompt, without padding. The tokenizer is
+        first tried on the first 64 prompts in a separate process (:func:`probe_tokenizer`), then
+        gets one time budget for all, the first prompt alone first (a tokenizer that is slow on
+        every prompt is refused in a second or two); the budget is checked between calls of 64
+        prompts (a signal cannot stop the tokenizer's own code)."""
         texts = self.render_all(user_texts)
         if not texts:
             return []
+        trouble = probe_tokenizer(self.tokenizer, texts[:_TOKENIZE_CHUNK])
+        if trouble is not None:
+            raise self._refusal(trouble)
         chunks = [texts[:1]] + [texts[i:i + _TOKENIZE_CHUNK] for i in range(1, len(texts), _TOKENIZE_CHUNK)]
 
         def measure(chunk: list[str]) -> list[int]:
