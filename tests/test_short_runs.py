@@ -184,12 +184,13 @@ def test_a_damaged_warmup_cache_entry_is_trained_again_and_replaced(
     assert "supervised warm-up reused from the cache" in err and "unreadable" not in err
 
 
-@pytest.mark.parametrize("entry", ["missing", "damaged"])
+@pytest.mark.parametrize("entry", ["missing", "damaged", "damaged-busy"])
 def test_a_warmup_the_cache_cannot_store_says_so_once_per_run(
         entry: str, run_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """A cache that takes no writes (read-only, full) costs the saving: each run trains the warm-up
-    and says once why it could not be kept, never that it replaced an entry it could not write."""
+    """A cache that takes no writes (read-only, full), or a damaged entry that cannot be swapped out
+    (a mount point), costs the saving: each run trains the warm-up and says once why it could not
+    be kept, never that it replaced an entry it could not write."""
     import errno
     import tempfile
 
@@ -197,7 +198,7 @@ def test_a_warmup_the_cache_cannot_store_says_so_once_per_run(
     monkeypatch.setenv("TCLIGHTNING_CACHE", str(cache))
     settings = [*FAST, "model.warmup.steps=2", "model.warmup.batch_size=4", "model.warmup.target_accuracy=0",
                 "trainer.steps=1", "trainer.val_every=0"]
-    if entry == "damaged":
+    if entry.startswith("damaged"):
         run("tiny", [*settings, "logging.name=first"], quiet=True)
         (stored,) = (cache / "warmup").iterdir()
         (stored / "weights.pt").write_bytes(b"")
@@ -209,15 +210,23 @@ def test_a_warmup_the_cache_cannot_store_says_so_once_per_run(
             raise OSError(errno.EROFS, "Read-only file system", str(dir))
         return real(*args, dir=dir, **kwargs)
 
-    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    def busy(a: Path, b: Path) -> None:
+        raise OSError(errno.EBUSY, "Device or resource busy")
+
+    if entry == "damaged-busy":
+        import tclightning.models.warmup as warmup_module
+
+        monkeypatch.setattr(warmup_module, "exchange", busy)
+    else:
+        monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    why = "Device or resource busy" if entry == "damaged-busy" else "Read-only file system"
     for name in ("second", "third"):
         summary = run("tiny", [*settings, f"logging.name={name}"], quiet=True)
         assert "warmup/cached" not in summary and summary["warmup/steps"] == 2  # trained each time
         notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
         unstored = [n for n in notes if "could not be stored in the cache" in n]
-        assert len(unstored) == 1 and "Read-only file system" in unstored[0] and "the next run trains it again" in \
-            unstored[0], notes
-        assert len(notes) == (2 if entry == "damaged" else 1) and not any("replac" in n for n in notes), notes
+        assert len(unstored) == 1 and why in unstored[0] and "the next run trains it again" in unstored[0], notes
+        assert len(notes) == (1 if entry == "missing" else 2) and not any("replac" in n for n in notes), notes
 
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(

@@ -335,7 +335,9 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
                 tmp.unlink()  # the unreadable entry was a file (or a FIFO)
             except OSError:
                 pass
-    return None if cache.get(key) is not None else why or "the entry was not replaced"
+    if why is not None:  # the swap failed (a mount point there): the unreadable entry is still in place
+        return why
+    return None if cache.get(key) is not None else "the entry was not replaced"
 
 
 def cached_supervised_warmup(
