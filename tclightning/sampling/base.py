@@ -135,7 +135,7 @@ a tokenizer.json regex can be quadratic in the text, under its library's backtra
 TOKENIZE_TIME_PER_CHAR_S = 2e-6
 _TOKENIZE_CHUNK = 64
 PROBE_TIME_S = 20.0
-"""Time a fresh process gets to load the tokenizer and tokenize the first prompt (about 0.5 s)."""
+"""Time a fresh process gets to load the tokenizer and tokenize the first 64 prompts (about 0.5 s)."""
 PROBE_MEMORY_BYTES = 4 * 2**30
 """Memory that process may take (a tokenizer.json normalizer can multiply the text without end)."""
 
