@@ -217,6 +217,7 @@ class OwnFileCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # as Lightning's own writer does
         save_tensors(checkpoint, Path(path))
 
 
