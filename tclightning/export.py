@@ -13,6 +13,7 @@ checkpoint records. Checkpoints are read as data only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -23,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (exchange, file_in_the_way, refused_by_storage, remove_tree, require_writable,
-                              storage_reason)
+from tclightning.files import exchange, file_in_the_way, refused_by_storage, require_writable, storage_reason
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -302,7 +302,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            remove_tree(staging)  # the old export: a bind mount inside it is left alone
+            remove_export(staging)  # the old export
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -312,7 +312,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
     except BaseException as err:
-        remove_tree(staging)  # the new export, not yet (or never) in place
+        remove_export(staging)  # the new export, not yet (or never) in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
             raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
@@ -342,7 +342,18 @@ def clear_abandoned_staging(target: Path) -> None:
         pid = folder.name[len(marker):].split("-", 1)[0]
         if (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))
                 and any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE))):
-            remove_tree(folder)
+            remove_export(folder)
+
+
+def remove_export(folder: Path) -> None:
+    """Remove an export (or its staging folder): its own files, which are flat; a folder someone
+    put inside it meanwhile (a run, a bind mount) stays, and with it the export's folder."""
+    for entry in folder.iterdir():
+        if entry.is_symlink() or not entry.is_dir():
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def _running(pid: int) -> bool:

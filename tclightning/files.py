@@ -261,22 +261,42 @@ def remove_tree(folder: Path) -> bool:
             where = None
         return os.fstat(fd).st_dev == device and where not in mounts
 
-    def clear(fd: int) -> None:
+    def listing(fd: int) -> list[tuple[str, bool]]:
         with contextlib.suppress(OSError), os.scandir(fd) as entries:
-            listed = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
-        for name, is_dir in listed:
-            with contextlib.suppress(OSError):
-                if not is_dir:
-                    os.unlink(name, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
+            return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        return []
+
+    def clear(root: int) -> None:
+        """Empty the folder open at ``root``: a loop with its own stack of descriptors (one per
+        level; a level past the descriptor limit is left), never a recursion."""
+        stack: list[tuple[int, str, list[tuple[str, bool]]]] = [(root, "", listing(root))]
+        try:
+            while stack:
+                fd, name, pending = stack[-1]
+                if not pending:  # this folder is done: close it and remove it from its parent
+                    stack.pop()
+                    if stack:
+                        os.close(fd)
+                        with contextlib.suppress(OSError):
+                            os.rmdir(name, dir_fd=stack[-1][0])
                     continue
-                child = os.open(name, opening, dir_fd=fd)  # a link swapped in meanwhile is refused (ELOOP)
-                try:
-                    if not entered(child):
-                        continue  # another filesystem, or a bind mount of this one: not ours
-                    clear(child)
-                finally:
-                    os.close(child)
-                os.rmdir(name, dir_fd=fd)
+                child, is_dir = pending.pop()
+                with contextlib.suppress(OSError):
+                    if not is_dir:
+                        os.unlink(child, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
+                        continue
+                    inner = os.open(child, opening, dir_fd=fd)  # a link swapped in meanwhile is refused (ELOOP)
+                    try:
+                        ours = entered(inner)  # not another filesystem, nor a bind mount of this one
+                    except OSError:
+                        ours = False
+                    if ours:
+                        stack.append((inner, child, listing(inner)))
+                    else:
+                        os.close(inner)
+        finally:
+            for fd, _, _ in stack[1:]:  # interrupted part-way: the descriptors below the root
+                os.close(fd)
 
     try:
         root = os.open(folder, opening)

@@ -379,3 +379,25 @@ def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_pat
     with pytest.raises(TclightningError, match="lies in the folder of the checkpoint it exports"):
         export_policy(copied, copied / "checkpoints" / "last.ckpt")
     assert not (copied / "checkpoints" / "last.ckpt").exists()
+
+
+def test_a_run_put_into_the_old_export_while_it_is_replaced_is_kept(run_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the check that the old export holds no folder and before it is swapped out, a run
+    appears in it: the old export's own files go, the run stays (beside, under the old export)."""
+    from tclightning import export as export_module
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    real = export_module.exchange
+
+    def run_appears_first(a: Path, b: Path) -> None:
+        (b / "runs").mkdir()
+        (b / "runs" / "metrics.csv").write_text("step\n0\n")
+        real(a, b)
+
+    monkeypatch.setattr(export_module, "exchange", run_appears_first)
+    export_policy(run_dir, out, step=2, overwrite=True)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    (kept,) = tmp_path.glob(".policy.export-*/runs/metrics.csv")
+    assert kept.read_text() == "step\n0\n" and sorted(p.name for p in kept.parent.parent.iterdir()) == ["runs"]

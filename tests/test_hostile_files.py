@@ -727,3 +727,23 @@ def test_tree_walks_a_chain_of_a_thousand_and_more_nested_folders(tmp_path: Path
             deepest.rmdir()
             deepest = deepest.parent
     assert len(found) == 1501 and found[-1].name == "metrics.csv"
+
+
+def test_remove_tree_removes_a_chain_of_a_thousand_and_more_nested_folders(tmp_path: Path) -> None:
+    """No recursion (1500 levels are past Python's limit); one descriptor a level."""
+    import resource
+
+    from tclightning.files import remove_tree
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            pytest.skip(f"1500 levels need 1500 descriptors; this process may open {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    deepest = tmp_path / "tree"
+    os.mkdir(deepest)
+    for _ in range(1500):
+        deepest = deepest / "d"
+        os.mkdir(deepest)
+    (deepest / "f.txt").write_text("x")
+    assert remove_tree(tmp_path / "tree") and not (tmp_path / "tree").exists()
