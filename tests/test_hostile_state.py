@@ -703,3 +703,15 @@ def test_load_from_checkpoint_refuses_a_pipe_at_once(run_dir: Path) -> None:
                 GRPOModule.load_from_checkpoint(pipe)  # its writer never closes it: reading it would wait
         finally:
             os.close(write_end)
+
+
+@pytest.mark.parametrize("legacy", ["hparams", "module_arguments", "hparams_name"])
+def test_load_from_checkpoint_refuses_the_legacy_keys_lightning_also_reads_arguments_from(
+        run_dir: Path, tmp_path: Path, legacy: str) -> None:
+    def edit(checkpoint: dict) -> None:
+        model = {"source": "hf", "name": str(tmp_path), "trust_remote_code": True}
+        checkpoint[legacy] = "model" if legacy == "hparams_name" else {"model": model}
+
+    copied = _crafted(run_dir, tmp_path, edit)
+    with pytest.raises(TclightningError, match=f"holds '{legacy}', where Lightning also reads"):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))

@@ -129,6 +129,30 @@ def _compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:
             path.seek(start)
 
 
+LEGACY_HPARAMS_KEYS = ("hparams", "module_arguments", "hparams_name")
+"""Where Lightning also looks for a module's arguments (older checkpoints; ``hparams_name`` wraps
+them all as one argument): a tclightning checkpoint keeps them in ``hyper_parameters`` only."""
+
+CLASS_KEYS = ("class_path", "_class_path", "init_args", "_instantiator")
+"""Keys with which a structure asks LightningCLI (jsonargparse) or Lightning to build a class."""
+
+
+def names_a_class(obj: Any) -> str | None:
+    """The first of :data:`CLASS_KEYS` held anywhere in ``obj`` (a loaded checkpoint's bounded
+    structure), or None: such a key would make a parser import the module it names."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            found = next((key for key in CLASS_KEYS if key in item), None)
+            if found is not None:
+                return found
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
+
+
 MAX_CHECKPOINT_VALUES = 2_000_000
 """The most values (containers and leaves, tensors counted once each) a checkpoint may hold when
 every shared reference is followed: a run's holds tens of thousands; a list that holds itself twice

@@ -72,18 +72,18 @@ def lightning_cli(argv: Sequence[str]) -> int:
         class to build (``_class_path`` would import any module), never turning on remote code."""
 
         def _parse_ckpt_path(self) -> None:
-            from tclightning.callbacks.checkpointing import load_checkpoint
+            from tclightning.callbacks.checkpointing import LEGACY_HPARAMS_KEYS, load_checkpoint, names_a_class
             from tclightning.models.loading import check_checkpoint_model
 
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
             if ckpt_path and Path(ckpt_path).is_file():
                 checkpoint = load_checkpoint(ckpt_path)
-                hparams = checkpoint.get("hyper_parameters") or {}
-                if "_class_path" in hparams or "_instantiator" in hparams:
-                    raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint names the class to build "
-                                           "(_class_path), which would import any module; give the model with "
-                                           "--model yourself (nothing was built)")
+                named = names_a_class(checkpoint.get("hyper_parameters") or {})
+                if named is not None or any(key in checkpoint for key in LEGACY_HPARAMS_KEYS):
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint names a class to build "
+                                           f"({named or 'in legacy hyper-parameter keys'}), which would import any "
+                                           "module; give the model with --model yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
             super()._parse_ckpt_path()
 

@@ -50,10 +50,15 @@ def load_with_datasets(
 
     try:
         ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
+        # A column a file declares an Image (Audio, Video...) would be opened, fetched or decoded
+        # per row: a path in a row is a FIFO, a URL, a 8000x8000 PNG. Rows are values, never files.
+        for column, feature in ds.features.items():
+            if getattr(feature, "decode", False):
+                ds = ds.cast_column(column, type(feature)(decode=False))
+        return [dict(row) for row in ds]
     except Exception as exc:  # turn any loader failure into one clear line
         where = data_files or f"{name}" + (f" ({config})" if config else "")
         raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
-    return [dict(row) for row in ds]
 
 
 TASK_FILE_MAX_BYTES = 4 * 2**30
@@ -76,6 +81,9 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if any(char in str(path) for char in "*?[]{}"):  # datasets expands data_files patterns
         raise TclightningError(f"task data {path}: its name holds a glob character (* ? [ ] {{ }}), which "
                                "datasets would read as a pattern for other files; rename it")
+    if "::" in str(path):  # fsspec chains filesystems on it: "a.json::/b" reads a.json, checked nowhere
+        raise TclightningError(f"task data {path}: its name holds '::', which datasets would read as a chain of "
+                               "filesystems naming another file; rename it")
     return load_with_datasets(builder, split="train", data_files=str(path))
 
 
