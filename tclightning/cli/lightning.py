@@ -69,7 +69,8 @@ def lightning_cli(argv: Sequence[str]) -> int:
     class CheckedCheckpointCLI(LightningCLI):
         """LightningCLI, whose ``--ckpt_path`` hyper-parameters (which it merges into the model's
         arguments) are read as tclightning reads a checkpoint: as data only, never naming the
-        class to build (``_class_path`` would import any module), never turning on remote code."""
+        class to build anywhere in them (``class_path``, ``_class_path``, ``init_args``: jsonargparse
+        would import any module they name), never turning on remote code."""
 
         def _parse_ckpt_path(self) -> None:
             from tclightning.callbacks.checkpointing import LEGACY_HPARAMS_KEYS, load_checkpoint, names_a_class

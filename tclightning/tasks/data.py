@@ -51,7 +51,7 @@ def load_with_datasets(
     try:
         ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
         # A column a file declares an Image (Audio, Video...) would be opened, fetched or decoded
-        # per row: a path in a row is a FIFO, a URL, a 8000x8000 PNG. Rows are values, never files.
+        # per row: a path in a row is a FIFO, a URL, an 8000x8000 PNG. Rows are values, never files.
         for column, feature in ds.features.items():
             if getattr(feature, "decode", False):
                 ds = ds.cast_column(column, type(feature)(decode=False))
