@@ -9,7 +9,7 @@ import pickle
 import re
 import signal
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -131,7 +131,13 @@ def _compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:
 
 LEGACY_HPARAMS_KEYS = ("hparams", "module_arguments", "hparams_name")
 """Where Lightning also looks for a module's arguments (older checkpoints; ``hparams_name`` wraps
-them all as one argument): a tclightning checkpoint keeps them in ``hyper_parameters`` only."""
+them all as one argument): a tclightning checkpoint keeps them in ``hyper_parameters`` only, and
+Lightning writes ``hparams_name: None``."""
+
+
+def legacy_hparams(checkpoint: Mapping[str, Any]) -> str | None:
+    """The first of :data:`LEGACY_HPARAMS_KEYS` that ``checkpoint`` fills in, or None."""
+    return next((key for key in LEGACY_HPARAMS_KEYS if checkpoint.get(key) not in (None, {}, "")), None)
 
 CLASS_KEYS = ("class_path", "_class_path", "init_args", "_instantiator")
 """Keys with which a structure asks LightningCLI (jsonargparse) or Lightning to build a class."""

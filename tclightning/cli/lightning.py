@@ -73,7 +73,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
         would import any module they name), never turning on remote code."""
 
         def _parse_ckpt_path(self) -> None:
-            from tclightning.callbacks.checkpointing import LEGACY_HPARAMS_KEYS, load_checkpoint, names_a_class
+            from tclightning.callbacks.checkpointing import legacy_hparams, load_checkpoint, names_a_class
             from tclightning.models.loading import check_checkpoint_model
 
             subcommand = self.config.get("subcommand")
@@ -81,7 +81,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
             if ckpt_path and Path(ckpt_path).is_file():
                 checkpoint = load_checkpoint(ckpt_path)
                 named = names_a_class(checkpoint.get("hyper_parameters") or {})
-                if named is not None or any(key in checkpoint for key in LEGACY_HPARAMS_KEYS):
+                if named is not None or legacy_hparams(checkpoint) is not None:
                     raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint names a class to build "
                                            f"({named or 'in legacy hyper-parameter keys'}), which would import any "
                                            "module; give the model with --model yourself (nothing was built)")

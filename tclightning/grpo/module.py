@@ -52,7 +52,7 @@ from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.config import RETIRED_KEYS as ANCHOR_RETIRED
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
-from tclightning.callbacks.checkpointing import LEGACY_HPARAMS_KEYS, checkpoint_allow_list, load_checkpoint
+from tclightning.callbacks.checkpointing import checkpoint_allow_list, legacy_hparams, load_checkpoint
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
@@ -689,7 +689,7 @@ class GRPOModule(L.LightningModule):
         if "_instantiator" in hparams or "_class_path" in hparams:  # Lightning would import what they name
             raise TclightningError(f"load_from_checkpoint: checkpoint {where} asks Lightning to build classes by name "
                                    "(_instantiator), which could run code; nothing was loaded")
-        legacy = next((key for key in LEGACY_HPARAMS_KEYS if key in checkpoint), None)
+        legacy = legacy_hparams(checkpoint)
         if legacy is not None:  # Lightning would take arguments from there too, past every check here
             raise TclightningError(f"load_from_checkpoint: checkpoint {where} holds '{legacy}', where Lightning also "
                                    "reads a module's arguments; a tclightning checkpoint keeps them in "
