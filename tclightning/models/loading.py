@@ -21,7 +21,7 @@ from transformers import (
 
 from tclightning.errors import TclightningError
 from tclightning.files import refused_by_storage, regular_file, tree
-from tclightning.limits import can_use_alarm, run_with_alarm
+from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
@@ -313,7 +313,7 @@ per array entry, and a sparse file can claim an array of 10^9 empty strings."""
 
 def _gguf_metadata(read: Callable[[], T], what: str) -> T:
     try:
-        return run_with_alarm(read, GGUF_METADATA_TIME_S) if can_use_alarm() else read()
+        return within(read, GGUF_METADATA_TIME_S)
     except TimeoutError:
         raise TclightningError(f"{what}: reading its metadata took more than {GGUF_METADATA_TIME_S:g} s (an array of "
                                "millions of entries?); nothing was allocated") from None

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
-from tclightning.limits import can_use_alarm, run_with_alarm
+from tclightning.limits import within
 
 
 class NonFiniteError(TclightningError):
@@ -213,9 +213,7 @@ class PromptFormatter:
     def _bounded(self, prompts: Sequence) -> list[str]:
         limit = TEMPLATE_TIME_S + TEMPLATE_TIME_PER_PROMPT_S * len(prompts)
         try:
-            if can_use_alarm():
-                return run_with_alarm(lambda: [self._render_one(p) for p in prompts], limit)
-            return [self._render_one(p) for p in prompts]
+            return within(lambda: [self._render_one(p) for p in prompts], limit)
         except TclightningError:
             raise
         except TimeoutError:
@@ -273,10 +271,7 @@ class PromptFormatter:
         for part in (chunks[:1], chunks[1:]):
             limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for chunk in part for t in chunk)
             try:
-                if can_use_alarm():
-                    lengths += run_with_alarm(lambda: [n for chunk in part for n in measure(chunk)], limit)
-                else:
-                    lengths += [n for chunk in part for n in measure(chunk)]
+                lengths += within(lambda: [n for chunk in part for n in measure(chunk)], limit)
             except TimeoutError:
                 raise self._refusal(f"it took more than {limit:.3g} s to tokenize "
                                     f"{sum(map(len, part))} prompt(s)") from None
