@@ -68,6 +68,22 @@ def regular_file(path: str | os.PathLike, what: str, max_bytes: int | None = Non
     return path
 
 
+def open_regular(path: str | os.PathLike, what: str) -> IO[bytes]:
+    """``path`` (links followed) opened for reading only if the file opened is a regular one:
+    the check is on the descriptor, so a FIFO or a device swapped in after :func:`regular_file`
+    looked is refused, never waited on. ``TclightningError`` (one line) otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        raise TclightningError(f"{what} {path}: {err.strerror or err}; nothing was read") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TclightningError(f"{what} {path}: is no longer a regular file (something was put in its place); "
+                               "nothing was read")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
 

@@ -130,3 +130,41 @@ def test_a_ckpt_path_s_hyper_parameters_never_name_a_class_or_turn_on_remote_cod
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: --ckpt_path crafted.ckpt") and said in err[-1], err
     assert "antigravity" not in sys.modules
+
+
+@pytest.mark.parametrize("ckpt_path, said", [
+    ("http://127.0.0.1:9/x.ckpt", "only a local checkpoint file"),
+    ("simplecache::file:///x.ckpt", "only a local checkpoint file"),
+    ("pipe.ckpt", "no regular file"),
+    ("missing.ckpt", "no regular file"),
+])
+def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, tmp_path, monkeypatch, capsys):
+    """A URL would be fetched from a server that may never answer, a FIFO waited on forever."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    os.mkfifo(tmp_path / "pipe.ckpt")
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", ckpt_path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(f"error: --ckpt_path {ckpt_path}") and said in err[-1], err
+
+
+def test_open_regular_refuses_a_fifo_swapped_in_after_the_look(tmp_path):
+    """The check is on the descriptor opened: the file read is the file checked."""
+    import os
+
+    from tclightning.errors import TclightningError
+    from tclightning.files import open_regular, regular_file
+
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"x")
+    regular_file(path, "checkpoint")
+    path.unlink()
+    os.mkfifo(path)  # swapped in between the look and the open
+    with pytest.raises(TclightningError, match="no longer a regular file"):
+        open_regular(path, "checkpoint")
+    path.unlink()
+    path.write_bytes(b"y")
+    with open_regular(path, "checkpoint") as handle:
+        assert handle.read() == b"y"

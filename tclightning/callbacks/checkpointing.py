@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import SameFolder, copy_file, regular_file, save_tensors, unused_name
+from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 
 
 def checkpoint_globals() -> list[Any]:
@@ -89,15 +89,22 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
     at, but the file must then not be rewritten in place while they are in use).
     """
     shown = name or path  # what the errors call it (an open file has no name of its own)
-    if isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
-        regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
-    compressed = _compressed_record(path)
+    if not isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
+        return _loaded(path, shown, map_location, mmap=False)
+    regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
+    with open_regular(path, "checkpoint") as handle:  # and one swapped in after that look is refused too
+        # mmap needs a name: the descriptor's own names the file checked, whatever is at ``path`` now
+        return _loaded(f"/proc/self/fd/{handle.fileno()}" if mmap else handle, shown, map_location, mmap=mmap)
+
+
+def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: bool) -> dict[str, Any]:
+    compressed = _compressed_record(source)
     if compressed is not None:
         raise CheckpointRefused(f"checkpoint {shown}: its record {compressed} is compressed, which torch.save never "
                                 "does (a small file that would expand to gigabytes?); nothing was loaded")
     try:
         with checkpoint_allow_list():
-            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            ckpt = torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
         raise checkpoint_error(shown, err) from None
     if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)

@@ -18,6 +18,8 @@ from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+"""``--ckpt_path`` values Lightning resolves itself, to the checkpoints of this run's own callbacks."""
 """``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
 
 FIT_EPILOG = """\
@@ -78,7 +80,13 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if ckpt_path and Path(ckpt_path).is_file():
+            if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
+                if "://" in str(ckpt_path) or "::" in str(ckpt_path):
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: only a local checkpoint file is read (a URL "
+                                           "or fsspec chain is not checked before Lightning loads it); copy it here "
+                                           "first (nothing was built)")
+                if not Path(ckpt_path).is_file():  # a FIFO, a device or a folder: torch.load would wait or fail
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: no regular file is there (nothing was built)")
                 checkpoint = load_checkpoint(ckpt_path)
                 named = names_a_class(checkpoint.get("hyper_parameters") or {})
                 if named is not None or legacy_hparams(checkpoint) is not None:

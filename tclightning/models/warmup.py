@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.errors import TclightningError
-from tclightning.files import exchange, regular_file, remove_tree, save_tensors
+from tclightning.files import exchange, open_regular, regular_file, remove_tree, save_tensors
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
 
@@ -262,8 +262,11 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
             regular_file(entry / name, name, None if name == WEIGHTS else STATS_MAX_BYTES)
         except TclightningError as err:  # "weights.pt: is a named pipe (FIFO), not a regular file"
             raise UnreadableEntry(str(err).replace(f"{name} {entry / name}", name).split("; nothing was")[0]) from None
-    try:
-        stats = json.loads((entry / STATS).read_text())
+    try:  # opened as checked: a FIFO swapped in after the look above is refused, not waited on
+        with open_regular(entry / STATS, STATS) as handle:
+            stats = json.loads(handle.read(STATS_MAX_BYTES + 1).decode())
+    except TclightningError:
+        raise UnreadableEntry(f"{STATS}: is no longer a regular file") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise UnreadableEntry(f"{STATS}: {_one_line(err)}") from None
     if not isinstance(stats, dict):
@@ -278,7 +281,8 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
     if not (math.isfinite(steps) and steps >= 1 and steps == int(steps)):
         raise UnreadableEntry(f"{STATS}: warmup/steps is {steps}, not a step count")
     try:
-        state = torch.load(entry / WEIGHTS, map_location="cpu", weights_only=True)
+        with open_regular(entry / WEIGHTS, WEIGHTS) as handle:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - truncated, garbage, refused: all the same to a cache
         # (torch's own message for a cut file can be as unhelpful as "Invalid argument")
         raise UnreadableEntry(f"{WEIGHTS}: truncated, corrupted or not plain tensors") from None
