@@ -18,9 +18,9 @@ from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
+"""``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves itself, to the checkpoints of this run's own callbacks."""
-"""``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
 
 FIT_EPILOG = """\
 examples (LightningCLI, for your own LightningModule):
