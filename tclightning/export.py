@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import exchange, file_in_the_way, refused_by_storage, require_writable, storage_reason
+from tclightning.files import (exchange, file_in_the_way, open_regular, refused_by_storage, require_writable,
+                              storage_reason)
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -221,8 +222,9 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     returns ``out``. ``step`` picks ``checkpoints/step-00000N.ckpt`` of a run directory
     (default: the newest readable checkpoint, see :func:`find_checkpoint`).
 
-    ``out`` must not exist or be empty, unless ``overwrite`` (then it is replaced), and must not
-    hold the checkpoint. The folder is written beside ``out`` first and moved into place at the
+    ``out`` must not exist or be empty, unless ``overwrite`` (then it is replaced if it holds an
+    earlier export's own files alone: those its :data:`PROVENANCE_FILE` lists), and must not hold
+    the checkpoint. The folder is written beside ``out`` first and moved into place at the
     end (an existing ``out`` is swapped with it in one step, then deleted): a failed export leaves
     nothing, a killed one leaves either export whole, and a staging folder that the next export
     of the same ``out`` removes. Raises ``TclightningError`` (one line) for a missing or unreadable checkpoint, one
@@ -254,6 +256,17 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         if foreign is not None:  # an export is flat files: a folder in it (a run?) is someone's
             raise TclightningError(f"export: {target} holds {foreign.name}/, which no export writes (a run?); "
                                    "--overwrite replaces only an earlier export's own files, so nothing was touched")
+        own = export_files(target)
+        if not own:
+            raise TclightningError(f"export: {target}/{PROVENANCE_FILE} lists no files the export wrote, so which "
+                                   "are yours cannot be told; nothing was touched: remove the folder yourself, or "
+                                   "choose a new one")
+        added = sorted(p.name for p in target.iterdir() if p.name not in own)
+        if added:  # a model card, notes: the user's, and an export never deletes what it did not write
+            raise TclightningError(f"export: {target} holds {added[0]}"
+                                   f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}, which the earlier "
+                                   "export did not write; --overwrite replaces only an export's own files, so "
+                                   "nothing was touched: move it out first, or choose a new folder")
     require_writable(next(p for p in target.absolute().parents if p.is_dir()), "export", TclightningError)
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
@@ -289,7 +302,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         for written in staging.iterdir():  # some writers leave their files private (0600)
             os.chmod(written, 0o666 & ~umask)
         provenance = {"checkpoint": str(found.checkpoint.resolve()), "rl_step": found.rl_step,
-                      "model": checkpoint["hyper_parameters"]["model"]}
+                      "model": checkpoint["hyper_parameters"]["model"],
+                      "files": sorted(p.name for p in staging.iterdir() if p.name != STAGING_MARKER)}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
         (staging / STAGING_MARKER).unlink()  # a whole export from here on
         if overwrite and target.exists():
@@ -302,7 +316,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            remove_export(staging)  # the old export
+            remove_export(staging, export_files(staging))  # the old export: its own files only
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -342,14 +356,28 @@ def clear_abandoned_staging(target: Path) -> None:
         pid = folder.name[len(marker):].split("-", 1)[0]
         if (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))
                 and any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE))):
-            remove_export(folder)
+            remove_export(folder, None if (folder / STAGING_MARKER).is_file() else export_files(folder))
 
 
-def remove_export(folder: Path) -> None:
-    """Remove an export (or its staging folder): its own files, which are flat; a folder someone
-    put inside it meanwhile (a run, a bind mount) stays, and with it the export's folder."""
+def export_files(folder: Path) -> frozenset[str]:
+    """The names of the files the export in ``folder`` wrote, from its :data:`PROVENANCE_FILE`
+    (which lists them, and itself); empty when it lists none (unreadable, or not an export)."""
+    try:
+        with open_regular(folder / PROVENANCE_FILE, "export record") as handle:  # never a FIFO's wait
+            listed = json.loads(handle.read(1 << 20)).get("files")
+    except (TclightningError, OSError, ValueError, AttributeError):
+        return frozenset()
+    if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
+        return frozenset()
+    return frozenset({*listed, PROVENANCE_FILE})
+
+
+def remove_export(folder: Path, own: frozenset[str] | None = None) -> None:
+    """Remove an export (or its staging folder): its own files, which are flat (``own``: only
+    these names; ``None``: a staging folder this export made, all of it); a file or folder
+    someone put inside it meanwhile (a run, a bind mount) stays, and with it the export's folder."""
     for entry in folder.iterdir():
-        if entry.is_symlink() or not entry.is_dir():
+        if (own is None or entry.name in own) and (entry.is_symlink() or not entry.is_dir()):
             with contextlib.suppress(OSError):
                 entry.unlink()
     with contextlib.suppress(OSError):

@@ -372,6 +372,25 @@ def test_overwrite_never_replaces_an_export_that_a_run_was_put_inside(run_dir: P
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 1
 
 
+def test_overwrite_keeps_a_file_the_user_added_to_an_earlier_export(run_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    assert set(json.loads((out / PROVENANCE_FILE).read_text())["files"]) == {p.name for p in out.iterdir()} - {PROVENANCE_FILE}
+    (out / "README.md").write_text("my model card")
+    with pytest.raises(TclightningError, match="holds README.md, which the earlier export did not write"):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert (out / "README.md").read_text() == "my model card"
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 1
+    (out / "README.md").unlink()
+    record = json.loads((out / PROVENANCE_FILE).read_text())
+    del record["files"]  # which files are the export's own can no longer be told
+    (out / PROVENANCE_FILE).write_text(json.dumps(record))
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(TclightningError, match="lists no files the export wrote"):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
 def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_path: Path) -> None:
     copied = tmp_path / "run"
     shutil.copytree(run_dir, copied)
