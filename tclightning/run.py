@@ -252,17 +252,21 @@ def checkpoint_step(path: Path) -> int:
         raise CheckpointRefused(f"--resume: {path} is not a tclightning checkpoint (no RL step recorded); "
                                 "nothing was loaded")
     try:  # the step Lightning's loops restore (the step the checkpoint was written at)
-        total = ckpt["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+        fit_loop = ckpt["loops"]["fit_loop"]
+        total = fit_loop["epoch_loop.batch_progress"]["total"]
         looped = total["processed"]
         counted = (total["ready"], total["started"], total["completed"])
+        stepped = fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"]
     except (KeyError, TypeError):
-        looped, counted = None, None
+        looped, counted, stepped = None, None, None
     # a resume would misalign the run's rows with its steps, or drop them; the batch of the step
-    # is completed or not yet (a checkpoint of the end of training, or of its batch's end)
-    if looped != step or counted not in ((step, step, step), (step, step, step - 1)):
+    # is completed or not yet (a checkpoint of the end of training, or of its batch's end), and
+    # the step counter Lightning logs by (`_batches_that_stepped`) counts the completed batches
+    if (looped != step or counted not in ((step, step, step), (step, step, step - 1))
+            or type(stepped) is not int or stepped != counted[2]):
         raise CheckpointRefused(f"--resume: {path} records RL step {step} but its training loops are at "
-                                f"{looped!r} (ready, started, completed: {counted!r}): not a checkpoint tclightning "
-                                "wrote; nothing was loaded")
+                                f"{looped!r} (ready, started, completed: {counted!r}; batches stepped: {stepped!r}): "
+                                "not a checkpoint tclightning wrote; nothing was loaded")
     return step
 
 

@@ -65,7 +65,15 @@ def _resume(copied: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list
     (lambda c: c.__setitem__("optimizer_states", []), ("optimizer_states", "could not be restored")),
     (lambda c: c["state_dict"].__setitem__(_first_float_weight(c), c["state_dict"][_first_float_weight(c)] > 0),
      ("torch.bool",)),
-], ids=["rng", "no-optimizer-state", "bool-weight"])
+    (lambda c: c["loops"]["fit_loop"]["epoch_loop.state_dict"].__setitem__("_batches_that_stepped", 5),
+     ("batches stepped: 5",)),
+    (lambda c: c["optimizer_states"][0]["param_groups"][0].__setitem__("lr", 1e308), ("learning rate 1e+308",)),
+    (lambda c: c["optimizer_states"][0]["state"][0].__setitem__("step", torch.tensor(float("nan"))),
+     ("step count of parameter 0 is nan",)),
+    (lambda c: c["lr_schedulers"][0].__setitem__("_last_lr", [1e9]), ("last reported 1000000000.0",)),
+    (lambda c: [g.__setitem__("initial_lr", 1.0) for g in c["optimizer_states"][0]["param_groups"]],
+     ("base learning rate is 1.0",)),
+], ids=["rng", "no-optimizer-state", "bool-weight", "loop-counter", "lr", "adam-step", "last-lr", "base-lr"])
 def test_a_refused_resume_leaves_the_run_directory_as_it_was(
         run_dir: Path, tmp_path: Path, edit, names: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     copied = _crafted(run_dir, tmp_path, edit)

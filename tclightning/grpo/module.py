@@ -179,17 +179,61 @@ def _check_training_state(checkpoint: Mapping[str, Any], params: list[torch.Tens
         if not (all(number(group.get(k)) for k in ("lr", "eps", "weight_decay")) and isinstance(betas, (list, tuple))
                 and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
             raise ValueError("optimizer_states: a parameter group's lr, eps, weight_decay or betas are not numbers")
+    _check_learning_rates(checkpoint, groups, schedules[0])
     if not isinstance(state, Mapping):
         raise ValueError("optimizer_states: its state is not a mapping of parameter to moments")
     for index, moments in state.items():
         if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(moments, Mapping)):
             raise ValueError(f"optimizer_states: state of parameter {index!r}, which this model does not have")
+        step = moments.get("step")
+        step = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        if not (isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
+                and step >= 0 and step == int(step)):
+            raise ValueError(f"optimizer_states: the step count of parameter {index} is {step!r}, not a whole "
+                             "number of updates")
         for name in ("exp_avg", "exp_avg_sq"):
             moment = moments.get(name)
             if not (isinstance(moment, torch.Tensor) and moment.shape == params[index].shape
                     and bool(torch.isfinite(moment).all())):
                 raise ValueError(f"optimizer_states: {name} of parameter {index} is not a finite tensor of its "
                                  f"shape {tuple(params[index].shape)}")
+
+
+def _check_learning_rates(checkpoint: Mapping[str, Any], groups: list[Mapping[str, Any]],
+                          schedule: Mapping[str, Any]) -> None:
+    """That the saved learning rates are the ones the run's schedule gives: each group's base
+    (``initial_lr``, the schedule's ``base_lrs``) is the recipe's ``grpo.lr`` times the factor a
+    rollback applied (saved by the health actions, 1 without them), and its rate, current or
+    last reported, lies between 0 and that base (the warm-up only ever lowers it). A rate that is
+    finite but arbitrary (1e308) would train on, or be logged, without a word; ``ValueError`` instead."""
+    recorded = ((checkpoint.get("hyper_parameters") or {}).get("grpo") or {}).get("lr")
+    factors = [state["lr_factor"] for state in (checkpoint.get("callbacks") or {}).values()
+               if isinstance(state, Mapping) and "lr_factor" in state]
+    factor = factors[0] if len(factors) == 1 else 1.0
+    bases, last = schedule.get("base_lrs"), schedule.get("_last_lr")
+    if not (isinstance(bases, list) and isinstance(last, list) and len(bases) == len(last) == len(groups)):
+        raise ValueError(f"lr_schedulers: expected a base and a last rate for each of the {len(groups)} parameter groups")
+
+    def near(a: Any, b: float) -> bool:
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isclose(a, b, rel_tol=1e-6)
+
+    def within(rate: Any, base: float) -> bool:
+        return (isinstance(rate, (int, float)) and not isinstance(rate, bool) and math.isfinite(rate)
+                and 0 <= rate <= base * (1 + 1e-6))
+
+    for group, base, shown in zip(groups, bases, last):
+        initial = group.get("initial_lr")
+        if not within(initial, math.inf) or initial == 0:
+            raise ValueError(f"optimizer_states: a parameter group's base learning rate is {initial!r}, not a "
+                             "positive number")
+        if isinstance(recorded, (int, float)) and isinstance(factor, (int, float)) and recorded > 0:
+            expected = recorded * factor
+            if not (near(initial, expected) and near(base, expected)):
+                raise ValueError(f"optimizer_states: a parameter group's base learning rate is {initial!r} (schedule: "
+                                 f"{base!r}), not the recorded grpo.lr {recorded:g} x {factor:g}")
+        if not (near(base, initial) and within(group["lr"], initial) and within(shown, initial)):
+            raise ValueError(f"optimizer_states: a parameter group's learning rate {group['lr']!r} (last reported "
+                             f"{shown!r}) is not between 0 and its base rate {initial!r}")
 
 
 class GRPOModule(L.LightningModule):
