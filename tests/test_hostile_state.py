@@ -379,7 +379,9 @@ def test_a_removal_never_reaches_into_a_bind_mount(run_dir: Path, tmp_path: Path
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("planted, said", [("fifo", "config.json: is a named pipe"),
-                                           ("kernel", "tokenizer.json: is /proc/")])
+                                           ("kernel", "tokenizer.json: is /proc/"),
+                                           ("template-fifo", "default.jinja: is a named pipe"),
+                                           ("huge-template", "chat_template.jinja: is 65 MiB")])
 def test_a_model_folder_whose_files_are_not_files_is_one_line(tmp_path: Path, planted: str, said: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "model"
@@ -388,7 +390,14 @@ def test_a_model_folder_whose_files_are_not_files_is_one_line(tmp_path: Path, pl
         os.mkfifo(folder / "config.json")  # transformers would wait on it forever
     else:
         (folder / "config.json").write_text("{}")
+    if planted == "kernel":
         (folder / "tokenizer.json").symlink_to("/proc/self/status")  # S_ISREG, as /proc/kmsg, which blocks
+    elif planted == "template-fifo":  # the tokenizer reads every template in this folder
+        (folder / "additional_chat_templates").mkdir()
+        os.mkfifo(folder / "additional_chat_templates" / "default.jinja")
+    elif planted == "huge-template":  # read whole into memory: sparse, no disk used
+        with (folder / "chat_template.jinja").open("wb") as handle:
+            handle.truncate(65 * 2**20)
     capsys.readouterr()
     assert main(["run", "--recipe", "tiny", "model.source=hf", f"model.name={folder}",
                  f"logging.root={tmp_path / 'runs'}"]) == 2
@@ -723,3 +732,29 @@ def test_load_from_checkpoint_refuses_the_legacy_keys_lightning_also_reads_argum
     copied = _crafted(run_dir, tmp_path, edit)
     with pytest.raises(TclightningError, match=f"holds '{legacy}', where Lightning also reads"):
         GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+
+
+def _expanded(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s shape over one stored number (stride 0): a few bytes in the file, all of it once copied."""
+    return value.new_zeros(1).expand(value.shape)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c["state_dict"].__setitem__(_first_float_weight(c), _expanded(c["state_dict"][_first_float_weight(c)])),
+    lambda c: c["optimizer_states"][0]["state"][0].__setitem__(
+        "exp_avg", _expanded(c["optimizer_states"][0]["state"][0]["exp_avg"])),
+], ids=["weight", "adam-moment"])
+def test_a_tensor_over_fewer_stored_bytes_than_its_shape_is_refused_everywhere(
+        run_dir: Path, tmp_path: Path, edit, capsys: pytest.CaptureFixture[str]) -> None:
+    """A weight or a moment of stride 0 is how a checkpoint of kilobytes asks for a model of gigabytes
+    whose shapes all match its hyper-parameters: refused before anything is built or copied."""
+    copied = _crafted(run_dir, tmp_path, edit)
+    with pytest.raises(TclightningError, match="stored bytes"):
+        GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
+    capsys.readouterr()
+    assert main(["export", str(copied), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stored bytes" in err[0], err
+    assert not (tmp_path / "out").exists()
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and "stored bytes" in err[0], err

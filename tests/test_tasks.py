@@ -377,20 +377,25 @@ def test_arithmetic_reverse_answer_keeps_leading_zeros() -> None:
         assert task.reward(forty_sixty.answer.lstrip("0") or "1", forty_sixty) == 0.0
 
 
-def test_a_task_file_s_declared_image_column_is_never_opened(tmp_path: Path) -> None:
-    """A parquet file may declare a column an Image whose rows name files: a FIFO (or a URL, or a
-    huge PNG) there would be opened, fetched or decoded per row. Rows are read as values."""
+@pytest.mark.parametrize("nesting", ["column", "list", "struct"])
+def test_a_task_file_s_declared_image_column_is_never_opened(tmp_path: Path, nesting: str) -> None:
+    """A parquet file may declare a column an Image (or a list of them, or a struct holding one)
+    whose rows name files: a FIFO (or a URL, or a huge PNG) there would be opened, fetched or
+    decoded per row. Rows are read as values."""
     import os
     import signal
 
-    from datasets import Dataset, Features, Image, Value
+    from datasets import Dataset, Features, Image, List, Value
 
     from tclightning.tasks.data import read_rows
 
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    features = Features({"question": Value("string"), "answer": Value("string"), "picture": Image()})
-    Dataset.from_dict({"question": ["q"], "answer": ["#### 1"], "picture": [{"path": str(fifo), "bytes": None}]},
+    picture = {"path": str(fifo), "bytes": None}
+    feature, value = {"column": (Image(), picture), "list": (List(Image()), [picture]),
+                      "struct": ({"figure": Image()}, {"figure": picture})}[nesting]
+    features = Features({"question": Value("string"), "answer": Value("string"), "picture": feature})
+    Dataset.from_dict({"question": ["q"], "answer": ["#### 1"], "picture": [value]},
                       features=features).to_parquet(tmp_path / "rows.parquet")
     previous = signal.signal(signal.SIGALRM, lambda *args: pytest.fail("the row's file was opened"))
     signal.alarm(30)
@@ -399,7 +404,7 @@ def test_a_task_file_s_declared_image_column_is_never_opened(tmp_path: Path) -> 
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    assert rows == [{"question": "q", "answer": "#### 1", "picture": {"bytes": None, "path": str(fifo)}}]
+    assert rows == [{"question": "q", "answer": "#### 1", "picture": value}]
     chained = tmp_path / "a::b.parquet"  # fsspec would read "…/a", then "b.parquet" inside it
     chained.write_bytes((tmp_path / "rows.parquet").read_bytes())
     with pytest.raises(TclightningError, match="holds '::'"):

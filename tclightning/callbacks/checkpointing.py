@@ -117,7 +117,34 @@ def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: 
         raise CheckpointRefused(f"checkpoint {shown}: holds more than {MAX_CHECKPOINT_VALUES} values once its shared "
                                 f"references are followed, or nests deeper than {MAX_CHECKPOINT_DEPTH} (a structure "
                                 "built to expand without end); nothing was loaded")
+    thin = _thin_tensor(ckpt)
+    if thin is not None:
+        raise CheckpointRefused(f"checkpoint {shown}: {thin}, which torch.save never writes for a tensor of its own "
+                                "(a small file that would expand to gigabytes once copied?); nothing was loaded")
     return ckpt
+
+
+def _thin_tensor(obj: Any) -> str | None:
+    """Why a tensor in ``obj`` is not one torch.save writes for state of its own, or None: a
+    strided tensor whose storage holds fewer bytes than its shape covers (a stride of 0 makes one
+    stored number a weight of any size, and copying it into a model or an optimizer allocates all
+    of it), or a tensor of another layout. Walked after :func:`_fewer_values_than`, so bounded."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                return f"it holds a tensor of layout {value.layout}, not a dense one"
+            covered = value.numel() * value.element_size()
+            stored = value.untyped_storage().nbytes()
+            if covered > stored:
+                return (f"it holds a tensor of shape {tuple(value.shape)} over {stored} stored bytes, where its "
+                        f"shape covers {covered}")
+    return None
 
 
 def _compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:

@@ -192,7 +192,12 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
 
 
 CONFIG_MAX_BYTES = 64 * 2**20
-"""The largest JSON file of a local model folder read (a tokenizer.json is a few MB; a config KB)."""
+"""The largest text file of a local model folder read whole (a tokenizer.json is a few MB, Gemma
+3's 33 MB; a config or a chat template KB)."""
+
+READ_WHOLE_SUFFIXES = (".json", ".jinja", ".txt", ".model")
+"""The model folder's files transformers reads whole into memory (configs, tokenizers, chat
+templates, merges, SentencePiece models): each at most :data:`CONFIG_MAX_BYTES`."""
 
 
 MAX_LAYERS = 1024
@@ -201,13 +206,13 @@ is built, even on the meta device, so a config asking for 10^5 thin layers would
 
 
 def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
-    """Every file of a local model folder is a regular file: transformers reads ``config.json``,
-    the tokenizer's and the weights' files by name, and a FIFO or a link to ``/proc/kmsg`` there
-    would be waited on forever. Then :func:`check_model_size`. ``TclightningError`` (one line
-    naming the file) otherwise."""
-    for entry in folder.iterdir():
-        if not entry.is_dir():
-            regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix == ".json" else None)
+    """Every file of a local model folder, sub-folders included (``additional_chat_templates/``, a
+    sharded checkpoint's), is a regular file: transformers reads them by name, and a FIFO or a link
+    to ``/proc/kmsg`` there would be waited on forever; one it reads whole is at most
+    :data:`CONFIG_MAX_BYTES`. Then :func:`check_model_size`. ``TclightningError`` (one line naming
+    the file) otherwise."""
+    for entry in _model_folder_files(folder):
+        regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix in READ_WHOLE_SUFFIXES else None)
     # sub-folders too: a sharded checkpoint's index may name weight files anywhere below it
     weights = sum(p.stat().st_size for p in tree(folder)
                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
@@ -218,6 +223,23 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     except Exception:  # noqa: BLE001 - a config transformers cannot read is the loader's to name, in one line
         return
     check_model_size(config, weights, f"the model folder {folder}")
+
+
+def _model_folder_files(folder: Path) -> Iterator[Path]:
+    """Every entry below ``folder`` that is not a folder, links to folders listed too (each real
+    folder once, so a link loop ends)."""
+    stack, seen = [folder], set()
+    while stack:
+        current = stack.pop()
+        real = current.resolve()
+        if real in seen:
+            continue
+        seen.add(real)
+        for entry in tree(current):
+            if entry.is_symlink() and entry.is_dir():
+                stack.append(entry)
+            elif not entry.is_dir():
+                yield entry
 
 
 def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str) -> None:

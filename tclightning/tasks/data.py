@@ -50,12 +50,10 @@ def load_with_datasets(
 
     try:
         ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
-        # A column a file declares an Image (Audio, Video...) would be opened, fetched or decoded
-        # per row: a path in a row is a FIFO, a URL, an 8000x8000 PNG. Rows are values, never files.
-        for column, feature in ds.features.items():
-            if getattr(feature, "decode", False):
-                ds = ds.cast_column(column, type(feature)(decode=False))
-        return [dict(row) for row in ds]
+        # Rows are values, never files: a feature a file declares an Image (Audio, Video...), at any
+        # depth (a list of them, a struct holding one), would be opened, fetched or decoded per row
+        # by the dataset's formatter (a FIFO, a URL, an 8000x8000 PNG). to_list reads the table as it is.
+        return ds.to_list()
     except Exception as exc:  # turn any loader failure into one clear line
         where = data_files or f"{name}" + (f" ({config})" if config else "")
         raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
