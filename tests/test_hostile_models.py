@@ -191,23 +191,43 @@ def test_the_tokenizer_gets_one_time_budget_for_the_prompts_it_measures(monkeypa
     assert formatter.lengths(prompts) == [len(p) for p in prompts]  # a token a character
     monkeypatch.setattr(base, "TOKENIZE_TIME_S", 0.0)  # a budget no tokenizer meets: a quadratic regex's
     monkeypatch.setattr(base, "TOKENIZE_TIME_PER_CHAR_S", 0.0)
-    with pytest.raises(TclightningError, match="^the tokenizer of .*: it took more than 0 s to tokenize 1 prompt"):
+    with pytest.raises(TclightningError, match="^the tokenizer of .*: it took more than 0 s to tokenize 200 prompt"):
         formatter.lengths(prompts)
 
 
+@pytest.mark.parametrize("where", [0, 150], ids=["first-prompt", "past-the-first-64"])
 def test_a_tokenizer_that_multiplies_the_text_is_refused_from_a_separate_process(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Seven chained normalizers each turning "1" into forty: 40^7 characters for every digit.
-    In the run's own process that is a crash (or the OOM killer); tried in a separate process
-    with a memory limit, it is one refusal."""
+        monkeypatch: pytest.MonkeyPatch, where: int) -> None:
+    """Seven chained normalizers each turning "#" into forty: 40^7 characters for the prompt that
+    holds one, wherever it is among the prompts. In the run's own process that is a crash (or the
+    OOM killer); measured in a separate process with a memory limit, it is one refusal."""
     from tclightning.sampling import base
 
-    monkeypatch.setattr(base, "PROBE_MEMORY_BYTES", 2**30)
-    assert base.probe_tokenizer(build_char_tokenizer(), ["1+1=", "2+2="]) is None  # the control
+    monkeypatch.setattr(base, "TOKENIZE_MEMORY_BYTES", 2**30)
     tokenizer = build_char_tokenizer()
-    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Replace("1", "1" * 40)] * 7)
-    with pytest.raises(TclightningError, match="tokenizing a few prompts ran out of 1 GiB of memory"):
-        PromptFormatter(tokenizer, None, False).lengths(["2+3=", "1+1="])
+    tokenizer.backend_tokenizer.normalizer = normalizers.Sequence([normalizers.Replace("#", "#" * 40)] * 7)
+    prompts = [f"{i}+{i}=" for i in range(200)]
+    assert PromptFormatter(tokenizer, None, False).lengths(prompts) == [len(p) for p in prompts]  # the control
+    prompts[where] = "#+1="
+    with pytest.raises(TclightningError, match="tokenizing the prompts ran out of 1 GiB of memory"):
+        PromptFormatter(tokenizer, None, False).lengths(prompts)
+
+
+def test_a_python_tokenizer_is_measured_under_the_same_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning.sampling import base
+
+    class Slow:  # no backend_tokenizer: measured in this process, where a signal reaches it
+        chat_template = None
+        name_or_path = "slow"
+
+        def __call__(self, texts: list[str], **kwargs: object) -> dict:
+            import time
+            time.sleep(5)
+            return {"input_ids": [[0] * len(t) for t in texts]}
+
+    monkeypatch.setattr(base, "TOKENIZE_TIME_S", 0.2)
+    with pytest.raises(TclightningError, match="^the tokenizer of slow: it took more than 0.2"):
+        PromptFormatter(Slow(), None, False).lengths(["1+1="])  # type: ignore[arg-type]
 
 
 def test_the_cli_runs_tokenizers_on_one_thread() -> None:

@@ -333,10 +333,9 @@ class GRPOModule(L.LightningModule):
         if not positions:
             return train, evals
         room = positions - self.sampler_cfg.max_new_tokens
-        kept = []
-        for examples in (train, evals):
-            lengths = self.formatter.lengths([e.prompt for e in examples])
-            kept.append([e for e, n in zip(examples, lengths) if n <= room])
+        lengths = self.formatter.lengths([e.prompt for e in (*train, *evals)])  # one measuring process for both
+        kept = [[e for e, n in zip(train, lengths) if n <= room],
+                [e for e, n in zip(evals, lengths[len(train):]) if n <= room]]
         dropped = len(train) + len(evals) - len(kept[0]) - len(kept[1])
         where = (f"longer than the model's {positions} positions less sampler.max_new_tokens="
                  f"{self.sampler_cfg.max_new_tokens}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -128,57 +129,58 @@ folder, and two nested loops there would otherwise stall every run)."""
 TEMPLATE_TIME_PER_PROMPT_S = 0.002
 TEMPLATE_MAX_CHARS = 2**16
 """Characters a chat template may add to a prompt's own text (a long system preamble is ~10k)."""
-TOKENIZE_TIME_S = 1.0
-"""Time the tokenizer gets for the prompts :meth:`PromptFormatter.lengths` measures, plus
-``TOKENIZE_TIME_PER_CHAR_S`` a character (SmolLM2's tokenizer does about 4 MB/s on one thread;
-a tokenizer.json regex can be quadratic in the text, under its library's backtracking limit)."""
+TOKENIZE_TIME_S = 20.0
+"""Time a tokenizer gets to measure a run's prompts, plus ``TOKENIZE_TIME_PER_CHAR_S`` a character
+(a fresh process loads SmolLM2's tokenizer in about 0.3 s and tokenizes about 4 MB/s on one
+thread; a tokenizer.json regex can be quadratic in the text, under its library's backtracking
+limit)."""
 TOKENIZE_TIME_PER_CHAR_S = 2e-6
-_TOKENIZE_CHUNK = 64
-PROBE_TIME_S = 20.0
-"""Time a fresh process gets to load the tokenizer and tokenize the first 64 prompts (about 0.5 s)."""
-PROBE_MEMORY_BYTES = 4 * 2**30
-"""Memory that process may take (a tokenizer.json normalizer can multiply the text without end)."""
+TOKENIZE_MEMORY_BYTES = 4 * 2**30
+"""Memory the process measuring the prompts may take (a tokenizer.json normalizer can multiply
+the text without end)."""
 
-_PROBE = """
-import resource, sys
+# Run in a fresh process: the Rust code of a fast tokenizer holds the interpreter, so no signal
+# stops a quadratic regex, and a normalizer that multiplies the text exhausts the memory; in the
+# run's own process either would be a wait without end or a crash. Prints the lengths as JSON.
+_MEASURE = """
+import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]), int(sys.argv[1])))
 from tokenizers import Tokenizer
-spec, text = sys.stdin.buffer.read().split(b"\\0", 1)
-Tokenizer.from_str(spec.decode()).encode(text.decode())
+spec, texts = sys.stdin.buffer.read().split(b"\\0", 1)
+tokenizer = Tokenizer.from_str(spec.decode())
+tokenizer.no_padding()
+tokenizer.no_truncation()
+texts, special, lengths = json.loads(texts), sys.argv[2] == "1", []
+for i in range(0, len(texts), 256):
+    lengths += [len(row.ids) for row in tokenizer.encode_batch(texts[i:i + 256], add_special_tokens=special)]
+sys.stdout.write(json.dumps(lengths))
 """
 
 
-_probed: dict[str, str | None] = {}  # probe_tokenizer's verdicts, by the tokenizer's JSON
-
-
-def probe_tokenizer(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> str | None:
-    """Why ``tokenizer`` cannot tokenize ``texts`` (a few prompts), found in a separate process
-    with a time and a memory limit (``None``: it can, or it is no Rust tokenizer to probe); asked
-    once per tokenizer in a process. The Rust code of a fast tokenizer holds the interpreter: no
-    signal stops a regex quadratic in the text, and a normalizer that multiplies the text exhausts
-    the memory; in the run's own process either would be a wait without end or a crash."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = backend.to_str()
-    if spec not in _probed:
-        _probed[spec] = _probe(spec, "\n".join(texts))
-    return _probed[spec]
-
-
-def _probe(spec: str, text: str) -> str | None:
+def measure_in_child(spec: str, texts: Sequence[str], add_special_tokens: bool) -> list[int] | str:
+    """The token count of each of ``texts`` under the Rust tokenizer ``spec`` (its JSON), measured
+    in a separate process under a time and a memory limit; or why it could not be (a string)."""
+    limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for t in texts)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, str(PROBE_MEMORY_BYTES)],
-                              input=spec.encode() + b"\0" + text.encode("utf-8", "surrogatepass"),
-                              capture_output=True, timeout=PROBE_TIME_S, env=env)
+        done = subprocess.run([sys.executable, "-c", _MEASURE, str(TOKENIZE_MEMORY_BYTES), str(int(add_special_tokens))],
+                              input=spec.encode() + b"\0" + json.dumps(list(texts)).encode(),
+                              capture_output=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:
-        return f"tokenizing a few prompts took more than {PROBE_TIME_S:g} s"
-    except OSError:  # no process to spare: the in-process budget still applies
-        return None
+        return f"it took more than {limit:.3g} s to tokenize {len(texts)} prompt(s)"
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    if b"PanicException" in done.stderr:
+        return f"it fails on a prompt (tokenizers panicked: {said[-1] if said else ''})"
     if done.returncode < 0 or b"MemoryError" in done.stderr or b"memory allocation" in done.stderr:
-        return f"tokenizing a few prompts ran out of {PROBE_MEMORY_BYTES / 2**30:g} GiB of memory or crashed"
-    return None
+        return (f"tokenizing the prompts ran out of {TOKENIZE_MEMORY_BYTES / 2**30:g} GiB of memory or crashed "
+                f"(exit {done.returncode})")
+    try:
+        lengths = json.loads(done.stdout)
+    except ValueError:
+        lengths = None
+    if done.returncode != 0 or not isinstance(lengths, list) or len(lengths) != len(texts):
+        return f"it fails on a prompt ({said[-1] if said else f'exit {done.returncode}'})"
+    return lengths
 
 
 @dataclass
@@ -251,31 +253,27 @@ class PromptFormatter:
             raise self._refusal(f"it fails on a prompt (tokenizers panicked: {err})") from None
 
     def lengths(self, user_texts: Sequence[str]) -> list[int]:
-        """How many tokens :meth:`encode` gives each prompt, without padding. The tokenizer is
-        first tried on the first 64 prompts in a separate process (:func:`probe_tokenizer`), then
-        gets one time budget for all, the first prompt alone first (a tokenizer that is slow on
-        every prompt is refused in a second or two); the budget is checked between calls of 64
-        prompts (a signal cannot stop the tokenizer's own code)."""
+        """How many tokens :meth:`encode` gives each prompt, without padding, within one time
+        budget for all. A fast (Rust) tokenizer measures them in a separate process under a time and
+        a memory limit (:func:`measure_in_child`: no signal stops its code, and every prompt a
+        run trains on is measured there before the run's own process tokenizes it); a Python one
+        here, under the same time budget."""
         texts = self.render_all(user_texts)
         if not texts:
             return []
-        trouble = probe_tokenizer(self.tokenizer, texts[:_TOKENIZE_CHUNK])
-        if trouble is not None:
-            raise self._refusal(trouble)
-        chunks = [texts[:1]] + [texts[i:i + _TOKENIZE_CHUNK] for i in range(1, len(texts), _TOKENIZE_CHUNK)]
-
-        def measure(chunk: list[str]) -> list[int]:
-            return [len(row) for row in self.tokenize(chunk, add_special_tokens=not self.templated)["input_ids"]]
-
-        lengths: list[int] = []
-        for part in (chunks[:1], chunks[1:]):
-            limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for chunk in part for t in chunk)
-            try:
-                lengths += within(lambda: [n for chunk in part for n in measure(chunk)], limit)
-            except TimeoutError:
-                raise self._refusal(f"it took more than {limit:.3g} s to tokenize "
-                                    f"{sum(map(len, part))} prompt(s)") from None
-        return lengths
+        special = not self.templated
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            measured = measure_in_child(backend.to_str(), texts, special)
+            if isinstance(measured, str):
+                raise self._refusal(measured)
+            return measured
+        limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for t in texts)
+        try:
+            return within(lambda: [len(row) for row in self.tokenize(texts, add_special_tokens=special)["input_ids"]],
+                          limit)
+        except TimeoutError:
+            raise self._refusal(f"it took more than {limit:.3g} s to tokenize {len(texts)} prompt(s)") from None
 
     def encode(self, user_texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Left-padded ``input_ids``/``attention_mask`` for a batch of prompts."""
