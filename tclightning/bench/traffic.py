@@ -44,7 +44,6 @@ import torch
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
-from tclightning.models.loading import CONFIG_MAX_BYTES, MAX_LAYERS
 from tclightning.sign_message import sign_message_bytes
 from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
@@ -86,6 +85,10 @@ class Traffic:
 def read_model_config(name_or_path: str) -> dict[str, Any]:
     """A model's ``config.json`` as a dict: a file, a folder holding one, or a Hugging Face name of a
     shipped config (``SHIPPED``). Refuses anything else in one line."""
+    # here, not at the top: the CLI builds this command's options on every call, and the loader's
+    # transformers import costs two seconds
+    from tclightning.models.loading import CONFIG_MAX_BYTES, MAX_LAYERS
+
     path = Path(name_or_path)
     for candidate in (path, path / "config.json", SHIPPED / f"{name_or_path.replace('/', '--')}.json"):
         if candidate.is_file():
