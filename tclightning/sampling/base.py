@@ -168,6 +168,8 @@ def measure_in_child(spec: str, texts: Sequence[str], add_special_tokens: bool) 
                               capture_output=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:
         return f"it took more than {limit:.3g} s to tokenize {len(texts)} prompt(s)"
+    except OSError as err:  # no process to spare: nothing measured is nothing safe to tokenize here
+        return f"no process could be started to measure the prompts ({err.strerror or err})"
     said = done.stderr.decode(errors="replace").strip().splitlines()
     if b"PanicException" in done.stderr:
         return f"it fails on a prompt (tokenizers panicked: {said[-1] if said else ''})"
