@@ -149,3 +149,20 @@ def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path, capsys):
     expected = json.loads(capsys.readouterr().out)
     assert main(["analyze", "health", str(excel), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == expected and expected["first_warning_step"] is not None
+
+
+@pytest.mark.parametrize("text, said", [
+    ("step,reward/mean,reward/mean\n1,0.3,0.02\n", "the column 'reward/mean' appears twice in its header"),
+    ("step,reward/mean\n1,0.3\n2,0.3,0.02,0.01\n", ":3: 4 cells where the header names 2 columns"),
+], ids=["column-twice", "row-longer-than-header"])
+def test_a_csv_whose_columns_do_not_line_up_is_refused_in_one_line(tmp_path, capsys, text: str, said: str):
+    """Which of two same-named columns, or which column a row's extra cells belong to, cannot be
+    told: a verdict on such a file would be on numbers that may not be the metric it names."""
+    from tclightning.cli.main import main
+
+    path = tmp_path / "metrics.csv"
+    path.write_text(text)
+    capsys.readouterr()
+    assert main(["analyze", "health", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines

@@ -49,7 +49,13 @@ def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")
+        twice = next((name for i, name in enumerate(reader.fieldnames) if name in reader.fieldnames[:i]), None)
+        if twice is not None:  # which of the two columns would be the metric?
+            raise TclightningError(f"{path}: the column {twice!r} appears twice in its header")
         for line_no, record in enumerate(reader, start=2):
+            if None in record:  # more cells than the header names: the columns no longer line up
+                raise TclightningError(f"{path}:{line_no}: {len(reader.fieldnames) + len(record[None])} cells where "
+                                       f"the header names {len(reader.fieldnames)} columns")
             raw_step = (record.get("step") or "").strip()
             if not raw_step:
                 continue
