@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -69,6 +70,17 @@ def _single_thread() -> None:
     verdict depends on test order, `-k` selection or the machine's core count."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test starts with the signal handlers the session had: a Ctrl-C handler a run left
+    behind (stopping after the step instead of raising) would change a later test's verdict."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for sig, handler in kept.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture()

@@ -528,6 +528,8 @@ class GracefulStop(L.Callback):
         print("\nstopping after this step (Ctrl-C again to abort now)", flush=True)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._previous is not None:  # installed already (a fit restarted): keep the handler from before it
+            return
         try:
             self._previous = signal.signal(signal.SIGINT, self._handle)
         except ValueError:  # not the main thread: leave signals alone
