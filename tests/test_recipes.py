@@ -277,3 +277,26 @@ def test_a_file_named_like_a_shipped_recipe_or_preset_in_the_working_folder_neve
     assert find_recipe("tiny").parent.name == "recipes"
     assert find_preset("monitoring", tmp_path) != (tmp_path / "monitoring").resolve()
     assert find_recipe("./tiny") == (tmp_path / "tiny").resolve()
+
+
+def test_a_moved_key_is_refused_naming_its_replacement_and_an_old_checkpoint_carries_it_over(tmp_path: Path) -> None:
+    """A key folded into another (``sampler.vllm_sleep`` -> ``sampler.vllm.sleep``) is one line
+    naming the file, the key and what to write; a checkpoint that saved it loads with its value moved."""
+    from dataclasses import asdict
+
+    from tclightning.grpo.module import _current
+    from tclightning.models.config import ModelConfig
+    from tclightning.recipes.loader import validate_checkpoint_hparams
+    from tclightning.recipes.schema import MOVED_KEYS, RETIRED_KEYS
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("defaults: [tiny]\ndescription: d\nsampler: {vllm_sleep: true}\n")
+    with pytest.raises(RecipeError, match=rf"^{recipe}: key 'sampler.vllm_sleep': no longer a key: use sampler.vllm.sleep$"):
+        load_recipe(str(recipe))
+    with pytest.raises(RecipeError, match="unknown option 'slep' \\(did you mean 'sleep'\\?\\)"):
+        load_recipe("tiny", ["sampler.vllm.slep=true"])
+    assert to_dataclass(load_recipe("tiny", ["sampler.vllm.sleep=true"])).sampler.vllm_options.sleep
+    assert set(MOVED_KEYS) <= set(RETIRED_KEYS)
+    old = {"vllm_sleep": True, "gpu_memory_utilization": 0.4, "group_size": 4}
+    validate_checkpoint_hparams({"model": asdict(ModelConfig()), "sampler": old}, "old.ckpt")
+    assert _current(old, "sampler") == {"group_size": 4, "vllm": {"gpu_memory_utilization": 0.4, "sleep": True}}

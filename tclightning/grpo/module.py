@@ -49,7 +49,6 @@ from tclightning.agentic import build_agentic_task, is_agentic
 from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout
 from tclightning.anchor.anchor import build_anchor
 from tclightning.anchor.circuit import rank_share
-from tclightning.anchor.config import RETIRED_KEYS as ANCHOR_RETIRED
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import checkpoint_allow_list, legacy_hparams, load_checkpoint
@@ -57,12 +56,10 @@ from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
-from tclightning.grpo.config import RETIRED_KEYS as GRPO_RETIRED
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.update import UpdateResult, grpo_update
-from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import DTYPES, ModelConfig
 from tclightning.models.loading import check_checkpoint_model, check_weights, load_model
 from tclightning.models.lora import apply_lora, base_fingerprint, frozen_parameter_names
@@ -75,7 +72,6 @@ from tclightning.sampling.factory import build_sampler
 from tclightning.settings import MAX_STEPS, field_problems, positive, without_keys
 from tclightning.settings import seed as seed_rule
 from tclightning.tasks import Example, TaskConfig, build_task
-from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
 
@@ -92,10 +88,15 @@ _LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("tclightning_load
 C = TypeVar("C")
 
 
-def _current(value: Any, retired: tuple[str, ...]) -> Any:
-    """A section as a checkpoint stored it, less the keys an earlier version saved that no option
-    reads now; an instance or None passes unchanged."""
-    return without_keys(value, retired) if isinstance(value, Mapping) else value
+def _current(value: Any, section: str) -> Any:
+    """A section as a checkpoint stored it in today's keys: an earlier version's moved keys carried
+    over, the keys it saved that no option reads now left out; an instance or None passes unchanged."""
+    from tclightning.recipes.schema import RETIRED_KEYS, upgrade_sections
+
+    if not isinstance(value, Mapping):
+        return value
+    retired = [key.split(".", 1)[1] for key in RETIRED_KEYS if key.startswith(section + ".")]
+    return without_keys(upgrade_sections({section: value})[section], retired)
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | None, section: str = "") -> C:
@@ -273,11 +274,11 @@ class GRPOModule(L.LightningModule):
                 raise TclightningError(f"{name}: {problem}")
         # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
         # a checkpoint's dicts may hold keys an earlier version saved (each section's RETIRED_KEYS)
-        self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED), "model")
-        self.task_cfg = as_config(TaskConfig, _current(task, TASK_RETIRED), "task")
-        self.sampler_cfg = as_config(SamplerConfig, sampler, "sampler")
-        self.cfg = as_config(GRPOConfig, _current(grpo, GRPO_RETIRED), "grpo")
-        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, ANCHOR_RETIRED), "anchor")
+        self.model_cfg = as_config(ModelConfig, _current(model, "model"), "model")
+        self.task_cfg = as_config(TaskConfig, _current(task, "task"), "task")
+        self.sampler_cfg = as_config(SamplerConfig, _current(sampler, "sampler"), "sampler")
+        self.cfg = as_config(GRPOConfig, _current(grpo, "grpo"), "grpo")
+        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, "anchor"), "anchor")
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size

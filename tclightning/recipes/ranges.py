@@ -60,10 +60,10 @@ def _lengths(cfg: DictConfig) -> Iterator[Problem]:
                 yield Problem((f"sampler.{key}", "model.tiny.max_positions"),
                               f"{value} tokens do not fit the tiny model's {limit} positions "
                               "(model.tiny.max_positions) beside the prompt")
-    if s.backend == "vllm" and s.vllm_max_model_len is not None and s.max_new_tokens >= s.vllm_max_model_len:
-        yield Problem(("sampler.max_new_tokens", "sampler.vllm_max_model_len"),
-                      f"{s.max_new_tokens} tokens leave no room for the prompt in vllm_max_model_len "
-                      f"{s.vllm_max_model_len}")
+    model_len = s.vllm.get("max_model_len")
+    if s.backend == "vllm" and model_len is not None and s.max_new_tokens >= model_len:
+        yield Problem(("sampler.max_new_tokens", "sampler.vllm"),
+                      f"{s.max_new_tokens} tokens leave no room for the prompt in sampler.vllm.max_model_len {model_len}")
 
 
 def _model_source(cfg: DictConfig) -> Iterator[Problem]:

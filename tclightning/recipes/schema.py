@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from tclightning.anchor import config as anchor_config
@@ -22,6 +23,7 @@ from tclightning.models.config import ModelConfig
 from tclightning.pipeline import config as pipeline_config
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.strategy import STRATEGY_NAME
+from tclightning.sampling import config as sampler_config
 from tclightning.sampling.config import SamplerConfig
 from tclightning.settings import MAX_STEPS, anything, flag, integer, one_of, positive, seed, setting, text
 from tclightning.tasks import config as task_config
@@ -150,11 +152,35 @@ class RecipeConfig:
         "(loader.resolve_callback_class)")
 
 
+SECTION_MODULES = (("model", model_config), ("task", task_config), ("sampler", sampler_config),
+                   ("grpo", grpo_config), ("pipeline", pipeline_config), ("anchor", anchor_config))
+"""The config module of each section; each may list ``RETIRED_KEYS`` (read by no option now),
+``MOVED_KEYS`` (``{old key: its replacement}``) and ``upgrade`` (an earlier version's section in
+today's keys)."""
+
+MOVED_KEYS: dict[str, str] = {
+    f"{section}.{old}": f"{section}.{new}"
+    for section, module in SECTION_MODULES
+    for old, new in getattr(module, "MOVED_KEYS", {}).items()
+}
+"""Keys an earlier version read that another key holds now, each with its replacement as a recipe
+writes it: a recipe or override that sets one is refused in one line naming both."""
+
 RETIRED_KEYS: tuple[str, ...] = tuple(
-    f"{section}.{key}"
-    for section, module in (("model", model_config), ("task", task_config), ("grpo", grpo_config),
-                            ("pipeline", pipeline_config), ("anchor", anchor_config))
-    for key in module.RETIRED_KEYS
-)
+    f"{section}.{key}" for section, module in SECTION_MODULES for key in getattr(module, "RETIRED_KEYS", ())
+) + tuple(MOVED_KEYS)
 """Keys an earlier version wrote into a checkpoint's hyper-parameters or a run's record that no
-option reads now (each section module's ``RETIRED_KEYS``): read without them."""
+option reads now (each section module's ``RETIRED_KEYS``, and the moved keys once
+:func:`upgrade_sections` has carried their values over): read without them."""
+
+
+def upgrade_sections(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Recipe sections as an earlier version saved them (a checkpoint's hyper-parameters, a run's
+    record), each moved key's value carried to the key that holds it now (each section module's
+    ``upgrade``); anything else is passed on as it was."""
+    out = dict(data)
+    for section, module in SECTION_MODULES:
+        upgrade = getattr(module, "upgrade", None)
+        if upgrade is not None and isinstance(out.get(section), Mapping):
+            out[section] = upgrade(out[section])
+    return out
