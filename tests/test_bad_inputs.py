@@ -133,7 +133,7 @@ CASES: dict[str, Case] = {
     "hf-name-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "model.source=hf",
                             "model.name={tmp}/model.gguf"), ("model.name=", "is a file, not a model folder"),
                            {"model.gguf": b"GGUF...."}),
-    "mask-ratio-inverted": override("grpo.mask_ratio_low=2", "grpo.mask_ratio_high=1"),
+    "mask-ratio-inverted": override("grpo.mask_ratio=[2,1]"),
     "pipeline-layout-unknown": override("trainer.strategy=pipeline", "pipeline.layout=bogus"),
     "pipeline-more-stages-than-layers": override("trainer.strategy=pipeline", "pipeline.stages=9",
                                                  names=("command line: override 'pipeline.stages=9'", "layers")),

@@ -300,3 +300,22 @@ def test_a_moved_key_is_refused_naming_its_replacement_and_an_old_checkpoint_car
     old = {"vllm_sleep": True, "gpu_memory_utilization": 0.4, "group_size": 4}
     validate_checkpoint_hparams({"model": asdict(ModelConfig()), "sampler": old}, "old.ckpt")
     assert _current(old, "sampler") == {"group_size": 4, "vllm": {"gpu_memory_utilization": 0.4, "sleep": True}}
+
+
+def test_paired_keys_of_an_earlier_version_become_one_value() -> None:
+    """``grpo.mask_ratio_low/high``, ``grpo.overlong: penalty`` with ``overlong_penalty`` and
+    ``task.min/max_solve_rate`` as a checkpoint saved them load as today's single keys."""
+    from tclightning.grpo.module import _current
+
+    old_grpo = {"overlong": "penalty", "overlong_penalty": 0.5, "mask_ratio_low": 0.5, "mask_ratio_high": 2.0}
+    assert _current(old_grpo, "grpo") == {"overlong": 0.5, "mask_ratio": [0.5, 2.0]}
+    assert _current({"overlong": "mask", "overlong_penalty": 1.0, "mask_ratio_low": 0.0, "mask_ratio_high": 0.0},
+                    "grpo") == {"overlong": "mask", "mask_ratio": None}
+    assert _current({"min_solve_rate": 0.2, "max_solve_rate": None}, "task") == {"solve_rate": [0.2, None]}
+    with pytest.raises(RecipeError, match="'grpo.mask_ratio_low=0.5': no longer a key: use grpo.mask_ratio: \\[low, high\\]"):
+        load_recipe("tiny", ["grpo.mask_ratio_low=0.5"])
+    with pytest.raises(RecipeError, match="low below high"):
+        load_recipe("tiny", ["grpo.mask_ratio=[2, 1]"])
+    assert to_dataclass(load_recipe("tiny", ["grpo.overlong=1.0"])).grpo.overlong_penalty == 1.0
+    with pytest.raises(RecipeError, match="expected none, mask or a penalty"):
+        load_recipe("tiny", ["grpo.overlong=penalty"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Optional
 
 from tclightning.grpo.loss import AGGREGATIONS
 from tclightning.settings import flag, integer, list_of, number, one_of, positive, setting
@@ -11,8 +13,25 @@ from tclightning.settings import flag, integer, list_of, number, one_of, positiv
 SCALE_REWARDS = ("group", "none")
 """``grpo.scale_rewards``: (r - mean)/std in the group (GRPO), or r - mean (Dr.GRPO)."""
 
-OVERLONG = ("none", "mask", "penalty")
-"""``grpo.overlong``: what a truncated completion gets."""
+OVERLONG = ("none", "mask")
+"""``grpo.overlong``'s names (a number is the third choice: a penalty)."""
+
+
+def _overlong(value: Any) -> str | None:
+    """``grpo.overlong``: ``none``, ``mask``, or a finite penalty > 0."""
+    if value in OVERLONG:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return None
+    return f"expected none, mask or a penalty (a finite number > 0), got {value!r}"
+
+
+def _band(value: Any) -> str | None:
+    """``grpo.mask_ratio``: null, or ``[low, high]`` with ``0 <= low < high``."""
+    problem = list_of(number(0.0), 2, optional=True)(value)
+    if problem is None and value is not None and not value[0] < value[1]:
+        return f"expected [low, high] with low below high, got {list(value)}"
+    return problem
 
 
 @dataclass
@@ -35,17 +54,42 @@ class GRPOConfig:
     kl_coef: float = setting(0.0, number(0.0), "k3 KL to the frozen initial policy; 0 disables (no reference kept)")
     max_grad_norm: float = setting(1.0, number(0.0), "0 disables clipping; the pre-clip norm is logged either way")
     drop_zero_variance_groups: bool = setting(False, flag, "drop groups whose rewards are all equal (no signal)")
-    overlong: str = setting("none", one_of(OVERLONG), "none | mask (truncated completions get no loss) | penalty")
-    overlong_penalty: float = setting(1.0, number(0.0),
-                                      "reward subtracted from truncated completions when overlong=penalty")
+    overlong: Any = setting("none", _overlong,
+                            "what a truncated completion gets: none | mask (no loss) | a number p > 0 (its reward "
+                            "lowered by p, e.g. 1.0)")
     tis_cap: float = setting(0.0, number(0.0), "token-level truncated importance sampling vs the sampler; 0 disables")
-    mask_ratio_low: float = setting(0.0, number(0.0), "mask tokens with sampler ratio outside [low, high]; 0/0 disables")
-    mask_ratio_high: float = setting(0.0, number(0.0), "the upper end of that band (> 0 turns masking on)")
+    mask_ratio: Optional[list[float]] = setting(
+        None, _band, "[low, high]: tokens whose ratio to the sampler's probability lies outside get no loss; null: none")
 
     eps: ClassVar[float] = 1.0e-4
     """Std floor in the advantage normalisation (TRL's constant; not a recipe key)."""
+
+    @property
+    def overlong_penalty(self) -> float:
+        """The reward a truncated completion loses (``overlong`` as a number; 0 otherwise)."""
+        return 0.0 if self.overlong in OVERLONG else float(self.overlong)
 
 
 RETIRED_KEYS = ("eps",)
 """Keys of the ``grpo`` section an earlier version saved that no option reads now: ``eps`` is the
 constant :attr:`GRPOConfig.eps`."""
+
+MOVED_KEYS: dict[str, str] = {
+    "overlong_penalty": "overlong (a number: the penalty itself, e.g. grpo.overlong=1.0)",
+    "mask_ratio_low": "mask_ratio: [low, high]",
+    "mask_ratio_high": "mask_ratio: [low, high]",
+}
+"""Keys of the ``grpo`` section an earlier version read, and the key that holds each now (:func:`upgrade`)."""
+
+
+def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``grpo`` section as an earlier version saved it, in today's keys: ``overlong: penalty`` with
+    its ``overlong_penalty`` is that number; ``mask_ratio_low/high`` (off while high was 0) are one pair."""
+    out = dict(section)
+    penalty = out.pop("overlong_penalty", None)
+    if out.get("overlong") == "penalty":
+        out["overlong"] = 1.0 if penalty is None else penalty
+    if "mask_ratio_low" in out or "mask_ratio_high" in out:
+        low, high = out.pop("mask_ratio_low", 0.0), out.pop("mask_ratio_high", 0.0)
+        out["mask_ratio"] = [low, high] if high else None
+    return out

@@ -544,7 +544,7 @@ class GRPOModule(L.LightningModule):
         rollouts = rollouts.to(self.device)
         # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
         truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
-        shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong == "penalty" else rewards
+        shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong_penalty else rewards
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         sampled = time.perf_counter()
 
