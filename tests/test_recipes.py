@@ -319,3 +319,19 @@ def test_paired_keys_of_an_earlier_version_become_one_value() -> None:
     assert to_dataclass(load_recipe("tiny", ["grpo.overlong=1.0"])).grpo.overlong_penalty == 1.0
     with pytest.raises(RecipeError, match="expected none, mask or a penalty"):
         load_recipe("tiny", ["grpo.overlong=penalty"])
+
+
+def test_anchor_keys_of_an_earlier_version_load_in_todays_keys() -> None:
+    """``anchor.cv_weight/cv_clip`` and ``projector_gamma/window`` move into their mappings;
+    ``warmup: none`` is ``warmup_ticks: 0`` (la_warmup keeps its ticks)."""
+    from tclightning.grpo.module import _current
+
+    old = {"cv_weight": 0.5, "cv_clip": 0.25, "projector_gamma": 0.7, "projector_window": 4, "warmup": "none",
+           "warmup_ticks": 100}
+    assert _current(old, "anchor") == {"control_variate": {"weight": 0.5, "clip": 0.25},
+                                       "projector_options": {"gamma": 0.7, "window": 4}, "warmup_ticks": 0}
+    assert _current({"warmup": "la_warmup", "warmup_ticks": 60}, "anchor") == {"warmup_ticks": 60}
+    with pytest.raises(RecipeError, match="no longer a key: use anchor.control_variate.clip"):
+        load_recipe("robust-5-5", ["anchor.cv_clip=0.5"])
+    with pytest.raises(RecipeError, match="no longer a key: use anchor.warmup_ticks"):
+        load_recipe("tiny", ["anchor.warmup=la_warmup"])
