@@ -463,9 +463,9 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
     t = recipe.trainer
     loggers: list[Any] = []
     own = own_loggers(recipe.logging.loggers)
-    if recipe.logging.tensorboard or "tensorboard" in own:
+    if "tensorboard" in own:
         loggers.append(build_tensorboard(plan.run_dir, plan.resume_step))
-    if recipe.logging.csv or "csv" in own:
+    if "csv" in own:
         loggers.append(ResumableCSVLogger(plan.run_dir, plan.resume_step))
     loggers += build_loggers(recipe.logging.loggers, plan.run_dir, recipe.logging.name or recipe.name,
                              source=f"recipe '{recipe.name}'")

@@ -335,3 +335,13 @@ def test_anchor_keys_of_an_earlier_version_load_in_todays_keys() -> None:
         load_recipe("robust-5-5", ["anchor.cv_clip=0.5"])
     with pytest.raises(RecipeError, match="no longer a key: use anchor.warmup_ticks"):
         load_recipe("tiny", ["anchor.warmup=la_warmup"])
+
+
+def test_logging_loggers_lists_the_runs_own_loggers_and_an_earlier_record_says_the_same() -> None:
+    from tclightning.recipes.schema import upgrade_sections
+
+    assert to_dataclass(load_recipe("tiny")).logging.loggers == ["tensorboard", "csv"]
+    with pytest.raises(RecipeError, match="'logging.tensorboard=false': no longer a key: use logging.loggers"):
+        load_recipe("tiny", ["logging.tensorboard=false"])
+    old = {"logging": {"tensorboard": False, "csv": True, "loggers": ["wandb"], "progress": "none"}}
+    assert upgrade_sections(old)["logging"] == {"loggers": ["csv", "wandb"], "progress": "none"}

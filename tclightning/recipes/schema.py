@@ -25,7 +25,7 @@ from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.strategy import STRATEGY_NAME
 from tclightning.sampling import config as sampler_config
 from tclightning.sampling.config import SamplerConfig
-from tclightning.settings import MAX_STEPS, anything, flag, integer, one_of, positive, seed, setting, text
+from tclightning.settings import MAX_STEPS, anything, integer, one_of, positive, seed, setting, text
 from tclightning.tasks import config as task_config
 from tclightning.tasks.config import TaskConfig
 
@@ -50,7 +50,8 @@ LOGGERS: dict[str, tuple[str, str | None]] = {
     "neptune": ("lightning.pytorch.loggers.NeptuneLogger", "neptune"),
 }
 """``logging.loggers`` short names: the Lightning logger class and the package it needs.
-``tensorboard`` and ``csv`` are the run's own loggers (``logging.tensorboard`` / ``logging.csv``)."""
+``tensorboard`` and ``csv`` are the run's own loggers (events in ``<run_dir>/tb``, ``<run_dir>/metrics.csv``),
+the two a run has by default."""
 
 
 def logger_list(value: Any) -> str | None:
@@ -79,8 +80,8 @@ def logger_list(value: Any) -> str | None:
         if not isinstance(entry.get("init_args", {}), dict):
             return f"entry {i}: init_args must be a mapping of constructor arguments"
         if path in ("tensorboard", "csv") and entry.get("init_args"):
-            return (f"entry {i}: the run's own {path} logger takes no init_args (it is logging.{path}); for "
-                    f"another one use class_path {LOGGERS[path][0]}")
+            return (f"entry {i}: the run's own {path} logger takes no init_args (it writes into the run folder); "
+                    f"for another one use class_path {LOGGERS[path][0]}")
     return None
 
 
@@ -111,13 +112,13 @@ class LoggingConfig:
     root: str = setting("runs", text(nonempty=True, printable=True), "run directories are <root>/<name>/<timestamp>/")
     name: Optional[str] = setting(None, text(nonempty=True, optional=True, printable=True),
                                   "default: the recipe's name")
-    tensorboard: bool = setting(True, flag, "TensorBoard events in <run_dir>/tb, with a Custom Scalars layout")
-    csv: bool = setting(True, flag, "metrics.csv in the run directory (columns = metric names, plus `step`)")
     progress: str = setting("rich", one_of(PROGRESS_BARS), "rich | tqdm | none")
     loggers: list[Any] = setting(
-        [], logger_list,
-        "more Lightning loggers: short names (wandb, mlflow, comet, neptune; tensorboard and csv are the two above) "
-        "or {class_path, init_args} as LightningCLI writes them (docs/recipes.md)")
+        ["tensorboard", "csv"], logger_list,
+        "every logger of the run, as Lightning's Trainer(logger=[...]) takes them: short names or {class_path, "
+        "init_args} as LightningCLI writes them (docs/recipes.md). tensorboard: events in <run_dir>/tb with a Custom "
+        "Scalars layout; csv: <run_dir>/metrics.csv (columns = metric names, plus `step`), which a resume and "
+        "`tclightning summary` read; also wandb, mlflow, comet, neptune. To add one, list the two defaults too")
 
 
 @dataclass
@@ -158,11 +159,30 @@ SECTION_MODULES = (("model", model_config), ("task", task_config), ("sampler", s
 ``MOVED_KEYS`` (``{old key: its replacement}``) and ``upgrade`` (an earlier version's section in
 today's keys)."""
 
+LOGGING_MOVED_KEYS: dict[str, str] = {
+    "tensorboard": "loggers (the run's loggers, [tensorboard, csv] by default: leave tensorboard out to turn it off)",
+    "csv": "loggers (the run's loggers, [tensorboard, csv] by default: leave csv out to turn it off)",
+}
+"""Keys of the ``logging`` section an earlier version read: ``logging.loggers`` lists the run's own two now."""
+
+
+def upgrade_logging(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``logging`` section as an earlier version recorded it, in today's keys: the run's own
+    loggers it had on (``tensorboard``, ``csv``: true by default) lead ``loggers``."""
+    out = dict(section)
+    if "tensorboard" not in out and "csv" not in out:
+        return out
+    own = [name for name in ("tensorboard", "csv") if out.pop(name, True)]
+    listed = list(out.get("loggers") or [])
+    out["loggers"] = [*(name for name in own if name not in listed), *listed]
+    return out
+
+
 MOVED_KEYS: dict[str, str] = {
     f"{section}.{old}": f"{section}.{new}"
-    for section, module in SECTION_MODULES
-    for old, new in getattr(module, "MOVED_KEYS", {}).items()
-}
+    for section, moved in ((section, getattr(module, "MOVED_KEYS", {})) for section, module in SECTION_MODULES)
+    for old, new in moved.items()
+} | {f"logging.{old}": f"logging.{new}" for old, new in LOGGING_MOVED_KEYS.items()}
 """Keys an earlier version read that another key holds now, each with its replacement as a recipe
 writes it: a recipe or override that sets one is refused in one line naming both."""
 
@@ -183,4 +203,6 @@ def upgrade_sections(data: Mapping[str, Any]) -> dict[str, Any]:
         upgrade = getattr(module, "upgrade", None)
         if upgrade is not None and isinstance(out.get(section), Mapping):
             out[section] = upgrade(out[section])
+    if isinstance(out.get("logging"), Mapping):
+        out["logging"] = upgrade_logging(out["logging"])
     return out
