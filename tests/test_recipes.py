@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -345,3 +346,13 @@ def test_logging_loggers_lists_the_runs_own_loggers_and_an_earlier_record_says_t
         load_recipe("tiny", ["logging.tensorboard=false"])
     old = {"logging": {"tensorboard": False, "csv": True, "loggers": ["wandb"], "progress": "none"}}
     assert upgrade_sections(old)["logging"] == {"loggers": ["csv", "wandb"], "progress": "none"}
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("sampler.seed=3", "set trainer.seed"),
+    ("model.warmup.seed=3", "the warm-up draws with a fixed seed"),
+    ("pipeline.seed=3", "the PRF key is fixed"),
+])
+def test_a_retired_seed_is_refused_saying_what_seeds_the_run(override: str, hint: str) -> None:
+    with pytest.raises(RecipeError, match=f"override '{re.escape(override)}': no longer a key: {hint}"):
+        load_recipe("tiny", [override])

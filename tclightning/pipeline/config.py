@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tclightning.codecs import CODECS, FIRST_FITS, QUANT_BITS
 from tclightning.codecs.base import WIRE_DTYPES
@@ -22,7 +22,6 @@ from tclightning.settings import (
     number,
     one_of,
     positive,
-    seed,
     setting,
 )
 
@@ -136,7 +135,6 @@ class PipelineConfig:
         "stage holds the batch's token ids, so both sides centre each token on its id's mean and fit the basis to "
         "the within-token covariance: zero bytes per token; a shipped refit adds ``n (d + 1) * 4`` bytes for the "
         "table. 0: one mean for all tokens")
-    seed: int = setting(0, seed(), "PRF key seed shared by sender and receiver (never sent)")
     microbatches: int = setting(
         4, positive(),
         "multi-process mode (``trainer.devices`` x ``num_nodes`` > 1): micro-batches per pipelined forward/backward "
@@ -163,6 +161,10 @@ class PipelineConfig:
         "sends back only those rows' gradient: at most ``2 x ids x d x 4`` bytes a tick instead of the dense "
         "gradient sum's ``2 x vocabulary x d x 4``. The weight sync to rank 0 carries the tied weight from the last "
         "stage. false: both ranks sum the dense gradient and step their copy")
+
+    seed: ClassVar[int] = 0
+    """PRF key seed shared by sender and receiver (never sent; a constant: each step and cut already
+    key their own draws, so a second seed adds nothing; not a recipe key)."""
 
     def problems(self) -> Iterator[Problem]:
         """What no one field says alone and the model does not decide (a recipe runs these as a cross
@@ -209,8 +211,11 @@ class PipelineConfig:
             raise TclightningError(problem.message)
 
 
-RETIRED_KEYS = ("compressed", "rank", "rescale")
+RETIRED_KEYS = ("compressed", "rank", "rescale", "seed")
 """Keys of the ``pipeline`` section an earlier version's run record holds that no option reads now:
 ``compressed`` said what ``cut_codecs`` says (``[true, false]`` is ``[<codec>, identity]``); ``rank``
 is the budget k (equal bytes per token, the only rank measured); ``rescale`` (PRF's unbiased
-``d/k`` scaling) was never measured in a run."""
+``d/k`` scaling) was never measured in a run; ``seed`` is the constant :attr:`PipelineConfig.seed`."""
+
+REPLACED_BY: dict[str, str] = {"seed": "the PRF key is fixed (each step and cut key their own draws)"}
+"""What a recipe that sets a retired key is pointed to."""

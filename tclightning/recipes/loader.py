@@ -32,7 +32,7 @@ from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.ranges import problems
-from tclightning.recipes.schema import LOGGERS, MOVED_KEYS, RETIRED_KEYS, RecipeConfig, upgrade_sections
+from tclightning.recipes.schema import LOGGERS, RETIRED_HINTS, RETIRED_KEYS, RecipeConfig, upgrade_sections
 from tclightning.settings import without_keys
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -288,8 +288,8 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, overr
     """One line naming the source and the key, with a 'did you mean' for unknown keys."""
     key = str(getattr(err, "full_key", "") or "")
     msg = (str(getattr(err, "msg", None) or err).splitlines() or [type(err).__name__])[0]
-    if isinstance(err, ConfigKeyError) and key in MOVED_KEYS:  # a key an earlier version read
-        return RecipeError(f"no longer a key: use {MOVED_KEYS[key]}", file=source, key=key, override=override)
+    if isinstance(err, ConfigKeyError) and key in RETIRED_HINTS:  # a key an earlier version read
+        return RecipeError(f"no longer a key: {RETIRED_HINTS[key]}", file=source, key=key, override=override)
     if isinstance(err, ConfigKeyError):
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(schema, parent_key) if parent_key else schema

@@ -156,8 +156,8 @@ class RecipeConfig:
 SECTION_MODULES = (("model", model_config), ("task", task_config), ("sampler", sampler_config),
                    ("grpo", grpo_config), ("pipeline", pipeline_config), ("anchor", anchor_config))
 """The config module of each section; each may list ``RETIRED_KEYS`` (read by no option now),
-``MOVED_KEYS`` (``{old key: its replacement}``) and ``upgrade`` (an earlier version's section in
-today's keys)."""
+``MOVED_KEYS`` (``{old key: the key holding its value now}``), ``REPLACED_BY`` (``{retired key: what
+its recipe is told}``) and ``upgrade`` (an earlier version's section in today's keys)."""
 
 LOGGING_MOVED_KEYS: dict[str, str] = {
     "tensorboard": "loggers (the run's loggers, [tensorboard, csv] by default: leave tensorboard out to turn it off)",
@@ -180,11 +180,16 @@ def upgrade_logging(section: Mapping[str, Any]) -> dict[str, Any]:
 
 MOVED_KEYS: dict[str, str] = {
     f"{section}.{old}": f"{section}.{new}"
-    for section, moved in ((section, getattr(module, "MOVED_KEYS", {})) for section, module in SECTION_MODULES)
-    for old, new in moved.items()
+    for section, module in SECTION_MODULES
+    for old, new in getattr(module, "MOVED_KEYS", {}).items()
 } | {f"logging.{old}": f"logging.{new}" for old, new in LOGGING_MOVED_KEYS.items()}
 """Keys an earlier version read that another key holds now, each with its replacement as a recipe
-writes it: a recipe or override that sets one is refused in one line naming both."""
+writes it."""
+
+RETIRED_HINTS: dict[str, str] = {key: f"use {new}" for key, new in MOVED_KEYS.items()} | {
+    f"{section}.{old}": hint for section, module in SECTION_MODULES for old, hint in getattr(module, "REPLACED_BY", {}).items()
+}
+"""What a recipe or override that sets a moved or retired key is told (one line, with the file and the key)."""
 
 RETIRED_KEYS: tuple[str, ...] = tuple(
     f"{section}.{key}" for section, module in SECTION_MODULES for key in getattr(module, "RETIRED_KEYS", ())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tclightning.settings import (
     MAX_TOKENS,
@@ -16,7 +16,6 @@ from tclightning.settings import (
     one_of,
     options_of,
     positive,
-    seed,
     setting,
 )
 
@@ -55,7 +54,6 @@ class SamplerConfig:
     top_p: float = setting(1.0, number(0.0, 1.0, low_open=True), "nucleus sampling: the smallest set of tokens of this mass")
     max_new_tokens: int = setting(64, positive(MAX_TOKENS), "most tokens a completion may have")
     batch_size: int = setting(64, positive(1 << 16), "sequences per generate call (memory knob, not a semantics knob)")
-    seed: int = setting(0, seed(), "each step samples with seed (seed, step): resumable without RNG state")
     eval_max_new_tokens: int | None = setting(None, positive(MAX_TOKENS, optional=True),
                                               "greedy validation length (default: max_new_tokens)")
     dtype: str | None = setting(
@@ -66,6 +64,10 @@ class SamplerConfig:
     vllm: dict[str, Any] = grouped(
         VllmOptions, "vllm backend only (docs/vllm.md): the engine's options, e.g. {gpu_memory_utilization: 0.5, "
         "sleep: true}; an option left out keeps its default")
+
+    seed: ClassVar[int] = 0
+    """Added to ``trainer.seed``: each step samples with seed (trainer.seed + seed, step), resumable
+    without RNG state (a constant: ``trainer.seed`` is the run's one seed; not a recipe key)."""
 
     @property
     def vllm_options(self) -> VllmOptions:
@@ -82,6 +84,14 @@ MOVED_KEYS: dict[str, str] = {
 """Keys of the ``sampler`` section an earlier version read, and the option that holds each now: a
 recipe that sets one is refused naming its replacement; a checkpoint or run record that holds one
 is read with its value moved (:func:`upgrade`)."""
+
+
+RETIRED_KEYS = ("seed",)
+"""Keys of the ``sampler`` section an earlier version saved that no option reads now: ``seed`` is the
+constant :attr:`SamplerConfig.seed` (every shipped recipe left it at 0)."""
+
+REPLACED_BY: dict[str, str] = {"seed": "set trainer.seed (the run's one seed; it seeds sampling)"}
+"""What a recipe that sets a retired key is pointed to."""
 
 
 def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
