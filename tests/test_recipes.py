@@ -70,8 +70,8 @@ def test_wrong_type_names_key_and_value(tmp_path: Path) -> None:
 
 
 def test_override_errors_name_the_command_line(tmp_path: Path) -> None:
-    message = _error(tmp_path, "description: x\n", "grpo.clip_hihg=0.3")
-    assert "command line" in message and "did you mean 'grpo.clip_high'" in message
+    message = _error(tmp_path, "description: x\n", "grpo.kl_cof=0.3")
+    assert "command line" in message and "did you mean 'grpo.kl_coef'" in message
 
 
 def test_bad_choice_and_missing_include(tmp_path: Path) -> None:
@@ -356,3 +356,13 @@ def test_logging_loggers_lists_the_runs_own_loggers_and_an_earlier_record_says_t
 def test_a_retired_seed_is_refused_saying_what_seeds_the_run(override: str, hint: str) -> None:
     with pytest.raises(RecipeError, match=f"override '{re.escape(override)}': no longer a key: {hint}"):
         load_recipe("tiny", [override])
+
+
+def test_the_clip_pair_of_an_earlier_version_is_one_key() -> None:
+    from tclightning.grpo.module import _current
+
+    assert _current({"clip_low": 0.1, "clip_high": 0.3}, "grpo") == {"clip": [0.1, 0.3]}
+    cfg = to_dataclass(load_recipe("tiny", ["grpo.clip=[0.1, 0.3]"])).grpo
+    assert (cfg.clip_low, cfg.clip_high) == (0.1, 0.3)
+    with pytest.raises(RecipeError, match="'grpo.clip_high=0.3': no longer a key: use grpo.clip: \\[low, high\\]"):
+        load_recipe("tiny", ["grpo.clip_high=0.3"])

@@ -26,6 +26,14 @@ def _overlong(value: Any) -> str | None:
     return f"expected none, mask or a penalty (a finite number > 0), got {value!r}"
 
 
+def _clip(value: Any) -> str | None:
+    """``grpo.clip``: ``[low, high]``, the floor ``1 - low`` in [0, 1] and the ceiling ``1 + high`` at least 1."""
+    problem = list_of(number(0.0), 2)(value)
+    if problem is None and value[0] > 1.0:
+        return f"expected [low, high] with low in [0, 1] (the floor 1 - low stays >= 0), got {list(value)}"
+    return problem
+
+
 def _band(value: Any) -> str | None:
     """``grpo.mask_ratio``: null, or ``[low, high]`` with ``0 <= low < high``."""
     problem = list_of(number(0.0), 2, optional=True)(value)
@@ -45,9 +53,9 @@ class GRPOConfig:
     warmup_steps: int = setting(0, integer(0), "linear LR warm-up, in optimizer ticks")
     epochs: int = setting(1, positive(1000), "mu: passes over the step's rollouts")
     minibatches: int = setting(1, positive(1 << 16), "optimizer ticks per pass; tick count per step = epochs x minibatches")
-    clip_low: float = setting(0.2, number(0.0, 1.0),
-                              'ratio clipped to [1 - clip_low, 1 + clip_high] ("clip-higher"); the floor stays in [0, 1]')
-    clip_high: float = setting(0.28, number(0.0), "the ratio's ceiling is 1 + clip_high")
+    clip: list[float] = setting(
+        [0.2, 0.28], _clip,
+        '[low, high]: the ratio is clipped to [1 - low, 1 + high] ("clip-higher", DAPO); low in [0, 1], high >= 0')
     loss_aggregation: str = setting("token-mean", one_of(AGGREGATIONS), " | ".join(AGGREGATIONS))
     scale_rewards: str = setting("group", one_of(SCALE_REWARDS),
                                  "group: (r - mean)/std in the group; none: r - mean (Dr.GRPO)")
@@ -65,6 +73,16 @@ class GRPOConfig:
     """Std floor in the advantage normalisation (TRL's constant; not a recipe key)."""
 
     @property
+    def clip_low(self) -> float:
+        """``clip``'s low end: the ratio's floor is ``1 - clip_low``."""
+        return float(self.clip[0])
+
+    @property
+    def clip_high(self) -> float:
+        """``clip``'s high end: the ratio's ceiling is ``1 + clip_high``."""
+        return float(self.clip[1])
+
+    @property
     def overlong_penalty(self) -> float:
         """The reward a truncated completion loses (``overlong`` as a number; 0 otherwise)."""
         return 0.0 if self.overlong in OVERLONG else float(self.overlong)
@@ -75,6 +93,8 @@ RETIRED_KEYS = ("eps",)
 constant :attr:`GRPOConfig.eps`."""
 
 MOVED_KEYS: dict[str, str] = {
+    "clip_low": "clip: [low, high]",
+    "clip_high": "clip: [low, high]",
     "overlong_penalty": "overlong (a number: the penalty itself, e.g. grpo.overlong=1.0)",
     "mask_ratio_low": "mask_ratio: [low, high]",
     "mask_ratio_high": "mask_ratio: [low, high]",
@@ -83,9 +103,12 @@ MOVED_KEYS: dict[str, str] = {
 
 
 def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``grpo`` section as an earlier version saved it, in today's keys: ``overlong: penalty`` with
+    """A ``grpo`` section as an earlier version saved it, in today's keys: ``clip_low/high`` are one
+    pair; ``overlong: penalty`` with
     its ``overlong_penalty`` is that number; ``mask_ratio_low/high`` (off while high was 0) are one pair."""
     out = dict(section)
+    if "clip_low" in out or "clip_high" in out:
+        out["clip"] = [out.pop("clip_low", 0.2), out.pop("clip_high", 0.28)]  # each end's default then
     penalty = out.pop("overlong_penalty", None)
     if out.get("overlong") == "penalty":
         out["overlong"] = 1.0 if penalty is None else penalty
