@@ -366,3 +366,15 @@ def test_the_clip_pair_of_an_earlier_version_is_one_key() -> None:
     assert (cfg.clip_low, cfg.clip_high) == (0.1, 0.3)
     with pytest.raises(RecipeError, match="'grpo.clip_high=0.3': no longer a key: use grpo.clip: \\[low, high\\]"):
         load_recipe("tiny", ["grpo.clip_high=0.3"])
+
+
+def test_the_lowrank_basis_options_are_one_mapping_and_an_earlier_record_carries_them() -> None:
+    from tclightning.recipes.schema import upgrade_sections
+
+    old = {"refresh_every": 10, "first_fit": "ship", "refresh_tolerance": 0.02, "basis_tokens": 1024, "rate": 0.05}
+    assert upgrade_sections({"pipeline": old})["pipeline"] == {
+        "rate": 0.05, "basis": {"refresh_every": 10, "first_fit": "ship", "refresh_tolerance": 0.02, "tokens": 1024}}
+    cfg = to_dataclass(load_recipe("smollm2-fast-only-lowrank")).pipeline
+    assert (cfg.first_fit, cfg.refresh_every, cfg.basis_tokens) == ("ship", 10, 1024)
+    with pytest.raises(RecipeError, match="'pipeline.basis_tokens=0': no longer a key: use pipeline.basis.tokens"):
+        load_recipe("tiny", ["pipeline.basis_tokens=0"])
