@@ -542,7 +542,7 @@ def resume_module(recipe: RecipeConfig, ckpt_path: Path) -> Any:
     record = (load_checkpoint(ckpt_path, mmap=True).get("tclightning") or {}).get(BASE_KEY)
     if record is None:
         return None
-    if recipe.model.lora.r <= 0:
+    if recipe.model.lora_settings.r <= 0:
         raise TclightningError(f"--resume: checkpoint {ckpt_path}: holds LoRA adapters without their base, and the "
                                "recipe has model.lora.r=0; nothing was loaded")
     if getattr(rank_zero_only, "rank", 0) != 0:

@@ -356,7 +356,7 @@ class GRPOModule(L.LightningModule):
         # A model.lora checkpoint holds the adapters alone: a resume rebuilds the frozen base they
         # were trained on (checked in on_load_checkpoint). Note that Lightning sets trainer.ckpt_path
         # only after setup (Trainer.fit's resume_start), so `fresh` holds on a resume too.
-        if (stage == "fit" and fresh) or self.model_cfg.lora.r > 0:
+        if (stage == "fit" and fresh) or self.model_cfg.lora_settings.r > 0:
             self.prepare_base(progress=self.trainer is not None and self.trainer.progress_bar_callback is not None)
         if self.cfg.kl_coef > 0 and self.reference is None:
             # Taken before the strategy installs cuts, so the reference forward is dense. On
@@ -364,7 +364,7 @@ class GRPOModule(L.LightningModule):
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
         # model.lora: after the warm-up (which trains the whole model) and the reference (the base
         # policy); before the strategy builds the optimizer from the trainable (adapter) parameters
-        apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)
+        apply_lora(self.policy, self.model_cfg.lora_settings, seed=self.seed)
 
     def prepare_base(self, progress: bool = False) -> None:
         """Make ``self.policy`` the base the run trains on: the loaded model, after the supervised
@@ -420,7 +420,7 @@ class GRPOModule(L.LightningModule):
     def frozen_state_keys(self) -> set[str]:
         """With ``model.lora``: the state-dict keys a checkpoint leaves out, because the recipe
         rebuilds them: the policy's frozen base weights and the KL reference (a copy of that base)."""
-        if self.model_cfg.lora.r <= 0:
+        if self.model_cfg.lora_settings.r <= 0:
             return set()
         keys = {f"policy.{name}" for name in frozen_parameter_names(self.policy)}
         if self.reference is not None:
@@ -813,12 +813,12 @@ class GRPOModule(L.LightningModule):
         state = checkpoint.get("tclightning", {})
         if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
             self._restore_frozen_reference(checkpoint.get("state_dict", {}))
-            if BASE_KEY in state and self.model_cfg.lora.r > 0:  # adapters alone: the base is rebuilt first
+            if BASE_KEY in state and self.model_cfg.lora_settings.r > 0:  # adapters alone: the base is rebuilt first
                 with _global_rngs_untouched():  # a warm-up trained again must not move the caller's RNGs
                     self.prepare_base()
                 if self.cfg.kl_coef > 0 and self.reference is None:
                     self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-            apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)  # after the (base) reference
+            apply_lora(self.policy, self.model_cfg.lora_settings, seed=self.seed)  # after the (base) reference
             check_weights(self.state_dict(), checkpoint.get("state_dict", {}), f"checkpoint {_LOADING.get()}")
             self._check_left_out(checkpoint, _LOADING.get(), verify=True)
             return
@@ -857,7 +857,7 @@ class GRPOModule(L.LightningModule):
         one line naming ``source`` otherwise. A checkpoint holding its whole state dict passes."""
         state, weights = checkpoint.get("tclightning") or {}, checkpoint.get("state_dict") or {}
         record = state.get(BASE_KEY)
-        if record is not None and self.model_cfg.lora.r <= 0:
+        if record is not None and self.model_cfg.lora_settings.r <= 0:
             raise TclightningError(f"checkpoint {source}: holds LoRA adapters without their base, and this model has "
                                    "model.lora.r=0; nothing was loaded")
         left_out = sorted(self.frozen_state_keys() - set(weights))

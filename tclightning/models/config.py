@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive
-from tclightning.settings import Problem, field_problems, list_of, setting, share, text
+from tclightning.settings import Problem, field_problems, grouped, list_of, options_of, setting, share, text
 
 SOURCES = ("tiny", "hf", "gguf")
 """``model.source``: where the policy comes from (see :class:`ModelConfig`)."""
@@ -94,7 +94,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class LoraConfig:
-    """PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
+    """``model.lora``: PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
     adapters train (every base weight is frozen), so the optimizer state and the pipeline's weight
     sync hold the adapters alone. Applied after loading and after the supervised warm-up (which trains
     the whole model); the KL reference stays the base policy. Checkpoints hold the adapters alone and
@@ -130,7 +130,14 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, flag, "passed to from_pretrained (hf models with custom code)")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: dict[str, Any] = grouped(
+        LoraConfig, "PEFT LoRA adapters as one mapping, e.g. {r: 16, alpha: 32} (an option left out keeps its "
+        "default; r: 0 = no LoRA)")
+
+    @property
+    def lora_settings(self) -> LoraConfig:
+        """``lora`` as :class:`LoraConfig` (the options it leaves out at their defaults)."""
+        return options_of(LoraConfig, self.lora)
 
 
 RETIRED_KEYS = ("warmup.cache", "warmup.seed")
