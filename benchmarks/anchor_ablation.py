@@ -43,12 +43,12 @@ ABLATION: list[tuple[str, str, list[str]]] = [
     ("dense P=64", "dense", ["grpo.prompts_per_step=64"]),
     # mergers that correct instead of override, and the anchor controller (docs/two-circuits.md)
     ("shallow control_variate 5/5", "shallow-compressed", ["anchor.merger=control_variate", "anchor.beta=0.5",
-                                                           "anchor.cv_clip=0.25"]),
+                                                           "anchor.control_variate.clip=0.25"]),
     ("shallow 5/5 + controller", "shallow-compressed", ["callback_presets=[monitoring,anchor-controller]"]),
     ("fast-only-lowrank", "fast-only-lowrank", []),
     ("lowrank signed_ema 5/5", "all-compressed-lowrank", []),
     ("lowrank control_variate 5/5", "robust-5-5", ["callbacks=[]"]),
-    ("lowrank control_variate weight 0", "robust-5-5", ["callbacks=[]", "anchor.cv_weight=0"]),
+    ("lowrank control_variate weight 0", "robust-5-5", ["callbacks=[]", "anchor.control_variate.weight=0"]),
     ("robust-5-5", "robust-5-5", []),
     ("robust-20-20", "robust-20-20", []),
 ]

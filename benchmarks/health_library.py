@@ -213,7 +213,7 @@ def generate(runs: tuple[LibraryRun, ...], only: set[str] | None) -> None:
             print(f"[health library] {item.file}: tclightning run --recipe {item.recipe} {' '.join(item.overrides)}",
                   flush=True)
             try:
-                run_recipe(item.recipe, [*item.overrides, f"logging.root={scratch}", "logging.tensorboard=false"],
+                run_recipe(item.recipe, [*item.overrides, f"logging.root={scratch}", "logging.loggers=[csv]"],
                            quiet=True)
             except Exception as err:  # a run that breaks (NaN twice in a row) keeps what it logged
                 print(f"[health library] {item.file} ended with: {err}", flush=True)

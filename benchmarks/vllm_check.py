@@ -93,8 +93,8 @@ def run_check(
 
     model.eval()
     cfg = SamplerConfig(backend="vllm", group_size=group_size, temperature=temperature,
-                        max_new_tokens=max_new_tokens, gpu_memory_utilization=gpu_memory_utilization,
-                        vllm_enforce_eager=True)
+                        max_new_tokens=max_new_tokens,
+                        vllm={"gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": True})
     sampler = VLLMSampler(cfg, formatter)
     timings: dict[str, float] = {}
     started = time.perf_counter()

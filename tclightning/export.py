@@ -134,7 +134,7 @@ def policy_from_checkpoint(checkpoint: dict[str, Any], source: str | os.PathLike
         where = cfg.name if cfg.source == "hf" else cfg.gguf_file
         raise TclightningError(f"checkpoint {source}: cannot build its model (model.source={cfg.source}, {where}): "
                                f"{' '.join(str(err).split())[:160]}") from None
-    apply_lora(model, cfg.lora)  # model.lora, a checkpoint an earlier version wrote: adapters and frozen base
+    apply_lora(model, cfg.lora_settings)  # model.lora, a checkpoint an earlier version wrote: adapters and frozen base
     missing, unexpected = _mismatch(model.state_dict(), state)
     if missing or unexpected:
         raise TclightningError(

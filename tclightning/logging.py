@@ -350,14 +350,14 @@ def build_tensorboard(run_dir: str | Path, resume_step: int | None = None) -> La
 
 
 def own_loggers(entries: Iterable[Any]) -> set[str]:
-    """Which of the run's own loggers (``tensorboard``, ``csv``) ``logging.loggers`` lists by name:
-    listing one is the same as setting ``logging.tensorboard`` / ``logging.csv`` to true."""
+    """Which of the run's own loggers (``tensorboard``, ``csv``: events in ``<run_dir>/tb``,
+    ``<run_dir>/metrics.csv``) ``logging.loggers`` lists by name."""
     paths = (e if isinstance(e, str) else e.get("class_path") for e in entries)
     return {p for p in paths if p in ("tensorboard", "csv")}
 
 
 def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, source: str = "recipe") -> list[Any]:
-    """The loggers ``logging.loggers`` adds to the run's own, built (nothing is sent or written yet).
+    """The loggers ``logging.loggers`` lists beside the run's own, built (nothing is sent or written yet).
 
     ``entries``: short names or ``{"class_path", "init_args"}`` dicts (validated on load). The
     run's own ``tensorboard``/``csv`` are skipped (see :func:`own_loggers`). Defaults the user's

@@ -31,7 +31,7 @@ from tclightning.recipes.loader import (
     to_yaml,
     wandb_offline,
 )
-from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig
+from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig, upgrade_sections
 
 RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
 """Multi-process runs: the run directory every rank uses (set by rank 0 before Lightning launches
@@ -277,7 +277,8 @@ strategy cannot continue the same run (other keys, a learning rate say, may chan
 
 RESUME_RETIRED = RETIRED_KEYS
 """Keys an earlier version's record may hold that no option reads now (each section's
-``RETIRED_KEYS``): left out of the comparison, so a run recorded with them resumes."""
+``RETIRED_KEYS``; a moved key's value is compared where it lives now): left out of the comparison,
+so a run recorded with them resumes."""
 
 
 def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path | None = None) -> tuple[str, ...]:
@@ -295,7 +296,9 @@ def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path 
         if ckpt is not None:
             checkpoint_changes(ckpt, cfg, resume_step)
         return ()
-    return _changed_keys(_leaves(before), _leaves(OmegaConf.to_container(cfg)), f"in {run_dir}", resume_step)
+    # an earlier version's record in today's keys: a moved key's value is compared where it lives now
+    return _changed_keys(_leaves(upgrade_sections(before)), _leaves(OmegaConf.to_container(cfg)), f"in {run_dir}",
+                         resume_step)
 
 
 def checkpoint_changes(ckpt: Path, cfg: DictConfig, resume_step: int) -> None:
@@ -310,7 +313,7 @@ def checkpoint_changes(ckpt: Path, cfg: DictConfig, resume_step: int) -> None:
     record = {section: saved[section] for section in ("model", "task", "sampler", "anchor") if section in saved}
     if "seed" in saved:
         record["trainer"] = {"seed": saved["seed"]}
-    old_leaves = _leaves(record)
+    old_leaves = _leaves(upgrade_sections(record))
     new_leaves = {key: value for key, value in _leaves(OmegaConf.to_container(cfg)).items()
                   if key in old_leaves or key.split(".", 1)[0] in record and key != "trainer.steps"
                   and not key.startswith("trainer.")}
@@ -460,9 +463,9 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
     t = recipe.trainer
     loggers: list[Any] = []
     own = own_loggers(recipe.logging.loggers)
-    if recipe.logging.tensorboard or "tensorboard" in own:
+    if "tensorboard" in own:
         loggers.append(build_tensorboard(plan.run_dir, plan.resume_step))
-    if recipe.logging.csv or "csv" in own:
+    if "csv" in own:
         loggers.append(ResumableCSVLogger(plan.run_dir, plan.resume_step))
     loggers += build_loggers(recipe.logging.loggers, plan.run_dir, recipe.logging.name or recipe.name,
                              source=f"recipe '{recipe.name}'")
@@ -539,7 +542,7 @@ def resume_module(recipe: RecipeConfig, ckpt_path: Path) -> Any:
     record = (load_checkpoint(ckpt_path, mmap=True).get("tclightning") or {}).get(BASE_KEY)
     if record is None:
         return None
-    if recipe.model.lora.r <= 0:
+    if recipe.model.lora_settings.r <= 0:
         raise TclightningError(f"--resume: checkpoint {ckpt_path}: holds LoRA adapters without their base, and the "
                                "recipe has model.lora.r=0; nothing was loaded")
     if getattr(rank_zero_only, "rank", 0) != 0:

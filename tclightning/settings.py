@@ -16,11 +16,15 @@ import circle can pass through it. Everything is pure and cheap.
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from functools import cache
-from typing import Any
+from typing import Any, TypeVar
+
+C = TypeVar("C")
 
 Rule = Callable[[Any], "str | None"]
 
@@ -239,6 +243,56 @@ def without_keys(section: Mapping[str, Any], keys: Iterable[str]) -> dict[str, A
     return out
 
 
+def options(cls: type) -> Rule:
+    """A mapping of some of the options the dataclass ``cls`` declares (with :func:`setting`), each
+    in its own range: the rule of a key that holds a small group of related options (``sampler.vllm``).
+    An option it does not name keeps its default (:func:`options_of`)."""
+    known = {s.key: s.rule for s in settings(cls)}
+    names = ", ".join(known)
+
+    def rule(value: Any) -> str | None:
+        if not isinstance(value, Mapping):
+            return f"expected a mapping of {names}, got {value!r}"
+        for key, item in value.items():
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                return f"unknown option '{key}'{hint}; it takes {names}"
+            problem = known[key](item)
+            if problem is not None:
+                return f"{key}: {problem}"
+        return None
+
+    return rule
+
+
+def grouped(cls: type, help: str) -> Any:  # noqa: A002 - the word the docs use
+    """A field holding options of ``cls`` as one mapping (rule :func:`options`), every option at its
+    default; its help names each option with its default and help, so the reference lists them."""
+    defaults = cls()
+    listed = "; ".join(f"``{s.key}`` ({json.dumps(getattr(defaults, s.key))}): {s.help}" for s in settings(cls))
+    return setting({s.key: getattr(defaults, s.key) for s in settings(cls)}, options(cls), f"{help}. {listed}")
+
+
+def options_of(cls: type[C], value: Mapping[str, Any] | C) -> C:
+    """``value`` (a mapping :func:`options` accepted, or already a ``cls``) as ``cls``: an option it
+    does not name keeps its default."""
+    return value if isinstance(value, cls) else cls(**dict(value))
+
+
+def moved_keys(section: Mapping[str, Any], moves: Mapping[str, str]) -> dict[str, Any]:
+    """``section`` as an earlier version saved it (a checkpoint's hyper-parameters, a run's record),
+    each old key of ``moves`` carried to the option of a mapping key that holds it now (``{"vllm_sleep":
+    "vllm.sleep"}``); a section without the old keys is returned as it was (copied)."""
+    out = dict(section)
+    for old, new in moves.items():
+        if old in out:
+            head, _, option = new.partition(".")
+            value = out.pop(old)
+            out[head] = {**dict(out.get(head) or {}), option: value}
+    return out
+
+
 def check_arguments(owner: str, arguments: Mapping[str, tuple[Any, Rule]]) -> None:
     """Constructor arguments checked by the same rules as recipe keys (``{name: (value, rule)}``):
     the first out of its range raises ``ValueError("owner: name: ...")``, which a recipe's
@@ -250,5 +304,6 @@ def check_arguments(owner: str, arguments: Mapping[str, tuple[Any, Rule]]) -> No
 
 
 __all__ = ["MAX_STEPS", "MAX_TOKENS", "MAX_WIDTH", "SEED_MAX", "Problem", "Rule", "Setting", "anything",
-           "check_arguments", "field_problems", "flag", "help_text", "integer", "list_of", "number", "one_of",
-           "positive", "seed", "setting", "settings", "share", "text", "without_keys"]
+           "check_arguments", "field_problems", "flag", "grouped", "help_text", "integer", "list_of", "moved_keys",
+           "number", "one_of", "options", "options_of", "positive", "seed", "setting", "settings", "share", "text",
+           "without_keys"]

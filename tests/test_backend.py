@@ -100,15 +100,14 @@ def test_one_call_with_every_row_is_policy_loss_bit_for_bit(aggregation: str, ca
     b = batch()
     cfg = GRPOConfig(loss_aggregation=aggregation, kl_coef=0.1 if case == "kl" else 0.0,
                      tis_cap=2.0 if case == "tis" else 0.0,
-                     mask_ratio_low=0.5 if case.startswith("mask") else 0.0,
-                     mask_ratio_high=1.5 if case.startswith("mask") else 0.0)
+                     mask_ratio=[0.5, 1.5] if case.startswith("mask") else None)
     old = None if case == "mask-single-tick" else b["old"]
     ref = b["ref"] if case == "kl" else None
     expected = policy_loss(
         b["logp"], b["logp"].detach() if old is None else old, b["advantages"], b["mask"], clip_low=cfg.clip_low,
         clip_high=cfg.clip_high, aggregation=aggregation, norm_length=8, ref_logp=ref, kl_coef=cfg.kl_coef,
         logp_sampler=b["sampler"], tis_cap=cfg.tis_cap,
-        mask_ratio=(cfg.mask_ratio_low, cfg.mask_ratio_high) if cfg.mask_ratio_high > 0 else None,
+        mask_ratio=None if cfg.mask_ratio is None else tuple(cfg.mask_ratio),
     )
     (want,) = torch.autograd.grad(expected.loss, b["logp"])
     loss_fn = MicrobatchLoss(old_logp=old, advantages=b["advantages"], mask=b["mask"], logp_sampler=b["sampler"],

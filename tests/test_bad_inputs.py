@@ -70,7 +70,7 @@ CASES: dict[str, Case] = {
                                   {"metrics.csv": bytes(range(256)) * 4}),
     "bench-link-bandwidth-zero": Case(("bench", "link", "--bandwidth", "0"), ("--bandwidth",)),
     # --- issue 14, point 8: trained without complaint before
-    "clip-low-negative": override("grpo.clip_low=-1"),
+    "clip-low-negative": override("grpo.clip=[-1,0.28]"),
     "kl-coef-negative": override("grpo.kl_coef=-1"),
     "top-p-zero": override("sampler.top_p=0"),
     "label-noise-above-one": override("model.warmup.label_noise=2.0"),
@@ -99,7 +99,7 @@ CASES: dict[str, Case] = {
     # --- more of the same kind
     "lr-inf": override("grpo.lr=inf"),
     "beta-one": override("grpo.betas=[0.9,1.0]"),
-    "clip-low-above-one": override("grpo.clip_low=1.5"),
+    "clip-low-above-one": override("grpo.clip=[1.5,0.28]"),
     "pipeline-codec-unknown": override("pipeline.codec=topk"),
     "group-size-one": override("sampler.group_size=1"),
     "steps-fraction": override("trainer.steps=1.5"),
@@ -133,12 +133,12 @@ CASES: dict[str, Case] = {
     "hf-name-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "model.source=hf",
                             "model.name={tmp}/model.gguf"), ("model.name=", "is a file, not a model folder"),
                            {"model.gguf": b"GGUF...."}),
-    "mask-ratio-inverted": override("grpo.mask_ratio_low=2", "grpo.mask_ratio_high=1"),
+    "mask-ratio-inverted": override("grpo.mask_ratio=[2,1]"),
     "pipeline-layout-unknown": override("trainer.strategy=pipeline", "pipeline.layout=bogus"),
     "pipeline-more-stages-than-layers": override("trainer.strategy=pipeline", "pipeline.stages=9",
                                                  names=("command line: override 'pipeline.stages=9'", "layers")),
     "run-name-escapes-root": override("logging.name=../elsewhere"),
-    "unknown-key": override("grpo.clip_hihg=0.3", names=("command line", "did you mean 'grpo.clip_high'")),
+    "unknown-key": override("grpo.kl_cof=0.3", names=("command line", "did you mean 'grpo.kl_coef'")),
     "override-without-equals": override("grpo.lr", names=("command line", "key=value")),
     "override-escaped-interpolation": override('logging.name="\\u0024{oc.env:HOME}"',
                                                names=("command line", "interpolation")),
@@ -325,7 +325,7 @@ def test_every_schema_key_has_a_range_and_a_help() -> None:
 
 def test_shipped_recipes_and_edges_of_the_ranges_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
     """The rules refuse the nonsensical, not the unusual: boundary values still load."""
-    edges = ["grpo.clip_low=0", "grpo.clip_low=1", "grpo.kl_coef=0", "sampler.top_p=1", "model.warmup.label_noise=1",
+    edges = ["grpo.clip=[0,0.28]", "grpo.clip=[1,0]", "grpo.kl_coef=0", "sampler.top_p=1", "model.warmup.label_noise=1",
              "task.eval_size=0", "trainer.val_every=0", "trainer.checkpoint_every=0", "grpo.max_grad_norm=0",
              "trainer.seed=4294967295", "trainer.num_threads=null", "sampler.max_new_tokens=127",
              "grpo.betas=[0,0.999]"]

@@ -75,13 +75,13 @@ def test_rewards_boxed_and_plain_answers(tmp_path: Path) -> None:
 
 def test_filters_by_solve_rate_and_source(tmp_path: Path) -> None:
     path = str(write_jsonl(tmp_path / "b.jsonl"))
-    hard = build_task(TaskConfig(name="bigmath", path=path, eval_size=1, max_solve_rate=0.6))
+    hard = build_task(TaskConfig(name="bigmath", path=path, eval_size=1, solve_rate=[None, 0.6]))
     kept = [*hard.train_examples(), *hard.eval_examples()]
     assert sorted(e.answer for e in kept) == ["2", "\\frac{1}{2}"]  # rate 0.5 and 0.1; the None row is dropped
     algebra = build_task(TaskConfig(name="bigmath", path=path, eval_size=1, sources=["MATH", "cn_k12"]))
     assert sorted(e.answer for e in [*algebra.train_examples(), *algebra.eval_examples()]) == ["1", "\\frac{1}{2}"]
-    with pytest.raises(TclightningError, match="min_solve_rate"):
-        BigMathTask(TaskConfig(name="bigmath", path=path, min_solve_rate=0.8, max_solve_rate=0.2))
+    with pytest.raises(TclightningError, match="solve_rate: low 0.8 exceeds high 0.2"):
+        BigMathTask(TaskConfig(name="bigmath", path=path, solve_rate=[0.8, 0.2]))
 
 
 def test_hub_name_by_default_and_a_clear_offline_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -490,7 +490,7 @@ def test_a_two_process_signed_ema_run_resumes_and_matches_one_process(tmp_path: 
     common = ["trainer.strategy=pipeline", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
               "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1", "model.warmup.steps=0",
               "logging.progress=none", "trainer.num_threads=1", "grpo.prompts_per_step=4",
-              "grpo.overlong=penalty",  # rewards vary (truncated or not) without a warm-up
+              "grpo.overlong=1.0",  # rewards vary (truncated or not) without a warm-up
               "anchor.merger=signed_ema", "anchor.latency=1", "anchor.cadence=2", "anchor.beta=0.5",
               f"anchor.placement={placement}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -589,7 +589,7 @@ def test_a_two_process_run_crashed_resumed_ended_and_resumed_again_matches_one_p
 
     base = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "--quiet"]
     common = [*FAST, "trainer.strategy=pipeline", "trainer.accelerator=cpu", "pipeline.stages=2", "pipeline.layout=all",
-              "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1", "grpo.overlong=penalty",
+              "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1", "grpo.overlong=1.0",
               "anchor.merger=signed_ema", "anchor.latency=1", "anchor.cadence=2", "anchor.beta=0.5"]
     crash = "callbacks=[{class_path: tests.conftest.CrashAt, init_args: {step: 3}}]"
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -85,7 +85,7 @@ def test_recipe_reference_lists_every_schema_key(site: Path) -> None:
     text = page_text(site, "reference/recipe")
     missing = [key for key in docs_gen.schema_keys() if key not in text]
     assert not missing, missing
-    assert "grpo.clip_high" in text and "0.28" in text  # a default is shown
+    assert "grpo.clip" in text and "0.28" in text  # a default is shown
     assert "P prompts per RL step" in text  # a declared help text (grpo.prompts_per_step)
     assert "which cuts are compressed" in text  # another (pipeline.layout)
     assert "import path of a lightning Callback" in text  # a trailing-comment help text (CallbackSpec)

@@ -246,7 +246,7 @@ TOKEN_BYTES = 20  # k = 5 float32 values
 # rounding boundary. That a row is coded the same among any rows is tested on the codec above.
 
 
-@pytest.mark.parametrize("setup", [{}, {"basis_tokens": 0}], ids=["token-centres", "one-mean"])
+@pytest.mark.parametrize("setup", [{}, {"basis": {"tokens": 0}}], ids=["token-centres", "one-mean"])
 def test_two_processes_match_one_process_loss_gradients_and_bytes(setup: dict[str, Any],
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("tclightning.codecs.lowrank.FIT_TOKENS_PER_CHANNEL", 0)

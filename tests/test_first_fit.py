@@ -1,4 +1,4 @@
-"""``pipeline.first_fit=ship``: the sender fits the basis on the first batch it encodes and ships
+"""``pipeline.basis.first_fit=ship``: the sender fits the basis on the first batch it encodes and ships
 it, so no step crosses dense; one process and three processes agree on the loss, the gradients,
 the bases and the bytes (across processes the first batch's payloads also cross the cuts before
 the deepest fitted one, once)."""
@@ -20,7 +20,7 @@ from tests.test_distributed import DIM, rollouts, tiny_llama
 from tests.test_quantised_basis import loss_fn_for
 
 CONFIG = {"layout": "all", "stages": 3, "codec": "lowrank", "k": 5, "bits": 4, "bits_lead": True,
-          "microbatches": 3, "first_fit": "ship", "basis_tokens": 8}
+          "microbatches": 3, "basis": {"first_fit": "ship", "tokens": 8}}
 RANK, TOKEN_BYTES = 33, 20  # 5 float32 values = 20 bytes buy 1 + (160 - 32) / 4 coefficients
 CUTS = 2
 
@@ -55,8 +55,8 @@ def test_a_shipped_first_fit_encodes_at_the_rank_from_the_start_and_refuses_one_
 
 
 def test_the_recipe_key_takes_dense_or_ship_only() -> None:
-    with pytest.raises(TclightningError, match="pipeline.first_fit: expected one of dense, ship, got 'late'"):
-        PipelineConfig(first_fit="late").validate()
+    with pytest.raises(TclightningError, match="pipeline.basis: first_fit: expected one of dense, ship, got 'late'"):
+        PipelineConfig(basis={"first_fit": "late"}).validate()
 
 
 def one_process() -> dict[str, Any]:

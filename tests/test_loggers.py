@@ -60,7 +60,7 @@ def test_class_path_logger_logs_every_step(run_root):
     from tclightning.run import run
 
     entry = "{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: extra, name: mine}}"
-    summary = run("tiny", [*FAST, "trainer.steps=3", f"logging.loggers=[{entry}]"], quiet=True)
+    summary = run("tiny", [*FAST, "trainer.steps=3", f"logging.loggers=[tensorboard, csv, {entry}]"], quiet=True)
     files = list((run_root.parent / "extra" / "mine").glob("version_*/metrics.csv"))
     assert len(files) == 1 and "reward/mean" in files[0].read_text().splitlines()[0]
     assert (Path(summary["run_dir"]) / "metrics.csv").is_file()  # the run's own CSV is still there

@@ -375,7 +375,7 @@ def test_two_stage_processes_checkpoint_the_adapters_alone_and_resume_exactly(tm
 
     args = [*FAST, "trainer.strategy=pipeline", "trainer.devices=2", "trainer.accelerator=cpu", "pipeline.stages=2",
             "model.warmup.steps=20", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,down_proj]",
-            "grpo.kl_coef=0.01", "grpo.lr=0.01", "grpo.overlong=penalty", "trainer.val_every=0",
+            "grpo.kl_coef=0.01", "grpo.lr=0.01", "grpo.overlong=1.0", "trainer.val_every=0",
             "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10", "trainer.steps=3"]
     launch(tmp_path / "split", args)
     (run_dir,) = (tmp_path / "split" / "runs" / "tiny").iterdir()

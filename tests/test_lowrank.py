@@ -227,16 +227,21 @@ def test_the_drift_check_does_not_count_what_fresh_token_means_absorb_in_sample(
 
 def test_recipe_checks_name_the_setting() -> None:
     with pytest.raises(TclightningError, match="refresh_every"):
-        PipelineConfig(refresh_every=-1).validate()
+        PipelineConfig(basis={"refresh_every": -1}).validate()
     specs = resolve_layout(PipelineConfig(layout="all", stages=2, codec="lowrank", k=6), 4, 32)
     assert specs[0].rank == 6 and specs[0].k == 6  # the rank defaults to the budget: equal bytes per token
 
 
 # ------------------------------------------------------------------ in a model, and across processes
-CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "refresh_every": 2, "refresh_tolerance": 0.0,
+CONFIG = {"layout": "all", "stages": 2, "codec": "lowrank", "k": 5, "basis": {"refresh_every": 2, "refresh_tolerance": 0.0},
           "entropy_coding": False,  # float coefficients: the refresh protocol itself
           "microbatches": 3}  # tolerance 0: every check refits, so the protocol's every path runs
 SHIP_STEP, SHARED_STEP = 3, 5
+
+
+def with_setup(setup: dict[str, Any]) -> dict[str, Any]:
+    """:data:`CONFIG` with a case's settings, its basis options merged into CONFIG's."""
+    return {**CONFIG, **setup, "basis": {**CONFIG["basis"], **setup.get("basis", {})}}
 
 
 def dense_tokens(model: torch.nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +260,7 @@ def one_process(setup: dict[str, Any]) -> dict[str, Any]:
     model = tiny_llama()
     batch = rollouts()
     bases, metrics = {}, {}
-    with CutSet(model, PipelineConfig(**CONFIG, **setup)) as cuts:
+    with CutSet(model, PipelineConfig(**with_setup(setup))) as cuts:
         codec = cuts.boundaries[0].codec
         for step in range(6):
             cuts.reset_stats()
@@ -277,7 +282,7 @@ def lowrank_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[st
     from tclightning.pipeline.engine import PipelineEngine, StageInputs, no_loss
 
     model = tiny_llama()
-    engine = PipelineEngine(model, PipelineConfig(**CONFIG, **setup, timeout_s=30))
+    engine = PipelineEngine(model, PipelineConfig(**with_setup(setup), timeout_s=30))
     batch = rollouts()
     inputs = StageInputs.from_rollouts(batch)
     codec = engine.module.send_codec if rank == 0 else engine.module.recv_codec
@@ -301,8 +306,8 @@ def lowrank_worker(rank: int, world_size: int, setup: dict[str, Any]) -> dict[st
     return {"bases": bases, "metrics": metrics, "logp": logp, "state": engine.cut_state_dict(), "setup": setup}
 
 
-@pytest.fixture(scope="module", params=[{"basis_tokens": 0}, {"basis_tokens": 1024},
-                                        {"basis_tokens": 1024, "payload_dtype": "float16"}],
+@pytest.fixture(scope="module", params=[{"basis": {"tokens": 0}}, {"basis": {"tokens": 1024}},
+                                        {"basis": {"tokens": 1024}, "payload_dtype": "float16"}],
                 ids=["one-centre", "token-centres", "float16-payload"])
 def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, Any]]:
     outcomes = run_ranks(lowrank_worker, 2, request.param, timeout_s=30)
@@ -314,7 +319,7 @@ def two_ranks(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str,
 def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(two_ranks: Any) -> None:
     sender, receiver = two_ranks
     ref = one_process(sender["setup"])
-    centres = sender["setup"]["basis_tokens"] > 0
+    centres = sender["setup"]["basis"]["tokens"] > 0
     versions = {step: ref["bases"][step][1] for step in range(6)}
     assert versions == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3}  # cold start, fit, -, ship, -, shared refit
     for step in range(6):
@@ -350,7 +355,7 @@ def test_two_processes_refresh_identically_on_both_sides_and_match_one_process(t
 
 def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path) -> None:
     """A one-process CutSet and a two-process checkpoint both restore the basis and its windows."""
-    config = PipelineConfig(**CONFIG, **two_ranks[0]["setup"])
+    config = PipelineConfig(**with_setup(two_ranks[0]["setup"]))
     ref_model, batch = tiny_llama(), rollouts()
     with CutSet(ref_model, config) as cuts:
         for step in range(3):
@@ -371,14 +376,14 @@ def test_resume_restores_the_codec_state_exactly(two_ranks: Any, tmp_path: Path)
     assert state["forward"][0]["version"] == 3 and state["sender"][0]["version"] == 3
     assert torch.equal(state["forward"][0]["basis"], state["sender"][0]["basis"])
     for name in ("token_ids", "token_offsets"):
-        assert (state["forward"][0][name] is None) == (not two_ranks[0]["setup"]["basis_tokens"])
+        assert (state["forward"][0][name] is None) == (not two_ranks[0]["setup"]["basis"]["tokens"])
         if state["forward"][0][name] is not None:
             assert torch.equal(state["forward"][0][name], state["sender"][0][name])
 
 
 def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path: Path) -> None:
     common = [*FAST, "trainer.steps=6", "trainer.val_every=0", "trainer.checkpoint_every=0",
-              "logging.progress=none", f"logging.root={tmp_path}", "pipeline.refresh_every=2", "pipeline.stages=2"]
+              "logging.progress=none", f"logging.root={tmp_path}", "pipeline.basis.refresh_every=2", "pipeline.stages=2"]
     alone = run("fast-only-lowrank", common, quiet=True)
     rows = read_metrics(Path(alone["run_dir"]) / "metrics.csv")
     assert all(0.0 < rows[s]["wire/energy_kept"] <= 1.0 for s in rows if s > 0)

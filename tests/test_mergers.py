@@ -112,7 +112,7 @@ def test_bad_merger_options_name_the_option() -> None:
 
 
 def test_build_anchor_passes_the_recipe_options() -> None:
-    anchor = build_anchor(AnchorConfig(merger="control_variate", cv_weight=0.5, cv_clip=0.25, beta=0.1))
+    anchor = build_anchor(AnchorConfig(merger="control_variate", control_variate={"weight": 0.5, "clip": 0.25}, beta=0.1))
     assert anchor is not None and isinstance(anchor.merger, ControlVariateMerger)
     assert (anchor.merger.weight, anchor.merger.clip, anchor.merger.beta) == (0.5, 0.25, 0.1)
 

@@ -154,7 +154,7 @@ def test_the_warm_up_is_folded_in_one_step_per_share(model_and_rollouts, monkeyp
 
     monkeypatch.setattr(AdaptiveLowRankCodec, "fit_shared", counting)
     # every step change checks (and, at tolerance 0, refits on) the share's dense tokens
-    config = PipelineConfig(stages=4, codec="lowrank", k=K, refresh_every=1, refresh_tolerance=0.0,
+    config = PipelineConfig(stages=4, codec="lowrank", k=K, basis={"refresh_every": 1, "refresh_tolerance": 0.0},
                             entropy_coding=False)
     in_three = by_name(price_cuts(model, rollouts, config, step=3, warmup_steps=3))
     per_configuration = len(commits)

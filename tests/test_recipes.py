@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,8 @@ def test_wrong_type_names_key_and_value(tmp_path: Path) -> None:
 
 
 def test_override_errors_name_the_command_line(tmp_path: Path) -> None:
-    message = _error(tmp_path, "description: x\n", "grpo.clip_hihg=0.3")
-    assert "command line" in message and "did you mean 'grpo.clip_high'" in message
+    message = _error(tmp_path, "description: x\n", "grpo.kl_cof=0.3")
+    assert "command line" in message and "did you mean 'grpo.kl_coef'" in message
 
 
 def test_bad_choice_and_missing_include(tmp_path: Path) -> None:
@@ -277,3 +278,103 @@ def test_a_file_named_like_a_shipped_recipe_or_preset_in_the_working_folder_neve
     assert find_recipe("tiny").parent.name == "recipes"
     assert find_preset("monitoring", tmp_path) != (tmp_path / "monitoring").resolve()
     assert find_recipe("./tiny") == (tmp_path / "tiny").resolve()
+
+
+def test_a_moved_key_is_refused_naming_its_replacement_and_an_old_checkpoint_carries_it_over(tmp_path: Path) -> None:
+    """A key folded into another (``sampler.vllm_sleep`` -> ``sampler.vllm.sleep``) is one line
+    naming the file, the key and what to write; a checkpoint that saved it loads with its value moved."""
+    from dataclasses import asdict
+
+    from tclightning.grpo.module import _current
+    from tclightning.models.config import ModelConfig
+    from tclightning.recipes.loader import validate_checkpoint_hparams
+    from tclightning.recipes.schema import MOVED_KEYS, RETIRED_KEYS
+
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("defaults: [tiny]\ndescription: d\nsampler: {vllm_sleep: true}\n")
+    with pytest.raises(RecipeError, match=rf"^{recipe}: key 'sampler.vllm_sleep': no longer a key: use sampler.vllm.sleep$"):
+        load_recipe(str(recipe))
+    with pytest.raises(RecipeError, match="unknown option 'slep' \\(did you mean 'sleep'\\?\\)"):
+        load_recipe("tiny", ["sampler.vllm.slep=true"])
+    assert to_dataclass(load_recipe("tiny", ["sampler.vllm.sleep=true"])).sampler.vllm_options.sleep
+    assert set(MOVED_KEYS) <= set(RETIRED_KEYS)
+    old = {"vllm_sleep": True, "gpu_memory_utilization": 0.4, "group_size": 4}
+    validate_checkpoint_hparams({"model": asdict(ModelConfig()), "sampler": old}, "old.ckpt")
+    assert _current(old, "sampler") == {"group_size": 4, "vllm": {"gpu_memory_utilization": 0.4, "sleep": True}}
+
+
+def test_paired_keys_of_an_earlier_version_become_one_value() -> None:
+    """``grpo.mask_ratio_low/high``, ``grpo.overlong: penalty`` with ``overlong_penalty`` and
+    ``task.min/max_solve_rate`` as a checkpoint saved them load as today's single keys."""
+    from tclightning.grpo.module import _current
+
+    old_grpo = {"overlong": "penalty", "overlong_penalty": 0.5, "mask_ratio_low": 0.5, "mask_ratio_high": 2.0}
+    assert _current(old_grpo, "grpo") == {"overlong": 0.5, "mask_ratio": [0.5, 2.0]}
+    assert _current({"overlong": "mask", "overlong_penalty": 1.0, "mask_ratio_low": 0.0, "mask_ratio_high": 0.0},
+                    "grpo") == {"overlong": "mask", "mask_ratio": None}
+    assert _current({"min_solve_rate": 0.2, "max_solve_rate": None}, "task") == {"solve_rate": [0.2, None]}
+    with pytest.raises(RecipeError, match="'grpo.mask_ratio_low=0.5': no longer a key: use grpo.mask_ratio: \\[low, high\\]"):
+        load_recipe("tiny", ["grpo.mask_ratio_low=0.5"])
+    with pytest.raises(RecipeError, match="low below high"):
+        load_recipe("tiny", ["grpo.mask_ratio=[2, 1]"])
+    assert to_dataclass(load_recipe("tiny", ["grpo.overlong=1.0"])).grpo.overlong_penalty == 1.0
+    with pytest.raises(RecipeError, match="expected none, mask or a penalty"):
+        load_recipe("tiny", ["grpo.overlong=penalty"])
+
+
+def test_anchor_keys_of_an_earlier_version_load_in_todays_keys() -> None:
+    """``anchor.cv_weight/cv_clip`` and ``projector_gamma/window`` move into their mappings;
+    ``warmup: none`` is ``warmup_ticks: 0`` (la_warmup keeps its ticks)."""
+    from tclightning.grpo.module import _current
+
+    old = {"cv_weight": 0.5, "cv_clip": 0.25, "projector_gamma": 0.7, "projector_window": 4, "warmup": "none",
+           "warmup_ticks": 100}
+    assert _current(old, "anchor") == {"control_variate": {"weight": 0.5, "clip": 0.25},
+                                       "projector_options": {"gamma": 0.7, "window": 4}, "warmup_ticks": 0}
+    assert _current({"warmup": "la_warmup", "warmup_ticks": 60}, "anchor") == {"warmup_ticks": 60}
+    with pytest.raises(RecipeError, match="no longer a key: use anchor.control_variate.clip"):
+        load_recipe("robust-5-5", ["anchor.cv_clip=0.5"])
+    with pytest.raises(RecipeError, match="no longer a key: use anchor.warmup_ticks"):
+        load_recipe("tiny", ["anchor.warmup=la_warmup"])
+
+
+def test_logging_loggers_lists_the_runs_own_loggers_and_an_earlier_record_says_the_same() -> None:
+    from tclightning.recipes.schema import upgrade_sections
+
+    assert to_dataclass(load_recipe("tiny")).logging.loggers == ["tensorboard", "csv"]
+    with pytest.raises(RecipeError, match="'logging.tensorboard=false': no longer a key: use logging.loggers"):
+        load_recipe("tiny", ["logging.tensorboard=false"])
+    old = {"logging": {"tensorboard": False, "csv": True, "loggers": ["wandb"], "progress": "none"}}
+    assert upgrade_sections(old)["logging"] == {"loggers": ["csv", "wandb"], "progress": "none"}
+
+
+@pytest.mark.parametrize(("override", "hint"), [
+    ("sampler.seed=3", "set trainer.seed"),
+    ("model.warmup.seed=3", "the warm-up draws with a fixed seed"),
+    ("pipeline.seed=3", "the PRF key is fixed"),
+])
+def test_a_retired_seed_is_refused_saying_what_seeds_the_run(override: str, hint: str) -> None:
+    with pytest.raises(RecipeError, match=f"override '{re.escape(override)}': no longer a key: {hint}"):
+        load_recipe("tiny", [override])
+
+
+def test_the_clip_pair_of_an_earlier_version_is_one_key() -> None:
+    from tclightning.grpo.module import _current
+
+    assert _current({"clip_low": 0.1, "clip_high": 0.3}, "grpo") == {"clip": [0.1, 0.3]}
+    cfg = to_dataclass(load_recipe("tiny", ["grpo.clip=[0.1, 0.3]"])).grpo
+    assert (cfg.clip_low, cfg.clip_high) == (0.1, 0.3)
+    with pytest.raises(RecipeError, match="'grpo.clip_high=0.3': no longer a key: use grpo.clip: \\[low, high\\]"):
+        load_recipe("tiny", ["grpo.clip_high=0.3"])
+
+
+def test_the_lowrank_basis_options_are_one_mapping_and_an_earlier_record_carries_them() -> None:
+    from tclightning.recipes.schema import upgrade_sections
+
+    old = {"refresh_every": 10, "first_fit": "ship", "refresh_tolerance": 0.02, "basis_tokens": 1024, "rate": 0.05}
+    assert upgrade_sections({"pipeline": old})["pipeline"] == {
+        "rate": 0.05, "basis": {"refresh_every": 10, "first_fit": "ship", "refresh_tolerance": 0.02, "tokens": 1024}}
+    cfg = to_dataclass(load_recipe("smollm2-fast-only-lowrank")).pipeline
+    assert (cfg.first_fit, cfg.refresh_every, cfg.basis_tokens) == ("ship", 10, 1024)
+    with pytest.raises(RecipeError, match="'pipeline.basis_tokens=0': no longer a key: use pipeline.basis.tokens"):
+        load_recipe("tiny", ["pipeline.basis_tokens=0"])

@@ -362,7 +362,7 @@ def test_a_two_process_run_with_a_float32_copy_equals_the_dense_sync_and_resumes
     common = ["trainer.strategy=pipeline", "trainer.devices=2", "trainer.accelerator=cpu", "pipeline.stages=2",
               "pipeline.layout=all", "pipeline.k=8", "trainer.val_every=0", "trainer.checkpoint_every=1",
               "trainer.keep_checkpoints=3", "model.warmup.steps=0", "logging.progress=none", "trainer.num_threads=1",
-              "grpo.prompts_per_step=4", "sampler.group_size=4", "sampler.max_new_tokens=8", "grpo.overlong=penalty"]
+              "grpo.prompts_per_step=4", "sampler.group_size=4", "sampler.max_new_tokens=8", "grpo.overlong=1.0"]
     env = {**os.environ, "PYTHONPATH": str(repo)}
 
     def launch(where: Path, extra: list[str], resume: Path | None = None) -> Path:

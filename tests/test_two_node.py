@@ -26,7 +26,7 @@ DOC = REPO / "docs" / "distributed.md"
 # the recipe and settings every run here shares: rewards vary without a warm-up (overlong
 # penalty), and the anchor runs (K=1/C=2: snapshots at steps 0 and 2, M at step 1)
 RUN = ["--recipe", "all-compressed", "--quiet", "pipeline.stages=2", "trainer.steps=3", *FAST,
-       "trainer.val_every=0", "trainer.accelerator=cpu", "grpo.overlong=penalty", "anchor.latency=1",
+       "trainer.val_every=0", "trainer.accelerator=cpu", "grpo.overlong=1.0", "anchor.latency=1",
        "anchor.cadence=2", "anchor.beta=0.5"]
 MBIT = 100.0
 

@@ -137,7 +137,7 @@ def tiny() -> tuple[Any, PromptFormatter]:
 
 def test_greedy_rollouts_match_the_hf_backend(fake_vllm: SimpleNamespace, tiny: tuple) -> None:
     model, formatter = tiny
-    cfg = SamplerConfig(backend="vllm", max_new_tokens=8, gpu_memory_utilization=0.25)
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=8, vllm={"gpu_memory_utilization": 0.25})
     sampler = build_sampler(cfg, formatter)
     assert isinstance(sampler, vllm_backend.VLLMSampler)
     ours = sampler.generate(model, PROMPTS, group_size=2, seed=5, greedy=True)

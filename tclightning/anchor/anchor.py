@@ -321,15 +321,17 @@ def build_anchor(config: AnchorConfig) -> Anchor | None:
     """The run's anchor from the recipe's ``anchor`` section, or None when the merger needs no
     anchor (``none``)."""
     options: dict[str, Any] = {}
+    projector, correction = config.projector_settings, config.control_variate_settings
     if config.projector != "none":
-        options["gamma"] = config.projector_gamma
+        options["gamma"] = projector.gamma
     if config.projector == "rank1":
-        options["window"] = config.projector_window
+        options["window"] = projector.window
     merger = make_merger(config.merger, alpha=config.alpha, beta=config.beta, projector=config.projector,
-                         weight=config.cv_weight, clip=config.cv_clip, **options)
+                         weight=correction.weight, clip=correction.clip, **options)
     if not merger.needs_anchor:
         return None
-    schedule = AnchorSchedule(config.latency, config.cadence, config.warmup, config.warmup_ticks)
+    warmup = "la_warmup" if config.warmup_ticks > 0 else "none"  # 0 ticks of la_warmup is no warm-up
+    schedule = AnchorSchedule(config.latency, config.cadence, warmup, config.warmup_ticks)
     relay = SignRelay(config.beta) if config.placement == "sampler" else None
     return Anchor(merger, AnchorCircuit(schedule), relay)
 

@@ -303,7 +303,7 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--step", type=int, default=0, help="PRF key step (default 0)")
     inference.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: recipe's)")
     inference.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-inference/)")
-    inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.seed=1")
+    inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.rate=0.1")
     inference.set_defaults(func=run_inference)
 
 

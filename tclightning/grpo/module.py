@@ -49,7 +49,6 @@ from tclightning.agentic import build_agentic_task, is_agentic
 from tclightning.agentic.rollout import ConversationFormatter, Episodes, MultiTurnRollout
 from tclightning.anchor.anchor import build_anchor
 from tclightning.anchor.circuit import rank_share
-from tclightning.anchor.config import RETIRED_KEYS as ANCHOR_RETIRED
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import checkpoint_allow_list, legacy_hparams, load_checkpoint
@@ -57,12 +56,10 @@ from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
-from tclightning.grpo.config import RETIRED_KEYS as GRPO_RETIRED
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.update import UpdateResult, grpo_update
-from tclightning.models.config import RETIRED_KEYS as MODEL_RETIRED
 from tclightning.models.config import DTYPES, ModelConfig
 from tclightning.models.loading import check_checkpoint_model, check_weights, load_model
 from tclightning.models.lora import apply_lora, base_fingerprint, frozen_parameter_names
@@ -75,7 +72,6 @@ from tclightning.sampling.factory import build_sampler
 from tclightning.settings import MAX_STEPS, field_problems, positive, without_keys
 from tclightning.settings import seed as seed_rule
 from tclightning.tasks import Example, TaskConfig, build_task
-from tclightning.tasks.config import RETIRED_KEYS as TASK_RETIRED
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
 
@@ -92,10 +88,15 @@ _LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("tclightning_load
 C = TypeVar("C")
 
 
-def _current(value: Any, retired: tuple[str, ...]) -> Any:
-    """A section as a checkpoint stored it, less the keys an earlier version saved that no option
-    reads now; an instance or None passes unchanged."""
-    return without_keys(value, retired) if isinstance(value, Mapping) else value
+def _current(value: Any, section: str) -> Any:
+    """A section as a checkpoint stored it in today's keys: an earlier version's moved keys carried
+    over, the keys it saved that no option reads now left out; an instance or None passes unchanged."""
+    from tclightning.recipes.schema import RETIRED_KEYS, upgrade_sections
+
+    if not isinstance(value, Mapping):
+        return value
+    retired = [key.split(".", 1)[1] for key in RETIRED_KEYS if key.startswith(section + ".")]
+    return without_keys(upgrade_sections({section: value})[section], retired)
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | None, section: str = "") -> C:
@@ -273,11 +274,11 @@ class GRPOModule(L.LightningModule):
                 raise TclightningError(f"{name}: {problem}")
         # Dicts too: a checkpoint stores the configs as dicts (``load_from_checkpoint`` passes them).
         # a checkpoint's dicts may hold keys an earlier version saved (each section's RETIRED_KEYS)
-        self.model_cfg = as_config(ModelConfig, _current(model, MODEL_RETIRED), "model")
-        self.task_cfg = as_config(TaskConfig, _current(task, TASK_RETIRED), "task")
-        self.sampler_cfg = as_config(SamplerConfig, sampler, "sampler")
-        self.cfg = as_config(GRPOConfig, _current(grpo, GRPO_RETIRED), "grpo")
-        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, ANCHOR_RETIRED), "anchor")
+        self.model_cfg = as_config(ModelConfig, _current(model, "model"), "model")
+        self.task_cfg = as_config(TaskConfig, _current(task, "task"), "task")
+        self.sampler_cfg = as_config(SamplerConfig, _current(sampler, "sampler"), "sampler")
+        self.cfg = as_config(GRPOConfig, _current(grpo, "grpo"), "grpo")
+        self.anchor_cfg = as_config(AnchorConfig, _current(anchor, "anchor"), "anchor")
         self.total_steps = total_steps
         self.seed = seed
         self.val_batch_size = val_batch_size
@@ -354,7 +355,7 @@ class GRPOModule(L.LightningModule):
         # A model.lora checkpoint holds the adapters alone: a resume rebuilds the frozen base they
         # were trained on (checked in on_load_checkpoint). Note that Lightning sets trainer.ckpt_path
         # only after setup (Trainer.fit's resume_start), so `fresh` holds on a resume too.
-        if (stage == "fit" and fresh) or self.model_cfg.lora.r > 0:
+        if (stage == "fit" and fresh) or self.model_cfg.lora_settings.r > 0:
             self.prepare_base(progress=self.trainer is not None and self.trainer.progress_bar_callback is not None)
         if self.cfg.kl_coef > 0 and self.reference is None:
             # Taken before the strategy installs cuts, so the reference forward is dense. On
@@ -362,7 +363,7 @@ class GRPOModule(L.LightningModule):
             self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
         # model.lora: after the warm-up (which trains the whole model) and the reference (the base
         # policy); before the strategy builds the optimizer from the trainable (adapter) parameters
-        apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)
+        apply_lora(self.policy, self.model_cfg.lora_settings, seed=self.seed)
 
     def prepare_base(self, progress: bool = False) -> None:
         """Make ``self.policy`` the base the run trains on: the loaded model, after the supervised
@@ -418,7 +419,7 @@ class GRPOModule(L.LightningModule):
     def frozen_state_keys(self) -> set[str]:
         """With ``model.lora``: the state-dict keys a checkpoint leaves out, because the recipe
         rebuilds them: the policy's frozen base weights and the KL reference (a copy of that base)."""
-        if self.model_cfg.lora.r <= 0:
+        if self.model_cfg.lora_settings.r <= 0:
             return set()
         keys = {f"policy.{name}" for name in frozen_parameter_names(self.policy)}
         if self.reference is not None:
@@ -542,7 +543,7 @@ class GRPOModule(L.LightningModule):
         rollouts = rollouts.to(self.device)
         # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
         truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
-        shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong == "penalty" else rewards
+        shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong_penalty else rewards
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         sampled = time.perf_counter()
 
@@ -811,12 +812,12 @@ class GRPOModule(L.LightningModule):
         state = checkpoint.get("tclightning", {})
         if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
             self._restore_frozen_reference(checkpoint.get("state_dict", {}))
-            if BASE_KEY in state and self.model_cfg.lora.r > 0:  # adapters alone: the base is rebuilt first
+            if BASE_KEY in state and self.model_cfg.lora_settings.r > 0:  # adapters alone: the base is rebuilt first
                 with _global_rngs_untouched():  # a warm-up trained again must not move the caller's RNGs
                     self.prepare_base()
                 if self.cfg.kl_coef > 0 and self.reference is None:
                     self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
-            apply_lora(self.policy, self.model_cfg.lora, seed=self.seed)  # after the (base) reference
+            apply_lora(self.policy, self.model_cfg.lora_settings, seed=self.seed)  # after the (base) reference
             check_weights(self.state_dict(), checkpoint.get("state_dict", {}), f"checkpoint {_LOADING.get()}")
             self._check_left_out(checkpoint, _LOADING.get(), verify=True)
             return
@@ -855,7 +856,7 @@ class GRPOModule(L.LightningModule):
         one line naming ``source`` otherwise. A checkpoint holding its whole state dict passes."""
         state, weights = checkpoint.get("tclightning") or {}, checkpoint.get("state_dict") or {}
         record = state.get(BASE_KEY)
-        if record is not None and self.model_cfg.lora.r <= 0:
+        if record is not None and self.model_cfg.lora_settings.r <= 0:
             raise TclightningError(f"checkpoint {source}: holds LoRA adapters without their base, and this model has "
                                    "model.lora.r=0; nothing was loaded")
         left_out = sorted(self.frozen_state_keys() - set(weights))

@@ -50,25 +50,21 @@ class LossSettings:
     clip_high: float
     loss_aggregation: str
     tis_cap: float
-    mask_ratio_low: float
-    mask_ratio_high: float
+    mask_ratio: tuple[float, float] | None  # null: no ratio mask
     kl_coef: float
 
     @classmethod
     def of(cls, cfg: GRPOConfig) -> LossSettings:
         """The recipe's: each field is the ``grpo`` field of the same name."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+        values = {f.name: getattr(cfg, f.name) for f in fields(cls)}
+        band = values["mask_ratio"]
+        return cls(**{**values, "mask_ratio": None if band is None else (float(band[0]), float(band[1]))})
 
     def on_policy(self) -> LossSettings:
         """The anchor's: this loss on-policy at a snapshot, so no TIS, no ratio mask, no KL (the
         ratio is 1, inside any clip range a recipe allows, so the clip range is inert); only the
         aggregation matters."""
-        return replace(self, tis_cap=0.0, mask_ratio_low=0.0, mask_ratio_high=0.0, kl_coef=0.0)
-
-    @property
-    def mask_ratio(self) -> tuple[float, float] | None:
-        """``(low, high)`` of the sampler-ratio mask, or None when it is off (``mask_ratio_high`` 0)."""
-        return (self.mask_ratio_low, self.mask_ratio_high) if self.mask_ratio_high > 0 else None
+        return replace(self, tis_cap=0.0, mask_ratio=None, kl_coef=0.0)
 
 
 class MicrobatchLoss:

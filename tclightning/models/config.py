@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive, seed
-from tclightning.settings import Problem, field_problems, list_of, setting, share, text
+from tclightning.settings import MAX_STEPS, MAX_TOKENS, MAX_WIDTH, flag, integer, number, one_of, positive
+from tclightning.settings import Problem, field_problems, grouped, list_of, options_of, setting, share, text
 
 SOURCES = ("tiny", "hf", "gguf")
 """``model.source``: where the policy comes from (see :class:`ModelConfig`)."""
@@ -72,7 +72,6 @@ class WarmupConfig:
     batch_size: int = setting(64, positive(1 << 16), "demonstrations per warm-up step")
     lr: float = setting(3.0e-3, number(0.0, low_open=True),
                         "after a 20-step ramp, constant (the stopping point is not known ahead)")
-    seed: int = setting(0, seed(), "which demonstrations each step draws, and which get noisy labels")
     target_accuracy: float = setting(
         0.0, share(),
         "stop early once greedy accuracy on `check_examples` training prompts reaches this (checked every "
@@ -85,6 +84,9 @@ class WarmupConfig:
         "share of targets replaced by another example's solution: imperfect demonstrations, which leave the "
         "policy unsure between right and wrong answers for RL to sort out")
 
+    seed: ClassVar[int] = 0
+    """Seeds which demonstrations each step draws and which get noisy labels (a constant: not a recipe key)."""
+
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """``model.lora.target_modules``: the Llama/Qwen2 linear layers an adapter may wrap."""
@@ -92,7 +94,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclass
 class LoraConfig:
-    """PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
+    """``model.lora``: PEFT LoRA adapters on the policy (:mod:`tclightning.models.lora`): with ``r > 0`` only the
     adapters train (every base weight is frozen), so the optimizer state and the pipeline's weight
     sync hold the adapters alone. Applied after loading and after the supervised warm-up (which trains
     the whole model); the KL reference stays the base policy. Checkpoints hold the adapters alone and
@@ -128,9 +130,21 @@ class ModelConfig:
     trust_remote_code: bool = setting(False, flag, "passed to from_pretrained (hf models with custom code)")
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: dict[str, Any] = grouped(
+        LoraConfig, "PEFT LoRA adapters as one mapping, e.g. {r: 16, alpha: 32} (an option left out keeps its "
+        "default; r: 0 = no LoRA)")
+
+    @property
+    def lora_settings(self) -> LoraConfig:
+        """``lora`` as :class:`LoraConfig` (the options it leaves out at their defaults)."""
+        return options_of(LoraConfig, self.lora)
 
 
-RETIRED_KEYS = ("warmup.cache",)
+RETIRED_KEYS = ("warmup.cache", "warmup.seed")
 """Keys of the ``model`` section an earlier version saved that no option reads now: ``warmup.cache``
-is ``tclightning run --no-cache`` / TCLIGHTNING_NO_CACHE=1 (a cache hit is bit-identical anyway)."""
+is ``tclightning run --no-cache`` / TCLIGHTNING_NO_CACHE=1 (a cache hit is bit-identical anyway);
+``warmup.seed`` is the constant :attr:`WarmupConfig.seed` (every shipped recipe left it at 0)."""
+
+REPLACED_BY: dict[str, str] = {
+    "warmup.seed": "the warm-up draws with a fixed seed (trainer.seed picks a tiny model's initial weights)"}
+"""What a recipe that sets a retired key is pointed to."""

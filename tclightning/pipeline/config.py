@@ -6,9 +6,9 @@ A plain dataclass, so ``OmegaConf.structured(PipelineConfig)`` types a recipe se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from tclightning.codecs import CODECS, FIRST_FITS, QUANT_BITS
 from tclightning.codecs.base import WIRE_DTYPES
@@ -17,12 +17,14 @@ from tclightning.settings import (
     Problem,
     field_problems,
     flag,
+    grouped,
     integer,
     list_of,
+    moved_keys,
     number,
     one_of,
+    options_of,
     positive,
-    seed,
     setting,
 )
 
@@ -50,6 +52,34 @@ def _bits(value: Any) -> str | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in QUANT_BITS):
         return None
     return f"expected one of {', '.join(map(str, QUANT_BITS))} or null, got {value!r}"
+
+
+@dataclass
+class BasisOptions:
+    """``pipeline.basis``: how the ``lowrank`` codec fits and keeps its basis (docs/codecs.md)."""
+
+    refresh_every: int = setting(
+        10, integer(0),
+        "steps between basis refresh checks (0 = keep the first fit). A check is free when the anchor's "
+        "dense pass fed both sides since the last one; otherwise the sender decides and sends a 4-byte flag, plus "
+        "the basis, ``(d r + d) * 4`` bytes (and any token centres), if it refits (all counted in ``wire/bytes_fwd``)")
+    first_fit: str = setting(
+        "dense", one_of(FIRST_FITS),
+        "how the first basis is made. ``dense``: the first step crosses the dense boundary and both "
+        "sides fit on it (nothing else sent). ``ship``: the sender fits on the first batch it encodes and ships "
+        "the basis and token centres, ``(d r + d + n (d + 1)) * 4`` bytes once (counted in ``wire/bytes_fwd``), so "
+        "no step crosses dense; across processes the first batch's payloads also cross once so that each "
+        "later cut fits on what it will receive. Pays when a dense step costs more than a basis (a short run)")
+    refresh_tolerance: float = setting(
+        0.02, number(0.0, 1.0),
+        "refit only when a fresh fit would lose at least this share less of the recent tokens' energy "
+        "than the current basis (0 = refit at every check)")
+    tokens: int = setting(
+        1024, integer(0),
+        "how many token ids get their own centre (the most frequent in the tokens a fit sees). Every "
+        "stage holds the batch's token ids, so both sides centre each token on its id's mean and fit the basis to "
+        "the within-token covariance: zero bytes per token; a shipped refit adds ``n (d + 1) * 4`` bytes for the "
+        "table. 0: one mean for all tokens")
 
 
 @dataclass
@@ -114,29 +144,8 @@ class PipelineConfig:
         "to the leading directions by themselves. The gradient message: unbiased stochastic rounding, one step "
         "and scale per row (8 bytes), the same budget. Exactly the budget is counted. The first fit waits for "
         "8 x d dense tokens")
-    refresh_every: int = setting(
-        10, integer(0),
-        "``lowrank``: steps between basis refresh checks (0 = keep the first fit). A check is free when the anchor's "
-        "dense pass fed both sides since the last one; otherwise the sender decides and sends a 4-byte flag, plus "
-        "the basis, ``(d r + d) * 4`` bytes (and any token centres), if it refits (all counted in ``wire/bytes_fwd``)")
-    first_fit: str = setting(
-        "dense", one_of(FIRST_FITS),
-        "``lowrank``: how the first basis is made. ``dense``: the first step crosses the dense boundary and both "
-        "sides fit on it (nothing else sent). ``ship``: the sender fits on the first batch it encodes and ships "
-        "the basis and token centres, ``(d r + d + n (d + 1)) * 4`` bytes once (counted in ``wire/bytes_fwd``), so "
-        "no step crosses dense; across processes the first batch's payloads also cross once so that each "
-        "later cut fits on what it will receive. Pays when a dense step costs more than a basis (a short run)")
-    refresh_tolerance: float = setting(
-        0.02, number(0.0, 1.0),
-        "``lowrank``: refit only when a fresh fit would lose at least this share less of the recent tokens' energy "
-        "than the current basis (0 = refit at every check)")
-    basis_tokens: int = setting(
-        1024, integer(0),
-        "``lowrank``: how many token ids get their own centre (the most frequent in the tokens a fit sees). Every "
-        "stage holds the batch's token ids, so both sides centre each token on its id's mean and fit the basis to "
-        "the within-token covariance: zero bytes per token; a shipped refit adds ``n (d + 1) * 4`` bytes for the "
-        "table. 0: one mean for all tokens")
-    seed: int = setting(0, seed(), "PRF key seed shared by sender and receiver (never sent)")
+    basis: dict[str, Any] = grouped(
+        BasisOptions, "``lowrank`` only: how the basis is fitted and kept, e.g. {refresh_every: 1, tokens: 0}")
     microbatches: int = setting(
         4, positive(),
         "multi-process mode (``trainer.devices`` x ``num_nodes`` > 1): micro-batches per pipelined forward/backward "
@@ -163,6 +172,31 @@ class PipelineConfig:
         "sends back only those rows' gradient: at most ``2 x ids x d x 4`` bytes a tick instead of the dense "
         "gradient sum's ``2 x vocabulary x d x 4``. The weight sync to rank 0 carries the tied weight from the last "
         "stage. false: both ranks sum the dense gradient and step their copy")
+
+    @property
+    def basis_options(self) -> BasisOptions:
+        """``basis`` as :class:`BasisOptions` (the options it leaves out at their defaults)."""
+        return options_of(BasisOptions, self.basis)
+
+    @property
+    def refresh_every(self) -> int:
+        return self.basis_options.refresh_every
+
+    @property
+    def first_fit(self) -> str:
+        return self.basis_options.first_fit
+
+    @property
+    def refresh_tolerance(self) -> float:
+        return self.basis_options.refresh_tolerance
+
+    @property
+    def basis_tokens(self) -> int:
+        return self.basis_options.tokens
+
+    seed: ClassVar[int] = 0
+    """PRF key seed shared by sender and receiver (never sent; a constant: each step and cut already
+    key their own draws, so a second seed adds nothing; not a recipe key)."""
 
     def problems(self) -> Iterator[Problem]:
         """What no one field says alone and the model does not decide (a recipe runs these as a cross
@@ -209,8 +243,25 @@ class PipelineConfig:
             raise TclightningError(problem.message)
 
 
-RETIRED_KEYS = ("compressed", "rank", "rescale")
+MOVED_KEYS: dict[str, str] = {
+    "refresh_every": "basis.refresh_every",
+    "first_fit": "basis.first_fit",
+    "refresh_tolerance": "basis.refresh_tolerance",
+    "basis_tokens": "basis.tokens",
+}
+"""Keys of the ``pipeline`` section an earlier version read, and the option of ``basis`` that holds each now."""
+
+
+def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``pipeline`` section as an earlier version recorded it, in today's keys."""
+    return moved_keys(section, MOVED_KEYS)
+
+
+RETIRED_KEYS = ("compressed", "rank", "rescale", "seed")
 """Keys of the ``pipeline`` section an earlier version's run record holds that no option reads now:
 ``compressed`` said what ``cut_codecs`` says (``[true, false]`` is ``[<codec>, identity]``); ``rank``
 is the budget k (equal bytes per token, the only rank measured); ``rescale`` (PRF's unbiased
-``d/k`` scaling) was never measured in a run."""
+``d/k`` scaling) was never measured in a run; ``seed`` is the constant :attr:`PipelineConfig.seed`."""
+
+REPLACED_BY: dict[str, str] = {"seed": "the PRF key is fixed (each step and cut key their own draws)"}
+"""What a recipe that sets a retired key is pointed to."""

@@ -32,7 +32,7 @@ from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.ranges import problems
-from tclightning.recipes.schema import LOGGERS, RETIRED_KEYS, RecipeConfig
+from tclightning.recipes.schema import LOGGERS, RETIRED_HINTS, RETIRED_KEYS, RecipeConfig, upgrade_sections
 from tclightning.settings import without_keys
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -288,6 +288,8 @@ def _explain(err: OmegaConfBaseException, schema: DictConfig, source: str, overr
     """One line naming the source and the key, with a 'did you mean' for unknown keys."""
     key = str(getattr(err, "full_key", "") or "")
     msg = (str(getattr(err, "msg", None) or err).splitlines() or [type(err).__name__])[0]
+    if isinstance(err, ConfigKeyError) and key in RETIRED_HINTS:  # a key an earlier version read
+        return RecipeError(f"no longer a key: {RETIRED_HINTS[key]}", file=source, key=key, override=override)
     if isinstance(err, ConfigKeyError):
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(schema, parent_key) if parent_key else schema
@@ -460,7 +462,7 @@ CHECKPOINT_SECTIONS = ("model", "task", "sampler", "grpo", "anchor")
 
 def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
     """A checkpoint's hyper-parameters checked as a recipe's: its :data:`CHECKPOINT_SECTIONS`
-    (less the retired keys an earlier version saved) through the schema, every key of them in its
+    (an earlier version's moved keys carried over, its retired keys left out) through the schema, every key of them in its
     range, and the cross checks that read only those sections (one that needs ``trainer``, which a
     checkpoint does not store, would judge the schema's default instead). Raises
     :class:`RecipeError` naming ``source`` and the key. (What a checkpoint may never ask for,
@@ -468,7 +470,8 @@ def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
     :func:`~tclightning.models.loading.check_checkpoint_model`.)"""
     if not isinstance(hparams, Mapping):
         raise RecipeError("not a tclightning checkpoint (no hyper-parameters)", file=source)
-    sections = without_keys({name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams}, RETIRED_KEYS)
+    saved = upgrade_sections({name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams})
+    sections = without_keys(saved, RETIRED_KEYS)
     model = sections.get("model")
     if not isinstance(model, Mapping):
         raise RecipeError("not a tclightning checkpoint (no model hyper-parameters)", file=source)

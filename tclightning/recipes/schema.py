@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from tclightning.anchor import config as anchor_config
@@ -22,8 +23,9 @@ from tclightning.models.config import ModelConfig
 from tclightning.pipeline import config as pipeline_config
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.strategy import STRATEGY_NAME
+from tclightning.sampling import config as sampler_config
 from tclightning.sampling.config import SamplerConfig
-from tclightning.settings import MAX_STEPS, anything, flag, integer, one_of, positive, seed, setting, text
+from tclightning.settings import MAX_STEPS, anything, integer, one_of, positive, seed, setting, text
 from tclightning.tasks import config as task_config
 from tclightning.tasks.config import TaskConfig
 
@@ -48,7 +50,8 @@ LOGGERS: dict[str, tuple[str, str | None]] = {
     "neptune": ("lightning.pytorch.loggers.NeptuneLogger", "neptune"),
 }
 """``logging.loggers`` short names: the Lightning logger class and the package it needs.
-``tensorboard`` and ``csv`` are the run's own loggers (``logging.tensorboard`` / ``logging.csv``)."""
+``tensorboard`` and ``csv`` are the run's own loggers (events in ``<run_dir>/tb``, ``<run_dir>/metrics.csv``),
+the two a run has by default."""
 
 
 def logger_list(value: Any) -> str | None:
@@ -77,8 +80,8 @@ def logger_list(value: Any) -> str | None:
         if not isinstance(entry.get("init_args", {}), dict):
             return f"entry {i}: init_args must be a mapping of constructor arguments"
         if path in ("tensorboard", "csv") and entry.get("init_args"):
-            return (f"entry {i}: the run's own {path} logger takes no init_args (it is logging.{path}); for "
-                    f"another one use class_path {LOGGERS[path][0]}")
+            return (f"entry {i}: the run's own {path} logger takes no init_args (it writes into the run folder); "
+                    f"for another one use class_path {LOGGERS[path][0]}")
     return None
 
 
@@ -109,13 +112,13 @@ class LoggingConfig:
     root: str = setting("runs", text(nonempty=True, printable=True), "run directories are <root>/<name>/<timestamp>/")
     name: Optional[str] = setting(None, text(nonempty=True, optional=True, printable=True),
                                   "default: the recipe's name")
-    tensorboard: bool = setting(True, flag, "TensorBoard events in <run_dir>/tb, with a Custom Scalars layout")
-    csv: bool = setting(True, flag, "metrics.csv in the run directory (columns = metric names, plus `step`)")
     progress: str = setting("rich", one_of(PROGRESS_BARS), "rich | tqdm | none")
     loggers: list[Any] = setting(
-        [], logger_list,
-        "more Lightning loggers: short names (wandb, mlflow, comet, neptune; tensorboard and csv are the two above) "
-        "or {class_path, init_args} as LightningCLI writes them (docs/recipes.md)")
+        ["tensorboard", "csv"], logger_list,
+        "every logger of the run, as Lightning's Trainer(logger=[...]) takes them: short names or {class_path, "
+        "init_args} as LightningCLI writes them (docs/recipes.md). tensorboard: events in <run_dir>/tb with a Custom "
+        "Scalars layout; csv: <run_dir>/metrics.csv (columns = metric names, plus `step`), which a resume and "
+        "`tclightning summary` read; also wandb, mlflow, comet, neptune. To add one, list the two defaults too")
 
 
 @dataclass
@@ -150,11 +153,61 @@ class RecipeConfig:
         "(loader.resolve_callback_class)")
 
 
+SECTION_MODULES = (("model", model_config), ("task", task_config), ("sampler", sampler_config),
+                   ("grpo", grpo_config), ("pipeline", pipeline_config), ("anchor", anchor_config))
+"""The config module of each section; each may list ``RETIRED_KEYS`` (read by no option now),
+``MOVED_KEYS`` (``{old key: the key holding its value now}``), ``REPLACED_BY`` (``{retired key: what
+its recipe is told}``) and ``upgrade`` (an earlier version's section in today's keys)."""
+
+LOGGING_MOVED_KEYS: dict[str, str] = {
+    "tensorboard": "loggers (the run's loggers, [tensorboard, csv] by default: leave tensorboard out to turn it off)",
+    "csv": "loggers (the run's loggers, [tensorboard, csv] by default: leave csv out to turn it off)",
+}
+"""Keys of the ``logging`` section an earlier version read: ``logging.loggers`` lists the run's own two now."""
+
+
+def upgrade_logging(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``logging`` section as an earlier version recorded it, in today's keys: the run's own
+    loggers it had on (``tensorboard``, ``csv``: true by default) lead ``loggers``."""
+    out = dict(section)
+    if "tensorboard" not in out and "csv" not in out:
+        return out
+    own = [name for name in ("tensorboard", "csv") if out.pop(name, True)]
+    listed = list(out.get("loggers") or [])
+    out["loggers"] = [*(name for name in own if name not in listed), *listed]
+    return out
+
+
+MOVED_KEYS: dict[str, str] = {
+    f"{section}.{old}": f"{section}.{new}"
+    for section, module in SECTION_MODULES
+    for old, new in getattr(module, "MOVED_KEYS", {}).items()
+} | {f"logging.{old}": f"logging.{new}" for old, new in LOGGING_MOVED_KEYS.items()}
+"""Keys an earlier version read that another key holds now, each with its replacement as a recipe
+writes it."""
+
+RETIRED_HINTS: dict[str, str] = {key: f"use {new}" for key, new in MOVED_KEYS.items()} | {
+    f"{section}.{old}": hint for section, module in SECTION_MODULES for old, hint in getattr(module, "REPLACED_BY", {}).items()
+}
+"""What a recipe or override that sets a moved or retired key is told (one line, with the file and the key)."""
+
 RETIRED_KEYS: tuple[str, ...] = tuple(
-    f"{section}.{key}"
-    for section, module in (("model", model_config), ("task", task_config), ("grpo", grpo_config),
-                            ("pipeline", pipeline_config), ("anchor", anchor_config))
-    for key in module.RETIRED_KEYS
-)
+    f"{section}.{key}" for section, module in SECTION_MODULES for key in getattr(module, "RETIRED_KEYS", ())
+) + tuple(MOVED_KEYS)
 """Keys an earlier version wrote into a checkpoint's hyper-parameters or a run's record that no
-option reads now (each section module's ``RETIRED_KEYS``): read without them."""
+option reads now (each section module's ``RETIRED_KEYS``, and the moved keys once
+:func:`upgrade_sections` has carried their values over): read without them."""
+
+
+def upgrade_sections(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Recipe sections as an earlier version saved them (a checkpoint's hyper-parameters, a run's
+    record), each moved key's value carried to the key that holds it now (each section module's
+    ``upgrade``); anything else is passed on as it was."""
+    out = dict(data)
+    for section, module in SECTION_MODULES:
+        upgrade = getattr(module, "upgrade", None)
+        if upgrade is not None and isinstance(out.get(section), Mapping):
+            out[section] = upgrade(out[section])
+    if isinstance(out.get("logging"), Mapping):
+        out["logging"] = upgrade_logging(out["logging"])
+    return out

@@ -22,7 +22,7 @@ What it does, per ``generate`` call:
    sampled token -- the HF backend's and the trainer's definition. With ``top_p < 1`` vLLM
    renormalises over the nucleus, so ``logp_sampler`` differs from the HF backend's (a warning says so).
 
-Colocation: ``sampler.gpu_memory_utilization`` caps what vLLM takes; ``sampler.vllm_sleep`` frees
+Colocation: ``sampler.vllm.gpu_memory_utilization`` caps what vLLM takes; ``sampler.vllm.sleep`` frees
 its KV cache and offloads its weights between calls. A separate-GPU mode is not implemented.
 """
 
@@ -124,8 +124,9 @@ class VLLMSampler:
 
     def __init__(self, cfg: SamplerConfig, formatter: PromptFormatter) -> None:
         self.vllm = require_vllm()
-        if not 0.0 < cfg.gpu_memory_utilization <= 1.0:
-            raise TclightningError(f"sampler.gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+        share = cfg.vllm_options.gpu_memory_utilization
+        if not 0.0 < share <= 1.0:
+            raise TclightningError(f"sampler.vllm.gpu_memory_utilization must be in (0, 1], got {share}")
         if cfg.top_p < 1.0:
             warnings.warn(
                 "sampler.top_p < 1 with vllm: the recorded log-probs are renormalised over the nucleus, "
@@ -147,16 +148,16 @@ class VLLMSampler:
         model.save_pretrained(self._model_dir)
         # In-process engine core: collective_rpc then hands our tensors to the worker directly.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        cfg = self.cfg
+        cfg, engine = self.cfg, self.cfg.vllm_options
         self.llm = self.vllm.LLM(
             model=self._model_dir,
             skip_tokenizer_init=True,
             dtype="auto",
             seed=cfg.seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_model_len=cfg.vllm_max_model_len,
-            enforce_eager=cfg.vllm_enforce_eager,
-            enable_sleep_mode=cfg.vllm_sleep,
+            gpu_memory_utilization=engine.gpu_memory_utilization,
+            max_model_len=engine.max_model_len,
+            enforce_eager=engine.enforce_eager,
+            enable_sleep_mode=engine.sleep,
             logprobs_mode="processed_logprobs",
             generation_config="vllm",  # ignore the checkpoint's sampling defaults: the recipe decides
             worker_extension_cls=EXTENSION,
@@ -210,7 +211,8 @@ class VLLMSampler:
         max_new_tokens: int | None = None,
     ) -> Rollouts:
         max_new = max_new_tokens or self.cfg.max_new_tokens
-        if self.cfg.vllm_sleep and self.llm is not None:
+        sleeps = self.cfg.vllm_options.sleep
+        if sleeps and self.llm is not None:
             self.llm.wake_up()  # before the weight push: a sleeping engine has its weights offloaded
         self.sync(model)
         expanded = [p for p in prompts for _ in range(group_size)]
@@ -221,7 +223,7 @@ class VLLMSampler:
         try:
             outputs = self.llm.generate(requests, self.sampling_params(len(expanded), seed, greedy, max_new), use_tqdm=False)
         finally:
-            if self.cfg.vllm_sleep:
+            if sleeps:
                 self.llm.sleep(level=1)
         chunk = outputs_to_chunk(outputs, encoded["input_ids"], encoded["attention_mask"], self.tokenizer.pad_token_id)
         return assemble_rollouts(self.tokenizer, [chunk], group_size, max_new)

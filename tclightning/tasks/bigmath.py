@@ -12,7 +12,7 @@ by name through ``datasets`` when neither ``task.path`` nor ``task.hf_name`` is 
 
 Rewards are MATH's: the last ``\\boxed{}`` of a completion (else math-verify's own extraction)
 against ``answer``, by :func:`tclightning.tasks.rewards.verify_math`. With one split, the
-held-out set is a seeded cut of it (see ``DatasetTask``); ``min_solve_rate`` / ``max_solve_rate``
+held-out set is a seeded cut of it (see ``DatasetTask``); ``solve_rate`` (``[low, high]``)
 and ``sources`` filter rows before that cut.
 """
 
@@ -31,6 +31,14 @@ HF_NAME = "SynthLabsAI/Big-Math-RL-Verified"
 COLUMNS = ("problem", "answer", "source", "domain", "llama8b_solve_rate")
 
 
+def solve_rate_bounds(cfg: TaskConfig) -> tuple[float | None, float | None]:
+    """``task.solve_rate`` as ``(low, high)``; None where there is no bound."""
+    if cfg.solve_rate is None:
+        return None, None
+    low, high = cfg.solve_rate
+    return low, high
+
+
 class BigMathTask(MathTask):
     """Big-Math problems; reward 1.0 iff the completion's final answer equals ``answer`` (math-verify)."""
 
@@ -38,12 +46,12 @@ class BigMathTask(MathTask):
     default_subdir = "bigmath"  # only read if someone sets hf_name and path to None explicitly
 
     def __init__(self, cfg: TaskConfig) -> None:
-        low, high = cfg.min_solve_rate, cfg.max_solve_rate
-        for key, value in (("min_solve_rate", low), ("max_solve_rate", high)):
+        low, high = solve_rate_bounds(cfg)
+        for value in (low, high):
             if value is not None and not 0.0 <= value <= 1.0:
-                raise TclightningError(f"task.{key} must be in [0, 1], got {value}")
+                raise TclightningError(f"task.solve_rate: each bound must be in [0, 1] or null, got {value}")
         if low is not None and high is not None and low > high:
-            raise TclightningError(f"task.min_solve_rate {low} exceeds task.max_solve_rate {high}")
+            raise TclightningError(f"task.solve_rate: low {low} exceeds high {high}")
         self.from_hub_default = not cfg.hf_name and not cfg.path
         if self.from_hub_default:
             cfg = copy.copy(cfg)
@@ -55,7 +63,7 @@ class BigMathTask(MathTask):
         """The row passes the source and solve-rate filters."""
         if self.sources is not None and row.get("source") not in self.sources:
             return False
-        low, high = self.cfg.min_solve_rate, self.cfg.max_solve_rate
+        low, high = solve_rate_bounds(self.cfg)
         if low is None and high is None:
             return True
         rate = row.get("llama8b_solve_rate")

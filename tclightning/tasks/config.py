@@ -8,10 +8,19 @@ task's own settings, by building it (``tclightning/recipes/ranges.py``).
 """
 
 # ruff: noqa: UP045
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from tclightning.settings import flag, integer, list_of, number, one_of, positive, seed, setting, text
+
+def _solve_rate(value: Any) -> Optional[str]:
+    """``task.solve_rate``: null, or ``[low, high]``, each in [0, 1] or null (no bound), low <= high."""
+    problem = list_of(number(0.0, 1.0, optional=True), 2, optional=True)(value)
+    if problem is None and value is not None and None not in value and value[0] > value[1]:
+        return f"expected [low, high] with low at most high, got {list(value)}"
+    return problem
+
 
 ANSWER_AT = ("first", "last")
 """``task.answer_at``: which integer of an arithmetic completion is the answer."""
@@ -88,12 +97,11 @@ class TaskConfig:
         2, positive(),
         'calculator: binary operations per problem ("(12+34)*56" has 2); the tool does one per call. It also reads '
         "`digits`, `operations`, `num_train`, `eval_size` and `seed` as arithmetic does")
-    min_solve_rate: Optional[float] = setting(
-        None, number(0.0, 1.0, optional=True),
-        "bigmath: keep problems whose `llama8b_solve_rate` (share of Llama-3.1-8B samples that solved them) is at "
-        "least this; None = no bound. With a bound set, rows without a solve rate are dropped")
-    max_solve_rate: Optional[float] = setting(None, number(0.0, 1.0, optional=True),
-                                              "bigmath: the upper bound of that range; None = no bound")
+    solve_rate: Optional[List[Optional[float]]] = setting(
+        None, _solve_rate,
+        "bigmath: [low, high], keep problems whose `llama8b_solve_rate` (share of Llama-3.1-8B samples that solved "
+        "them) lies in it; either end null = no bound on that side (e.g. [0.2, null]); null = every problem. With a "
+        "bound set, rows without a solve rate are dropped")
     sources: Optional[List[str]] = setting(
         None, list_of(text(nonempty=True), optional=True),
         'bigmath: keep only these `source` values (e.g. ["olympiads", "MATH"]); None = all sources')
@@ -102,3 +110,15 @@ class TaskConfig:
 RETIRED_KEYS = ("fixed_width",)
 """Keys of the ``task`` section an earlier version saved that no option reads now: ``fixed_width``
 (zero-padded arithmetic operands and answers) was never measured and is gone."""
+
+MOVED_KEYS: dict[str, str] = {"min_solve_rate": "solve_rate: [low, high]", "max_solve_rate": "solve_rate: [low, high]"}
+"""Keys of the ``task`` section an earlier version read, and the key that holds each now (:func:`upgrade`)."""
+
+
+def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``task`` section as an earlier version saved it, in today's keys (the two bounds are one pair)."""
+    out = dict(section)
+    if "min_solve_rate" in out or "max_solve_rate" in out:
+        low, high = out.pop("min_solve_rate", None), out.pop("max_solve_rate", None)
+        out["solve_rate"] = None if low is None and high is None else [low, high]
+    return out
