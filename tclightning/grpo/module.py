@@ -88,15 +88,22 @@ _LOADING: contextvars.ContextVar[str] = contextvars.ContextVar("tclightning_load
 C = TypeVar("C")
 
 
+_SECTION_CONFIGS: dict[str, type] = {"model": ModelConfig, "task": TaskConfig, "sampler": SamplerConfig,
+                                     "grpo": GRPOConfig, "anchor": AnchorConfig}
+"""The config class of each section the module is built from (its module owns the section's
+``upgrade``, ``RETIRED_KEYS`` and ``MOVED_KEYS``)."""
+
+
 def _current(value: Any, section: str) -> Any:
     """A section as a checkpoint stored it in today's keys: an earlier version's moved keys carried
-    over, the keys it saved that no option reads now left out; an instance or None passes unchanged."""
-    from tclightning.recipes.schema import RETIRED_KEYS, upgrade_sections
-
+    over (its config module's ``upgrade``), the keys it saved that no option reads now left out
+    (``RETIRED_KEYS``, ``MOVED_KEYS``); an instance or None passes unchanged."""
     if not isinstance(value, Mapping):
         return value
-    retired = [key.split(".", 1)[1] for key in RETIRED_KEYS if key.startswith(section + ".")]
-    return without_keys(upgrade_sections({section: value})[section], retired)
+    module = sys.modules[_SECTION_CONFIGS[section].__module__]
+    upgrade = getattr(module, "upgrade", None)
+    section = upgrade(value) if upgrade is not None else dict(value)
+    return without_keys(section, (*getattr(module, "RETIRED_KEYS", ()), *getattr(module, "MOVED_KEYS", {})))
 
 
 def as_config(cls: type[C], value: C | Mapping[str, Any] | None, section: str = "") -> C:
