@@ -74,10 +74,14 @@ def _single_thread() -> None:
 
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored() -> Iterator[None]:
-    """Each test starts with the signal handlers the session had: a Ctrl-C handler a run left
-    behind (stopping after the step instead of raising) would change a later test's verdict."""
+    """Each test starts with the signal handlers the session had, and with Ctrl-C and SIGTERM
+    delivered as a terminal delivers them: a Ctrl-C handler a run left behind (stopping after the
+    step instead of raising), or a signal mask the test runner was started with (a background job
+    of some shells, CI scripts), would otherwise change a test's verdict."""
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for sig, handler in kept.items():
         if handler is not None and signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)

@@ -183,6 +183,7 @@ def test_ctrl_c_while_a_finished_run_writes_its_summary_waits_for_it(tmp_path: P
         return write(*args, **kwargs)
 
     monkeypatch.setattr(summary_module, "summarize", interrupted_then_written)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a terminal's Python has it
     with pytest.raises(KeyboardInterrupt):  # delivered once the summary is on disk
         run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"], quiet=True)
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
