@@ -397,7 +397,7 @@ def test_a_run_logs_energy_kept_and_refreshes_from_the_anchor_for_free(tmp_path:
 # ------------------------------------------------------------------ switching the codec of a running CutSet
 def test_switch_codec_rebuilds_the_compressed_cuts_and_a_resumed_cutset_follows() -> None:
     model, batch = tiny_llama(), rollouts()
-    config = PipelineConfig(layout="shallow", shallow_count=1, stages=3, codec="prf", k=5, entropy_coding=False)
+    config = PipelineConfig(layout="shallow", stages=3, codec="prf", k=5, entropy_coding=False)
     with CutSet(model, config) as cuts:
         dense_cut = cuts.boundaries[1].codec
         cuts.switch_codec("lowrank")

@@ -84,7 +84,7 @@ def test_even_split_matches_the_hub_cuts() -> None:
         ({"layout": "dense"}, [False, False, False]),
         ({"layout": "all"}, [True, True, True]),
         ({"layout": "shallow"}, [True, False, False]),
-        ({"layout": "shallow", "shallow_count": 2}, [True, True, False]),
+        ({"layout": "shallow:2"}, [True, True, False]),
         ({"layout": "solo:1"}, [False, True, False]),
         ({"layout": "explicit", "cut_codecs": ["identity", "prf", "prf"]}, [False, True, True]),
         ({"layout": "explicit", "cut_codecs": ["svd", "identity", "prf"]}, [True, False, True]),
@@ -113,7 +113,9 @@ def test_layouts_resolve_to_compressed_cuts(overrides: dict, flags: list[bool]) 
         {"layout": "all", "cut_codecs": ["prf", "prf", "prf"]},
         {"layout": "all", "codec": "topk"},
         {"layout": "all", "k": 65},
-        {"layout": "shallow", "shallow_count": 4},
+        {"layout": "shallow:4"},
+        {"layout": "shallow:0"},
+        {"layout": "shallow:x"},
     ],
 )
 def test_invalid_layouts_raise_a_user_error(overrides: dict) -> None:

@@ -378,3 +378,14 @@ def test_the_lowrank_basis_options_are_one_mapping_and_an_earlier_record_carries
     assert (cfg.first_fit, cfg.refresh_every, cfg.basis_tokens) == ("ship", 10, 1024)
     with pytest.raises(RecipeError, match="'pipeline.basis_tokens=0': no longer a key: use pipeline.basis.tokens"):
         load_recipe("tiny", ["pipeline.basis_tokens=0"])
+
+
+def test_the_shallow_count_of_an_earlier_version_is_the_layouts_count() -> None:
+    from tclightning.recipes.schema import upgrade_sections
+
+    assert upgrade_sections({"pipeline": {"layout": "shallow", "shallow_count": 2}})["pipeline"] == {"layout": "shallow:2"}
+    assert upgrade_sections({"pipeline": {"layout": "shallow", "shallow_count": 1}})["pipeline"] == {"layout": "shallow"}
+    assert upgrade_sections({"pipeline": {"layout": "all", "shallow_count": 3}})["pipeline"] == {"layout": "all"}
+    assert to_dataclass(load_recipe("tiny", ["pipeline.layout=shallow:2"])).pipeline.layout == "shallow:2"
+    with pytest.raises(RecipeError, match="'pipeline.shallow_count=2': no longer a key: set pipeline.layout=shallow:"):
+        load_recipe("tiny", ["pipeline.shallow_count=2"])

@@ -296,7 +296,7 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--max-new-tokens", type=int, default=None,
                            help="generation limit (default 128, at most half the model's positions)")
     inference.add_argument("--layout", default="all",
-                           help="which cuts are compressed: all, shallow, solo:i (default all)")
+                           help="which cuts are compressed: all, shallow, shallow:n, solo:i (default all)")
     inference.add_argument("--calibration", type=int, default=16,
                            help="training-split solutions whose activations fit the svd bases (default 16)")
     inference.add_argument("--batch-size", type=int, default=None, help="sequences per generate call (default: recipe's)")

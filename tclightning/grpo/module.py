@@ -494,7 +494,6 @@ class GRPOModule(L.LightningModule):
                 group_size=group_size or self.sampler_cfg.group_size,
                 seed=seed,
                 greedy=greedy,
-                max_new_tokens=(self.sampler_cfg.eval_max_new_tokens if greedy else None),
             )
 
     def score(self, rollouts: Rollouts, examples: list[Example]) -> torch.Tensor:
@@ -512,8 +511,7 @@ class GRPOModule(L.LightningModule):
             rollouts = self.sample(examples, seed, greedy=greedy, group_size=G, model=model)
             return rollouts, self.score(rollouts, examples), torch.arange(rollouts.num_sequences), None
         with self._dense():
-            episodes = self.multi_turn.play(model, examples, group_size=G, seed=seed, greedy=greedy,
-                                            max_new_tokens=self.sampler_cfg.eval_max_new_tokens if greedy else None)
+            episodes = self.multi_turn.play(model, examples, group_size=G, seed=seed, greedy=greedy)
         return episodes.rows, episodes.rewards, episodes.trajectory, episodes
 
     def require_finite_weights(self, model: torch.nn.Module | None = None) -> None:

@@ -28,8 +28,9 @@ from tclightning.settings import (
     setting,
 )
 
-LAYOUTS = ("dense", "all", "shallow", "solo:i", "explicit")
-"""``pipeline.layout``: which cuts are compressed (``solo:i`` is ``solo:0``, ``solo:1``, ...)."""
+LAYOUTS = ("dense", "all", "shallow", "shallow:n", "solo:i", "explicit")
+"""``pipeline.layout``: which cuts are compressed (``solo:i`` is ``solo:0``, ``solo:1``, ...;
+``shallow:n`` is ``shallow:2``, ...; ``shallow`` is ``shallow:1``)."""
 
 SCHEDULES = ("gpipe", "1f1b")
 """``pipeline.schedule``: the multi-process pipeline schedule."""
@@ -39,11 +40,14 @@ STATELESS_CODECS = ("prf", "identity")
 
 
 def _layout(value: Any) -> str | None:
-    """A layout of :data:`LAYOUTS`, ``solo:`` followed by a cut index."""
-    if value in LAYOUTS and value != "solo:i":
+    """A layout of :data:`LAYOUTS`: ``solo:`` followed by a cut index, ``shallow:`` by a count of cuts."""
+    if value in LAYOUTS and value not in ("solo:i", "shallow:n"):
         return None
     if isinstance(value, str) and value.startswith("solo:"):
         return None if value[5:].lstrip("-").isdigit() else f"expected solo:<cut index>, e.g. solo:0, got {value!r}"
+    if isinstance(value, str) and value.startswith("shallow:"):
+        count = value[8:]
+        return None if count.isdigit() and int(count) >= 1 else f"expected shallow:<count >= 1>, e.g. shallow:2, got {value!r}"
     return f"expected one of {', '.join(LAYOUTS)}, got {value!r}"
 
 
@@ -88,8 +92,8 @@ class PipelineConfig:
 
     layout: str = setting(
         "dense", _layout,
-        "which cuts are compressed: ``dense`` (none), ``all``, ``shallow`` (the first ``shallow_count`` cuts), "
-        "``solo:i`` (only cut i, 0-based in cut order), ``explicit`` (``cut_codecs``, one per cut). Uncompressed "
+        "which cuts are compressed: ``dense`` (none), ``all``, ``shallow:n`` (the first n cuts; ``shallow`` is "
+        "``shallow:1``), ``solo:i`` (only cut i, 0-based in cut order), ``explicit`` (``cut_codecs``, one per cut). Uncompressed "
         "cuts send the dense boundary")
     stages: int = setting(
         4, positive(1024),
@@ -103,7 +107,6 @@ class PipelineConfig:
     cut_codecs: list[str] | None = setting(
         None, list_of(one_of(CODECS), optional=True),
         "``explicit`` layout: one forward codec name per cut (``identity`` = dense); overrides ``codec``")
-    shallow_count: int = setting(1, positive(), "``shallow`` layout: how many of the shallowest cuts are compressed")
     codec: str = setting(
         "prf", one_of(CODECS),
         f"forward codec at compressed cuts: {' | '.join(CODECS)}. The gradient message is the gradient w.r.t. the "
@@ -253,8 +256,13 @@ MOVED_KEYS: dict[str, str] = {
 
 
 def upgrade(section: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``pipeline`` section as an earlier version recorded it, in today's keys."""
-    return moved_keys(section, MOVED_KEYS)
+    """A ``pipeline`` section as an earlier version recorded it, in today's keys (a ``shallow``
+    layout's ``shallow_count`` is the layout's count, ``shallow:n``)."""
+    out = moved_keys(section, MOVED_KEYS)
+    count = out.pop("shallow_count", 1)
+    if out.get("layout") == "shallow" and count != 1:
+        out["layout"] = f"shallow:{count}"
+    return out
 
 
 RETIRED_KEYS = ("compressed", "rank", "rescale", "seed")
@@ -263,5 +271,6 @@ RETIRED_KEYS = ("compressed", "rank", "rescale", "seed")
 is the budget k (equal bytes per token, the only rank measured); ``rescale`` (PRF's unbiased
 ``d/k`` scaling) was never measured in a run; ``seed`` is the constant :attr:`PipelineConfig.seed`."""
 
-REPLACED_BY: dict[str, str] = {"seed": "the PRF key is fixed (each step and cut key their own draws)"}
+REPLACED_BY: dict[str, str] = {"seed": "the PRF key is fixed (each step and cut key their own draws)",
+                               "shallow_count": "set pipeline.layout=shallow:<count> (shallow is shallow:1)"}
 """What a recipe that sets a retired key is pointed to."""

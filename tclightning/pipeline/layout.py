@@ -68,10 +68,11 @@ def compressed_flags(config: PipelineConfig, n_cuts: int) -> list[bool]:
         raise TclightningError(f"pipeline.layout '{layout}' needs at least one cut (stages >= 2 or explicit cuts)")
     if layout == "all":
         return [True] * n_cuts
-    if layout == "shallow":
-        if config.shallow_count > n_cuts:
-            raise TclightningError(f"pipeline.shallow_count={config.shallow_count} exceeds the {n_cuts} cuts")
-        return [i < config.shallow_count for i in range(n_cuts)]
+    if layout == "shallow" or layout.startswith("shallow:"):
+        count = int(layout[8:] or 1)
+        if count > n_cuts:
+            raise TclightningError(f"pipeline.layout '{layout}': {count} cuts compressed, but there are {n_cuts}")
+        return [i < count for i in range(n_cuts)]
     if layout.startswith("solo:"):
         index = int(layout[5:])
         if not 0 <= index < n_cuts:

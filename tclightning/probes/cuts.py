@@ -59,13 +59,13 @@ def probe_configurations(base: PipelineConfig, n_cuts: int) -> list[ProbeConfig]
     if n_cuts < 1:
         raise TclightningError("probe cuts: the pipeline has no cut (set pipeline.stages >= 2 or pipeline.cuts)")
 
-    def layout(name: str, **extra: Any) -> PipelineConfig:
-        return dataclasses.replace(base, layout=name, cut_codecs=None, **extra)
+    def layout(name: str) -> PipelineConfig:
+        return dataclasses.replace(base, layout=name, cut_codecs=None)
 
     configs = [ProbeConfig("dense", "dense", layout("dense"))]
     configs += [ProbeConfig(f"solo:{i}", "solo", layout(f"solo:{i}")) for i in range(n_cuts)]
     configs += [
-        ProbeConfig(f"first:{n}", "cumulative", layout("shallow", shallow_count=n)) for n in range(1, n_cuts)
+        ProbeConfig(f"first:{n}", "cumulative", layout(f"shallow:{n}")) for n in range(1, n_cuts)
     ]
     configs.append(ProbeConfig("all", "all", layout("all")))
     return configs

@@ -54,12 +54,10 @@ def _lengths(cfg: DictConfig) -> Iterator[Problem]:
     if cfg.model.source == "tiny":
         # the prompt needs at least one position: a completion must leave room for it
         limit = cfg.model.tiny.max_positions
-        for key in ("max_new_tokens", "eval_max_new_tokens"):
-            value = s[key]
-            if value is not None and value >= limit:
-                yield Problem((f"sampler.{key}", "model.tiny.max_positions"),
-                              f"{value} tokens do not fit the tiny model's {limit} positions "
-                              "(model.tiny.max_positions) beside the prompt")
+        if s.max_new_tokens >= limit:
+            yield Problem(("sampler.max_new_tokens", "model.tiny.max_positions"),
+                          f"{s.max_new_tokens} tokens do not fit the tiny model's {limit} positions "
+                          "(model.tiny.max_positions) beside the prompt")
     model_len = s.vllm.get("max_model_len")
     if s.backend == "vllm" and model_len is not None and s.max_new_tokens >= model_len:
         yield Problem(("sampler.max_new_tokens", "sampler.vllm"),

@@ -54,8 +54,6 @@ class SamplerConfig:
     top_p: float = setting(1.0, number(0.0, 1.0, low_open=True), "nucleus sampling: the smallest set of tokens of this mass")
     max_new_tokens: int = setting(64, positive(MAX_TOKENS), "most tokens a completion may have")
     batch_size: int = setting(64, positive(1 << 16), "sequences per generate call (memory knob, not a semantics knob)")
-    eval_max_new_tokens: int | None = setting(None, positive(MAX_TOKENS, optional=True),
-                                              "greedy validation length (default: max_new_tokens)")
     dtype: str | None = setting(
         None, one_of(DTYPES, optional=True),
         "null (sample from the policy itself) | float32 | bfloat16 | float16: the sampler generates from its own copy "
@@ -86,11 +84,13 @@ recipe that sets one is refused naming its replacement; a checkpoint or run reco
 is read with its value moved (:func:`upgrade`)."""
 
 
-RETIRED_KEYS = ("seed",)
+RETIRED_KEYS = ("seed", "eval_max_new_tokens")
 """Keys of the ``sampler`` section an earlier version saved that no option reads now: ``seed`` is the
-constant :attr:`SamplerConfig.seed` (every shipped recipe left it at 0)."""
+constant :attr:`SamplerConfig.seed` (every shipped recipe left it at 0); ``eval_max_new_tokens`` (a
+validation length of its own, which no shipped recipe set) is ``max_new_tokens``."""
 
-REPLACED_BY: dict[str, str] = {"seed": "set trainer.seed (the run's one seed; it seeds sampling)"}
+REPLACED_BY: dict[str, str] = {"seed": "set trainer.seed (the run's one seed; it seeds sampling)",
+                               "eval_max_new_tokens": "validation decodes up to sampler.max_new_tokens"}
 """What a recipe that sets a retired key is pointed to."""
 
 
