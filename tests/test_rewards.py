@@ -393,3 +393,19 @@ def test_a_timeout_never_lands_in_a_finalizer() -> None:
     finally:
         sys.unraisablehook = previous
     assert ignored == []
+
+
+@pytest.mark.parametrize(("completion", "gold", "score"), [
+    ("The answer is -$5", "-5", 1.0),  # a currency sign between the minus and the digits
+    ("The answer is -$5", "5", 0.0),
+    (r"\boxed{-\$5}", "-5", 1.0),
+    ("The answer is 10**10**10", "10", 0.0),  # a power is part of the number written
+    ("The answer is 5e3", "5000", 1.0),
+    ("The answer is 5e3", "5", 0.0),
+    (r"$\boxed{1{,}000}$", "1000", 1.0),  # LaTeX's thousands comma
+    (r"so it is \boxed{5", "5", 0.0),  # a box left open: the final answer was cut off
+    (r"\boxed{4} and then \boxed{5", "4", 0.0),
+])
+def test_the_gsm8k_reward_reads_the_whole_number_a_completion_commits_to(completion: str, gold: str,
+                                                                         score: float) -> None:
+    assert verify_gsm8k(completion, gold) == score

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import csv
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -137,8 +136,3 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
     if events:
         return read_tensorboard(p, names)
     raise TclightningError(f"{p}: no metrics.csv or TensorBoard event files in this directory")
-
-
-def finite_or_none(x: float | None) -> float | None:
-    """``x`` when it is a finite number, else None (for JSON output)."""
-    return x if x is not None and math.isfinite(x) else None

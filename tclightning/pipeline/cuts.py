@@ -230,10 +230,6 @@ class CutSet:
         finally:
             self._bypass_depth -= 1
 
-    @property
-    def is_bypassed(self) -> bool:
-        return self._bypass_depth > 0
-
     def set_token_mask(self, mask: Tensor | None) -> None:
         """Real-token mask [B, L] for byte counting, used while its shape
         matches the forward's; ``None`` returns to the forward's ``attention_mask``."""
@@ -248,15 +244,6 @@ class CutSet:
         self.meter.reset()
         for boundary in self.boundaries:
             boundary.codec.reset_metrics()
-
-    def describe(self) -> str:
-        """One line for logs: ``cut after layer 1: prf k=3 | cut after layer 2: identity``."""
-        if not self.specs:
-            return "no cuts"
-        parts = []
-        for spec, boundary in zip(self.specs, self.boundaries):
-            parts.append(f"cut after layer {spec.layer}: {boundary.codec!r}")
-        return " | ".join(parts)
 
     def state_dict(self) -> dict[str, Any]:
         """Step, the codec in force (``switch_codec``) and receiver-side codec state (svd and

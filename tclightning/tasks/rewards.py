@@ -63,7 +63,12 @@ MAX_TAIL_CHARS = 4000
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # ASCII digits only (re.ASCII): the answers are ASCII, and Python's int()/Decimal() would
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?", re.ASCII)
+# A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
+# completion wrote is all of it, not its first digits.
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*", re.ASCII)
+_BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
+_SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
 # Minus signs other than ASCII "-" that models and word processors write: U+2212 MINUS SIGN,
 # U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS; and U+2013 EN
@@ -78,6 +83,13 @@ def normalize_minus(text: str) -> str:
     One character for one: offsets into ``text`` stay valid."""
     text = text.translate(_MINUS_SIGNS)
     return _EN_DASH_SIGN.sub("-", text) if "\u2013" in text else text
+
+
+def _number_text(text: str) -> str:
+    """``text`` as the number extractors read it: every minus sign ASCII, no currency sign between
+    a minus and its digits (``"-$5"`` is -5) and LaTeX's ``{,}`` a thousands comma."""
+    text = _SIGN_THEN_CURRENCY.sub("-", normalize_minus(text))
+    return text.replace("{,}", ",")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -117,7 +129,7 @@ def last_number(text: str) -> str | None:
     if not isinstance(text, str):
         return None
     found = None
-    for found in _NUMBER.finditer(normalize_minus(text)):
+    for found in _NUMBER.finditer(_number_text(text)):
         pass
     return found.group().replace(",", "") if found else None
 
@@ -132,7 +144,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
         return None
     tail = text.rsplit("####", 1)[1].strip()
     line = tail.splitlines()[0] if tail else ""
-    match = _NUMBER.search(normalize_minus(line.replace("$", "")))
+    match = _NUMBER.search(_number_text(line).replace("$", ""))
     return match.group().replace(",", "") if match else None
 
 
@@ -146,18 +158,22 @@ def extract_answer_is(text: str) -> str | None:
     if found is None:
         return None
     # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
-    match = _NUMBER.search(normalize_minus(text[found.end() : found.end() + 32]))
+    match = _NUMBER.search(_number_text(text[found.end() : found.end() + 32]))
     return match.group().replace(",", "") if match else None
 
 
 def gsm8k_completion_answer(text: str) -> str | None:
     """The final number a GSM8K completion commits to, by priority:
 
-    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text.
+    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text. A box left
+    open (a truncated final answer) is no answer. A numeral with an exponent or a power is read
+    whole (``"10**10**10"`` is not 10).
     """
     boxed = extract_boxed(text)
     if boxed is not None:
         return last_number(boxed)
+    if isinstance(text, str) and _BOX_OPENER.search(text):
+        return None
     for extract in (extract_gsm8k_answer, extract_answer_is, last_number):
         answer = extract(text)
         if answer is not None:
