@@ -3,6 +3,7 @@
     python benchmarks/anchor_ablation.py                  # about 10 minutes on the 2-core CI machine
     python benchmarks/anchor_ablation.py --steps 100 --only dense-layout-5-5
     python benchmarks/anchor_ablation.py --only "robust-5-5" "lowrank control_variate 5/5"
+    python benchmarks/anchor_ablation.py --only robust-5-5 --set pipeline.bits=null pipeline.bits_lead=false pipeline.entropy_coding=false
 
 Every run starts from the same supervised warm-up (the `tiny` recipe's, run once, one thread, as in
 `benchmarks/two_circuits.py`) and trains `--steps` RL steps of the `shallow-compressed` recipe with one
@@ -60,6 +61,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", nargs="+", help="labels to run (default: all)")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe overrides applied to every run (after the row's own), e.g. pipeline.bits=null "
+                             "pipeline.bits_lead=false pipeline.entropy_coding=false for the float-coefficient rows")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread: results do not depend on the machine's load
 
@@ -72,7 +76,7 @@ def main() -> None:
             if args.only and label not in args.only:
                 continue
             summary = run(recipe, from_warm_start(start, args.steps, args.seed, f"{tmp}/runs", "trainer.num_threads=1",
-                                                  *overrides), quiet=True)
+                                                  *overrides, *args.set), quiet=True)
             rows = read_metrics(Path(summary["run_dir"]) / "metrics.csv")
             curve = [r["reward/mean"] for _, r in sorted(rows.items())]
             tenth = max(1, len(curve) // 10)

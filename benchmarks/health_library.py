@@ -86,7 +86,7 @@ def _healthy(recipe: str, seed: int, steps: int | None = None, *extra: str, tag:
                       "healthy", steps)
 
 
-FLOAT_COEFFICIENTS = ("pipeline.bits=null", "pipeline.bits_lead=false")
+FLOAT_COEFFICIENTS = ("pipeline.bits=null", "pipeline.bits_lead=false", "pipeline.entropy_coding=false")
 """``fast-only-lowrank`` with float basis coefficients (6 a token) in place of its quantised ones, same bytes."""
 
 

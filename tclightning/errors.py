@@ -22,11 +22,22 @@ class RecipeError(TclightningError):
         overridden = override.partition("=")[0].strip() if override is not None else None
         parts = (
             file,
-            f"override '{override}'" if override is not None else None,
+            f"override '{_shortened(override)}'" if override is not None else None,
             f"key '{key}'" if key and key != overridden else None,
         )
         where = ": ".join(part for part in parts if part)
         super().__init__(f"{where}: {message}" if where else message)
+
+
+SHOWN_OVERRIDE_CHARS = 200
+"""An override longer than this is shown by its start and end in an error line."""
+
+
+def _shortened(override: str) -> str:
+    if len(override) <= SHOWN_OVERRIDE_CHARS:
+        return override
+    half = SHOWN_OVERRIDE_CHARS // 2
+    return f"{override[:half]}...({len(override) - 2 * half} characters)...{override[-half:]}"
 
 
 class StorageError(TclightningError):

@@ -346,17 +346,20 @@ def _staging_prefix(target: Path, pid: int) -> str:
 def clear_abandoned_staging(target: Path) -> None:
     """Remove the staging folders beside ``target`` that an export killed part-way left behind:
     named after a process that is no longer running, and holding :data:`STAGING_MARKER` (a new
-    export being written) or :data:`PROVENANCE_FILE` (the old export swapped out): a folder of
-    yours that is only named like one stays."""
+    export being written) or :data:`PROVENANCE_FILE` (the old export swapped out), or empty (killed
+    before its marker): a folder of yours that is only named like one and holds anything stays."""
     parent = target.parent
     if not parent.is_dir():
         return
     marker = f".{target.name}.export-"
     for folder in parent.glob(f"{glob_escape(marker)}*"):
         pid = folder.name[len(marker):].split("-", 1)[0]
-        if (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))
-                and any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE))):
+        if not (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))):
+            continue
+        if any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE)):
             remove_export(folder, None if (folder / STAGING_MARKER).is_file() else export_files(folder))
+        elif not any(folder.iterdir()):  # killed between making it and marking it: empty, nothing to lose
+            folder.rmdir()
 
 
 def export_files(folder: Path) -> frozenset[str]:

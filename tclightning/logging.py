@@ -394,8 +394,27 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
                 # needs no server or database package (mlflow-skinny has no SQLAlchemy)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         try:
-            loggers.append(cls(**{**defaults, **init_args}))
+            logger = cls(**{**defaults, **init_args})
         except (TypeError, ValueError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise RecipeError(reason, file=source, key=f"logging.loggers[{i}].init_args") from None
+        _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
+        loggers.append(logger)
     return loggers
+
+
+def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
+    """A CSV or TensorBoard logger writes its files into its ``log_dir`` and replaces a
+    ``metrics.csv`` there: one pointed (by a fixed ``version``) at a folder outside the run that
+    already holds files is refused, before it writes."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from tclightning.errors import RecipeError
+
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+        return
+    log_dir = Path(logger.log_dir).expanduser().absolute()
+    if log_dir.is_relative_to(run_dir.absolute()) or not log_dir.is_dir() or not any(log_dir.iterdir()):
+        return
+    raise RecipeError(f"{log_dir} already holds files, which this logger would write over: leave its version unset "
+                      "(a new version folder each run), or give it a folder of its own", file=source, key=key)

@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
+from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
     find_recipe,
     instantiate_callbacks,
@@ -451,6 +452,21 @@ def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
             )
 
 
+def require_pipeline_strategy_for_its_keys(recipe: RecipeConfig) -> None:
+    """The ``pipeline`` section is read by ``trainer.strategy: pipeline`` only: a key of it set for
+    another strategy would do nothing, so it is refused, naming the first."""
+    strategy = recipe.trainer.strategy
+    if strategy == "pipeline":
+        return
+    default = PipelineConfig()
+    changed = [f.name for f in fields(PipelineConfig) if getattr(recipe.pipeline, f.name) != getattr(default, f.name)]
+    if changed:
+        raise TclightningError(
+            f"pipeline.{changed[0]}={getattr(recipe.pipeline, changed[0])} is read by trainer.strategy=pipeline only: "
+            f"with trainer.strategy={strategy} the run makes no cut. Set trainer.strategy=pipeline, or leave the "
+            "pipeline section out")
+
+
 def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
     import lightning as L
 
@@ -587,6 +603,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     check_hub_model(recipe.model)  # an uncached hub name offline: one line now, not a minute of retries
     require_logger_servers(recipe)
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
+        require_pipeline_strategy_for_its_keys(recipe)
         require_writable_root(recipe)
     plan = plan_run(recipe, resume)
     if resume is not None and plan.new_dir:  # a checkpoint outside a run directory: a new one
@@ -599,6 +616,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         checkpoint_changes(plan.ckpt_path, cfg, plan.resume_step)
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
+        require_pipeline_strategy_for_its_keys(recipe)  # after: a changed key is named as the resume's change
         for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
             require_writable(folder, "--resume")
         if not os.environ.get(RUN_DIR_ENV):  # a rank launched into the run: its rank 0 holds the lock
@@ -699,8 +717,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         # Lightning turns a Ctrl-C it did not see coming (before the first step, or a second one
         # during a step) into exit 1 after its own graceful shutdown: say so, and exit 130
         gone = discard_unfinished_run(plan.run_dir, created)
-        raise RunInterrupted("interrupted; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
-                                                f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)")) from None
+        if gone:
+            kept = f"removed {plan.run_dir} (nothing was saved yet)"
+        elif any((plan.run_dir / "checkpoints").glob("*.ckpt")):
+            kept = f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)"
+        else:
+            kept = f"{plan.run_dir} keeps the steps it logged; no checkpoint was saved yet, so a resume cannot continue it"
+        raise RunInterrupted(f"interrupted; {kept}") from None
     except BaseException as err:
         if isinstance(err, OSError) and not (plan.run_dir / RUN_MARKER).is_file():
             raise TclightningError(f"the run directory {plan.run_dir} went away during the run (removed, moved or "

@@ -122,16 +122,19 @@ def one_of(options: Iterable[str], *, optional: bool = False) -> Rule:
     return rule
 
 
-def text(*, nonempty: bool = False, optional: bool = False, printable: bool = False, lines: bool = False) -> Rule:
+def text(*, nonempty: bool = False, optional: bool = False, printable: bool = False, lines: bool = False,
+         max_chars: int | None = None) -> Rule:
     """A string (non-blank with ``nonempty``; with ``printable``, no control or format characters,
-    which a terminal or a folder name would act on, and no line breaks or tabs unless ``lines``);
-    null only with ``optional``."""
+    which a terminal or a folder name would act on, and no line breaks or tabs unless ``lines``; at
+    most ``max_chars`` characters); null only with ``optional``."""
 
     def rule(value: Any) -> str | None:
         if value is None:
             return None if optional else "expected a string, got null"
         if not isinstance(value, str):
             return f"expected a string, got {value!r}"
+        if max_chars is not None and len(value) > max_chars:
+            return f"expected at most {max_chars} characters, got {len(value)}"
         if nonempty and not value.strip():
             return "expected a non-empty string"
         shown = value.replace("\n", "").replace("\t", "") if lines else value
@@ -153,13 +156,15 @@ def anything(value: Any) -> str | None:
     return None
 
 
-def list_of(item: Rule, length: int | None = None, *, optional: bool = False) -> Rule:
-    """A list of ``length`` values (any length when None), each passing ``item``."""
+def list_of(item: Rule, length: int | None = None, *, optional: bool = False, nonempty: bool = False) -> Rule:
+    """A list of ``length`` values (any length when None; at least one with ``nonempty``), each passing ``item``."""
 
     def rule(value: Any) -> str | None:
         if value is None:
             return None if optional else "expected a list, got null"
         items = list(value)
+        if nonempty and not items:
+            return "expected at least one value, got []"
         if length is not None and len(items) != length:
             return f"expected a list of {length} values, got {len(items)}: {items}"
         for i, entry in enumerate(items):

@@ -64,6 +64,54 @@ CASES: dict[str, Case] = {
     "seed-too-large": override("trainer.seed=99999999999"),
     "recipe-not-utf8": recipe(b"description: caf\xe9\n", "not UTF-8"),
     "override-not-utf8": override("grpo.lr=\udcff", names=("command line", "not valid UTF-8", "grpo.lr")),
+    # the pipeline section is read by the pipeline strategy only: set without it, it would do nothing
+    "pipeline-layout-without-the-pipeline-strategy": override("pipeline.layout=all", names=(
+        "pipeline.layout=all", "trainer.strategy=pipeline")),
+    "pipeline-stages-without-the-pipeline-strategy": override("pipeline.stages=100", names=(
+        "pipeline.stages=100", "trainer.strategy=pipeline")),
+    "lora-no-target-modules": override("model.lora.r=8", "model.lora.target_modules=[]", names=(
+        "model.lora.target_modules=[]", "at least one value")),
+    # a name past the filesystem's 255 bytes: the operating system's refusal, as one line
+    "recipe-path-name-too-long": Case(("recipes", "show", "{tmp}/" + "a" * 300 + ".yaml"),
+                                      ("longer than the filesystem allows",)),
+    "logging-root-name-too-long": override("logging.root={tmp}/" + "a" * 300, names=(
+        "longer than the filesystem allows",)),
+    # every prompt holds these: past the model's positions on their own, or past their size, at once
+    "system-prompt-past-the-positions": override("model.warmup.steps=0", "task.system_prompt=" + "x" * 10_000, names=(
+        "the system prompt and chat template alone",)),
+    "instruction-too-long": override("task.instruction=" + "x" * 40_000, names=("task.instruction", "at most 32768 characters")),
+    # YAML 1.1 numbers a reader would not see: 010 is 8, 1:30 is 90
+    "override-octal-number": override("trainer.steps=010", names=("trainer.steps=010", "octal number 8")),
+    "file-base-60-number": recipe(BASE + "trainer: {steps: 1:30}\n", "base-60 number"),
+    "override-integer-past-4300-digits": override("trainer.seed=1" + "0" * 5000, names=("trainer.seed=1", "4300")),
+    # a metric a rule reads that is not a number, a row of fewer cells, a step in other digits, a
+    # file longer than a replay takes, a header of 200k columns (quadratic to check once)
+    "analyze-health-text-in-a-metric": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "reward/mean 'hello'"),
+                                            {"m.csv": b"step,reward/mean,loss\n0,hello,1\n1,hello,2\n"}),
+    "analyze-health-short-row": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:3", "2 cells where the header"),
+                                     {"m.csv": b"step,reward/mean,loss\n0,0.5,1\n1,0.5\n"}),
+    "analyze-health-fullwidth-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "is not a number"),
+                                          {"m.csv": "step,reward/mean\n\uff11,0.5\n".encode()}),
+    "analyze-health-too-many-rows": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "more than 250000 rows"),
+                                         {"m.csv": b"step,reward/mean\n" + b"0,0.5\n" * 250_001}),
+    "analyze-health-200k-columns": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "no metric columns"), {
+        "m.csv": ("step," + ",".join(f"c{i}" for i in range(200_000)) + "\n0," + ",".join("1" * 200_000) + "\n").encode()}),
+    "callbacks-a-mapping": recipe(BASE + "callbacks: {class_path: x}\n", "key 'callbacks'", "expected a list"),
+    "betas-a-mapping": override("grpo.betas={a: 1}", names=("grpo.betas", "expected a list")),
+    "bench-two-node-dir-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile"), ("--dir", "a file is in the way"),
+                                      {"afile": b"x"}),
+    "bench-two-node-dir-under-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile/sub"), ("a file is in the way",),
+                                            {"afile": b"x"}),
+    "bench-traffic-config-negative-width": Case(
+        ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("hidden_size -64",),
+        {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": -64}'}),
+    "bench-traffic-config-heads-do-not-divide": Case(
+        ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("no model can be built",),
+        {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 3}'}),
+    # int() and float() read other scripts' digits: a number typed in them is refused, not taken
+    "steps-fullwidth-digit": override("trainer.steps=\uff16", names=("trainer.steps", "digits other than 0-9")),
+    "seed-arabic-indic-digit": override("trainer.seed=\u0663", names=("trainer.seed", "digits other than 0-9")),
+    "file-lr-fullwidth-digits": recipe(BASE + "grpo: {lr: \"\uff12e-4\"}\n", "key 'grpo.lr'", "digits other than 0-9"),
     "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
                                 {"afile": b"not a folder\n"}),
     "analyze-health-binary": Case(("analyze", "health", "{tmp}/metrics.csv"), ("metrics.csv", "not a CSV text file"),

@@ -274,6 +274,8 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     abandoned.mkdir()
     (abandoned / "config.json").write_text("{}")
     (abandoned / STAGING_MARKER).write_text("999999999\n")
+    killed_before_its_marker = tmp_path / ".policy.export-999999998-def"  # empty: nothing to lose
+    killed_before_its_marker.mkdir()
     # folders of yours only named like one (no staging marker, no provenance): never removed
     mine = [tmp_path / ".policy.export-2024-notes", tmp_path / ".policy.export-99999999999999999999-x"]
     for folder in mine:
@@ -281,7 +283,7 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
         (folder / "notes.txt").write_text("mine")
     export_policy(run_dir, out, step=2, overwrite=True)
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
-    assert not abandoned.exists() and not (out / STAGING_MARKER).exists()
+    assert not abandoned.exists() and not killed_before_its_marker.exists() and not (out / STAGING_MARKER).exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")) == sorted(f.name for f in mine)
     assert all((folder / "notes.txt").read_text() == "mine" for folder in mine)
     a, b = tmp_path / "a", tmp_path / "b"

@@ -28,7 +28,7 @@ from tclightning.callbacks.checkpointing import FAULT_ENV, checkpoint_allow_list
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
 from tclightning.grpo.summary import read_metrics
-from tclightning.run import RUN_MARKER, run
+from tclightning.run import RUN_MARKER, RunInterrupted, run
 from tests.conftest import FAST
 
 STEPS = 6
@@ -113,6 +113,26 @@ def test_ctrl_c_then_resume_continues_to_the_target_step(tmp_path: Path, referen
     assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] == 3
     assert train(tmp_path, STEPS, resume="last") == run_dir
     assert_same_run(run_dir, reference, range(STEPS))
+
+
+class AbortAt(L.Callback):
+    """A Ctrl-C that cannot wait for the step (the second one) as RL step ``step`` ends."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if batch.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_an_abort_before_the_first_checkpoint_does_not_promise_a_resume(tmp_path: Path) -> None:
+    with pytest.raises(RunInterrupted) as stopped:
+        train(tmp_path, STEPS, "trainer.checkpoint_every=4", callbacks=(AbortAt(1),))
+    assert "no checkpoint was saved yet" in str(stopped.value) and "--resume" not in str(stopped.value)
+    run_dir = next((tmp_path / "tiny").iterdir())
+    assert not list((run_dir / "checkpoints").glob("*.ckpt")) and logged_steps(run_dir)  # the logged steps stay
 
 
 def test_a_finished_run_extends_from_a_step_that_is_not_a_checkpoint_multiple(tmp_path: Path, five_steps, reference) -> None:

@@ -145,6 +145,49 @@ def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp
     assert not any((tmp_path / "runs" / "tiny").iterdir())
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _waiting_for_a_peer(tmp_path: Path, timeout_s: int) -> subprocess.Popen[str]:
+    """Rank 1 of two nodes whose rank 0 never comes: it waits at the rendezvous."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "NODE_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop("TCLIGHTNING_RUN_DIR", None)
+    command = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2",
+               "logging.root=runs", "trainer.num_nodes=2", "trainer.strategy=pipeline", "pipeline.stages=2",
+               f"pipeline.timeout_s={timeout_s}"]
+    return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_while_waiting_for_the_other_nodes_is_one_line(tmp_path: Path) -> None:
+    """The store waits for its peers in C++ and retries an interrupted call: a SIGTERM there still
+    stops the run at once, in one line, and takes its empty folder with it."""
+    with _waiting_for_a_peer(tmp_path, timeout_s=600) as child:
+        assert child.stdout is not None and child.stdout.readline().startswith("run directory: ")
+        time.sleep(3)  # into the rendezvous
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=120)
+    assert time.monotonic() - started < 60  # not the 600 s of pipeline.timeout_s
+    lines = err.strip().splitlines()
+    assert child.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], (child.returncode, err[-3000:])
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_a_rendezvous_no_peer_joins_is_one_line_naming_where_it_waited(tmp_path: Path) -> None:
+    with _waiting_for_a_peer(tmp_path, timeout_s=3) as child:
+        _, err = child.communicate(timeout=240)
+    assert child.returncode == 2, (child.returncode, err[-3000:])
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+    assert "error: trainer.num_nodes=2" in err.strip().splitlines()[-1] and "pipeline.timeout_s=3" in err
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
 def test_a_sighup_during_the_warm_up_stops_the_run_as_sigterm_does(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "TCLIGHTNING_CACHE": str(tmp_path / "cache")}
     command = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", "trainer.steps=2",

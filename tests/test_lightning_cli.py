@@ -109,9 +109,11 @@ def test_a_config_yaml_of_yours_is_never_overwritten(tmp_path, monkeypatch, caps
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 @pytest.mark.parametrize("hparams, said", [
-    ({"_class_path": "antigravity.Nothing"}, "names a class to build (_class_path)"),
-    ({"class_path": "antigravity.Nothing"}, "names a class to build (class_path)"),
-    ({"lr": 0.1, "inner": [{"init_args": {"model": {"trust_remote_code": True}}}]}, "names a class to build (init_args)"),
+    ({"_class_path": "antigravity.Nothing"}, "by name (_class_path)"),
+    ({"class_path": "antigravity.Nothing"}, "by name (class_path)"),
+    ({"lr": 0.1, "inner": [{"init_args": {"model": {"trust_remote_code": True}}}]}, "by name (init_args)"),
+    ({"__path__": 1}, "by name (__path__)"),  # jsonargparse's own: it replaced --model
+    ({"dict_kwargs": {"lr": 0.1}}, "by name (dict_kwargs)"),
     ({"model": {"source": "hf", "name": "x", "trust_remote_code": True}}, "never turns on remote code"),
 ])
 def test_a_ckpt_path_s_hyper_parameters_never_name_a_class_or_turn_on_remote_code(

@@ -56,6 +56,22 @@ def test_own_loggers_by_name_and_constructor_errors(tmp_path):
         build_loggers([entry], tmp_path / "run", "tiny")
 
 
+def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.csv").write_text("precious\n")
+    for init_args in ({"save_dir": str(mine), "name": "", "version": ""},
+                      {"save_dir": str(tmp_path), "name": "mine", "version": ""}):
+        for logger in ("CSVLogger", "TensorBoardLogger"):
+            entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": init_args}
+            with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*already holds files"):
+                build_loggers([entry], tmp_path / "run", "tiny")
+    assert (mine / "metrics.csv").read_text() == "precious\n"
+    # a new version folder each run (version unset), or an empty folder: built
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "mine"}}
+    assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
+
+
 def test_class_path_logger_logs_every_step(run_root):
     from tclightning.run import run
 

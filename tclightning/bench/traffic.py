@@ -82,6 +82,12 @@ class Traffic:
         return {"config": self.config, "total_bytes": self.total, **{f"{k}_bytes": v for k, v in self.classes.items()}}
 
 
+SIZE_KEYS = ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+"""A config's sizes the byte counts read; each a whole number in [1, :data:`MAX_SIZE`]."""
+MAX_SIZE = 1 << 24
+"""Larger than any model's width or vocabulary (a 16M-wide layer would not be built on the meta device either)."""
+
+
 def read_model_config(name_or_path: str) -> dict[str, Any]:
     """A model's ``config.json`` as a dict: a file, a folder holding one, or a Hugging Face name of a
     shipped config (``SHIPPED``). Refuses anything else in one line."""
@@ -101,6 +107,10 @@ def read_model_config(name_or_path: str) -> dict[str, Any]:
             layers = data.get("num_hidden_layers", 0)
             if not isinstance(layers, int) or not 0 <= layers <= MAX_LAYERS:
                 raise TclightningError(f"{candidate}: num_hidden_layers {layers!r} is not a layer count in [0, {MAX_LAYERS}]")
+            for key in SIZE_KEYS:
+                size = data.get(key, 1)
+                if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_SIZE:
+                    raise TclightningError(f"{candidate}: {key} {size!r} is not a size in [1, {MAX_SIZE}]")
             return data
     shipped = ", ".join(sorted(p.stem.replace("--", "/") for p in SHIPPED.glob("*.json")))
     raise TclightningError(f"no config.json at {name_or_path!r}; give a file or folder (shipped: {shipped})")
@@ -112,9 +122,14 @@ def meta_model(config: dict[str, Any]) -> torch.nn.Module:
 
     values = dict(config)
     model_type = values.pop("model_type")
-    hf_config = AutoConfig.for_model(model_type, **values)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+    try:
+        hf_config = AutoConfig.for_model(model_type, **values)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config)
+    except Exception as err:  # noqa: BLE001 -- transformers refusing the config's values (its own error classes)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        reason = " ".join(lines[-1].split())[:160]
+        raise TclightningError(f"model config ({model_type}): no model can be built from it ({reason})") from None
 
 
 HEAPS_K, HEAPS_BETA = 7.44, 0.542

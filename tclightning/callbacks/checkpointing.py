@@ -173,8 +173,11 @@ def legacy_hparams(checkpoint: Mapping[str, Any]) -> str | None:
     """The first of :data:`LEGACY_HPARAMS_KEYS` that ``checkpoint`` fills in, or None."""
     return next((key for key in LEGACY_HPARAMS_KEYS if checkpoint.get(key) not in (None, {}, "")), None)
 
-CLASS_KEYS = ("class_path", "_class_path", "init_args", "_instantiator")
-"""Keys with which a structure asks LightningCLI (jsonargparse) or Lightning to build a class."""
+CLASS_KEYS = ("class_path", "_class_path", "init_args", "_instantiator", "__path__", "dict_kwargs",
+              "__default_config__")
+"""Keys with which a structure asks LightningCLI (jsonargparse) or Lightning to build a class, or
+(jsonargparse's own ``__path__``, ``dict_kwargs``, ``__default_config__``) to read another file or
+replace what the command line gave."""
 
 
 def names_a_class(obj: Any) -> str | None:

@@ -92,10 +92,10 @@ def run_health(args: argparse.Namespace) -> int:
     from tclightning.health.names import reader_names
 
     names = {**reader_names(getattr(args, "names", None), "--names"), **_names(args.name)}
-    rows = read_run(args.path, names)
+    detector = HealthDetector()
+    rows = read_run(args.path, names, numbers=_rule_inputs(detector))
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
-    detector = HealthDetector()
     _require_read_metrics(args.path, rows, detector, {c: y for y, c in names.items()})
     result = replay(rows, detector)
     if args.json:

@@ -267,9 +267,13 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tclightning.bench.nodes import run_nodes
+    from tclightning.errors import TclightningError
 
     where = Path(args.dir).resolve()
-    where.mkdir(parents=True, exist_ok=True)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise TclightningError(f"--dir {args.dir}: a file is in the way (it or a folder above it is a file)") from None
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     result = run_nodes(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
                           timeout_s=args.timeout)

@@ -90,9 +90,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
                 checkpoint = load_checkpoint(ckpt_path)
                 named = names_a_class(checkpoint.get("hyper_parameters") or {})
                 if named is not None or legacy_hparams(checkpoint) is not None:
-                    raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint names a class to build "
-                                           f"({named or 'in legacy hyper-parameter keys'}), which would import any "
-                                           "module; give the model with --model yourself (nothing was built)")
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint asks the parser to build or read "
+                                           f"something by name ({named or 'in legacy hyper-parameter keys'}), which "
+                                           "would import any module or read any file; give the model with --model "
+                                           "yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
             super()._parse_ckpt_path()
 

@@ -8,6 +8,7 @@ transformers) happen inside handlers so ``--help`` and ``recipes list`` stay fas
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -49,6 +50,10 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
               file=sys.stderr)
         return err.exit_code
     except OSError as err:
+        if not args.debug and err.errno == errno.ENAMETOOLONG:  # a path the user gave that no filesystem holds
+            print(f"error: {shown(str(err.filename))[:200]}: a name in this path is longer than the filesystem "
+                  "allows (255 bytes a name); nothing was written", file=sys.stderr)
+            return 2
         if args.debug or not refused_by_storage(err):  # a bug, or a file the command names: in full
             raise
         # the backstop for a write the storage refused (full, read-only, quota) that no command

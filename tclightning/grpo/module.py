@@ -341,12 +341,19 @@ class GRPOModule(L.LightningModule):
         if not positions:
             return train, evals
         room = positions - self.sampler_cfg.max_new_tokens
+        where = (f"longer than the model's {positions} positions less sampler.max_new_tokens="
+                 f"{self.sampler_cfg.max_new_tokens}")
+        # A system prompt of more characters than the room: what every prompt holds (it and the chat
+        # template) is measured first; past the room no prompt fits, and measuring thousands of
+        # them would only take long to say so.
+        fixed = self.formatter.system_prompt or ""
+        if len(fixed) > room and self.formatter.lengths([""])[0] > room:
+            raise TclightningError(f"task: every training prompt is {where}: the system prompt and chat template "
+                                   "alone are; lower sampler.max_new_tokens or shorten task.system_prompt")
         lengths = self.formatter.lengths([e.prompt for e in (*train, *evals)])  # one measuring process for both
         kept = [[e for e, n in zip(train, lengths) if n <= room],
                 [e for e, n in zip(evals, lengths[len(train):]) if n <= room]]
         dropped = len(train) + len(evals) - len(kept[0]) - len(kept[1])
-        where = (f"longer than the model's {positions} positions less sampler.max_new_tokens="
-                 f"{self.sampler_cfg.max_new_tokens}")
         if not kept[0]:
             raise TclightningError(f"task: every training prompt is {where}; lower sampler.max_new_tokens or use "
                                    "shorter prompts")

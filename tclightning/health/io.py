@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from tclightning.errors import TclightningError
@@ -17,21 +17,31 @@ Row = tuple[int, dict[str, float]]
 METRICS_MAX_BYTES = 2**30
 """The largest metrics file read (a million steps of a hundred metrics is about this)."""
 
+MAX_REPLAY_ROWS = 250_000
+"""The most rows ``analyze health`` replays (a long RL run logs tens of thousands; the replay takes
+about 0.2 ms a step, so a file at :data:`METRICS_MAX_BYTES` would take hours): counted before the
+file is parsed."""
+
 #: Columns that are bookkeeping, not metrics.
 _SKIP_COLUMNS = {"step", "epoch", "wall_time", "time", "timestamp"}
 
 
-def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
+def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *, numbers: Collection[str] = (),
+                     max_rows: int | None = None) -> list[Row]:
     """Rows of a CSV with a ``step`` column, merged by step (last non-empty value wins).
 
     Lightning's CSVLogger writes one row per logging call with only that call's columns filled
     (train rows and validation rows for the same step), so empty cells are skipped and rows with
     the same step are merged. ``names`` maps the file's column names to canonical names
-    (``{"train/reward": "reward/mean"}``); unmapped columns keep their names.
+    (``{"train/reward": "reward/mean"}``); unmapped columns keep their names. A cell that is not a
+    number is skipped, except in a column whose canonical name is in ``numbers`` (one line naming
+    it). A file of more than ``max_rows`` lines is refused before it is parsed.
     """
     path = regular_file(path, "metrics", METRICS_MAX_BYTES)  # a FIFO named metrics.csv would wait forever
+    if max_rows is not None:
+        _require_rows_at_most(path, max_rows)
     try:
-        return _read_metrics_csv(path, dict(names or {}))
+        return _read_metrics_csv(path, dict(names or {}), frozenset(numbers))
     except UnicodeDecodeError as err:
         raise TclightningError(f"{path}: not a CSV text file (byte 0x{err.object[err.start]:02x} at offset "
                                f"{err.start} is not UTF-8)") from None
@@ -41,24 +51,47 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None) -
         raise TclightningError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
-def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
+def _require_rows_at_most(path: Path, max_rows: int) -> None:
+    lines = 0
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            lines += chunk.count(b"\n")
+            if lines > max_rows + 1:  # the header is not a row
+                raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
+                                       "a step); give it the rows of the steps you want to look at")
+
+
+def _read_metrics_csv(path: Path, names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
     # utf-8-sig: a byte-order mark before the header (Excel writes one) is not part of the first name
     with path.open(newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")
-        twice = next((name for i, name in enumerate(reader.fieldnames) if name in reader.fieldnames[:i]), None)
+        header = reader.fieldnames
+        seen: set[str] = set()
+        twice = None
+        for name in header:
+            if name in seen:
+                twice = name
+                break
+            seen.add(name)
         if twice is not None:  # which of the two columns would be the metric?
             raise TclightningError(f"{path}: the column {twice!r} appears twice in its header")
         for line_no, record in enumerate(reader, start=2):
             if None in record:  # more cells than the header names: the columns no longer line up
-                raise TclightningError(f"{path}:{line_no}: {len(reader.fieldnames) + len(record[None])} cells where "
-                                       f"the header names {len(reader.fieldnames)} columns")
+                raise TclightningError(f"{path}:{line_no}: {len(header) + len(record[None])} cells where "
+                                       f"the header names {len(header)} columns")
+            if record[header[-1]] is None:  # fewer cells: which column each one belongs to is a guess
+                cells = sum(value is not None for value in record.values())
+                raise TclightningError(f"{path}:{line_no}: {cells} cells where the header names {len(header)} "
+                                       "columns")
             raw_step = (record.get("step") or "").strip()
             if not raw_step:
                 continue
             try:
+                if not raw_step.isascii():  # float() reads other scripts' digits: "\uff11" would be step 1
+                    raise ValueError(raw_step)
                 number = float(raw_step)
                 step = int(number)
             except (ValueError, OverflowError) as err:  # "abc", "inf", "nan"
@@ -69,11 +102,16 @@ def _read_metrics_csv(path: Path, names: dict[str, str]) -> list[Row]:
             for column, cell in record.items():
                 if column is None or column in _SKIP_COLUMNS or cell is None or not cell.strip():
                     continue
+                name = names.get(column, column)
                 try:
+                    if not cell.isascii():
+                        raise ValueError(cell)
                     value = float(cell)
                 except ValueError:
+                    if name in numbers:  # a metric a rule reads: dropping it would leave a verdict without it
+                        raise TclightningError(f"{path}:{line_no}: {column} {cell.strip()[:40]!r} is not a number") from None
                     continue
-                row[names.get(column, column)] = value
+                row[name] = value
     return [(step, merged[step]) for step in sorted(merged)]
 
 
@@ -106,24 +144,29 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     return [(step, merged[step]) for step in sorted(merged)]
 
 
-def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
+def read_run(path: str | Path, names: Mapping[str, str] | None = None, *, numbers: Collection[str] = (),
+             max_rows: int | None = MAX_REPLAY_ROWS) -> list[Row]:
     """Metrics of a run: ``path`` is a CSV file, an event file, or a run directory.
 
     In a directory: ``metrics.csv`` at its top, else the newest ``metrics.csv`` below it (Lightning's
-    ``lightning_logs/version_N/``), else TensorBoard event files below it.
+    ``lightning_logs/version_N/``), else TensorBoard event files below it. ``numbers`` and
+    ``max_rows``: as :func:`read_metrics_csv` takes them.
     """
+    def read_csv(csv_path: Path) -> list[Row]:
+        return read_metrics_csv(csv_path, names, numbers=numbers, max_rows=max_rows)
+
     p = Path(path)
     if not p.exists():
         raise TclightningError(f"{p}: no such file or directory")
     if not p.is_dir():  # a file (a FIFO or a device is refused by the readers, never opened)
         if p.name.startswith(EVENT_PREFIX):
             return read_tensorboard(p, names)
-        return read_metrics_csv(p, names)
+        return read_csv(p)
     if p.resolve().parts[1:2] in (("proc",), ("sys",)):  # entries vanish while searched, reads may block
         raise TclightningError(f"{p}: is a kernel interface, not a run directory")
     direct = p / "metrics.csv"
     if direct.is_file():
-        return read_metrics_csv(direct, names)
+        return read_csv(direct)
     try:
         below = list(tree(p))
         nested = sorted((f for f in below if f.name == "metrics.csv"), key=lambda f: f.stat().st_mtime)
@@ -132,7 +175,7 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None) -> list[R
         raise TclightningError(f"{p}: changed while it was searched ({err.filename} went away); run it again, "
                                "or name the metrics.csv") from None
     if nested:
-        return read_metrics_csv(nested[-1], names)
+        return read_csv(nested[-1])
     if events:
         return read_tensorboard(p, names)
     raise TclightningError(f"{p}: no metrics.csv or TensorBoard event files in this directory")

@@ -105,7 +105,7 @@ class LoraConfig:
     alpha: float = setting(16.0, number(0.0, low_open=True), "scale: the update is alpha / r * B A")
     dropout: float = setting(0.0, number(0.0, 1.0, high_open=True), "dropout on the adapters' input, in [0, 1)")
     target_modules: list[str] = setting(
-        ["q_proj", "v_proj"], list_of(one_of(LORA_TARGETS)),
+        ["q_proj", "v_proj"], list_of(one_of(LORA_TARGETS), nonempty=True),
         f"linear layers of every decoder block that get an adapter: any of {' | '.join(LORA_TARGETS)}")
 
 

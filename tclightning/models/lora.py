@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tclightning.errors import TclightningError
 from tclightning.models.config import LoraConfig
 
 ADAPTER_MARK = "lora_"
@@ -44,6 +45,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, seed: int = 0) -> nn.Module:
         return model
     from peft import inject_adapter_in_model
 
+    layers = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    if not set(cfg.target_modules) & layers:
+        raise TclightningError(f"model.lora.target_modules {list(cfg.target_modules)}: the model has no such linear "
+                               f"layer (its own: {', '.join(sorted(layers - {'lm_head'}))})")
     dtype = next(model.parameters()).dtype
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -16,7 +16,12 @@ cut's receiver codec state, each rank's anchor state).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +35,31 @@ from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.engine import PipelineEngine
 from tclightning.pipeline.mesh import ReplicaMesh
 from tclightning.pipeline.strategy import _as_config
+
+
+class _HeldStream:
+    keep = False
+
+
+@contextlib.contextmanager
+def _stderr_held() -> Iterator[_HeldStream]:
+    """What the process writes to stderr (fd 2, C++ logs included) held in a file until the block
+    ends, then written out when ``keep`` was set (dropped otherwise)."""
+    held = _HeldStream()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as spool:
+        os.dup2(spool.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if held.keep:
+                spool.seek(0)
+                sys.stderr.buffer.write(spool.read(1 << 20))
+                sys.stderr.flush()
 
 
 class MultiProcessPipelineStrategy(DDPStrategy):
@@ -59,6 +89,37 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         self.mesh: ReplicaMesh | None = None  # pipeline.replicas > 1
 
     # -- setup -----------------------------------------------------------------------------------
+
+    def setup_distributed(self) -> None:
+        """Lightning's rendezvous on a thread of its own. The store waits for its peers in C++ and
+        retries on an interrupted call, so on the main thread a Ctrl-C or SIGTERM would wait as
+        long as it does (``pipeline.timeout_s``); the main thread keeps taking signals instead. A
+        rendezvous that times out is one line naming where it waited."""
+        failed: list[BaseException] = []
+
+        def rendezvous() -> None:
+            try:
+                super(MultiProcessPipelineStrategy, self).setup_distributed()
+            except BaseException as err:  # noqa: BLE001 -- handed to the main thread
+                failed.append(err)
+
+        thread = threading.Thread(target=rendezvous, name="tclightning-rendezvous", daemon=True)
+        with _stderr_held() as held:  # the store logs each retry with its C++ stack: shown only if it succeeds
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.1)
+            held.keep = not failed
+        if not failed:
+            return
+        err = failed[0]
+        if isinstance(err, torch.distributed.DistError):
+            where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
+            detail = " ".join(str(err).splitlines()[0].split())[:160]
+            raise TclightningError(
+                f"trainer.num_nodes={self.num_nodes} trainer.devices={self.num_processes}: the ranks did not all "
+                f"meet at {where} within pipeline.timeout_s={self.config.timeout_s:g} s ({detail}); start every "
+                "node's command, with the same MASTER_ADDR and MASTER_PORT") from None
+        raise err
 
     def configure_ddp(self) -> None:
         """No DDP wrapper: build this rank's stage instead (after the module's ``setup``)."""

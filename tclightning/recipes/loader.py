@@ -17,6 +17,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 from urllib.parse import urlparse
 from collections.abc import Mapping, Sequence
@@ -163,6 +164,29 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
+# YAML 1.1 (PyYAML's) reads `010` as the octal 8 and `1:30` as the base-60 90; YAML 1.2 reads 10
+# and the text "1:30". Neither is what a recipe means, so both are refused (quote text like "1:30").
+_AMBIGUOUS_NUMBER_TAG = "tag:tclightning,2026:ambiguous-number"
+_AMBIGUOUS_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
+_StrictLoader.yaml_implicit_resolvers = {first: list(resolvers) for first, resolvers
+                                         in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _first in "+-0123456789":
+    _StrictLoader.yaml_implicit_resolvers.setdefault(_first, []).insert(0, (_AMBIGUOUS_NUMBER_TAG, _AMBIGUOUS_NUMBER))
+
+
+def _refuse_ambiguous_number(loader: _StrictLoader, node: yaml.ScalarNode) -> Any:
+    value = loader.construct_scalar(node)
+    if ":" in value:
+        meaning = "a base-60 number in YAML 1.1 and text in YAML 1.2: quote it, or write the number"
+    else:
+        digits = value.replace("_", "")
+        meaning = (f"the octal number {int(digits, 8)} in YAML 1.1, {int(digits)} in YAML 1.2: write it without the "
+                   "leading zero")
+    raise yaml.constructor.ConstructorError(None, None, f"'{value}' is {meaning}", node.start_mark)
+
+
+_StrictLoader.add_constructor(_AMBIGUOUS_NUMBER_TAG, _refuse_ambiguous_number)
+
 
 MAX_YAML_BYTES = 1 << 20
 """A recipe or callback preset file larger than this (1 MiB) is refused unread: recipes are ~1 KB."""
@@ -200,25 +224,35 @@ def _read_yaml(path: Path) -> Any:
             f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8",
             file=str(path),
         ) from None
+    data = _parse_yaml(text, str(path))
+    _refuse_interpolation(data, str(path))
+    return data
+
+
+def _parse_yaml(text: str, source: str, override: str | None = None) -> Any:
+    """``text`` as YAML, bounded (:data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`), keys once each,
+    no YAML 1.1 octal or base-60 number; one-line :class:`RecipeError` otherwise."""
     try:
         loader = _StrictLoader(text)
         try:
             node = loader.get_single_node()
             if node is None:
                 return None
-            _check_size(node, str(path))
-            data = loader.construct_document(node)
+            _check_size(node, source, override)
+            return loader.construct_document(node)
         finally:
             loader.dispose()
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark and override is None else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise RecipeError(f"not valid YAML{where}: {' '.join(str(problem).split())}", file=str(path)) from None
+        what = "the value is not valid YAML" if override is not None else f"not valid YAML{where}"
+        raise RecipeError(f"{what}: {' '.join(str(problem).split())}", file=source, override=override) from None
     except RecursionError:
-        raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=str(path)) from None
-    _refuse_interpolation(data, str(path))
-    return data
+        raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source, override=override) from None
+    except ValueError as err:  # an integer of more digits than Python converts (4300)
+        raise RecipeError(f"not a value a recipe holds: {(str(err).splitlines() or ['ValueError'])[0]}", file=source,
+                          override=override) from None
 
 
 def read_record(path: Path) -> dict | None:
@@ -233,7 +267,7 @@ def read_record(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _check_size(root: yaml.Node, source: str) -> None:
+def _check_size(root: yaml.Node, source: str, override: str | None = None) -> None:
     """Refuse a node graph that expands (aliases followed) past the node or depth bound, counted
     without expanding it: each distinct node's expanded size is computed once."""
     sizes: dict[int, int] = {}
@@ -242,7 +276,7 @@ def _check_size(root: yaml.Node, source: str) -> None:
     while stack:
         node, depth, done = stack.pop()
         if depth > MAX_YAML_DEPTH:
-            raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source)
+            raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source, override=override)
         children = ([c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode)
                     else list(node.value) if isinstance(node, yaml.SequenceNode) else [])
         if done:
@@ -250,12 +284,13 @@ def _check_size(root: yaml.Node, source: str) -> None:
             sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
             if sizes[id(node)] > MAX_YAML_NODES:
                 raise RecipeError(f"holds more than {MAX_YAML_NODES} values once its aliases are expanded "
-                                  "(a recipe holds a few hundred)", file=source)
+                                  "(a recipe holds a few hundred)", file=source, override=override)
             continue
         if id(node) in sizes:
             continue
         if id(node) in open_nodes:
-            raise RecipeError("an alias refers to a value that holds it (a recipe cannot contain itself)", file=source)
+            raise RecipeError("an alias refers to a value that holds it (a recipe cannot contain itself)", file=source,
+                              override=override)
         open_nodes.add(id(node))
         stack.append((node, depth, True))
         stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
@@ -278,6 +313,25 @@ def _refuse_interpolation(data: Any, source: str, key: str = "") -> None:
     elif isinstance(data, list):
         for i, v in enumerate(data):
             _refuse_interpolation(v, source, f"{key}[{i}]")
+
+
+def _refuse_foreign_digits(data: Any, source: str, override: str | None, key: str = "") -> None:
+    """A number written in another script's digits (``"\uff16"``, ``"\u0663"``) is refused: Python's
+    ``int()`` and ``float()`` read them, so OmegaConf would take them as a number the user never typed."""
+    if isinstance(data, str) and not data.isascii():
+        try:
+            float(data)
+        except ValueError:
+            return
+        shown = data.encode("ascii", "backslashreplace").decode()
+        raise RecipeError(f"'{shown}' is written with digits other than 0-9; write the number in ASCII digits",
+                          file=source, key=key or None, override=override)
+    if isinstance(data, dict):
+        for k, v in data.items():
+            _refuse_foreign_digits(v, source, override, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            _refuse_foreign_digits(v, source, override, f"{key}[{i}]")
 
 
 def _known_keys(node: Any) -> list[str]:
@@ -312,6 +366,11 @@ def _check_sections(schema: DictConfig, data: dict, prefix: str, source: str, ov
         if key not in schema:
             continue  # the merge reports unknown keys, with a suggestion
         node = schema._get_node(key)
+        if isinstance(node, ListConfig) and isinstance(value, dict):  # OmegaConf's merge would raise a TypeError
+            indexed = all(str(k).isdigit() for k in value)  # `a.b[0]=x` from the command line
+            raise RecipeError("a list is set whole (key=[a, b]), not by index" if indexed else
+                              "expected a list (- entry, or [a, b]), got a mapping", file=source, key=prefix + key,
+                              override=override)
         if isinstance(node, DictConfig) and OmegaConf.get_type(node) not in (dict, None):
             if not isinstance(value, dict):
                 shown = "nothing (an empty section needs {})" if value is None else f"{type(value).__name__} {value!r}"
@@ -324,6 +383,7 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
     if not isinstance(data, dict):
         raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}", file=source)
     _check_sections(base, data, "", source, override)
+    _refuse_foreign_digits(data, source, override)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
@@ -385,6 +445,7 @@ def parse_overrides(overrides: Sequence[str]) -> DictConfig:
         if "${" in override.partition("=")[2]:
             raise RecipeError("interpolations (${...}) are not taken from the command line; write the value itself",
                               file=COMMAND_LINE, override=override)
+        _parse_yaml(override.partition("=")[2], COMMAND_LINE, override)  # the file's bounds and refusals
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except yaml.YAMLError as err:

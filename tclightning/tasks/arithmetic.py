@@ -39,26 +39,31 @@ _ENUMERATE_LIMIT = 200_000
 _MAX_DIGITS = 9
 # ASCII digits only: int() would also read other scripts' digits, which the answers never use.
 # Digit runs are capped before int() (first_integer), so no completion makes int() slow.
-_FIRST_INTEGER = re.compile(r"-?\d+", re.ASCII)
-_FIRST_DIGITS = re.compile(r"\s*(\d+)", re.ASCII)
+# A numeral with a fraction or an exponent ("85.9", "85e3") is not the integer of its first digits.
+_NOT_AN_INTEGER = r"(?!\d|\.\d|[eE][+-]?\d)"
+_FIRST_INTEGER = re.compile(r"-?\d+(?:\.\d+|[eE][+-]?\d+)*", re.ASCII)
+_FIRST_DIGITS = re.compile(r"\s*(\d+)" + _NOT_AN_INTEGER, re.ASCII)
 
 
 def first_integer(text: str) -> int | None:
     """The first integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
-    reads), or None. Giant digit runs -> None."""
+    reads), or None. A first numeral with a fraction or an exponent ("85.9") or a giant digit run -> None."""
     match = _FIRST_INTEGER.search(normalize_minus(text.strip()))
-    if match is None or len(match.group()) > 30:
-        return None
-    return int(match.group())
+    return _as_integer(match.group()) if match else None
 
 
 def last_integer(text: str) -> int | None:
     """The last integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
-    reads), or None. Giant digit runs -> None."""
+    reads), or None. A last numeral with a fraction or an exponent or a giant digit run -> None."""
     matches = _FIRST_INTEGER.findall(normalize_minus(text))
-    if not matches or len(matches[-1]) > 30:
+    return _as_integer(matches[-1]) if matches else None
+
+
+def _as_integer(numeral: str) -> int | None:
+    """A numeral as an int; None for a fraction or an exponent ("85.9"), or a giant digit run."""
+    if len(numeral) > 30 or not numeral.lstrip("-").isdigit():
         return None
-    return int(matches[-1])
+    return int(numeral)
 
 
 class ArithmeticTask(Task):

@@ -23,6 +23,9 @@ def _solve_rate(value: Any) -> Optional[str]:
 
 
 ANSWER_AT = ("first", "last")
+PROMPT_TEXT_CHARS = 32_768
+"""The most characters ``system_prompt``, ``prompt_template`` and ``instruction`` may hold (about 8k
+tokens; each goes into every prompt, and every prompt is measured before the run)."""
 """``task.answer_at``: which integer of an arithmetic completion is the answer."""
 
 
@@ -62,13 +65,14 @@ class TaskConfig:
     eval_size: int = setting(64, integer(0, 10**6),
                              "number of held-out examples (a seeded sample when the eval split is larger)")
     seed: int = setting(0, seed(), "seed for every random choice a task makes (held-out cut, eval sample, arithmetic problems)")
-    system_prompt: Optional[str] = setting(None, text(optional=True), "system message for chat models (None: none)")
+    system_prompt: Optional[str] = setting(None, text(optional=True, max_chars=PROMPT_TEXT_CHARS),
+                                           "system message for chat models (None: none)")
     prompt_template: str = setting(
-        "{question}", text(nonempty=True),
+        "{question}", text(nonempty=True, max_chars=PROMPT_TEXT_CHARS),
         'user-message template; the literal "{question}" is replaced by the question. Other braces are left alone '
         '(no str.format), so LaTeX like "\\boxed{}" is safe in templates')
     instruction: Optional[str] = setting(
-        None, text(optional=True),
+        None, text(optional=True, max_chars=PROMPT_TEXT_CHARS),
         'answer-format instruction appended after the templated question (blank line between). None: the task\'s '
         'default (gsm8k: "... The answer is N."; math: "... \\boxed{}"; arithmetic: none, its tiny character-level '
         'model never sees instructions). "": none')
