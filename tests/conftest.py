@@ -77,9 +77,14 @@ def _signal_handlers_restored() -> Iterator[None]:
     """Each test starts with the signal handlers the session had, and with Ctrl-C and SIGTERM
     delivered as a terminal delivers them: a Ctrl-C handler a run left behind (stopping after the
     step instead of raising), or a signal mask the test runner was started with (a background job
-    of some shells, CI scripts), would otherwise change a test's verdict."""
+    of some shells, CI scripts), would otherwise change a test's verdict. A signal the runner was
+    started ignoring (SIGHUP under ``nohup``, SIGINT in a background job) is taken as usual during
+    the test, so the processes a test starts do not inherit the ignore."""
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for sig, handler in kept.items():
+        if handler is signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     yield
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     for sig, handler in kept.items():
