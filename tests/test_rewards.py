@@ -411,14 +411,13 @@ def test_the_gsm8k_reward_reads_the_whole_number_a_completion_commits_to(complet
     assert verify_gsm8k(completion, gold) == score
 
 
-@pytest.mark.parametrize(("answer_at", "reverse"), [("first", False), ("last", False), ("first", True)])
-def test_the_arithmetic_reward_reads_a_fraction_or_an_exponent_as_no_integer(answer_at: str, reverse: bool) -> None:
+@pytest.mark.parametrize("answer_at", ["first", "last"])
+def test_the_arithmetic_reward_reads_a_fraction_or_an_exponent_as_no_integer(answer_at: str) -> None:
     from tclightning.tasks import Example, TaskConfig, build_task
 
-    task = build_task(TaskConfig(answer_at=answer_at, reverse_answer=reverse))
-    gold = Example("arithmetic/x/0", "40+45=", "58" if reverse else "85", "58" if reverse else "85")
-    written = "58" if reverse else "85"
-    assert task.reward(f"{written}", gold) == 1.0
-    assert task.reward(f"{written}.", gold) == 1.0  # a full stop ends the sentence
-    for wrong in (f"{written}.9", f"{written}e3", f"{written}.0"):
+    task = build_task(TaskConfig(answer_at=answer_at))
+    gold = Example("arithmetic/x/0", "40+45=", "85", "85")
+    assert task.reward("85", gold) == 1.0
+    assert task.reward("85.", gold) == 1.0  # a full stop ends the sentence
+    for wrong in ("85.9", "85e3", "85.0"):
         assert task.reward(wrong, gold) == 0.0, wrong
