@@ -216,6 +216,10 @@ CASES: dict[str, Case] = {
                                     {"m.csv": b"step,reward/mean\ninf,1.0\n"}),
     "analyze-health-missing": Case(("analyze", "health", "{tmp}/none.csv"), ("none.csv",)),
     "bench-link-bandwidth-nan": Case(("bench", "link", "--bandwidth", "nan"), ("--bandwidth",)),
+    # a rate whose waits leave the clock's range (and a tc qdisc refuses): bounded, like zero
+    "bench-link-bandwidth-1e-300": Case(("bench", "link", "--stages", "64", "--bandwidth", "1e-300"),
+                                        ("--bandwidth", "[0.01, 1e+06]")),
+    "bench-step-link-bandwidth-1e-300": Case(("bench", "step-link", "--bandwidth", "1e-300"), ("--bandwidth",)),
     "bench-link-one-stage": Case(("bench", "link", "--stages", "1"), ("--stages",)),
     "bench-codec-no-repeats": Case(("bench", "codec", "--repeats", "0"), ("--repeats",)),
     # sizes that would hang a command or exhaust the machine: refused before anything is loaded

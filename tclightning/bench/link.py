@@ -160,15 +160,28 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
         signal.signal(signal.SIGTERM, previous)
 
 
+LINK_MBIT = (0.01, 1e6)
+"""The link rates a benchmark shapes, in Mbit/s: 10 kbit/s (a step's messages take hours below it,
+and a wait past the clock's range is no measurement) to 1 Tbit/s."""
+
+
+def link_rate_problem(bandwidths: Sequence[float]) -> str | None:
+    """Why ``--bandwidth`` cannot be measured, or None: every rate within :data:`LINK_MBIT`."""
+    low, high = LINK_MBIT
+    bad = [b for b in bandwidths if not (math.isfinite(b) and low <= b <= high)]
+    if bad or not bandwidths:
+        return f"--bandwidth: every rate must be a number of Mbit/s in [{low:g}, {high:g}], got {bad or '[]'}"
+    return None
+
+
 def check_options(*, bandwidths: Sequence[float], layouts: Sequence[str], stages: int, link: str, rows: int,
                   length: int, dim: int, k: int, microbatches: int, schedule: str, steps: int, warmup: int) -> None:
     """Refuse, before any process starts, options the benchmark cannot measure (``TclightningError``)."""
     from tclightning.errors import TclightningError
 
-    bad = [b for b in bandwidths if not (math.isfinite(b) and b > 0)]
+    rate = link_rate_problem(bandwidths)
     problems = [
-        (bool(bad) or not bandwidths,
-         f"--bandwidth: every rate must be a finite number of Mbit/s > 0, got {bad or '[]'}"),
+        (rate is not None, rate or ""),
         (not layouts or any(layout not in LAYOUTS for layout in layouts),
          f"--layouts: expected some of {', '.join(LAYOUTS)}, got {list(layouts)}"),
         (stages < 2, f"--stages: a link needs at least 2 stages, got {stages}"),

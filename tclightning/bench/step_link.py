@@ -71,13 +71,14 @@ def summarise(metrics: dict[int, dict[str, float]]) -> dict[str, Any]:
 
 def check_options(*, stages: Sequence[int], bandwidths: Sequence[float], configs: Sequence[str], steps: int) -> None:
     """Refuse, before any process starts, options the benchmark cannot measure (``TclightningError``)."""
+    from tclightning.bench.link import link_rate_problem
     from tclightning.errors import TclightningError
 
+    rate = link_rate_problem(bandwidths)
     problems = [
         (not stages or any(s < 2 for s in stages),
          f"--stages: every layout needs at least 2 stages, got {list(stages)}"),
-        (not bandwidths or any(not b > 0 for b in bandwidths),
-         f"--bandwidth: every rate must be > 0 Mbit/s, got {list(bandwidths)}"),
+        (rate is not None, rate or ""),
         (not configs or any(c not in CONFIGS for c in configs),
          f"--configs: expected some of {', '.join(CONFIGS)}, got {list(configs)}"),
         (steps < 2, f"--steps: the first step is not timed, so at least 2, got {steps}"),
