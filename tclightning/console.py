@@ -8,6 +8,7 @@ module replaces that prefix (and gives the health monitors' warnings a ``health:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -15,6 +16,14 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any, TextIO
+
+
+def ignore_interrupts_at_teardown() -> None:
+    """Ctrl-C is ignored once Python tears the interpreter down, after every exit hook: its signal
+    handlers are then reset to the default, so a Ctrl-C would kill the finished command without a
+    word (exit -2) instead of leaving its exit code. Call it first, so that it runs last
+    (``atexit`` runs its hooks in reverse)."""
+    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
 
 def exit_at_late_interrupt() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -183,6 +184,25 @@ def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished"
+
+
+def test_ctrl_c_while_the_interpreter_is_torn_down_leaves_the_exit_code() -> None:
+    """Python resets its signal handlers to the default before it tears the modules down: a Ctrl-C
+    there (a finished run's objects being freed) killed the command by SIGINT without a word."""
+    script = ("import os, signal, sys, time\n"
+              "from tclightning.console import ignore_interrupts_at_teardown\n"
+              "if sys.argv[1] == 'ignore':\n"
+              "    ignore_interrupts_at_teardown()\n"
+              "class Late:\n"
+              "    def __del__(self):\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "        time.sleep(0.2)\n"
+              "late = Late()\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    without = subprocess.run([sys.executable, "-c", script, "keep"], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run([sys.executable, "-c", script, "ignore"], capture_output=True, text=True, timeout=60, env=env)
+    assert without.returncode == -signal.SIGINT  # what the console command did before
+    assert done.returncode == 0 and done.stderr == "", (done.returncode, done.stderr)
 
 
 def test_a_gguf_package_is_found_without_running_its_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

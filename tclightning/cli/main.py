@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
-from tclightning.console import exit_at_late_interrupt, outlive_console, refused_output, shown
+from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_teardown, outlive_console,
+                                 refused_output, shown)
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
 
@@ -69,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One tokenizer thread: a Rust tokenizer that panics on a prompt (a regex past its backtracking
     # limit) deadlocks its thread pool; on one thread the panic is an error the run reports.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if argv is None:  # the console command: a Ctrl-C while the interpreter is torn down leaves the exit code
+        ignore_interrupts_at_teardown()
     outlive_console()  # `| head -1`, stdout or stderr closed or full: the command goes on, never a traceback
     try:
         parser = build_parser()
