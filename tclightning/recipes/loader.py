@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from urllib.parse import urlparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,42 +296,42 @@ def _check_size(root: yaml.Node, source: str, override: str | None = None) -> No
         stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
 
 
-def _holds_interpolation(data: Any) -> bool:
-    if isinstance(data, str):
-        return "${" in data
-    values = data.values() if isinstance(data, dict) else data if isinstance(data, list) else ()
-    return any(_holds_interpolation(v) for v in values)
-
-
-def _refuse_interpolation(data: Any, source: str, key: str = "") -> None:
-    if isinstance(data, str) and "${" in data:
-        raise RecipeError(f"holds an interpolation ({data!r}); recipes hold values, write the value itself",
-                          file=source, key=key or None)
+def _leaves(data: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """Every scalar of a recipe's plain data with the key it sits at (``grpo.lr``, ``callbacks[0]``)."""
     if isinstance(data, dict):
         for k, v in data.items():
-            _refuse_interpolation(v, source, f"{key}.{k}" if key else str(k))
+            yield from _leaves(v, f"{key}.{k}" if key else str(k))
     elif isinstance(data, list):
         for i, v in enumerate(data):
-            _refuse_interpolation(v, source, f"{key}[{i}]")
+            yield from _leaves(v, f"{key}[{i}]")
+    else:
+        yield key, data
 
 
-def _refuse_foreign_digits(data: Any, source: str, override: str | None, key: str = "") -> None:
+def _holds_interpolation(data: Any) -> bool:
+    return any(isinstance(value, str) and "${" in value for _, value in _leaves(data))
+
+
+def _refuse_interpolation(data: Any, source: str) -> None:
+    for key, value in _leaves(data):
+        if isinstance(value, str) and "${" in value:
+            raise RecipeError(f"holds an interpolation ({value!r}); recipes hold values, write the value itself",
+                              file=source, key=key or None)
+
+
+def _refuse_foreign_digits(data: Any, source: str, override: str | None) -> None:
     """A number written in another script's digits (``"\uff16"``, ``"\u0663"``) is refused: Python's
     ``int()`` and ``float()`` read them, so OmegaConf would take them as a number the user never typed."""
-    if isinstance(data, str) and not data.isascii():
+    for key, value in _leaves(data):
+        if not isinstance(value, str) or value.isascii():
+            continue
         try:
-            float(data)
+            float(value)
         except ValueError:
-            return
-        shown = data.encode("ascii", "backslashreplace").decode()
+            continue
+        shown = value.encode("ascii", "backslashreplace").decode()
         raise RecipeError(f"'{shown}' is written with digits other than 0-9; write the number in ASCII digits",
                           file=source, key=key or None, override=override)
-    if isinstance(data, dict):
-        for k, v in data.items():
-            _refuse_foreign_digits(v, source, override, f"{key}.{k}" if key else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            _refuse_foreign_digits(v, source, override, f"{key}[{i}]")
 
 
 def _known_keys(node: Any) -> list[str]:
