@@ -17,17 +17,29 @@ import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
+from tclightning.limits import interrupt
+
 
 def ignore_interrupts_at_teardown() -> None:
-    """Ctrl-C is ignored once Python tears the interpreter down, after every exit hook: its signal
-    handlers are then reset to the default, so a Ctrl-C would kill the finished command without a
-    word (exit -2) instead of leaving its exit code. Call it first, so that it runs last
-    (``atexit`` runs its hooks in reverse)."""
+    """Ctrl-C and SIGTERM are ignored once Python tears the interpreter down, after every exit
+    hook: its signal handlers are then reset to the default, so either would kill the finished
+    command without a word (exit -2, -15) instead of leaving its exit code. Call it first, so that
+    it runs last (``atexit`` runs its hooks in reverse)."""
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
     atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
 
 
+def sigterm_interrupts() -> None:
+    """SIGTERM stops the command as Ctrl-C does (one line, exit 130), where nothing else holds it:
+    while it starts, and after a run has finished (a run holds SIGTERM itself: before its first step
+    it stops at once, then it finishes the step and checkpoints). The default would end the process
+    by the signal without a word (exit -15). Leaves a handler someone else set alone."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def exit_at_late_interrupt() -> None:
-    """From now on, Ctrl-C ends the process at once with one line and exit 130: for the moment
+    """From now on, Ctrl-C or SIGTERM ends the process at once with one line and exit 130: for the moment
     after a command has finished, when Python's own shutdown (flushing loggers, joining threads,
     atexit hooks) would otherwise print a traceback or die by the signal without a word."""
 
@@ -38,6 +50,7 @@ def exit_at_late_interrupt() -> None:
         os._exit(130)
 
     signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
 
 
 def shown(text: str) -> str:

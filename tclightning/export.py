@@ -241,6 +241,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if target.is_symlink():  # a swap would replace the link, not the folder it names
         raise TclightningError(f"export: {target} is a symbolic link; give the folder itself "
                                f"({os.path.realpath(target)}) or a new path")
+    if ".." in target.parts:  # `yours/new/..` is yours: every check below is of where the files land
+        target = Path(os.path.realpath(target))
     blocking = file_in_the_way(target)
     if blocking == target:
         raise TclightningError(f"export: {target} is a file, expected a folder to write the model to")

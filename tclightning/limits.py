@@ -1,8 +1,11 @@
 """Wall-clock limits on work whose cost the input decides (sympy on an answer, a model's chat
-template on a prompt): a ``SIGALRM`` interval timer, main thread only."""
+template on a prompt): a ``SIGALRM`` interval timer, main thread only. And the interrupt a
+signal handler raises (:func:`interrupt`), which, like the alarm's, must never land where Python
+drops it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -28,7 +31,7 @@ class _Timeout(BaseException):
 _ALARM_REPEAT_S = 0.1
 
 
-def _in_unraisable_context(frame: Any) -> bool:
+def in_unraisable_context(frame: Any) -> bool:
     """Whether ``frame`` runs inside a finalizer (``__del__``) or ``sys.unraisablehook``, where an
     exception cannot propagate: Python prints it as "Exception ignored" and carries on (and a
     test runner's hook counts it as a failure). The alarm then waits for its next repeat."""
@@ -39,6 +42,19 @@ def _in_unraisable_context(frame: Any) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+_RESEND_S = 0.05
+
+
+def interrupt(signum: int, frame: Any) -> None:
+    """Raise ``KeyboardInterrupt`` from the handler of signal ``signum``, where it can propagate:
+    inside a finalizer (a ``ZipFile.__del__`` the garbage collector runs), where Python would print
+    it as "Exception ignored" and carry on, the signal is sent again ``_RESEND_S`` later instead."""
+    if in_unraisable_context(frame):
+        threading.Timer(_RESEND_S, os.kill, (os.getpid(), signum)).start()
+        return
+    raise KeyboardInterrupt
 
 
 def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
@@ -54,7 +70,7 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     armed = [True]  # cleared before disarming, so a late repeat raises nothing
 
     def on_alarm(signum: int, frame: Any) -> None:
-        if armed[0] and not _in_unraisable_context(frame):
+        if armed[0] and not in_unraisable_context(frame):
             raise _Timeout()
 
     previous_handler = signal.getsignal(signal.SIGALRM)

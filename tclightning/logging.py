@@ -413,8 +413,9 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
 
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
         return
-    log_dir = Path(logger.log_dir).expanduser().absolute()
-    if log_dir.is_relative_to(run_dir.absolute()) or not log_dir.is_dir() or not any(log_dir.iterdir()):
+    # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is mine
+    log_dir = Path(os.path.realpath(Path(logger.log_dir).expanduser()))
+    if log_dir.is_relative_to(os.path.realpath(run_dir)) or not log_dir.is_dir() or not any(log_dir.iterdir()):
         return
     raise RecipeError(f"{log_dir} already holds files, which this logger would write over: leave its version unset "
                       "(a new version folder each run), or give it a folder of its own", file=source, key=key)

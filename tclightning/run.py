@@ -633,7 +633,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
                                           f"the earlier record is kept as {kept_record.name}"))
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
-        given = Path(os.environ[RUN_DIR_ENV])
+        given = Path(os.path.realpath(os.environ[RUN_DIR_ENV]))  # `mine/new/..` is mine
         if given.is_dir() and not (given / RUN_MARKER).is_file() and any(given.iterdir()):
             raise TclightningError(f"{RUN_DIR_ENV}={given}: a folder of yours, not a run directory (no {RUN_MARKER}); "
                                    "nothing was written: point it at a new folder")

@@ -386,3 +386,22 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_refused(tmp_path: Path)
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(TclightningError, match="has no end-of-sequence token"):
         load_model(ModelConfig(source="hf", name=str(folder)))
+
+
+class _Payload:
+    def __reduce__(self):  # what a crafted pytorch_model.bin holds: never called here
+        return (os.system, ("echo ran",))
+
+
+def test_a_pickled_weights_file_that_asks_for_code_is_refused_without_torch_s_unsafe_advice(tmp_path: Path) -> None:
+    """torch's refusal ends with advice to load the file with ``weights_only=False``, which is what
+    must never be done with it: the line names what the file asks for instead."""
+    import torch
+
+    from tclightning.models.loading import _loader_errors
+
+    torch.save({"weight": torch.zeros(1), "payload": _Payload()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(TclightningError) as refused, _loader_errors(f"model folder {tmp_path}", local=True):
+        torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    line = str(refused.value)
+    assert "weights_only" not in line and "could run code" in line and "system" in line, line

@@ -175,33 +175,36 @@ def test_a_health_monitor_refuses_a_saved_state_out_of_range(key: str, value: ob
     assert monitor.rollbacks == 0
 
 
-def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130() -> None:
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130(signum: str) -> None:
     script = ("import os, signal, time\n"
               "from tclightning.console import exit_at_late_interrupt\n"
               "exit_at_late_interrupt()\n"
-              "os.kill(os.getpid(), signal.SIGINT)\n"
+              f"os.kill(os.getpid(), signal.{signum})\n"
               "time.sleep(30)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished"
 
 
-def test_ctrl_c_while_the_interpreter_is_torn_down_leaves_the_exit_code() -> None:
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_the_interpreter_is_torn_down_leaves_the_exit_code(signum: str) -> None:
     """Python resets its signal handlers to the default before it tears the modules down: a Ctrl-C
-    there (a finished run's objects being freed) killed the command by SIGINT without a word."""
+    or SIGTERM there (a finished run's objects being freed) killed the command without a word."""
     script = ("import os, signal, sys, time\n"
-              "from tclightning.console import ignore_interrupts_at_teardown\n"
+              "from tclightning.console import ignore_interrupts_at_teardown, sigterm_interrupts\n"
               "if sys.argv[1] == 'ignore':\n"
               "    ignore_interrupts_at_teardown()\n"
+              "    sigterm_interrupts()\n"
               "class Late:\n"
               "    def __del__(self):\n"
-              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              f"        os.kill(os.getpid(), signal.{signum})\n"
               "        time.sleep(0.2)\n"
               "late = Late()\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     without = subprocess.run([sys.executable, "-c", script, "keep"], capture_output=True, text=True, timeout=60, env=env)
     done = subprocess.run([sys.executable, "-c", script, "ignore"], capture_output=True, text=True, timeout=60, env=env)
-    assert without.returncode == -signal.SIGINT  # what the console command did before
+    assert without.returncode == -getattr(signal, signum)  # what the console command did before
     assert done.returncode == 0 and done.stderr == "", (done.returncode, done.stderr)
 
 
@@ -612,14 +615,16 @@ def test_load_from_checkpoint_names_weights_that_are_not_the_model_s(run_dir: Pa
         GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
 
 
+@pytest.mark.parametrize("named", ["mine", "mine/new/.."], ids=["the-folder", "through-a-folder-yet-to-be-made"])
 def test_a_run_dir_variable_naming_a_folder_of_yours_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+                                                                capsys: pytest.CaptureFixture[str], named: str) -> None:
+    """``mine/new/..`` is ``mine`` once the run has made ``new``: it is refused as ``mine`` is."""
     from tclightning.run import RUN_DIR_ENV
 
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "metrics.csv").write_text("my,own\n")
-    monkeypatch.setenv(RUN_DIR_ENV, str(mine))
+    monkeypatch.setenv(RUN_DIR_ENV, str(tmp_path / named))
     capsys.readouterr()
     assert main(["run", "--recipe", "tiny", *FAST, "trainer.devices=2", "trainer.strategy=pipeline", "pipeline.stages=2",
                  f"logging.root={tmp_path / 'runs'}"]) == 2
@@ -778,3 +783,37 @@ def test_a_tensor_over_fewer_stored_bytes_than_its_shape_is_refused_everywhere(
     assert not (tmp_path / "out").exists()
     code, err = _resume(copied, capsys)
     assert code == 2 and len(err) == 1 and "stored bytes" in err[0], err
+
+
+def test_an_export_through_a_folder_yet_to_be_made_is_checked_where_it_lands(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mine/new/..`` is ``mine``: refused as ``mine`` is (not empty, not an export), and no
+    ``mine/new`` is left behind."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("mine\n")
+    for overwrite in ([], ["--overwrite"]):
+        capsys.readouterr()
+        assert main(["export", str(run_dir), str(mine / "new" / ".."), *overwrite]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{mine} is not" in err[0], err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.md"]
+
+
+def test_a_probe_never_writes_over_files_in_a_folder_you_named(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from tclightning.cli.options import output_folder
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "cuts.md").write_text("my notes\n")
+    for named in (mine, mine / "new" / ".."):
+        with pytest.raises(TclightningError, match=r"already holds cuts\.md.*--overwrite replaces"):
+            output_folder("probe cuts", named, ("cuts.csv", "cuts.md"), named=True)
+    assert output_folder("probe cuts", mine, ("cuts.md",), named=True, overwrite=True) == mine
+    assert output_folder("probe cuts", mine, ("cuts.md",)) == mine  # the probe's own default folder: a rerun
+    capsys.readouterr()
+    assert main(["probe", "cuts", "--recipe", "tiny", "--out", str(mine)]) == 2  # before anything is measured
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds cuts.md" in err[0], err
+    assert sorted(p.name for p in mine.iterdir()) == ["cuts.md"] and (mine / "cuts.md").read_text() == "my notes\n"

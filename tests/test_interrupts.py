@@ -231,3 +231,72 @@ def test_ctrl_c_while_a_finished_run_writes_its_summary_waits_for_it(tmp_path: P
         run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path / 'runs'}"], quiet=True)
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
     assert (run_dir / "summary.json").is_file()
+
+
+def test_a_sigterm_in_a_finalizer_still_stops_the_run_before_training() -> None:
+    """A SIGTERM whose handler runs inside a finalizer (a ``ZipFile.__del__`` the garbage collector
+    ran) raised an interrupt Python prints as "Exception ignored" and drops: the run went on, and a
+    warm-up of hours ran to its end. The signal is sent again once the finalizer is done."""
+    from tclightning.callbacks.checkpointing import SigtermBeforeTraining
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # the handler runs here, inside __del__
+
+    with SigtermBeforeTraining(), pytest.raises(KeyboardInterrupt):
+        Finalized()
+        time.sleep(5)
+
+
+def test_a_sigterm_a_library_swallowed_still_stops_the_run_at_the_next_hook() -> None:
+    from tclightning.callbacks.checkpointing import SigtermBeforeTraining
+
+    with SigtermBeforeTraining() as guard:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except BaseException:  # noqa: BLE001 -- a library's bare `except:`
+            pass
+        with pytest.raises(KeyboardInterrupt):
+            guard.setup(None, None, "fit")  # type: ignore[arg-type]
+
+
+def test_a_sigterm_a_library_swallowed_in_the_warm_up_stops_it_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import tclightning.models.warmup as warmup
+    from tclightning.models.config import WarmupConfig
+
+    steps: list[int] = []
+
+    def step(*args: object) -> None:
+        steps.append(len(steps))
+        if len(steps) == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except BaseException:  # noqa: BLE001 -- a library's bare `except:` inside the step
+                pass
+
+    monkeypatch.setattr(warmup, "_warmup_step", step)
+    with pytest.raises(warmup.WarmupInterrupted):
+        warmup.supervised_warmup(torch.nn.Linear(2, 2), None, [], [], WarmupConfig(steps=100))  # type: ignore[arg-type]
+    assert len(steps) == 2
+
+
+def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> None:
+    """Between the end of a command and Python's exit nothing held SIGTERM: the finished command
+    died by the signal (exit -15) without a word."""
+    script = ("import os, signal, sys, time\n"
+              "import tclightning.cli.main as cli\n"
+              "def finished():\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(5)\n"
+              "cli.refused_output = finished\n"
+              "sys.argv = ['tclightning', 'recipes', 'list']\n"
+              "sys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished", \
+        (done.returncode, done.stderr[-2000:])

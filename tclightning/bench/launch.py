@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tclightning.processes import safe_import_path
+
 
 @dataclass
 class RankOutcome:
@@ -81,8 +83,9 @@ def run_ranks(
             for r in range(world_size)
         ]
         started = time.perf_counter()
-        for proc in procs:
-            proc.start()
+        with safe_import_path():  # the spawned python -c never imports from the working folder
+            for proc in procs:
+                proc.start()
         deadline = started + join_timeout_s
         while any(proc.is_alive() for proc in procs) and time.perf_counter() < deadline:
             if any(proc.exitcode not in (None, 0) for proc in procs):

@@ -31,6 +31,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tclightning.processes import child_environment
+
 LAYOUTS = ("dense", "shallow", "all")
 
 
@@ -150,7 +152,7 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
         child = subprocess.run(
             ["ip", "netns", "exec", name, sys.executable, "-m", "tclightning.bench.link", "--inside",
              json.dumps(options)],
-            check=False, capture_output=True, text=True,
+            check=False, capture_output=True, text=True, env=child_environment(),
         )
         if child.returncode != 0:
             raise RuntimeError(f"benchmark inside namespace {name} failed:\n{child.stderr[-4000:]}")

@@ -36,6 +36,7 @@ from typing import Any
 from tclightning.bench.link import netns_problem
 from tclightning.errors import TclightningError
 from tclightning.files import own_file
+from tclightning.processes import child_environment
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -149,7 +150,7 @@ def run_nodes(
         commands = [torchrun_command(node, per_node, run_args, nodes=nodes) for node in range(nodes)]
         started = time.perf_counter()
         for node, (space, veth) in enumerate(zip(spaces, veths)):
-            node_env = {**(env or os.environ), "TCLIGHTNING_RUN_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": veth,
+            node_env = {**child_environment(env), "TCLIGHTNING_RUN_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": veth,
                         "OMP_NUM_THREADS": "1"}
             echo(f"node {node} ({space}): {shlex.join(commands[node])}")
             with own_file(logs[node], "wb") as log:  # a file, not a pipe: a chatty node never blocks

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
+from tclightning.limits import interrupt
 
 
 def checkpoint_globals() -> list[Any]:
@@ -485,6 +486,7 @@ class SigtermBeforeTraining(L.Callback):
 
     def __init__(self) -> None:
         self.armed = False
+        self.received = False
         self._previous: Any = None
 
     def __enter__(self) -> SigtermBeforeTraining:
@@ -497,9 +499,22 @@ class SigtermBeforeTraining(L.Callback):
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.armed:  # Lightning, once it holds SIGTERM, also calls the handler it found: a no-op by then
+            self.received = True
+            interrupt(signum, frame)
+
+    def _stop_if_received(self) -> None:
+        """The interrupt again, at a hook: a library's bare ``except:`` may have swallowed the first."""
+        if self.armed and self.received:
             raise KeyboardInterrupt
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop_if_received()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_if_received()
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_if_received()
         self.armed = False
 
     def __exit__(self, *exc: object) -> None:

@@ -52,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     trajectory.add_argument("run_dir", metavar="RUN_DIR", help="run directory (or a folder of point-*.pt files)")
     trajectory.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     trajectory.add_argument("--out", metavar="DIR", default=None, help="output folder (default RUN_DIR/analysis)")
+    trajectory.add_argument("--overwrite", action="store_true", help="replace the files of an earlier analysis in --out")
     trajectory.set_defaults(func=run_trajectory)
 
 
@@ -63,7 +64,8 @@ def run_trajectory(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out is not None else Path(args.run_dir) / "analysis"
     if args.out is None and out.is_symlink():  # the default folder, not one the user named: never followed
         raise TclightningError(f"analyze trajectory: {out} is a symbolic link; name the folder to write to with --out")
-    out = output_folder("analyze trajectory", out)
+    out = output_folder("analyze trajectory", out, ("trajectory.json", "trajectory.md", "trajectory.png"),
+                        named=args.out is not None, overwrite=args.overwrite)
     report, paths = write_report(args.run_dir, out)
     if args.json:
         print(json.dumps(report, allow_nan=False))

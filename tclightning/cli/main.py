@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 from tclightning import __version__
 from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_teardown, outlive_console,
-                                 refused_output, shown)
+                                 refused_output, shown, sigterm_interrupts)
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
+from tclightning.processes import keep_children_off_the_working_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,8 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # One tokenizer thread: a Rust tokenizer that panics on a prompt (a regex past its backtracking
     # limit) deadlocks its thread pool; on one thread the panic is an error the run reports.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    keep_children_off_the_working_folder()
     if argv is None:  # the console command: a Ctrl-C while the interpreter is torn down leaves the exit code
         ignore_interrupts_at_teardown()
+        sigterm_interrupts()
     outlive_console()  # `| head -1`, stdout or stderr closed or full: the command goes on, never a traceback
     try:
         parser = build_parser()
@@ -79,12 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     code = dispatch(parser, argv)
+    if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
+        exit_at_late_interrupt()
     lost = refused_output()
     if lost is not None:  # `> /dev/full`: what the command printed is incomplete, so it did not succeed
         print(f"error: standard output refused a write ({lost}); what the command printed is incomplete", file=sys.stderr)
         code = code or 1
-    if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
-        exit_at_late_interrupt()
     return code
 
 

@@ -3,6 +3,7 @@ value past them would hang the command or exhaust the machine, never measure any
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tclightning.errors import TclightningError
@@ -19,12 +20,22 @@ def within(command: str, flag: str, value: int | float | None, low: int | float,
         raise TclightningError(f"{command}: {flag} must be in [{low}, {high}], got {value}")
 
 
-def output_folder(command: str, path: Path) -> Path:
-    """``path`` as the folder a probe writes its files to, refused up front (before anything is
-    measured) when it, or a folder on the way to it, is a file."""
+def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, named: bool = False,
+                  overwrite: bool = False) -> Path:
+    """``path`` as the folder a probe writes its files (``writes``) to, refused up front (before
+    anything is measured) when it, or a folder on the way to it, is a file; or, for a folder the
+    user ``named`` with ``--out``, when it holds a file of those names and not ``overwrite`` (it
+    may be theirs: the command's own default folder is its to replace)."""
+    if ".." in path.parts:  # `yours/new/..` is yours: the checks are of where the files land
+        path = Path(os.path.realpath(path))
     blocking = file_in_the_way(path)
     if blocking is not None:
         raise TclightningError(f"{command}: --out {path}: {blocking} is a file, not a folder")
     nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.is_dir())
     require_writable(nearest, f"{command}: --out {path}", TclightningError)  # /proc, a read-only mount
+    there = [name for name in writes if os.path.lexists(path / name)]
+    if named and there and not overwrite:
+        raise TclightningError(f"{command}: --out {path} already holds {there[0]}"
+                               f"{f' (and {len(there) - 1} more)' if len(there) > 1 else ''}, which this command "
+                               "writes; nothing was written: --overwrite replaces them, or choose a new folder")
     return path

@@ -53,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="steps the warm-up prompts are folded in over, one share per step as in a run "
                            "(default 1: the bases are fitted on all of them, as a refit on a run's window is)")
     cuts.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-cuts/)")
+    cuts.add_argument("--overwrite", action="store_true", help="replace the files of an earlier probe in --out")
     cuts.add_argument("--step", type=int, default=0, help="PRF key step used for every configuration (default 0)")
     cuts.add_argument("--threads", type=int, default=None,
                       help="torch.set_num_threads (default: the recipe's trainer.num_threads, else torch's)")
@@ -75,7 +76,8 @@ def run_cuts(args: argparse.Namespace) -> int:
     within("probe cuts", "--warmup-prompts", args.warmup_prompts, 1, 1 << 16)
     within("probe cuts", "--warmup-steps", args.warmup_steps, 1, 10000)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
-    out = output_folder("probe cuts", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-cuts"))
+    out = output_folder("probe cuts", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-cuts"),
+                        ("cuts.csv", "cuts.md", "cuts.png"), named=args.out is not None, overwrite=args.overwrite)
 
 
     from tclightning.pipeline.cuts import find_decoder_layers
@@ -303,6 +305,7 @@ def register_inference(tools: argparse._SubParsersAction) -> None:
     inference.add_argument("--step", type=int, default=0, help="PRF key step (default 0)")
     inference.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: recipe's)")
     inference.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-inference/)")
+    inference.add_argument("--overwrite", action="store_true", help="replace the files of an earlier probe in --out")
     inference.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. pipeline.rate=0.1")
     inference.set_defaults(func=run_inference)
 
@@ -344,7 +347,9 @@ def run_inference(args: argparse.Namespace) -> int:
               **({"task.name": args.task} if args.task else {})}
     recipe = to_dataclass(load_recipe(args.recipe, [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in chosen.items())]))
     dataclasses.replace(recipe.pipeline, layout=args.layout).validate()
-    out = output_folder("probe inference", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-inference"))
+    out = output_folder("probe inference", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-inference"),
+                        ("inference.csv", "generations.jsonl", "inference.md", "inference.png"),
+                        named=args.out is not None, overwrite=args.overwrite)
 
 
     from tclightning.probes.inference import (

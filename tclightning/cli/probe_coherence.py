@@ -38,6 +38,7 @@ def register_coherence(tools: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", default=None, help="start from this Lightning checkpoint's policy weights "
                         "instead of the recipe's warm start")
     parser.add_argument("--out", default=None, help="output folder (default runs/probes/<recipe>-coherence/)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the files of an earlier probe in --out")
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout (progress on stderr)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: the recipe's trainer.num_threads, else 1 on <= 4 cores)")
@@ -99,7 +100,9 @@ def run_coherence(args: argparse.Namespace) -> int:
     alpha = recipe.anchor.alpha if args.alpha is None else args.alpha
     if not 0.0 <= alpha <= 1.0:
         raise TclightningError(f"--alpha must be in [0, 1], got {alpha}")
-    out = output_folder("probe coherence", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-coherence"))
+    out = output_folder("probe coherence", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-coherence"),
+                        ("coherence.json", "coherence.md", "coherence.png"), named=args.out is not None,
+                        overwrite=args.overwrite)
     log = sys.stderr if args.json else sys.stdout
 
     import torch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.machinery
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -354,7 +355,12 @@ def _loader_errors(what: str, local: bool) -> Iterator[None]:
     except Exception as err:  # noqa: BLE001 - a local file's content is the user's input, not a bug (--debug shows it)
         if refused_by_storage(err) or not (local or isinstance(err, OSError)):
             raise
-        reason = " ".join(str(err).split())[:240] or type(err).__name__
+        reason = " ".join(str(err).split())
+        if "Weights only load failed" in reason:  # torch's advice (weights_only=False) is what must never be done
+            unsafe = re.search(r"GLOBAL ([\w.]+)", reason)
+            reason = ("a pickled weights file that torch's safe loader refuses"
+                      + (f": it asks to load {unsafe.group(1)} (loading it could run code)" if unsafe else ""))
+        reason = reason[:240] or type(err).__name__
         verb = "loaded as a model" if local else "downloaded from the Hugging Face Hub"
         raise TclightningError(f"{what}: cannot be {verb} ({type(err).__name__}: {reason})") from err
 

@@ -23,21 +23,24 @@ from transformers import PreTrainedModel
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.errors import TclightningError
 from tclightning.files import exchange, open_regular, regular_file, remove_tree, save_tensors
+from tclightning.limits import interrupt
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
 
 
-def _sigterm_interrupts() -> Any:
+def _sigterm_interrupts(received: list[int]) -> Any:
     """Make SIGTERM interrupt the warm-up as Ctrl-C does (nothing is saved before the first RL
-    step, so there is nothing to finish): returns the handler to restore, or None off the main
-    thread, where no handler can be set."""
+    step, so there is nothing to finish), noting it in ``received`` (the loop stops on it even if a
+    library swallowed the interrupt): returns the handler to restore, or None off the main thread,
+    where no handler can be set."""
     if threading.current_thread() is not threading.main_thread():
         return None
 
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+    def stop(signum: int, frame: Any) -> None:
+        received.append(signum)
+        interrupt(signum, frame)
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    return signal.signal(signal.SIGTERM, stop)
 
 
 class WarmupInterrupted(Exception):
@@ -93,9 +96,12 @@ def supervised_warmup(
     model.train()
     started, losses, stats = time.perf_counter(), [], {}
     display = WarmupProgress(cfg) if progress else None
-    previous_sigterm = _sigterm_interrupts()
+    sigterm: list[int] = []
+    previous_sigterm = _sigterm_interrupts(sigterm)
     try:
         for step in range(cfg.steps):
+            if sigterm:
+                raise KeyboardInterrupt
             _warmup_step(model, formatter, prompts, solutions, cfg, gen, optimizer, schedule, device, losses)
             if accuracy is not None and cfg.target_accuracy > 0 and (step + 1) % cfg.check_every == 0:
                 stats["warmup/accuracy"] = accuracy()

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
 from tclightning.limits import within
+from tclightning.processes import child_environment
 
 
 class NonFiniteError(TclightningError):
@@ -161,9 +162,9 @@ def measure_in_child(spec: str, texts: Sequence[str], add_special_tokens: bool) 
     """The token count of each of ``texts`` under the Rust tokenizer ``spec`` (its JSON), measured
     in a separate process under a time and a memory limit; or why it could not be (a string)."""
     limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for t in texts)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = child_environment(TOKENIZERS_PARALLELISM="false")
     try:
-        done = subprocess.run([sys.executable, "-c", _MEASURE, str(TOKENIZE_MEMORY_BYTES), str(int(add_special_tokens))],
+        done = subprocess.run([sys.executable, "-I", "-c", _MEASURE, str(TOKENIZE_MEMORY_BYTES), str(int(add_special_tokens))],
                               input=spec.encode() + b"\0" + json.dumps(list(texts)).encode(),
                               capture_output=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:

@@ -41,6 +41,7 @@ from fractions import Fraction
 from typing import Any
 
 from tclightning.limits import can_use_alarm, run_with_alarm
+from tclightning.processes import safe_import_path
 
 # A final answer longer than this is not an answer: never hand it to sympy.
 MAX_ANSWER_CHARS = 1000
@@ -422,7 +423,8 @@ class _Worker:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.proc.start()
+        with safe_import_path():  # the spawned python -c never imports from the working folder
+            self.proc.start()
         child.close()
         if not self.conn.poll(_START_TIMEOUT_S) or self.conn.recv() != "ready":
             self.close()
