@@ -31,7 +31,8 @@ def test_a_python_child_started_with_the_child_environment_ignores_the_working_f
     command = [sys.executable, "-c", "import json, multiprocessing; print(json.dumps([1]))"]
     done = subprocess.run(command, cwd=tmp_path, env=child_environment(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[1]" and not marker.exists(), done.stderr
-    plain = subprocess.run(command, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=60)
+    bare = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    plain = subprocess.run(command, cwd=tmp_path, env=bare, capture_output=True, text=True, timeout=60)
     assert marker.exists(), plain  # what a bare `python -c` there does
 
 
