@@ -817,3 +817,17 @@ def test_a_probe_never_writes_over_files_in_a_folder_you_named(tmp_path: Path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds cuts.md" in err[0], err
     assert sorted(p.name for p in mine.iterdir()) == ["cuts.md"] and (mine / "cuts.md").read_text() == "my notes\n"
+
+
+def test_analyze_health_refuses_more_tensorboard_events_than_it_reads(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A million scalars in an event file took TensorBoard's reader minutes: refused by size, unread."""
+    from tclightning.health.io import EVENTS_MAX_BYTES
+
+    events = tmp_path / "events.out.tfevents.1.host"
+    with events.open("wb") as handle:
+        handle.truncate(EVENTS_MAX_BYTES + 1)  # sparse: no disk used
+    capsys.readouterr()
+    assert main(["analyze", "health", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "MiB of TensorBoard events" in err[0] and "metrics.csv" in err[0], err

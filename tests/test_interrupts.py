@@ -153,10 +153,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _waiting_for_a_peer(tmp_path: Path, timeout_s: int) -> subprocess.Popen[str]:
+def _waiting_for_a_peer(tmp_path: Path, timeout_s: int, port: int | None = None) -> subprocess.Popen[str]:
     """Rank 1 of two nodes whose rank 0 never comes: it waits at the rendezvous."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "NODE_RANK": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or _free_port())}
     env.pop("TCLIGHTNING_RUN_DIR", None)
     command = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2",
                "logging.root=runs", "trainer.num_nodes=2", "trainer.strategy=pipeline", "pipeline.stages=2",
@@ -185,6 +185,22 @@ def test_a_rendezvous_no_peer_joins_is_one_line_naming_where_it_waited(tmp_path:
     assert child.returncode == 2, (child.returncode, err[-3000:])
     assert "Traceback" not in err and "frame #" not in err, err[-3000:]
     assert "error: trainer.num_nodes=2" in err.strip().splitlines()[-1] and "pipeline.timeout_s=3" in err
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
+def test_a_master_that_accepts_and_never_answers_is_one_line_after_the_timeout(tmp_path: Path) -> None:
+    """A host at MASTER_ADDR that takes the connection and says nothing: the store's own timeout
+    never starts, and the node waited for ever."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel completes each handshake; nobody ever reads or answers
+        started = time.monotonic()
+        with _waiting_for_a_peer(tmp_path, timeout_s=3, port=silent.getsockname()[1]) as child:
+            _, err = child.communicate(timeout=240)
+    assert child.returncode == 2 and "Traceback" not in err, (child.returncode, err[-3000:])
+    assert "did not all meet" in err.strip().splitlines()[-1] and time.monotonic() - started < 200
     assert not any((tmp_path / "runs" / "tiny").iterdir())
 
 

@@ -76,17 +76,20 @@ def run_codec(args: argparse.Namespace) -> int:
     within("bench codec", "--warmup", args.warmup, 0, 10000)
     within("bench codec", "--tokens x --dim", args.tokens * args.dim, 1, 1 << 30)  # 4 GiB of float32 at most
     _require_device("bench codec", args.device)
-    result = bench_codec(
-        tokens=args.tokens,
-        dim=args.dim,
-        k=args.k,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        device=args.device,
-        threads=args.threads,
-        codec_name=args.codec,
-    )
+    try:
+        result = bench_codec(
+            tokens=args.tokens,
+            dim=args.dim,
+            k=args.k,
+            dtype=args.dtype,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            device=args.device,
+            threads=args.threads,
+            codec_name=args.codec,
+        )
+    except ValueError as err:  # the codec's refusal of the settings (a budget that buys no coefficient)
+        raise TclightningError(f"bench codec --codec {args.codec}: {' '.join(str(err).split())[:300]}") from None
     if args.json:
         print(json.dumps(result))
         return 0
@@ -269,6 +272,11 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     from tclightning.bench.nodes import run_nodes
     from tclightning.errors import TclightningError
 
+    from tclightning.bench.link import LINK_MBIT
+
+    within("bench two-node", "--mbit", args.mbit, *LINK_MBIT)  # nan fails the comparison too
+    within("bench two-node", "--timeout", args.timeout, 1, 7 * 86400)
+    within("bench two-node", "--per-node", args.per_node, 1, 64)
     where = Path(args.dir).resolve()
     try:
         where.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ class GRPOConfig:
     """Knobs of the GRPO update. Defaults follow DAPO/TRL practice unless docs/concepts.md says otherwise."""
 
     prompts_per_step: int = setting(8, positive(2**20), "P prompts per RL step; the step trains on P x G completions")
-    lr: float = setting(1.0e-5, number(0.0, low_open=True), "AdamW learning rate")
+    lr: float = setting(1.0e-5, number(0.0, 1.0e3, low_open=True), "AdamW learning rate")
     weight_decay: float = setting(0.0, number(0.0), "AdamW weight decay")
     betas: list[float] = setting([0.9, 0.99], list_of(number(0.0, 1.0, high_open=True), 2), "AdamW betas")
     warmup_steps: int = setting(0, integer(0), "linear LR warm-up, in optimizer ticks")

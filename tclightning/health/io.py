@@ -22,6 +22,14 @@ MAX_REPLAY_ROWS = 250_000
 about 0.2 ms a step, so a file at :data:`METRICS_MAX_BYTES` would take hours): counted before the
 file is parsed."""
 
+MAX_REPLAY_CELLS = 10_000_000
+"""The most cells (rows times header columns) ``analyze health`` parses: 250,000 steps of 40 metrics
+(parsing takes about 3 s a million cells)."""
+
+EVENTS_MAX_BYTES = 32 * 2**20
+"""The most TensorBoard event bytes read (about 650,000 scalars; TensorBoard's reader takes about
+150 s a million): a larger run's ``metrics.csv`` says the same, faster."""
+
 #: Columns that are bookkeeping, not metrics.
 _SKIP_COLUMNS = {"step", "epoch", "wall_time", "time", "timestamp"}
 
@@ -52,13 +60,19 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
 
 
 def _require_rows_at_most(path: Path, max_rows: int) -> None:
-    lines = 0
+    lines, columns = 0, None
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
+            if columns is None and b"\n" in chunk:  # the header's width (a quoted comma may count twice: an upper bound)
+                columns = chunk.split(b"\n", 1)[0].count(b",") + 1
             lines += chunk.count(b"\n")
             if lines > max_rows + 1:  # the header is not a row
                 raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
                                        "a step); give it the rows of the steps you want to look at")
+            if columns is not None and columns * lines > MAX_REPLAY_CELLS:
+                raise TclightningError(f"{path}: {columns} columns of more than {lines - 1} rows, more than the "
+                                       f"{MAX_REPLAY_CELLS:,} cells a replay parses; give it the columns (and rows) "
+                                       "you want to look at")
 
 
 def _read_metrics_csv(path: Path, names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
@@ -127,10 +141,16 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     files = sorted(f for f in tree(root) if f.name.startswith(EVENT_PREFIX)) if root.is_dir() else [root]
     if not files:
         raise TclightningError(f"{root}: no TensorBoard event files found")
+    for file in files:
+        regular_file(file, "event file")
+    total = sum(file.stat().st_size for file in files)
+    if total > EVENTS_MAX_BYTES:
+        raise TclightningError(f"{root}: {total / 2**20:.0f} MiB of TensorBoard events, more than the "
+                               f"{EVENTS_MAX_BYTES // 2**20} MiB read here (TensorBoard's reader takes minutes a "
+                               "million scalars); give analyze health the run's metrics.csv")
     names = dict(names or {})
     merged: dict[int, dict[str, float]] = {}
     for file in files:
-        regular_file(file, "event file")
         acc = event_accumulator.EventAccumulator(str(file), size_guidance={event_accumulator.SCALARS: 0})
         try:
             acc.Reload()

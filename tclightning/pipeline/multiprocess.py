@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -35,6 +36,9 @@ from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.engine import PipelineEngine
 from tclightning.pipeline.mesh import ReplicaMesh
 from tclightning.pipeline.strategy import _as_config
+
+_RENDEZVOUS_GRACE_S = 10.0
+"""How long past ``pipeline.timeout_s`` a rendezvous that has not failed is waited for."""
 
 
 class _HeldStream:
@@ -94,7 +98,9 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         """Lightning's rendezvous on a thread of its own. The store waits for its peers in C++ and
         retries on an interrupted call, so on the main thread a Ctrl-C or SIGTERM would wait as
         long as it does (``pipeline.timeout_s``); the main thread keeps taking signals instead. A
-        rendezvous that times out is one line naming where it waited."""
+        rendezvous that times out is one line naming where it waited; so is one that outlasts its
+        timeout (a host at MASTER_ADDR that accepts the connection and never answers: the store's
+        own timeout never starts)."""
         failed: list[BaseException] = []
 
         def rendezvous() -> None:
@@ -104,17 +110,19 @@ class MultiProcessPipelineStrategy(DDPStrategy):
                 failed.append(err)
 
         thread = threading.Thread(target=rendezvous, name="tclightning-rendezvous", daemon=True)
+        deadline = time.monotonic() + self.config.timeout_s + _RENDEZVOUS_GRACE_S
         with _stderr_held() as held:  # the store logs each retry with its C++ stack: shown only if it succeeds
             thread.start()
-            while thread.is_alive():
+            while thread.is_alive() and time.monotonic() < deadline:
                 thread.join(0.1)
-            held.keep = not failed
-        if not failed:
+            held.keep = not failed and not thread.is_alive()
+        if not failed and not thread.is_alive():
             return
-        err = failed[0]
-        if isinstance(err, torch.distributed.DistError):
+        err = failed[0] if failed else None
+        if err is None or isinstance(err, torch.distributed.DistError):
             where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
-            detail = " ".join(str(err).splitlines()[0].split())[:160]
+            detail = ("no answer from there" if err is None else
+                      " ".join(str(err).splitlines()[0].split())[:160])
             raise TclightningError(
                 f"trainer.num_nodes={self.num_nodes} trainer.devices={self.num_processes}: the ranks did not all "
                 f"meet at {where} within pipeline.timeout_s={self.config.timeout_s:g} s ({detail}); start every "

@@ -47,11 +47,19 @@ METRICS = (
 )
 
 
+MAX_POINTS = 2000
+"""The most trajectory points analysed (a point every 10 steps of a 20,000-step run): counted before
+any is read."""
+
+
 def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]]:
     """``(steps, X, meta)`` from a run directory (its ``trajectory/``) or a folder of ``point-*.pt``."""
     root = Path(path)
     folder = root / "trajectory" if (root / "trajectory").is_dir() else root
     files = sorted(folder.glob("point-*.pt"))
+    if len(files) > MAX_POINTS:
+        raise TclightningError(f"{folder}: {len(files)} trajectory points, more than the {MAX_POINTS} analysed "
+                               "(each is loaded whole; about 4 ms a point); give it a folder of the points you want")
     if not files:
         raise TclightningError(
             f"{path}: no trajectory points (point-*.pt); record them with the TrajectoryRecorder callback"
