@@ -411,6 +411,14 @@ def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
             f"trainer.num_nodes={nodes}: start it on every node with a launcher that tells each node its rank "
             "(torchrun --nnodes ... --node_rank ..., SLURM srun, or NODE_RANK/MASTER_ADDR set): "
             "none is set here, and the ranks would wait for peers that never come (docs/distributed.md)")
+    if recipe.trainer.devices * nodes <= 1:
+        return
+    for name, low, high in (("MASTER_PORT", 1, 65535), ("NODE_RANK", 0, nodes - 1)):
+        given = os.environ.get(name)
+        if given is not None and not (given.strip().isascii() and given.strip().isdigit()
+                                      and low <= int(given) <= high):
+            raise TclightningError(f"{name}={given!r}: expected a whole number in [{low}, {high}] for "
+                                   f"trainer.num_nodes={nodes}; nothing was started")
 
 
 def require_logger_servers(recipe: RecipeConfig) -> None:

@@ -113,6 +113,7 @@ CASES: dict[str, Case] = {
     "bench-two-node-mbit-nan": Case(("bench", "two-node", "--dir", "{tmp}/n", "--mbit", "nan"), ("--mbit", "got nan")),
     "bench-two-node-timeout-zero": Case(("bench", "two-node", "--dir", "{tmp}/n", "--timeout", "0"), ("--timeout",)),
     "bench-two-node-no-process": Case(("bench", "two-node", "--dir", "{tmp}/n", "--per-node", "0"), ("--per-node",)),
+    "callbacks-an-empty-entry": recipe(BASE + "callbacks: [{}]\n", "class_path'", "needs a class_path"),
     "callbacks-a-mapping": recipe(BASE + "callbacks: {class_path: x}\n", "key 'callbacks'", "expected a list"),
     "betas-a-mapping": override("grpo.betas={a: 1}", names=("grpo.betas", "expected a list")),
     "bench-two-node-dir-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile"), ("--dir", "a file is in the way"),

@@ -112,6 +112,23 @@ def test_two_nodes_without_a_launcher_are_refused_at_once(monkeypatch: pytest.Mo
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("name, value", [("MASTER_PORT", "abc"), ("MASTER_PORT", "99999"), ("NODE_RANK", "abc"),
+                                         ("NODE_RANK", "-1"), ("NODE_RANK", "5")])
+def test_a_launcher_variable_no_rank_can_use_is_refused_at_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str], name: str,
+                                                                value: str) -> None:
+    """A port that is not one (a traceback from the store), a node rank past the nodes (a wait for
+    peers that never come): one line before anything starts."""
+    monkeypatch.setenv("NODE_RANK", "0")
+    monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--recipe", "fast-only-lowrank", *FAST, "trainer.num_nodes=2", "trainer.devices=1",
+                 "pipeline.stages=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{name}={value!r}: expected a whole number" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_analyze_health_refuses_a_fifo_metrics_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     os.mkfifo(tmp_path / "metrics.csv")
     for given in (tmp_path / "metrics.csv", tmp_path):  # the file itself, and the run directory holding it

@@ -557,6 +557,9 @@ def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = Non
     for i, spec in enumerate(cfg.callbacks):
         key = f"callbacks[{i}].class_path"
         override = _credit(("callbacks",), credited)
+        if OmegaConf.is_missing(spec, "class_path"):  # `callbacks: [{}]`: an entry with nothing to build
+            raise RecipeError("a callback needs a class_path (a Lightning Callback's import path)",
+                              file=COMMAND_LINE if override else source, key=key, override=override)
         try:
             resolve_callback_class(spec.class_path, source, key)
         except RecipeError as err:
