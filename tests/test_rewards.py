@@ -338,8 +338,11 @@ def test_verify_math_from_a_worker_thread() -> None:
     assert times["after_warm"] < 0.5 + 1.0 + 1.5  # limit + kill grace + slack
 
 
-# U+2212 MINUS SIGN, U+2012 FIGURE DASH, U+2013 EN DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS
-MINUS_SIGNS = ("\u2212", "\u2012", "\u2013", "\ufe63", "\uff0d")
+# U+2212 MINUS SIGN, U+2012 FIGURE DASH, U+2013 EN DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH
+# HYPHEN-MINUS, U+2010 HYPHEN, U+2011 NON-BREAKING HYPHEN, U+2796 HEAVY MINUS SIGN, U+02D7 MODIFIER
+# LETTER MINUS SIGN, U+207B SUPERSCRIPT MINUS, U+208B SUBSCRIPT MINUS
+MINUS_SIGNS = ("\u2212", "\u2012", "\u2013", "\ufe63", "\uff0d", "\u2010", "\u2011", "\u2796", "\u02d7", "\u207b",
+               "\u208b")
 
 
 @pytest.mark.parametrize("minus", MINUS_SIGNS, ids=lambda m: f"U+{ord(m):04X}")
@@ -353,7 +356,8 @@ def test_a_typographic_minus_is_a_minus_in_the_gsm8k_reward(minus: str) -> None:
 
 def test_an_en_dash_between_numbers_stays_a_range() -> None:
     # only a sign is read as minus: "10\u201320" is still 10 to 20, and a dash before a word is punctuation
-    assert last_number("pages 10\u201320") == "20"
+    assert last_number("pages 10\u201320") == "20" and last_number("pages 10\u201120") == "20"
+    assert verify_gsm8k("The answer is \u20145 apples.", "5") == 1.0  # an em dash is punctuation
     assert verify_gsm8k("The answer is 5 \u2013 five apples.", "5") == 1.0
 
 

@@ -72,10 +72,13 @@ _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
 # Minus signs other than ASCII "-" that models and word processors write: U+2212 MINUS SIGN,
-# U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS; and U+2013 EN
-# DASH, but only as a sign: right before a digit and not right after one ("10\u201320" is a range).
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2012": "-", "\ufe63": "-", "\uff0d": "-"})
-_EN_DASH_SIGN = re.compile(r"(?<![0-9])\u2013(?=[0-9])")
+# U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS, U+2796 HEAVY MINUS
+# SIGN, U+02D7 MODIFIER LETTER MINUS SIGN, U+207B / U+208B SUPERSCRIPT / SUBSCRIPT MINUS; and
+# U+2013 EN DASH, U+2010 HYPHEN and U+2011 NON-BREAKING HYPHEN, but only as a sign: right before a
+# digit and not right after one ("10\u201320" is a range). An em dash is punctuation ("the
+# answer\u20145 apples"), never a sign.
+_MINUS_SIGNS = str.maketrans({c: "-" for c in "\u2212\u2012\ufe63\uff0d\u2796\u02d7\u207b\u208b"})
+_DASH_SIGN = re.compile(r"(?<![0-9])[\u2013\u2010\u2011](?=[0-9])")
 
 
 def normalize_minus(text: str) -> str:
@@ -83,7 +86,7 @@ def normalize_minus(text: str) -> str:
     the number extractors (here and ``tasks.arithmetic``) read a sign however it was typed.
     One character for one: offsets into ``text`` stay valid."""
     text = text.translate(_MINUS_SIGNS)
-    return _EN_DASH_SIGN.sub("-", text) if "\u2013" in text else text
+    return _DASH_SIGN.sub("-", text) if any(c in text for c in "\u2013\u2010\u2011") else text
 
 
 def _number_text(text: str) -> str:
