@@ -34,8 +34,9 @@ def cache_root() -> Path:
 
 
 def cache_disabled_by_env() -> bool:
-    """True when ``TCLIGHTNING_NO_CACHE`` is set to anything but empty, ``0`` or ``false``."""
-    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    """True when ``TCLIGHTNING_NO_CACHE`` is set to anything but empty, ``0``, ``false``, ``no`` or
+    ``off`` (any case)."""
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _canonical(value: Any, hasher: Any) -> None:

@@ -372,3 +372,12 @@ def test_ctrl_c_before_the_first_step_is_an_interrupt_not_a_failure(run_root: Pa
         run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", "logging.name=ctrl-c-start"], quiet=True,
             extra_callbacks=[CtrlCAtTrainStart()])
     assert not any((run_root / "ctrl-c-start").glob("*"))
+
+
+@pytest.mark.parametrize("value, disabled", [("", False), ("0", False), ("false", False), ("No", False), ("OFF", False),
+                                             ("1", True), ("true", True), ("yes", True)])
+def test_the_no_cache_variable_reads_off_as_off(monkeypatch: pytest.MonkeyPatch, value: str, disabled: bool) -> None:
+    from tclightning.cache import cache_disabled_by_env
+
+    monkeypatch.setenv("TCLIGHTNING_NO_CACHE", value)
+    assert cache_disabled_by_env() is disabled

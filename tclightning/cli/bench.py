@@ -254,7 +254,13 @@ def run_step_link(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tclightning.bench.step_link import format_table, run_step_link_bench
+    from tclightning.errors import TclightningError
+    from tclightning.files import file_in_the_way
 
+    within("bench step-link", "--timeout", args.timeout, 1, 7 * 86400)  # nan fails the comparison too
+    if args.dir is not None and file_in_the_way(Path(args.dir)) is not None:
+        raise TclightningError(f"bench step-link: --dir {args.dir}: a file is in the way (it or a folder above it is "
+                               "a file)")
     result = run_step_link_bench(
         dense_recipe=args.recipe, compressed_recipe=args.compressed_recipe, stages=args.stages,
         bandwidths=args.bandwidth, configs=args.configs, steps=args.steps, overrides=args.overrides,
@@ -269,10 +275,9 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     """Handler of ``bench two-node``: both nodes' commands, exit codes and the link's byte counters."""
     from pathlib import Path
 
+    from tclightning.bench.link import LINK_MBIT
     from tclightning.bench.nodes import run_nodes
     from tclightning.errors import TclightningError
-
-    from tclightning.bench.link import LINK_MBIT
 
     within("bench two-node", "--mbit", args.mbit, *LINK_MBIT)  # nan fails the comparison too
     within("bench two-node", "--timeout", args.timeout, 1, 7 * 86400)
