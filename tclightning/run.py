@@ -404,7 +404,8 @@ LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "GROUP_RANK"
 
 def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
     """Refuse ``trainer.num_nodes > 1`` started by hand on one node: with no launcher the ranks
-    would wait for peers that never come (300 s, then a traceback)."""
+    would wait for peers that never come (300 s, then a traceback); and, for any run of several
+    processes, a ``MASTER_PORT`` that is no port or a ``NODE_RANK`` past the nodes."""
     nodes = recipe.trainer.num_nodes
     if nodes > 1 and not any(os.environ.get(name) for name in LAUNCHER_ENV):
         raise TclightningError(
