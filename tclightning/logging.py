@@ -12,6 +12,7 @@ import contextlib
 import re
 import tempfile
 import threading
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -413,8 +414,12 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
 
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
         return
-    # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is mine
-    log_dir = Path(os.path.realpath(Path(logger.log_dir).expanduser()))
+    # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
+    # mine, and so is `file://mine` (Lightning's loggers write through fsspec)
+    where = str(logger.log_dir)
+    if where.startswith("file:"):
+        where = urllib.parse.unquote(urllib.parse.urlparse(where).path)
+    log_dir = Path(os.path.realpath(Path(where).expanduser()))
     if log_dir.is_relative_to(os.path.realpath(run_dir)) or not log_dir.is_dir() or not any(log_dir.iterdir()):
         return
     raise RecipeError(f"{log_dir} already holds files, which this logger would write over: leave its version unset "

@@ -812,6 +812,9 @@ def test_a_probe_never_writes_over_files_in_a_folder_you_named(tmp_path: Path,
             output_folder("probe cuts", named, ("cuts.csv", "cuts.md"), named=True)
     assert output_folder("probe cuts", mine, ("cuts.md",), named=True, overwrite=True) == mine
     assert output_folder("probe cuts", mine, ("cuts.md",)) == mine  # the probe's own default folder: a rerun
+    (tmp_path / "default").symlink_to(mine)  # a default folder that is a link (a cloned repository's) is not followed
+    with pytest.raises(TclightningError, match="is a symbolic link; name the folder"):
+        output_folder("probe cuts", tmp_path / "default", ("cuts.md",))
     capsys.readouterr()
     assert main(["probe", "cuts", "--recipe", "tiny", "--out", str(mine)]) == 2  # before anything is measured
     err = capsys.readouterr().err.strip().splitlines()

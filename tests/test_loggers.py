@@ -64,7 +64,8 @@ def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_p
                       {"save_dir": str(tmp_path), "name": "mine", "version": ""},
                       # `mine` once the logger has made `new`: the check is of where the files land
                       {"save_dir": str(mine / "new" / ".."), "name": "", "version": ""},
-                      {"save_dir": str(tmp_path), "name": "x/../", "version": "mine/"}):
+                      {"save_dir": str(tmp_path), "name": "x/../", "version": "mine/"},
+                      {"save_dir": f"file://{mine}", "name": "", "version": ""}):  # fsspec's URL of it
         for logger in ("CSVLogger", "TensorBoardLogger"):
             entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": init_args}
             with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*already holds files"):

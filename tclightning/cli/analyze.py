@@ -62,8 +62,6 @@ def run_trajectory(args: argparse.Namespace) -> int:
     from tclightning.probes.trajectory import to_markdown, write_report
 
     out = Path(args.out) if args.out is not None else Path(args.run_dir) / "analysis"
-    if args.out is None and out.is_symlink():  # the default folder, not one the user named: never followed
-        raise TclightningError(f"analyze trajectory: {out} is a symbolic link; name the folder to write to with --out")
     out = output_folder("analyze trajectory", out, ("trajectory.json", "trajectory.md", "trajectory.png"),
                         named=args.out is not None, overwrite=args.overwrite)
     report, paths = write_report(args.run_dir, out)

@@ -33,6 +33,8 @@ def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, nam
         raise TclightningError(f"{command}: --out {path}: {blocking} is a file, not a folder")
     nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.is_dir())
     require_writable(nearest, f"{command}: --out {path}", TclightningError)  # /proc, a read-only mount
+    if not named and path.is_symlink():  # the default folder, not one the user named: never followed
+        raise TclightningError(f"{command}: {path} is a symbolic link; name the folder to write to with --out")
     there = [name for name in writes if os.path.lexists(path / name)]
     if named and there and not overwrite:
         raise TclightningError(f"{command}: --out {path} already holds {there[0]}"
