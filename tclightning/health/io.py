@@ -141,9 +141,7 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     files = sorted(f for f in tree(root) if f.name.startswith(EVENT_PREFIX)) if root.is_dir() else [root]
     if not files:
         raise TclightningError(f"{root}: no TensorBoard event files found")
-    for file in files:
-        regular_file(file, "event file")
-    total = sum(file.stat().st_size for file in files)
+    total = sum(regular_file(file, "event file").stat().st_size for file in files)
     if total > EVENTS_MAX_BYTES:
         raise TclightningError(f"{root}: {total / 2**20:.0f} MiB of TensorBoard events, more than the "
                                f"{EVENTS_MAX_BYTES // 2**20} MiB read here (TensorBoard's reader takes minutes a "

@@ -115,8 +115,9 @@ class MultiProcessPipelineStrategy(DDPStrategy):
             thread.start()
             while thread.is_alive() and time.monotonic() < deadline:
                 thread.join(0.1)
-            held.keep = not failed and not thread.is_alive()
-        if not failed and not thread.is_alive():
+            met = not failed and not thread.is_alive()
+            held.keep = met
+        if met:
             return
         err = failed[0] if failed else None
         if err is None or isinstance(err, torch.distributed.DistError):
