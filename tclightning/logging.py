@@ -366,8 +366,9 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
     and ``save_dir`` = ``run_dir`` (``WANDB_MODE=offline`` or ``offline: true`` keeps it off the
     network); MLflow gets ``experiment_name`` = ``project``, ``run_name`` = the run folder's name,
     and, when neither ``tracking_uri`` nor ``MLFLOW_TRACKING_URI`` is set, a local file store in
-    ``<run_dir>/../mlruns`` (one store for every run of the recipe; ``MLFLOW_ALLOW_FILE_STORE``
-    is set to ``true`` unless set already, as MLflow 3.7+ requires for it). A constructor refusing its
+    ``<run_dir>/../mlruns`` (one store for every run of the recipe; for it, or a ``file:`` or plain
+    path ``tracking_uri``, ``MLFLOW_ALLOW_FILE_STORE`` is set to ``true`` unless set already, as
+    MLflow 3.7+ requires for a file store). A constructor refusing its
     arguments is a :class:`~tclightning.errors.RecipeError` naming ``logging.loggers[i].init_args``.
     """
     from tclightning.errors import RecipeError
@@ -389,8 +390,10 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
             defaults = {"project": project, "name": run_dir.name, "save_dir": str(run_dir)}
         elif name == "mlflow":
             defaults = {"experiment_name": project, "run_name": run_dir.name}
-            if "tracking_uri" not in init_args and not os.environ.get("MLFLOW_TRACKING_URI"):
+            uri = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+            if not uri:
                 defaults["save_dir"] = str(run_dir.parent / "mlruns")
+            if not uri or uri.startswith("file:") or "://" not in uri:
                 # MLflow >= 3.7 refuses its file store unless this opt-out is set; a local store
                 # needs no server or database package (mlflow-skinny has no SQLAlchemy)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -36,7 +36,8 @@ from tclightning.recipes.schema import RETIRED_KEYS, RecipeConfig, upgrade_secti
 
 RUN_DIR_ENV = "TCLIGHTNING_RUN_DIR"
 """Multi-process runs: the run directory every rank uses (set by rank 0 before Lightning launches
-the others; set it yourself on every node for torchrun / SLURM launches)."""
+the others; set it yourself on every node for torchrun / SLURM launches). Rank 0 refuses one that
+holds an earlier run (:func:`require_run_dir_for_rank_0`)."""
 
 
 RUN_MARKER = ".tclightning-run"
@@ -369,6 +370,44 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
     return run_dir
 
 
+RANK_ENV = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+"""The global rank each launcher sets (torchrun, SLURM, MPI); Lightning's own ranks have
+``NODE_RANK`` and ``LOCAL_RANK`` instead."""
+
+
+def launch_rank(recipe: RecipeConfig) -> int:
+    """This process's global rank in a multi-process run, from what its launcher set; 0 for the
+    process a user started (the one that launches Lightning's other ranks)."""
+    for name in RANK_ENV:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    local, node = (os.environ.get(name, "0") for name in ("LOCAL_RANK", "NODE_RANK"))
+    return (int(node) if node.isdigit() else 0) * recipe.trainer.devices + (int(local) if local.isdigit() else 0)
+
+
+def require_run_dir_for_rank_0(given: Path, plan: RunPlan, recipe_yaml: str) -> None:
+    """Refuse a :data:`RUN_DIR_ENV` folder rank 0 would write over: a new run (or one continued
+    from a checkpoint outside its run) needs a new folder, one holding only what its own peers
+    write before rank 0 gets there (the marker, this very recipe); a resume in place needs the
+    checkpoint's own run directory."""
+    if not plan.new_dir:
+        if not given.exists() or not given.samefile(plan.run_dir):
+            raise TclightningError(f"{RUN_DIR_ENV}={given}: --resume continues {plan.run_dir}, its checkpoint's run "
+                                   f"directory; nothing was written: set {RUN_DIR_ENV} to it (or leave it unset)")
+        return
+    if not given.is_dir():
+        if given.exists() or given.is_symlink():
+            raise TclightningError(f"{RUN_DIR_ENV}={given}: not a folder; nothing was written: point it at a new folder")
+        return
+    for entry in given.iterdir():
+        peers = entry.name == RUN_MARKER or entry.name.startswith(".recipe.yaml.") or (
+            entry.name == "recipe.yaml" and entry.is_file() and not entry.is_symlink()
+            and entry.stat().st_size <= RECORD_MAX_BYTES and entry.read_text(errors="replace") == recipe_yaml)
+        if not peers:
+            raise TclightningError(f"{RUN_DIR_ENV}={given}: already holds a run ({entry.name}); nothing was written: "
+                                   "a new run goes into a new folder (continue that one with --resume)")
+
+
 def require_hardware(recipe: RecipeConfig) -> None:
     """Refuse, before anything is written, a GPU-scale recipe on a machine without CUDA."""
     import torch
@@ -623,12 +662,15 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
                                f"{recipe.trainer.steps} leaves nothing to train; raise trainer.steps to continue the run")
     if plan.new_dir and plan.ckpt_path is not None:  # outside its run: its own record is the checkpoint's
         checkpoint_changes(plan.ckpt_path, cfg, plan.resume_step)
+    multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
+    named_by_env = multiprocess and bool(os.environ.get(RUN_DIR_ENV))  # a rank Lightning or the user launched
+    follower = named_by_env and launch_rank(recipe) != 0  # rank 0 owns the run directory; the others write into it
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
         require_pipeline_strategy_for_its_keys(recipe)  # after: a changed key is named as the resume's change
         for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
             require_writable(folder, "--resume")
-        if not os.environ.get(RUN_DIR_ENV):  # a rank launched into the run: its rank 0 holds the lock
+        if not follower:  # a rank launched into the run: its rank 0 holds the lock
             held.callback(os.close, hold_lock(plan.run_dir, "--resume"))
             again = plan_run(recipe, resume)  # planned before the lock: the run may have moved on since
             if (again.ckpt_path, again.resume_step) != (plan.ckpt_path, plan.resume_step):
@@ -640,12 +682,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
                                           f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
                                           f"the earlier record is kept as {kept_record.name}"))
-    multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
-    if multiprocess and os.environ.get(RUN_DIR_ENV):  # a rank Lightning (or the user) launched
+    if named_by_env:
         given = Path(os.path.realpath(os.environ[RUN_DIR_ENV]))  # `mine/new/..` is mine
         if given.is_dir() and not (given / RUN_MARKER).is_file() and any(given.iterdir()):
             raise TclightningError(f"{RUN_DIR_ENV}={given}: a folder of yours, not a run directory (no {RUN_MARKER}); "
                                    "nothing was written: point it at a new folder")
+        if not follower:
+            require_run_dir_for_rank_0(given, plan, to_yaml(cfg))
         plan = RunPlan(given, plan.ckpt_path, plan.resume_step, new_dir=plan.new_dir)
 
     import lightning as L
@@ -665,10 +708,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except (WarmupInterrupted, KeyboardInterrupt) as err:
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         raise RunInterrupted(f"{what}; nothing was written") from None
-    a_launched_rank = multiprocess and bool(os.environ.get(RUN_DIR_ENV))
-    created = plan.new_dir and not a_launched_rank  # only a directory this run made is ever removed
+    # only a directory this run made is ever removed (a named one its peers may have made first)
+    created = plan.new_dir and not follower and not (named_by_env and plan.run_dir.exists())
     try:
-        run_dir = mark_run_dir(plan.run_dir, recipe, new=created)
+        run_dir = mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env)
     except OSError as err:
         if not refused_by_storage(err):
             raise
@@ -682,11 +725,11 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     trainer = None
     before = None
     try:  # from here on, whatever stops the run (a Ctrl-C while a slow console prints) tidies its directory
-        if created:
+        if plan.new_dir and not follower:  # a resume in place took it before its checks
             held.callback(os.close, hold_lock(run_dir, "run"))
         for notice in plan.notices:
             print(f"note: {notice}", file=sys.stderr, flush=True)
-        if not a_launched_rank:
+        if not follower:
             print(f"run directory: {plan.run_dir}", flush=True)
         before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
         record = plan.run_dir / "recipe.yaml"

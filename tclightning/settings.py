@@ -312,3 +312,27 @@ __all__ = ["MAX_STEPS", "MAX_TOKENS", "MAX_WIDTH", "SEED_MAX", "Problem", "Rule"
            "check_arguments", "field_problems", "flag", "grouped", "help_text", "integer", "list_of", "moved_keys",
            "number", "one_of", "options", "options_of", "positive", "seed", "setting", "settings", "share", "text",
            "without_keys"]
+
+
+def leaves(data: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """Every scalar of a recipe's plain data with the key it sits at (``grpo.lr``, ``callbacks[0]``)."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            yield from leaves(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            yield from leaves(v, f"{key}[{i}]")
+    else:
+        yield key, data
+
+
+def refuse_interpolation(data: Any, source: str) -> None:
+    """A recipe, or a checkpoint's hyper-parameters, holds values: an OmegaConf interpolation
+    (``${...}``, which resolves environment variables and other keys) is a
+    :class:`~tclightning.errors.RecipeError` naming its key."""
+    from tclightning.errors import RecipeError
+
+    for key, value in leaves(data):
+        if isinstance(value, str) and "${" in value:
+            raise RecipeError(f"holds an interpolation ({value!r}); recipes hold values, write the value itself",
+                              file=source, key=key or None)

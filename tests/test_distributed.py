@@ -286,7 +286,12 @@ def test_two_ranks_match_one_process_loss_gradients_and_bytes(two_ranks: Any, ca
     got = {**first[case]["grads"], **last[case]["grads"]}
     assert set(got) == set(ref["grads"]), case
     for name, grad in ref["grads"].items():
-        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=f"{case} {name}")
+        # A gradient crossing in bfloat16 is rounded to 8 bits: a last-bit difference in the float
+        # sums before it (kernels differ between CPUs) can flip one value's rounding, a 2**-8 step
+        # that reaches every gradient before the cut; bounded by 1e-3 of the largest entry (a wrong
+        # decode is off by the entries themselves).
+        atol = 1e-3 * float(grad.abs().max()) if "bfloat16" in case else 1e-6
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=atol, msg=f"{case} {name}")
     # the tied embedding: both ranks hold the summed gradient
     torch.testing.assert_close(first[case]["grads"]["model.embed_tokens.weight"],
                                last[case]["grads"]["model.embed_tokens.weight"])

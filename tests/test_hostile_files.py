@@ -264,12 +264,18 @@ def test_a_last_ckpt_linked_into_another_run_never_writes_that_run(run_dir: Path
     assert _snapshot(victim) == before
 
 
+@pytest.mark.parametrize("run_dir_variable", [False, True], ids=["plain", "with-the-run-dir-variable-set"])
 def test_a_second_resume_of_a_run_that_is_still_going_is_refused(
-        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        run_dir_variable: bool) -> None:
+    """Also when ``TCLIGHTNING_RUN_DIR`` names the run: only a rank other than 0 writes without the lock."""
     from tclightning.files import hold_lock
+    from tclightning.run import RUN_DIR_ENV
 
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
+    if run_dir_variable:
+        monkeypatch.setenv(RUN_DIR_ENV, str(copy))
     held = hold_lock(copy, "test")  # as the other resume's process holds it
     try:
         before = _snapshot(copy)

@@ -93,7 +93,13 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(
     (lambda c: c["state_dict"][_first_float_weight(c)].view(-1).__setitem__(0, float("nan")), ("NaN or Inf",)),
     (lambda c: c["state_dict"].__setitem__(_first_float_weight(c), c["state_dict"][_first_float_weight(c)].long()),
      ("torch.int64",)),
-], ids=["hparams-none", "state-a-list", "heads", "nan-weight", "int-weight"])
+    (lambda c: c["hyper_parameters"]["task"].__setitem__("system_prompt", "${oc.env:HOME}"),
+     ("task.system_prompt", "interpolation")),
+    (lambda c: c["hyper_parameters"]["grpo"].__setitem__("lr", "${grpo.lr}"), ("grpo.lr", "interpolation")),
+    (lambda c: c.__setitem__("pytorch-lightning_version", "0.0.1"), ("'pytorch-lightning_version' is '0.0.1'",)),
+    (lambda c: c.pop("pytorch-lightning_version"), ("'pytorch-lightning_version' is None",)),
+], ids=["hparams-none", "state-a-list", "heads", "nan-weight", "int-weight", "env-interpolation", "self-reference",
+        "lightning-0.0.1", "no-lightning-version"])
 def test_a_checkpoint_that_does_not_fit_is_one_line_for_export_and_the_api(
         run_dir: Path, tmp_path: Path, edit, names: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     copied = _crafted(run_dir, tmp_path, edit)
@@ -631,6 +637,63 @@ def test_a_run_dir_variable_naming_a_folder_of_yours_is_refused(tmp_path: Path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a folder of yours" in err[0], err
     assert sorted(p.name for p in mine.iterdir()) == ["metrics.csv"] and (mine / "metrics.csv").read_text() == "my,own\n"
+
+
+def test_a_run_dir_variable_naming_a_finished_run_is_refused_by_rank_0(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new multi-process run never writes over the run the variable names (its ranks other than 0
+    write into what rank 0 made; rank 0 itself needs a new folder)."""
+    from tclightning.run import RUN_DIR_ENV
+
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    before = _snapshot(copied)
+    monkeypatch.setenv(RUN_DIR_ENV, str(copied))
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.devices=2", "trainer.strategy=pipeline", "pipeline.stages=2",
+                 f"logging.root={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds a run" in err[0], err
+    assert _snapshot(copied) == before and not (tmp_path / "runs").exists()
+
+
+def test_rank_0_accepts_a_named_folder_holding_only_what_its_peers_wrote_first(tmp_path: Path) -> None:
+    """torchrun starts every rank at once: a peer may make the folder, its marker and this recipe
+    before rank 0 looks; anything else, or another recipe, is an earlier run's."""
+    from tclightning.run import RUN_MARKER, RunPlan, require_run_dir_for_rank_0
+
+    fresh = RunPlan(tmp_path / "unused", None, None)
+    named = tmp_path / "named"
+    require_run_dir_for_rank_0(named, fresh, "a: 1\n")  # not there yet
+    named.mkdir()
+    (named / RUN_MARKER).write_text("marker\n")
+    (named / "recipe.yaml").write_text("a: 1\n")
+    require_run_dir_for_rank_0(named, fresh, "a: 1\n")
+    with pytest.raises(TclightningError, match="already holds a run"):
+        require_run_dir_for_rank_0(named, fresh, "a: 2\n")
+    (named / "metrics.csv").write_text("step\n")
+    with pytest.raises(TclightningError, match="already holds a run"):
+        require_run_dir_for_rank_0(named, fresh, "a: 1\n")
+    resumed = RunPlan(tmp_path / "other", tmp_path / "other" / "checkpoints" / "last.ckpt", 1, new_dir=False)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(TclightningError, match="--resume continues"):
+        require_run_dir_for_rank_0(named, resumed, "a: 1\n")
+    require_run_dir_for_rank_0(tmp_path / "other", resumed, "a: 1\n")
+
+
+@pytest.mark.parametrize("env, rank", [({}, 0), ({"LOCAL_RANK": "1"}, 1), ({"NODE_RANK": "1"}, 2),
+                                       ({"NODE_RANK": "1", "LOCAL_RANK": "1"}, 3), ({"RANK": "0", "LOCAL_RANK": "1"}, 0),
+                                       ({"SLURM_PROCID": "3"}, 3)],
+                         ids=["user-started", "lightning-local", "lightning-node", "lightning-both", "torchrun", "slurm"])
+def test_the_launch_rank_is_what_the_launcher_set(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], rank: int) -> None:
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+    from tclightning.run import launch_rank
+
+    for name in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch_rank(to_dataclass(load_recipe("tiny", ["trainer.devices=2"]))) == rank
 
 
 @pytest.mark.timeout(60)

@@ -127,6 +127,26 @@ def test_mlflow_local_file_store(run_root, monkeypatch):
     assert sorted(m.step for m in history) == [0, 1, 2]
 
 
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
+@pytest.mark.parametrize("scheme", ["file:", ""], ids=["file-uri", "plain-path"])
+def test_mlflow_file_store_the_recipe_names(run_root, monkeypatch, scheme):
+    """A ``tracking_uri`` naming a local store is a file store too (MLflow refuses one unless
+    allowed)."""
+    from mlflow.tracking import MlflowClient
+
+    from tclightning.run import run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # recorded, so the run's setdefault is undone after
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    store = run_root.parent / "my-store"
+    entry = f"{{class_path: mlflow, init_args: {{tracking_uri: '{scheme}{store}'}}}}"
+    summary = run("tiny", [*FAST, "trainer.steps=2", f"logging.loggers=[{entry}]"], quiet=True)
+    client = MlflowClient(tracking_uri=f"file:{store}")
+    (found,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    assert found.info.run_name == Path(summary["run_dir"]).name
+
+
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
 def test_wandb_without_a_key_and_not_offline_is_one_line(run_root, monkeypatch, capsys):
     from tclightning.cli.main import main

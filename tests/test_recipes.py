@@ -389,3 +389,18 @@ def test_the_shallow_count_of_an_earlier_version_is_the_layouts_count() -> None:
     assert to_dataclass(load_recipe("tiny", ["pipeline.layout=shallow:2"])).pipeline.layout == "shallow:2"
     with pytest.raises(RecipeError, match="'pipeline.shallow_count=2': no longer a key: set pipeline.layout=shallow:"):
         load_recipe("tiny", ["pipeline.shallow_count=2"])
+
+
+def test_a_run_s_recipe_record_loads_back_as_the_same_recipe(tmp_path: Path) -> None:
+    """The record a run writes (``recipe.yaml``: presets expanded into ``callbacks``) given back
+    as ``--recipe`` is the same recipe, its preset callbacks once."""
+    from tclightning.recipes.loader import instantiate_callbacks, load_recipe, to_yaml
+
+    cfg = load_recipe("tiny")
+    assert len(cfg.callbacks) > 0 and list(cfg.callback_presets) == []
+    record = tmp_path / "recipe.yaml"
+    record.write_text(to_yaml(cfg))
+    again = load_recipe(str(record))
+    assert to_yaml(again) == to_yaml(cfg)
+    names = [type(c).__name__ for c in instantiate_callbacks(again, str(record))]
+    assert names == [type(c).__name__ for c in instantiate_callbacks(cfg, "tiny")] and len(names) == len(set(names))

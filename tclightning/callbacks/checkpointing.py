@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.callbacks.steps import completed_steps
+from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
@@ -98,6 +99,19 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
         return _loaded(f"/proc/self/fd/{handle.fileno()}" if mmap else handle, shown, map_location, mmap=mmap)
 
 
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+
+
+def _lightning_2_or_later(version: Any) -> bool:
+    """Whether ``version`` (a checkpoint's Lightning version) reads as 2.0 or later."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return isinstance(version, str) and len(version) < 64 and Version(version) >= Version("2.0")
+    except InvalidVersion:
+        return False
+
+
 def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: bool) -> dict[str, Any]:
     compressed = _compressed_record(source)
     if compressed is not None:
@@ -114,6 +128,10 @@ def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: 
         if section in ckpt and not isinstance(ckpt[section], dict):  # each reader takes it as a mapping
             raise CheckpointRefused(f"checkpoint {shown}: not a checkpoint tclightning wrote (its '{section}' "
                                     f"is a {type(ckpt[section]).__name__}, not a dict)")
+    if not _lightning_2_or_later(ckpt.get(LIGHTNING_VERSION_KEY)):  # Lightning would run 1.x migrations on it
+        raise CheckpointRefused(f"checkpoint {shown}: its '{LIGHTNING_VERSION_KEY}' is "
+                                f"{printable(repr(ckpt.get(LIGHTNING_VERSION_KEY))[:64])}, where a checkpoint tclightning wrote "
+                                "names Lightning 2 or later; nothing was loaded")
     if not _fewer_values_than(ckpt, MAX_CHECKPOINT_VALUES, MAX_CHECKPOINT_DEPTH):
         raise CheckpointRefused(f"checkpoint {shown}: holds more than {MAX_CHECKPOINT_VALUES} values once its shared "
                                 f"references are followed, or nests deeper than {MAX_CHECKPOINT_DEPTH} (a structure "

@@ -750,6 +750,10 @@ class GRPOModule(L.LightningModule):
             raise TclightningError(f"load_from_checkpoint: checkpoint {where} holds '{legacy}', where Lightning also "
                                    "reads a module's arguments; a tclightning checkpoint keeps them in "
                                    "hyper_parameters only, so nothing was loaded")
+        from tclightning.settings import refuse_interpolation
+
+        # ${oc.env:...} would be resolved into the module's settings: values only, as in a recipe
+        refuse_interpolation({key: value for key, value in hparams.items() if key not in kwargs}, f"checkpoint {where}")
         if "model" not in kwargs:
             # the hyper-parameters build the model: a checkpoint asks for no remote code and no model
             # larger than its weights or of a shape none can have (your own ``model=...`` argument

@@ -34,7 +34,7 @@ from tclightning.errors import RecipeError, TclightningError
 from tclightning.files import regular_file
 from tclightning.recipes.ranges import problems
 from tclightning.recipes.schema import LOGGERS, RETIRED_HINTS, RETIRED_KEYS, RecipeConfig, upgrade_sections
-from tclightning.settings import without_keys
+from tclightning.settings import leaves, refuse_interpolation, without_keys
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 REPO_DIR = PACKAGE_DIR.parent
@@ -225,7 +225,7 @@ def _read_yaml(path: Path) -> Any:
             file=str(path),
         ) from None
     data = _parse_yaml(text, str(path))
-    _refuse_interpolation(data, str(path))
+    refuse_interpolation(data, str(path))
     return data
 
 
@@ -296,33 +296,14 @@ def _check_size(root: yaml.Node, source: str, override: str | None = None) -> No
         stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)
 
 
-def _leaves(data: Any, key: str = "") -> Iterator[tuple[str, Any]]:
-    """Every scalar of a recipe's plain data with the key it sits at (``grpo.lr``, ``callbacks[0]``)."""
-    if isinstance(data, dict):
-        for k, v in data.items():
-            yield from _leaves(v, f"{key}.{k}" if key else str(k))
-    elif isinstance(data, list):
-        for i, v in enumerate(data):
-            yield from _leaves(v, f"{key}[{i}]")
-    else:
-        yield key, data
-
-
 def _holds_interpolation(data: Any) -> bool:
-    return any(isinstance(value, str) and "${" in value for _, value in _leaves(data))
-
-
-def _refuse_interpolation(data: Any, source: str) -> None:
-    for key, value in _leaves(data):
-        if isinstance(value, str) and "${" in value:
-            raise RecipeError(f"holds an interpolation ({value!r}); recipes hold values, write the value itself",
-                              file=source, key=key or None)
+    return any(isinstance(value, str) and "${" in value for _, value in leaves(data))
 
 
 def _refuse_foreign_digits(data: Any, source: str, override: str | None) -> None:
     """A number written in another script's digits (``"\uff16"``, ``"\u0663"``) is refused: Python's
     ``int()`` and ``float()`` read them, so OmegaConf would take them as a number the user never typed."""
-    for key, value in _leaves(data):
+    for key, value in leaves(data):
         if not isinstance(value, str) or value.isascii():
             continue
         try:
@@ -497,8 +478,9 @@ def load_recipe(ref: str, overrides: Sequence[str] = ()) -> DictConfig:
         if not isinstance(entries, list):
             raise RecipeError("a callback preset is a YAML list of class_path/init_args", file=str(preset_path))
         presets.extend(entries)
-    if presets:
-        cfg = _merge(cfg, {"callbacks": presets + OmegaConf.to_container(cfg.callbacks)}, "callback_presets")
+    if presets:  # expanded once: a run's recipe.yaml (this config) given back as --recipe holds them as callbacks
+        cfg = _merge(cfg, {"callbacks": presets + OmegaConf.to_container(cfg.callbacks), "callback_presets": []},
+                     "callback_presets")
     validate(cfg, str(path), credited)
     return cfg
 
@@ -533,6 +515,7 @@ def validate_checkpoint_hparams(hparams: Any, source: str) -> None:
         raise RecipeError("not a tclightning checkpoint (no hyper-parameters)", file=source)
     saved = upgrade_sections({name: hparams[name] for name in CHECKPOINT_SECTIONS if name in hparams})
     sections = without_keys(saved, RETIRED_KEYS)
+    refuse_interpolation(sections, source)
     model = sections.get("model")
     if not isinstance(model, Mapping):
         raise RecipeError("not a tclightning checkpoint (no model hyper-parameters)", file=source)
