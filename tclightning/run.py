@@ -725,7 +725,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     trainer = None
     before = None
     try:  # from here on, whatever stops the run (a Ctrl-C while a slow console prints) tidies its directory
-        if plan.new_dir and not follower:  # a resume in place took it before its checks
+        if plan.new_dir and not follower:  # a new run's folder (a resume in place took its lock before its checks)
             held.callback(os.close, hold_lock(run_dir, "run"))
         for notice in plan.notices:
             print(f"note: {notice}", file=sys.stderr, flush=True)

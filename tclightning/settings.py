@@ -308,12 +308,6 @@ def check_arguments(owner: str, arguments: Mapping[str, tuple[Any, Rule]]) -> No
             raise ValueError(f"{owner}: {name}: {problem}")
 
 
-__all__ = ["MAX_STEPS", "MAX_TOKENS", "MAX_WIDTH", "SEED_MAX", "Problem", "Rule", "Setting", "anything",
-           "check_arguments", "field_problems", "flag", "grouped", "help_text", "integer", "list_of", "moved_keys",
-           "number", "one_of", "options", "options_of", "positive", "seed", "setting", "settings", "share", "text",
-           "without_keys"]
-
-
 def leaves(data: Any, key: str = "") -> Iterator[tuple[str, Any]]:
     """Every scalar of a recipe's plain data with the key it sits at (``grpo.lr``, ``callbacks[0]``)."""
     if isinstance(data, dict):
@@ -336,3 +330,9 @@ def refuse_interpolation(data: Any, source: str) -> None:
         if isinstance(value, str) and "${" in value:
             raise RecipeError(f"holds an interpolation ({value!r}); recipes hold values, write the value itself",
                               file=source, key=key or None)
+
+
+__all__ = ["MAX_STEPS", "MAX_TOKENS", "MAX_WIDTH", "SEED_MAX", "Problem", "Rule", "Setting", "anything",
+           "check_arguments", "field_problems", "flag", "grouped", "help_text", "integer", "leaves", "list_of",
+           "moved_keys", "number", "one_of", "options", "options_of", "positive", "refuse_interpolation", "seed",
+           "setting", "settings", "share", "text", "without_keys"]

@@ -20,7 +20,7 @@ import os
 import re
 import sys
 from urllib.parse import urlparse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
