@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -125,3 +127,21 @@ class SigtermAt(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.hook == "on_fit_start":
             os.kill(os.getpid(), self.signum)
+
+
+class LongStepAfterTwoSigterms(L.Callback):
+    """At step ``step``: sends this process SIGTERM twice, then makes the step last ``seconds``
+    (a long generation a scheduler's second kill should not wait for)."""
+
+    def __init__(self, step: int = 1, seconds: float = 600.0) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step:
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + self.seconds
+        while time.monotonic() < deadline:
+            time.sleep(0.1)

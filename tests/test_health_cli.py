@@ -62,6 +62,10 @@ def test_timeline_output_and_name_mapping(tmp_path, capsys):
     assert "gap.level" in out and "before any update" in out and "first warning: step 0" in out
     with pytest.raises(TclightningError, match="CANONICAL=YOURS"):
         run_cli(["health", str(path), "--name", "oops"])
+    with pytest.raises(TclightningError, match="no health rule reads 'gap/abs_men'"):
+        run_cli(["health", str(path), "--name", "gap/abs_men=my_gap"])  # a typo would leave the rule no data
+    with pytest.raises(TclightningError, match="has no metric 'my_gpa'"):
+        run_cli(["health", str(path), "--name", "gap/abs_mean=my_gap", "--name", "reward/mean=my_gpa"])
 
 
 def test_tensorboard_event_files(tmp_path, capsys):

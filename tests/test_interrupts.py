@@ -145,6 +145,22 @@ def test_sigterm_after_the_run_folder_exists_and_before_training_is_one_line(tmp
     assert not any((tmp_path / "runs" / "tiny").iterdir())
 
 
+def test_a_second_sigterm_during_a_long_step_stops_the_run_at_once(tmp_path: Path) -> None:
+    """The first SIGTERM asks Lightning to stop after the step; a second one (a scheduler that does
+    not wait) stops now, as a second Ctrl-C does, keeping the checkpoints saved so far."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=50", "logging.root=runs",
+         "trainer.val_every=0", "trainer.checkpoint_every=1",
+         "callbacks=[{class_path: tests.conftest.LongStepAfterTwoSigterms, init_args: {step: 1}}]"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 130 and "interrupted" in lines[-1] and "Traceback" not in done.stderr, (
+        done.returncode, done.stderr[-3000:])
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] == 1
+
+
 def _free_port() -> int:
     import socket
 

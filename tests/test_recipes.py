@@ -404,3 +404,24 @@ def test_a_run_s_recipe_record_loads_back_as_the_same_recipe(tmp_path: Path) -> 
     assert to_yaml(again) == to_yaml(cfg)
     names = [type(c).__name__ for c in instantiate_callbacks(again, str(record))]
     assert names == [type(c).__name__ for c in instantiate_callbacks(cfg, "tiny")] and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("override, text", [("logging.name=no", "no"), ("logging.name=1e3", "1e3"),
+                                            ("logging.name=0x1F", "0x1F"), ("task.system_prompt=yes", "yes")])
+def test_a_text_key_on_the_command_line_is_the_text_typed(override: str, text: str) -> None:
+    """YAML 1.1 reads `no` as false and `0x1F` as 31; OmegaConf would store "False" and "31"."""
+    from tclightning.recipes.loader import load_recipe
+
+    cfg = load_recipe("tiny", [override])
+    section, key = override.partition("=")[0].split(".")
+    assert cfg[section][key] == text
+
+
+def test_a_boolean_in_a_text_key_of_a_file_is_refused(tmp_path: Path) -> None:
+    from tclightning.errors import RecipeError
+    from tclightning.recipes.loader import load_recipe
+
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("description: x\ndefaults: [tiny]\nlogging:\n  name: no\n")
+    with pytest.raises(RecipeError, match=r"key 'logging.name'.*boolean false.*quote it"):
+        load_recipe(str(recipe))

@@ -425,3 +425,13 @@ def test_the_arithmetic_reward_reads_a_fraction_or_an_exponent_as_no_integer(ans
     assert task.reward("85.", gold) == 1.0  # a full stop ends the sentence
     for wrong in ("85.9", "85e3", "85.0"):
         assert task.reward(wrong, gold) == 0.0, wrong
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("The answer is .5", "5", 0.0), ("The answer is .5", "0.5", 1.0), ("The answer is -.5", "-0.5", 1.0),
+    ("so the answer is...5", "5", 1.0), ("#### .25", "25", 0.0)],
+    ids=["half-is-not-five", "half", "minus-half", "ellipsis", "hashes"])
+def test_a_leading_decimal_point_is_read_as_part_of_the_number(completion: str, gold: str, reward: float) -> None:
+    from tclightning.tasks.rewards import verify_gsm8k
+
+    assert verify_gsm8k(completion, gold) == reward

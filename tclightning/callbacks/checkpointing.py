@@ -128,9 +128,10 @@ def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: 
         if section in ckpt and not isinstance(ckpt[section], dict):  # each reader takes it as a mapping
             raise CheckpointRefused(f"checkpoint {shown}: not a checkpoint tclightning wrote (its '{section}' "
                                     f"is a {type(ckpt[section]).__name__}, not a dict)")
-    if not _lightning_2_or_later(ckpt.get(LIGHTNING_VERSION_KEY)):  # Lightning would run 1.x migrations on it
+    if LIGHTNING_VERSION_KEY in ckpt and not _lightning_2_or_later(ckpt[LIGHTNING_VERSION_KEY]):
+        # Lightning would run its 1.x migrations on it (and fail on a key they expect)
         raise CheckpointRefused(f"checkpoint {shown}: its '{LIGHTNING_VERSION_KEY}' is "
-                                f"{printable(repr(ckpt.get(LIGHTNING_VERSION_KEY))[:64])}, where a checkpoint tclightning wrote "
+                                f"{printable(repr(ckpt[LIGHTNING_VERSION_KEY])[:64])}, where a checkpoint tclightning wrote "
                                 "names Lightning 2 or later; nothing was loaded")
     if not _fewer_values_than(ckpt, MAX_CHECKPOINT_VALUES, MAX_CHECKPOINT_DEPTH):
         raise CheckpointRefused(f"checkpoint {shown}: holds more than {MAX_CHECKPOINT_VALUES} values once its shared "
@@ -500,11 +501,15 @@ class SigtermBeforeTraining(L.Callback):
     """Until training starts, SIGTERM stops a run as Ctrl-C does (one line; a run folder that saved
     nothing is removed): there is no step to finish yet. Used as a context manager around the
     whole run and passed to the trainer, whose ``on_train_start`` hands SIGTERM over to Lightning
-    (finish the step, checkpoint, stop). Off the main thread no handler can be set: it does nothing."""
+    (finish the step, checkpoint, stop); a second SIGTERM during training stops at once, as a
+    second Ctrl-C does (a long step is not waited for). Off the main thread no handler can be set:
+    it does nothing."""
 
     def __init__(self) -> None:
         self.armed = False
         self.received = False
+        self.training = False
+        self._in_training = 0  # SIGTERMs since training started (Lightning calls this handler after its own)
         self._previous: Any = None
 
     def __enter__(self) -> SigtermBeforeTraining:
@@ -516,9 +521,14 @@ class SigtermBeforeTraining(L.Callback):
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.armed:  # Lightning, once it holds SIGTERM, also calls the handler it found: a no-op by then
+        if self.armed:
             self.received = True
             interrupt(signum, frame)
+        elif self.training:  # Lightning, holding SIGTERM, called it after its own: it stops after the step
+            self._in_training += 1
+            if self._in_training > 1:
+                interrupt(signum, frame)
+            print("\nSIGTERM: stopping after this step (SIGTERM again to stop now)", flush=True)
 
     def _stop_if_received(self) -> None:
         """The interrupt again, at a hook: a library's bare ``except:`` may have swallowed the first."""
@@ -534,9 +544,14 @@ class SigtermBeforeTraining(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_if_received()
         self.armed = False
+        self.training = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.training = False  # the last checkpoint is being committed: SIGTERM only asks to stop
 
     def __exit__(self, *exc: object) -> None:
         self.armed = False
+        self.training = False
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
 

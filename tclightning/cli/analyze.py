@@ -96,6 +96,7 @@ def run_health(args: argparse.Namespace) -> int:
     rows = read_run(args.path, names, numbers=_rule_inputs(detector))
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
+    _require_names_read(args.path, rows, detector, _names(args.name))
     _require_read_metrics(args.path, rows, detector, {c: y for y, c in names.items()})
     result = replay(rows, detector)
     if args.json:
@@ -116,6 +117,19 @@ def _rule_inputs(detector) -> set[str]:
         if isinstance(rule, NonFiniteRule):
             reads.update((*rule.skip_metrics, rule.skipped_step))
     return reads
+
+
+def _require_names_read(path: str, rows: list, detector, yours_to_canonical: dict[str, str]) -> None:
+    """Refuse a ``--name CANONICAL=YOURS`` that maps nothing: a CANONICAL no rule reads (a typo would
+    leave that rule without data, and the replay "healthy"), or a YOURS the file does not have."""
+    reads = _rule_inputs(detector)
+    logged = {name for _, metrics in rows for name in metrics}
+    for yours, canonical in yours_to_canonical.items():
+        if canonical not in reads:
+            raise TclightningError(f"--name {canonical}={yours}: no health rule reads {canonical!r} (they read "
+                                   f"{', '.join(sorted(reads))})")
+        if canonical not in logged:
+            raise TclightningError(f"--name {canonical}={yours}: {path} has no metric {yours!r} with a value")
 
 
 def _require_read_metrics(path: str, rows: list, detector, shown: dict[str, str]) -> None:

@@ -360,11 +360,27 @@ def _check_sections(schema: DictConfig, data: dict, prefix: str, source: str, ov
             _check_sections(node, value, f"{prefix}{key}.", source, override)
 
 
+def _is_text_key(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` (dotted) is a text field of the schema (``logging.name``, ``task.system_prompt``)."""
+    from omegaconf.nodes import StringNode
+
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)
+    return isinstance(node, StringNode)
+
+
 def _merge(base: DictConfig, data: Any, source: str, override: str | None = None) -> DictConfig:
     if not isinstance(data, dict):
         raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}", file=source)
     _check_sections(base, data, "", source, override)
     _refuse_foreign_digits(data, source, override)
+    for key, value in leaves(data):
+        if isinstance(value, bool) and _is_text_key(base, key):  # OmegaConf would store "True"
+            raise RecipeError(f"YAML reads this value as the boolean {str(value).lower()} (yes/no/on/off are booleans), "
+                              "where the key is text: quote it ('no')", file=source, key=key, override=override)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
@@ -448,6 +464,11 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
                               "write a recipe that lists them (defaults: [...])", file=COMMAND_LINE, override=override)
         try:
             data = OmegaConf.to_container(parse_overrides([override]))
+            key, _, text = (part.strip() for part in override.partition("="))
+            given = OmegaConf.create(data)
+            if isinstance(OmegaConf.select(given, key), (bool, int, float)) and _is_text_key(cfg, key):
+                OmegaConf.update(given, key, text, merge=False)  # `logging.name=no`, `=1e3`: the text as typed
+                data = OmegaConf.to_container(given)
             if _holds_interpolation(data):  # one a YAML escape spells (\u0024{...}) too
                 raise RecipeError("holds an interpolation (${...}); write the value itself", file=COMMAND_LINE,
                                   override=override)

@@ -66,7 +66,9 @@ _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 # A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
 # completion wrote is all of it, not its first digits.
-_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*", re.ASCII)
+# ".5" is a half (an ellipsis "...5" is not a decimal point)
+_NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*",
+                     re.ASCII)
 _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
