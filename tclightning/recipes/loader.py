@@ -466,7 +466,7 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
             data = OmegaConf.to_container(parse_overrides([override]))
             key, _, text = (part.strip() for part in override.partition("="))
             given = OmegaConf.create(data)
-            if isinstance(OmegaConf.select(given, key), (bool, int, float)) and _is_text_key(cfg, key):
+            if _is_text_key(cfg, key) and isinstance(OmegaConf.select(given, key), (bool, int, float)):
                 OmegaConf.update(given, key, text, merge=False)  # `logging.name=no`, `=1e3`: the text as typed
                 data = OmegaConf.to_container(given)
             if _holds_interpolation(data):  # one a YAML escape spells (\u0024{...}) too
