@@ -465,10 +465,11 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
         try:
             data = OmegaConf.to_container(parse_overrides([override]))
             key, _, text = (part.strip() for part in override.partition("="))
-            given = OmegaConf.create(data)
-            if _is_text_key(cfg, key) and isinstance(OmegaConf.select(given, key), (bool, int, float)):
-                OmegaConf.update(given, key, text, merge=False)  # `logging.name=no`, `=1e3`: the text as typed
-                data = OmegaConf.to_container(given)
+            if _is_text_key(cfg, key):  # `logging.name=no`, `=1e3`: the text as typed, not YAML's false or 1000.0
+                given = OmegaConf.create(data)
+                if isinstance(OmegaConf.select(given, key), (bool, int, float)):
+                    OmegaConf.update(given, key, text, merge=False)
+                    data = OmegaConf.to_container(given)
             if _holds_interpolation(data):  # one a YAML escape spells (\u0024{...}) too
                 raise RecipeError("holds an interpolation (${...}); write the value itself", file=COMMAND_LINE,
                                   override=override)
