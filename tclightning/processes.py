@@ -2,12 +2,14 @@
 torchrun nodes) never import from the working folder: ``python -c`` and ``python -m`` put it first
 on the import path, so a ``json.py`` in a cloned repository or a shared folder would run inside
 them. ``PYTHONSAFEPATH`` (Python 3.11+) keeps it off; every child of the ``tclightning`` command
-inherits it (:func:`keep_children_off_the_working_folder`)."""
+inherits it (:func:`keep_children_off_the_working_folder`). The ranks a run or a benchmark starts
+never outlive the process that started them (:func:`die_with_parent`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Mapping
 
 SAFE_PATH = {"PYTHONSAFEPATH": "1"}
@@ -38,3 +40,32 @@ def keep_children_off_the_working_folder() -> None:
     """For the ``tclightning`` command: every process it starts from now on, its own and those of
     Lightning, torch and multiprocessing, inherits ``PYTHONSAFEPATH=1``."""
     os.environ.update(SAFE_PATH)
+
+
+LAUNCHER_PID_ENV = "TCLIGHTNING_LAUNCHER_PID"
+"""Set for the ranks a run starts itself (``trainer.devices`` > 1): the pid of the process that
+started them, which they must not outlive (:func:`follow_launcher`)."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Linux: this process is killed (SIGKILL) when ``parent``, the process that started it, ends
+    in any way, kill -9 included, so a rank never waits on for a launcher that is gone; if
+    ``parent`` has ended already, this process exits at once. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it ended before the signal was armed
+        os._exit(1)
+
+
+def follow_launcher() -> None:
+    """For a rank a tclightning run started: die with that run's process (:func:`die_with_parent`).
+    The variable is taken out of the environment, so this process's own children do not read it."""
+    parent = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if parent.isdigit():
+        die_with_parent(int(parent))

@@ -694,7 +694,6 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     import lightning as L
     import torch
 
-    from tclightning.callbacks.checkpointing import checkpoint_allow_list
     from tclightning.grpo.summary import summarize
     from tclightning.models.warmup import WarmupInterrupted
 
@@ -741,10 +740,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
             os.environ[RUN_DIR_ENV] = str(plan.run_dir)
         try:
-            # Data only: Lightning's load sees the same allow-list as plan_run's (numpy RNG state,
-            # the anchor replay); anything else in the file is refused, never run.
-            with checkpoint_allow_list():
-                trainer.fit(module, ckpt_path=str(plan.ckpt_path) if plan.ckpt_path else None, weights_only=True)
+            _fit(trainer, module, plan.ckpt_path)
         except Exception as err:
             if before is not None and _restoring(trainer, plan) and not refused_by_storage(err):
                 _finish_loggers(trainer)  # nothing of a refused resume stays in the run's record
@@ -808,6 +804,33 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
         print_summary(summary)
     return summary
+
+
+def _fit(trainer: Any, module: Any, ckpt_path: Path | None) -> None:
+    """``trainer.fit``, its checkpoint read as data only: Lightning's load sees the same allow-list
+    as plan_run's (numpy RNG state, the anchor replay); anything else in the file is refused, never
+    run. A rank this process started that failed stops the run as :class:`RankStopped`, naming it,
+    in place of the error its absence left here."""
+    from tclightning.callbacks.checkpointing import checkpoint_allow_list
+    from tclightning.pipeline.launch import rank_exit
+
+    try:
+        with checkpoint_allow_list():
+            trainer.fit(module, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+    except BaseException as err:
+        exited = rank_exit(trainer)
+        if exited is None or (exited.interrupted and isinstance(err, (KeyboardInterrupt, SystemExit))):
+            raise
+        raise RankStopped(exited.describe(), exit_code=exited.code if 0 < exited.code < 256 else 1) from None
+
+
+class RankStopped(TclightningError):
+    """A rank the run started failed, and the run stopped with it: one line naming the rank (what
+    it printed says why), with the rank's own exit code (1 for a signal)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @contextlib.contextmanager

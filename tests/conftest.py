@@ -145,3 +145,32 @@ class LongStepAfterTwoSigterms(L.Callback):
         deadline = time.monotonic() + self.seconds
         while time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+class FailOnRankAt(L.Callback):
+    """Raises on one rank of a multi-process run, in ``setup`` or at the start of RL step ``step``."""
+
+    def __init__(self, rank: int, step: int | None = None) -> None:
+        self.rank, self.step = rank, step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.step is None and trainer.global_rank == self.rank:
+            raise RuntimeError(f"simulated failure of rank {self.rank}")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == self.step and trainer.global_rank == self.rank:
+            raise RuntimeError(f"simulated failure of rank {self.rank} at step {self.step}")
+
+
+class BusyOnRankAt(L.Callback):
+    """Keeps one rank busy in Python for ``seconds`` at the start of RL step ``step`` (a long
+    sampling stage, say), touching no other rank."""
+
+    def __init__(self, rank: int, step: int, seconds: float) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if batch.step == self.step and trainer.global_rank == self.rank:
+            deadline = time.monotonic() + self.seconds
+            while time.monotonic() < deadline:
+                time.sleep(0.05)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tclightning.processes import safe_import_path
+from tclightning.processes import die_with_parent, safe_import_path
 
 
 @dataclass
@@ -42,7 +42,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _entry(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, out: str) -> None:
+def _entry(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable[..., Any], args: tuple, out: str,
+           parent: int) -> None:
+    die_with_parent(parent)
     import torch
 
     from tclightning.pipeline.comm import init_process_group
@@ -79,18 +81,26 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="tcl-ranks-") as tmp:
         outputs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
         procs = [
-            context.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, outputs[r]), daemon=True)
+            context.Process(target=_entry, args=(r, world_size, port, timeout_s, fn, args, outputs[r], os.getpid()),
+                            daemon=True)
             for r in range(world_size)
         ]
         started = time.perf_counter()
-        with safe_import_path():  # the spawned python -c never imports from the working folder
+        try:
+            with safe_import_path():  # the spawned python -c never imports from the working folder
+                for proc in procs:
+                    proc.start()
+            deadline = started + join_timeout_s
+            while any(proc.is_alive() for proc in procs) and time.perf_counter() < deadline:
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    deadline = min(deadline, time.perf_counter() + linger_s)
+                time.sleep(0.05)
+        except BaseException:  # a Ctrl-C or SIGTERM here: no rank is left running
             for proc in procs:
-                proc.start()
-        deadline = started + join_timeout_s
-        while any(proc.is_alive() for proc in procs) and time.perf_counter() < deadline:
-            if any(proc.exitcode not in (None, 0) for proc in procs):
-                deadline = min(deadline, time.perf_counter() + linger_s)
-            time.sleep(0.05)
+                if proc.pid is not None and proc.is_alive():
+                    proc.kill()
+                    proc.join()
+            raise
         outcomes = []
         for rank, proc in enumerate(procs):
             if proc.is_alive():

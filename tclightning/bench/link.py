@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tclightning.processes import child_environment
+from tclightning.processes import LAUNCHER_PID_ENV, child_environment, follow_launcher
 
 LAYOUTS = ("dense", "shallow", "all")
 
@@ -136,12 +136,23 @@ def _sh(*argv: str) -> None:
     subprocess.run(list(argv), check=True, capture_output=True, text=True)
 
 
+def _remove_orphaned_namespaces() -> None:
+    """Delete the ``tcl-link-<pid>`` namespaces of benchmarks that no longer run (killed with -9,
+    which leaves no time to delete them)."""
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        pid = name.removeprefix("tcl-link-")
+        if name.startswith("tcl-link-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+
+
 def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str, Any]]:
     """Make namespace ``tcl-link-<pid>``, shape its loopback to ``mbit``, run :func:`measure` inside
     it (a child ``python -m tclightning.bench.link --inside``), always delete it."""
     name = f"tcl-link-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
+        _remove_orphaned_namespaces()
         _sh("ip", "netns", "add", name)
         # 1500-byte packets (the loopback's default 64 KiB MTU exceeds a small bucket) and a bucket
         # of about 4 ms of traffic (at least 32 KiB), as a home link's shaper would have
@@ -149,14 +160,22 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
         burst = max(32 * 1024, int(mbit * 1e6 / 8 * 0.004))
         _sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
             "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "200ms")
-        child = subprocess.run(
+        # its own process group: a signal here stops it and the ranks it started, all of them
+        with subprocess.Popen(
             ["ip", "netns", "exec", name, sys.executable, "-m", "tclightning.bench.link", "--inside",
              json.dumps(options)],
-            check=False, capture_output=True, text=True, env=child_environment(),
-        )
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env=child_environment(**{LAUNCHER_PID_ENV: str(os.getpid())}),  # it dies with this process, kill -9 too
+        ) as child:
+            try:
+                out, err = child.communicate()
+            except BaseException:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise
         if child.returncode != 0:
-            raise RuntimeError(f"benchmark inside namespace {name} failed:\n{child.stderr[-4000:]}")
-        return json.loads(child.stdout.strip().splitlines()[-1])
+            raise RuntimeError(f"benchmark inside namespace {name} failed:\n{err[-4000:]}")
+        return json.loads(out.strip().splitlines()[-1])
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
         signal.signal(signal.SIGTERM, previous)
@@ -294,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import importlib
 
+    follow_launcher()
     # by module name (not __main__), so the spawned ranks can import _bench_rank
     module = importlib.import_module("tclightning.bench.link")
     print(json.dumps(module.measure(json.loads(argv[1]))))

@@ -18,7 +18,7 @@ from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_te
                                  refused_output, shown, sigterm_interrupts)
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
-from tclightning.processes import keep_children_off_the_working_folder
+from tclightning.processes import follow_launcher, keep_children_off_the_working_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # limit) deadlocks its thread pool; on one thread the panic is an error the run reports.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     keep_children_off_the_working_folder()
+    follow_launcher()  # a rank a run started (trainer.devices > 1) ends with that run's process
     if argv is None:  # the console command: a Ctrl-C while the interpreter is torn down leaves the exit code
         ignore_interrupts_at_teardown()
         sigterm_interrupts()

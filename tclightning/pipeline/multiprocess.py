@@ -28,12 +28,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 from tclightning.backend import BackendRequest
 from tclightning.errors import TclightningError
 from tclightning.pipeline.backends import PipelineBackend
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.engine import PipelineEngine
+from tclightning.pipeline.launch import StageLauncher
 from tclightning.pipeline.mesh import ReplicaMesh
 from tclightning.pipeline.strategy import _as_config
 
@@ -94,6 +96,13 @@ class MultiProcessPipelineStrategy(DDPStrategy):
 
     # -- setup -----------------------------------------------------------------------------------
 
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher for ``devices`` > 1, made to stop every rank when one fails
+        (:mod:`~tclightning.pipeline.launch`)."""
+        super()._configure_launcher()
+        if isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = StageLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
     def setup_distributed(self) -> None:
         """Lightning's rendezvous on a thread of its own. The store waits for its peers in C++ and
         retries on an interrupted call, so on the main thread a Ctrl-C or SIGTERM would wait as
@@ -120,6 +129,11 @@ class MultiProcessPipelineStrategy(DDPStrategy):
         if met:
             return
         err = failed[0] if failed else None
+        if isinstance(err, torch.distributed.DistError) and "EADDRINUSE" in str(err):
+            raise TclightningError(
+                f"MASTER_PORT={os.environ.get('MASTER_PORT', '?')}: the port is in use on this machine (another "
+                "program or run holds it), so rank 0 cannot take it; set MASTER_PORT to a free port, or unset it "
+                "and the run picks one") from None
         if err is None or isinstance(err, torch.distributed.DistError):
             where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ.get('MASTER_PORT', '?')}"
             detail = ("no answer from there" if err is None else
