@@ -409,7 +409,8 @@ def require_run_dir_for_rank_0(given: Path, plan: RunPlan, recipe_yaml: str) -> 
 
 
 def require_hardware(recipe: RecipeConfig) -> None:
-    """Refuse, before anything is written, a GPU-scale recipe on a machine without CUDA."""
+    """Refuse, before anything is written, a GPU-scale recipe on a machine without CUDA, and an MPS run
+    where there is no MPS."""
     import torch
 
     wants_gpu = recipe.trainer.accelerator in ("gpu", "cuda") or recipe.sampler.backend == "vllm"
@@ -419,6 +420,9 @@ def require_hardware(recipe: RecipeConfig) -> None:
             f"sampler.backend={recipe.sampler.backend}) and none is visible; on a CPU run 'tiny' "
             "or 'gsm8k-shallow' instead"
         )
+    if recipe.trainer.accelerator == "mps" and not torch.backends.mps.is_available():
+        raise TclightningError("trainer.accelerator=mps needs Apple's Metal (MPS), which this machine does not have; "
+                               "use trainer.accelerator=cpu or auto")
 
 
 def require_writable_root(recipe: RecipeConfig) -> None:
@@ -819,9 +823,25 @@ def _fit(trainer: Any, module: Any, ckpt_path: Path | None) -> None:
             trainer.fit(module, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except BaseException as err:
         exited = rank_exit(trainer)
-        if exited is None or (exited.interrupted and isinstance(err, (KeyboardInterrupt, SystemExit))):
+        if exited is not None and not (exited.interrupted and isinstance(err, (KeyboardInterrupt, SystemExit))):
+            raise RankStopped(exited.describe(), exit_code=exited.code if 0 < exited.code < 256 else 1) from None
+        unlogged = _unlogged_monitor(err)
+        if unlogged is None:
             raise
-        raise RankStopped(exited.describe(), exit_code=exited.code if 0 < exited.code < 256 else 1) from None
+        raise TclightningError(f"callbacks: {unlogged[0]}(monitor='{unlogged[1]}') watches a metric this run does not "
+                               "log; the run stopped at the callback's first check. Set monitor to a metric the run "
+                               "logs (docs/metrics.md), e.g. reward/mean or val/accuracy") from None
+
+
+def _unlogged_monitor(err: BaseException) -> tuple[str, str] | None:
+    """(callback, metric) when ``err`` is Lightning's refusal of a monitoring callback (EarlyStopping,
+    ModelCheckpoint) whose metric the run never logs."""
+    text = str(err) if isinstance(err, Exception) else ""
+    if (found := re.match(r"Early stopping conditioned on metric `([^`]*)`", text)) is not None:
+        return "EarlyStopping", found[1]
+    if (found := re.match(r"`ModelCheckpoint\(monitor='([^']*)'\)` could not find", text)) is not None:
+        return "ModelCheckpoint", found[1]
+    return None
 
 
 class RankStopped(TclightningError):

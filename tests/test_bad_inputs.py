@@ -106,6 +106,9 @@ CASES: dict[str, Case] = {
     # past what a float32 parameter holds (the optimizer's first step overflowed); a codec budget
     # that buys no coefficient; a two-node link the shaper cannot make, no time, no process
     "lr-past-float32": override("grpo.lr=1e39", names=("grpo.lr=1e39",)),
+    # autocast cannot take float16 weights (a traceback in the first step)
+    "float16-weights-with-mixed-precision": override("model.dtype=float16", "trainer.precision=bf16-mixed",
+                                                     names=("trainer.precision=bf16-mixed", "cannot be autocast")),
     "bench-codec-budget-buys-no-coefficient": Case(
         ("bench", "codec", "--tokens", "16", "--k", "1", "--repeats", "1", "--codec", "lowrank-4bit"),
         ("bench codec --codec lowrank-4bit", "4-bit")),
@@ -477,6 +480,33 @@ def test_read_only_logging_root_is_refused_before_anything_is_written(
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "logging.root" in lines[0] and "not writable" in lines[0]
+
+
+def test_mps_where_there_is_none_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Lightning's refusal came as a traceback (MisconfigurationException)."""
+    import torch
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)  # as on any machine but a Mac
+    code, err = run_case(override("trainer.accelerator=mps"), tmp_path, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "trainer.accelerator=mps needs Apple's Metal" in lines[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("callback", ["lightning.pytorch.callbacks.EarlyStopping",
+                                      "lightning.pytorch.callbacks.ModelCheckpoint"], ids=["early-stopping", "checkpoint"])
+def test_a_callback_monitoring_a_metric_the_run_never_logs_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], callback: str) -> None:
+    """Lightning raises at the callback's first check (a traceback): one line naming the callback and the metric."""
+    from tests.conftest import FAST
+
+    case = override(*FAST, "trainer.steps=2", "trainer.val_every=1",
+                    f"callbacks=[{{class_path: {callback}, init_args: {{monitor: val/acuracy}}}}]")
+    code, err = run_case(case, tmp_path, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert lines[-1].startswith(f"error: callbacks: {callback.rpartition('.')[2]}(monitor='val/acuracy') watches a metric")
 
 
 def _write_package(root: Path, marker: Path) -> None:

@@ -435,3 +435,18 @@ def test_a_leading_decimal_point_is_read_as_part_of_the_number(completion: str, 
     from tclightning.tasks.rewards import verify_gsm8k
 
     assert verify_gsm8k(completion, gold) == reward
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("The answer is 3×10^3", "3", 0.0), ("The answer is 3 \\times 10^3", "3", 0.0), ("The answer is 10²", "10", 0.0),
+    ("The answer is 0x1F", "0", 0.0), ("The answer is 3e3", "3", 0.0), ("The answer is 3e3.", "3000", 1.0),
+    ("\\boxed{1,5}", "15", 0.0), ("\\boxed{1,500}", "1500", 1.0), ("\\boxed{1{,}500}", "1500", 1.0),
+    ("The answer is **42**.", "42", 1.0), ("So x=5", "5", 1.0), ("The answer is $3\\times10^3$", "3000", 1.0)],
+    ids=["product", "latex-product", "superscript", "hex", "exponent", "exponent-whole", "list-is-not-fifteen",
+         "thousands", "latex-thousands", "markdown", "equation", "math-mode-product"])
+def test_the_math_reward_reads_a_number_an_expression_continues_whole(completion: str, gold: str, reward: float) -> None:
+    """math-verify reads the first digits of such a number in plain text (3×10^3 as 3, 10² as 10,
+    0x1F as 0) and a list ``1,5`` as 15: each scored 1.0 against the wrong gold."""
+    from tclightning.tasks.rewards import verify_math
+
+    assert verify_math(completion, gold) == reward

@@ -91,3 +91,16 @@ def test_dr_grpo_and_drop_zero_variance_run(run_root: Path) -> None:
     )
     rows = read_metrics(_run_dir(summary) / "metrics.csv")
     assert all(0.0 <= r["policy/kept_frac"] <= 1.0 for r in rows.values())
+
+
+def test_a_bf16_true_run_trains_validates_and_resumes(run_root: Path) -> None:
+    """Lightning's ``bf16-true`` makes bfloat16 the default dtype: the step's own float32 sums
+    (truncation, lengths) must not take it (a traceback in the first step)."""
+    settings = [*FAST, "trainer.precision=bf16-true", "trainer.val_every=1", "trainer.checkpoint_every=1"]
+    summary = run("tiny", [*settings, "trainer.steps=2"], quiet=True)
+    run_dir = _run_dir(summary)
+    resumed = run("tiny", [*settings, "trainer.steps=3"], resume=str(run_dir), quiet=True)
+    rows = read_metrics(run_dir / "metrics.csv")
+    assert resumed["steps"] == 3 and sorted(rows) == [0, 1, 2]
+    assert all("val/accuracy" in row for row in rows.values())
+    assert torch.isfinite(torch.tensor([row["loss/policy"] + row["policy/grad_norm"] for row in rows.values()])).all()

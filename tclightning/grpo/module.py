@@ -559,7 +559,7 @@ class GRPOModule(L.LightningModule):
             return
         rollouts = rollouts.to(self.device)
         # Per trajectory (a trajectory is truncated if any of its rows is); broadcast to rows by `owner`.
-        truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
+        truncated = torch.zeros(len(rewards), dtype=torch.float32).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
         shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong_penalty else rewards
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         sampled = time.perf_counter()
@@ -659,7 +659,7 @@ class GRPOModule(L.LightningModule):
         examples = [self.eval_examples[i] for i in indices]
         rollouts, rewards, owner, _ = self.collect(examples, seed=self.seed, greedy=True, group_size=1)
         # Generated tokens per trajectory (agentic: summed over its interactions).
-        return rewards, torch.zeros(len(rewards)).index_add_(0, owner, rollouts.lengths.float().cpu())
+        return rewards, torch.zeros(len(rewards), dtype=torch.float32).index_add_(0, owner, rollouts.lengths.float().cpu())
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
         if self._val_nonfinite:

@@ -229,7 +229,7 @@ class GRPOTrajectory:
         G = module.sampler_cfg.group_size
         examples = [module.train_examples[i] for i in indices]
         rollouts, rewards, owner, _ = module.collect(examples, seed)
-        truncated = torch.zeros(len(rewards)).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
+        truncated = torch.zeros(len(rewards), dtype=torch.float32).index_add_(0, owner, rollouts.truncated.cpu().float()) > 0
         shaped = rewards - cfg.overlong_penalty * truncated.float() if cfg.overlong_penalty else rewards
         advantages = group_advantages(shaped, G, cfg.scale_rewards, cfg.eps)[owner]
         rows = torch.arange(rollouts.num_sequences)

@@ -213,6 +213,14 @@ def _anchor_replicas(cfg: DictConfig) -> Iterator[Problem]:
                       "send every replica's stages the same signs; use anchor.placement=pipeline with replicas")
 
 
+def _precision(cfg: DictConfig) -> Iterator[Problem]:
+    if cfg.model.dtype == "float16" and cfg.trainer.precision.endswith("-mixed"):
+        yield Problem(("model.dtype", "trainer.precision"),
+                      f"trainer.precision={cfg.trainer.precision} keeps the weights in float32 and casts each "
+                      "operation; float16 weights cannot be autocast. Use model.dtype=float32 with it, or "
+                      "trainer.precision=32-true")
+
+
 @dataclass(frozen=True)
 class CrossCheck:
     """A check of values together, and the top-level sections (or keys) it reads."""
@@ -225,6 +233,7 @@ CROSS_CHECKS: tuple[CrossCheck, ...] = (
     CrossCheck(("model",), _tiny_shape),
     CrossCheck(("model", "sampler"), _lengths),
     CrossCheck(("model",), _model_source),
+    CrossCheck(("model", "trainer"), _precision),
     CrossCheck(("grpo", "sampler"), _grpo),
     CrossCheck(("anchor", "trainer"), _anchor),
     CrossCheck(("anchor", "pipeline"), _anchor_replicas),

@@ -198,7 +198,10 @@ _NUMERAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII
 def _to_decimal(text: str) -> Decimal | None:
     """``text`` as an exact Decimal, or None unless it is a plain numeral within the caps
     (at most ``MAX_ANSWER_CHARS`` characters, |exponent| at most ``MAX_NUMERAL_EXPONENT``)."""
-    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    cleaned = text.strip().replace("$", "").rstrip(".")
+    if "," in cleaned and not _THOUSANDS.fullmatch(cleaned):  # "1,5" is a list, not 15
+        return None
+    cleaned = cleaned.replace(",", "")
     if not cleaned or len(cleaned) > MAX_ANSWER_CHARS or not _NUMERAL.fullmatch(cleaned):
         return None
     try:
@@ -487,6 +490,21 @@ def math_verify_equal(pred_text: str, gold: str, timeout_s: float) -> bool | Non
 # --------------------------------------------------------------------------- math verifier
 
 
+# A numeral an expression continues: a product, power, superscript, exponent or hex prefix
+_CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰⁴⁵⁶⁷⁸⁹]|[eE][+-]?\d)|0[xX][0-9a-fA-F]")
+_COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+
+
+def _final_token(text: str) -> str | None:
+    """The last whitespace-separated word of ``text`` that holds a digit, without the punctuation
+    and markdown around it (``"**3e3**."`` -> ``"3e3"``)."""
+    for word in reversed(text.split()):
+        if any(c.isdigit() for c in word):
+            return word.strip("*_()[]").rstrip(".,;:!?").strip("*_()[]")
+    return None
+
+
 def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
     """1.0 if ``completion``'s final answer is mathematically equal to ``gold``, else 0.0.
 
@@ -504,9 +522,15 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 0.0
             if simple_math_equal(boxed, gold):
                 return 1.0
+            if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
+                return 0.0  # "1,5" is a list; math-verify reads it as 15
             pred_text = "\\boxed{" + boxed + "}"
         else:
             pred_text = completion[-MAX_TAIL_CHARS:]
+            final = _final_token(pred_text)
+            if final is not None and "$" not in final and _CONTINUED_NUMBER.search(final):
+                # "3×10^3", "10²", "0x1F", "3e3": math-verify reads plain text's first digits (3, 10, 0, 3)
+                return 1.0 if simple_math_equal(final, gold) else 0.0
         verdict = math_verify_equal(pred_text, gold, timeout_s)
         if verdict is None:  # math-verify unavailable here: exact numbers are all we can check
             return 1.0 if boxed is None and numbers_equal(last_number(pred_text), gold) else 0.0
