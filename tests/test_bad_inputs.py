@@ -92,6 +92,11 @@ CASES: dict[str, Case] = {
                                      {"m.csv": b"step,reward/mean,loss\n0,0.5,1\n1,0.5\n"}),
     "analyze-health-fullwidth-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "is not a number"),
                                           {"m.csv": "step,reward/mean\n\uff11,0.5\n".encode()}),
+    # float() reads "1_0" as 10
+    "analyze-health-underscore-in-a-metric": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:3", "reward/mean '1_0'"),
+                                                  {"m.csv": b"step,reward/mean\n0,0.5\n1,1_0\n"}),
+    "analyze-health-underscore-in-a-step": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "step '1_0'"),
+                                                {"m.csv": b"step,reward/mean\n1_0,0.5\n"}),
     "analyze-health-too-many-rows": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "more than 250000 rows"),
                                          {"m.csv": b"step,reward/mean\n" + b"0,0.5\n" * 250_001}),
     "analyze-health-200k-columns": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "no metric columns"), {
@@ -132,6 +137,12 @@ CASES: dict[str, Case] = {
     "bench-traffic-config-heads-do-not-divide": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("no model can be built",),
         {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 3}'}),
+    # sizes no run of the model has: were priced without a word
+    "bench-traffic-rows-past-the-positions": Case(
+        ("bench", "traffic", "--recipe", "bigmath_shallow", "--tokens-per-row", "99999999999999999999"),
+        ("--tokens-per-row 99999999999999999999", "positions")),
+    "bench-traffic-lora-rank-past-the-width": Case(
+        ("bench", "traffic", "--recipe", "bigmath_shallow", "--lora-rank", "100000"), ("--lora-rank 100000", "width 1536")),
     # int() and float() read other scripts' digits: a number typed in them is refused, not taken
     "steps-fullwidth-digit": override("trainer.steps=\uff16", names=("trainer.steps", "digits other than 0-9")),
     "seed-arabic-indic-digit": override("trainer.seed=\u0663", names=("trainer.seed", "digits other than 0-9")),
@@ -194,6 +205,11 @@ CASES: dict[str, Case] = {
     "task-data-no-usable-rows": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
                                       "task.path={tmp}/rows.jsonl", "task.eval_size=1"), ("rows.jsonl", "no usable training rows"),
                                      {"rows.jsonl": b'{"text": "no question here"}\n' * 4}),
+    # JSON keeps the last of a field given twice, silently
+    "task-data-field-twice": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
+                                   "task.path={tmp}/rows.jsonl"), ("rows.jsonl:2: field 'answer' given twice",),
+                                  {"rows.jsonl": b'{"question": "1+1?", "answer": "#### 2"}\n'
+                                                 b'{"question": "2+2?", "answer": "#### 4", "answer": "#### 5"}\n'}),
     "reward-timeout-zero": override("task.reward_timeout_s=0"),
     "hf-without-name": override("model.source=hf", names=("command line: override 'model.source=hf'", "model.name")),
     "gguf-file-missing": override("model.source=gguf", "model.gguf_file={tmp}/none.gguf"),
@@ -220,7 +236,7 @@ CASES: dict[str, Case] = {
     "recipe-a-list": recipe("- 1\n- 2\n", "mapping"),
     "recipe-bad-yaml": recipe("description: [unclosed\n", "not valid YAML", "line 2"),
     "recipe-empty-section": recipe(BASE + "trainer:\n", "key 'trainer'", "empty section"),
-    "recipe-defaults-explode": Case(("run", "--recipe", "{tmp}/d0.yaml"), ("d0.yaml", "key 'defaults'", "more than 256"),
+    "recipe-defaults-explode": Case(("run", "--recipe", "{tmp}/d0.yaml"), ("d0.yaml", "key 'defaults'", "more than 64"),
                                     {f"d{i}.yaml": f"defaults: [{'tiny' if i == 9 else f'd{i + 1}.yaml'}, "
                                                    f"{'tiny' if i == 9 else f'd{i + 1}.yaml'}]\n".encode()
                                      for i in range(10)}),

@@ -409,3 +409,16 @@ def test_a_task_file_s_declared_image_column_is_never_opened(tmp_path: Path, nes
     chained.write_bytes((tmp_path / "rows.parquet").read_bytes())
     with pytest.raises(TclightningError, match="holds '::'"):
         read_rows(chained)
+
+
+def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
+    """``"answer": 42`` (a JSON number, as many exports write it) was skipped as a row without an answer."""
+    from tclightning.tasks import TaskConfig, build_task
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": 2 * i} for i in range(6)]
+    rows.append({"question": "Is it?", "answer": True})  # a boolean is no answer
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = build_task(TaskConfig(name="gsm8k", path=str(tmp_path / "rows.jsonl"), eval_size=1))
+    examples = [*task.train_examples(), *task.eval_examples()]
+    assert sorted(int(example.answer) for example in examples) == [0, 2, 4, 6, 8, 10]
+    assert task.reward("The answer is 10.", next(e for e in examples if e.answer == "10")) == 1.0

@@ -166,6 +166,13 @@ def run_traffic(args: argparse.Namespace) -> int:
     links = parse_links(args.link)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     config = read_model_config(args.model_config or recipe.model.name or "")
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and args.tokens_per_row > positions:
+        raise TclightningError(f"bench traffic: --tokens-per-row {args.tokens_per_row} is past the model's "
+                               f"{positions} positions (max_position_embeddings)")
+    if args.lora_rank > config["hidden_size"]:
+        raise TclightningError(f"bench traffic: --lora-rank {args.lora_rank} is past the model's width "
+                               f"{config['hidden_size']} (a LoRA rank is at most the smaller side of a weight)")
     assumptions = TrafficAssumptions(args.tokens_per_row, args.activation_dtype, args.sampler_dtype,
                                      args.sync_density, args.distinct_ids, args.lora_rank)
     rows = step_traffic(recipe, config, assumptions)

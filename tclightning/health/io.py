@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -104,9 +105,7 @@ def _read_metrics_csv(path: Path, names: dict[str, str], numbers: frozenset[str]
             if not raw_step:
                 continue
             try:
-                if not raw_step.isascii():  # float() reads other scripts' digits: "\uff11" would be step 1
-                    raise ValueError(raw_step)
-                number = float(raw_step)
+                number = _number(raw_step)
                 step = int(number)
             except (ValueError, OverflowError) as err:  # "abc", "inf", "nan"
                 raise TclightningError(f"{path}:{line_no}: step {raw_step!r} is not a number") from err
@@ -118,15 +117,24 @@ def _read_metrics_csv(path: Path, names: dict[str, str], numbers: frozenset[str]
                     continue
                 name = names.get(column, column)
                 try:
-                    if not cell.isascii():
-                        raise ValueError(cell)
-                    value = float(cell)
+                    value = _number(cell)
                 except ValueError:
                     if name in numbers:  # a metric a rule reads: dropping it would leave a verdict without it
                         raise TclightningError(f"{path}:{line_no}: {column} {cell.strip()[:40]!r} is not a number") from None
                     continue
                 row[name] = value
     return [(step, merged[step]) for step in sorted(merged)]
+
+
+_NUMERAL = re.compile(r"\s*[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?|inf|infinity|nan)\s*", re.ASCII | re.IGNORECASE)
+
+
+def _number(cell: str) -> float:
+    """A cell as a float, written as a CSV writer writes one; ``float()`` also reads other scripts'
+    digits ("\uff11" is 1) and underscores ("1_0" is 10), which no metrics file holds."""
+    if not _NUMERAL.fullmatch(cell):
+        raise ValueError(cell)
+    return float(cell)
 
 
 EVENT_PREFIX = "events.out.tfevents."

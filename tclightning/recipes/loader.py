@@ -387,12 +387,16 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         raise _explain(err, base, source, override) from None
 
 
-MAX_INCLUDES = 256
-"""Recipe files one composition may read, repeats counted: a few levels of ``defaults`` that each
-name the next twice already mean 2^levels reads."""
+MAX_INCLUDES = 64
+"""Recipe files one composition may read, repeats counted (a shipped recipe reads at most 4): a
+few levels of ``defaults`` that each name the next twice already mean 2^levels reads."""
 
 
-def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...], reads: list[int] | None = None) -> DictConfig:
+def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...], reads: list[int] | None = None,
+             found: dict[tuple[str, Path], Path] | None = None) -> DictConfig:
+    """``path`` merged onto ``base`` after its defaults; ``reads`` counts the files read and
+    ``found`` holds each include already looked up, across one recipe's whole tree."""
+    found = found if found is not None else {}
     if path in chain:
         cycle = " -> ".join(p.name for p in (*chain, path))
         raise RecipeError(f"recipes include each other: {cycle}", file=str(path), key="defaults")
@@ -412,11 +416,12 @@ def _compose(path: Path, base: DictConfig, chain: tuple[Path, ...], reads: list[
     if not isinstance(includes, list):
         raise RecipeError("expected a list of recipe names or paths", file=str(path), key="defaults")
     for ref in includes:
-        try:
-            included = find_recipe(str(ref), relative_to=path.parent)
-        except RecipeError as err:
-            raise RecipeError(str(err), file=str(path), key="defaults") from None
-        base = _compose(included, base, (*chain, path), reads)
+        if (str(ref), path.parent) not in found:  # a name is looked up among every recipe: once a tree
+            try:
+                found[str(ref), path.parent] = find_recipe(str(ref), relative_to=path.parent)
+            except RecipeError as err:
+                raise RecipeError(str(err), file=str(path), key="defaults") from None
+        base = _compose(found[str(ref), path.parent], base, (*chain, path), reads, found)
     # Sections merge; `name`/`description` belong to the file itself, not its includes.
     own = {k: v for k, v in data.items() if k != "defaults"}
     own.setdefault("name", path.stem)

@@ -9,6 +9,7 @@ parquet file is the code an online user runs on ``openai/gsm8k``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from abc import abstractmethod
@@ -85,6 +86,20 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return load_with_datasets(builder, split="train", data_files=str(path))
 
 
+class _FieldTwice(ValueError):
+    pass
+
+
+def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's fields; one given twice (JSON keeps the last, silently) is refused."""
+    row = dict(pairs)
+    if len(row) < len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
+        raise _FieldTwice(f"field {twice!r} given twice")
+    return row
+
+
 def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a ``.jsonl`` file: UTF-8 text, one JSON object a line; one line naming the line
     of anything else."""
@@ -106,12 +121,14 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_fields_once)
                 json.dumps(row, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate is no text
             except json.JSONDecodeError as exc:
                 raise TclightningError(f"{path}:{line_no}: not valid JSON ({exc})") from None
             except RecursionError:
                 raise TclightningError(f"{path}:{line_no}: nested too deeply to be a row") from None
+            except _FieldTwice as exc:
+                raise TclightningError(f"{path}:{line_no}: {exc}; which one is meant is a guess") from None
             except UnicodeEncodeError:
                 raise TclightningError(f"{path}:{line_no}: holds a lone surrogate (\\ud800-\\udfff), "
                                        "which is not text") from None
@@ -301,9 +318,12 @@ class DatasetTask(Task):
 
 
 def first_field(row: Row, *keys: str) -> str | None:
-    """The first of ``keys`` that holds a non-empty string in ``row``."""
+    """The first of ``keys`` that holds a non-empty string in ``row``, or a number (a JSON
+    ``"answer": 42`` is the text ``"42"``; a boolean is neither)."""
     for key in keys:
         value = row.get(key)
         if isinstance(value, str) and value.strip():
             return value
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return str(value)
     return None
