@@ -310,15 +310,19 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         (staging / STAGING_MARKER).unlink()  # a whole export from here on
         if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
-            # in place and the old one under the staging name, removed by the next export
+            # in place and the old one under the staging name, marked for the next export to remove
+            replaced = target / REPLACED_MARKER
+            replaced.write_text(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
             except OSError as err:
+                with contextlib.suppress(OSError):
+                    replaced.unlink()
                 if refused_by_storage(err):
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            remove_export(staging, export_files(staging))  # the old export: its own files only
+            remove_export(staging, export_files(staging) | {REPLACED_MARKER})  # the old export: its own files only
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -340,6 +344,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
 STAGING_MARKER = ".tclightning-export-staging"
 """The file in an export's staging folder while it is written (holding the writer's pid)."""
 
+REPLACED_MARKER = ".tclightning-export-replaced"
+"""The file an ``--overwrite`` puts in the old export just before swapping it out (holding the
+writer's pid): under the staging name, it is the old export, for the next export to remove."""
+
 
 def _staging_prefix(target: Path, pid: int) -> str:
     return f".{target.name}.export-{pid}-"
@@ -348,8 +356,9 @@ def _staging_prefix(target: Path, pid: int) -> str:
 def clear_abandoned_staging(target: Path) -> None:
     """Remove the staging folders beside ``target`` that an export killed part-way left behind:
     named after a process that is no longer running, and holding :data:`STAGING_MARKER` (a new
-    export being written) or :data:`PROVENANCE_FILE` (the old export swapped out), or empty (killed
-    before its marker): a folder of yours that is only named like one and holds anything stays."""
+    export being written) or :data:`REPLACED_MARKER` (the old export swapped out), or empty (killed
+    before its marker): a folder of yours that is only named like one (an export too) and holds
+    anything stays."""
     parent = target.parent
     if not parent.is_dir():
         return
@@ -358,8 +367,10 @@ def clear_abandoned_staging(target: Path) -> None:
         pid = folder.name[len(marker):].split("-", 1)[0]
         if not (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))):
             continue
-        if any((folder / name).is_file() for name in (STAGING_MARKER, PROVENANCE_FILE)):
-            remove_export(folder, None if (folder / STAGING_MARKER).is_file() else export_files(folder))
+        if (folder / STAGING_MARKER).is_file():
+            remove_export(folder)
+        elif (folder / REPLACED_MARKER).is_file():
+            remove_export(folder, export_files(folder) | {REPLACED_MARKER})
         elif not any(folder.iterdir()):  # killed between making it and marking it: empty, nothing to lose
             folder.rmdir()
 

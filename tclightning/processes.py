@@ -44,7 +44,8 @@ def keep_children_off_the_working_folder() -> None:
 
 LAUNCHER_PID_ENV = "TCLIGHTNING_LAUNCHER_PID"
 """Set for the ranks a run starts itself (``trainer.devices`` > 1): the pid of the process that
-started them, which they must not outlive (:func:`follow_launcher`)."""
+started them, which they must not outlive (:func:`follow_launcher`); ``parent``: whichever process
+started this one (a launcher in between, as torchrun is, whose pid is not known beforehand)."""
 
 _PR_SET_PDEATHSIG = 1
 
@@ -67,5 +68,9 @@ def follow_launcher() -> None:
     """For a rank a tclightning run started: die with that run's process (:func:`die_with_parent`).
     The variable is taken out of the environment, so this process's own children do not read it."""
     parent = os.environ.pop(LAUNCHER_PID_ENV, "")
+    if parent == "parent":
+        parent = str(os.getppid())
+        if parent == "1":  # it has ended already
+            os._exit(1)
     if parent.isdigit():
         die_with_parent(int(parent))

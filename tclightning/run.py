@@ -519,7 +519,10 @@ def require_pipeline_strategy_for_its_keys(recipe: RecipeConfig) -> None:
             "pipeline section out")
 
 
-def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]) -> Any:
+def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any], logs: bool = True) -> Any:
+    """The Lightning trainer of a run; ``logs``: whether this process logs into the run directory
+    (rank 0; a rank a launcher started into it knows its rank only once the trainer is set up, and
+    a logger made there before that would write as rank 0)."""
     import lightning as L
 
     from tclightning.callbacks.checkpointing import GracefulStop, StepCheckpoint
@@ -530,13 +533,14 @@ def build_trainer(recipe: RecipeConfig, plan: RunPlan, user_callbacks: list[Any]
 
     t = recipe.trainer
     loggers: list[Any] = []
-    own = own_loggers(recipe.logging.loggers)
+    own = own_loggers(recipe.logging.loggers) if logs else ()
     if "tensorboard" in own:
         loggers.append(build_tensorboard(plan.run_dir, plan.resume_step))
     if "csv" in own:
         loggers.append(ResumableCSVLogger(plan.run_dir, plan.resume_step))
-    loggers += build_loggers(recipe.logging.loggers, plan.run_dir, recipe.logging.name or recipe.name,
-                             source=f"recipe '{recipe.name}'")
+    if logs:
+        loggers += build_loggers(recipe.logging.loggers, plan.run_dir, recipe.logging.name or recipe.name,
+                                 source=f"recipe '{recipe.name}'")
     # a Lightning logger handed in with the callbacks (run(extra_callbacks=[WandbLogger()])) logs
     loggers += [cb for cb in user_callbacks if isinstance(cb, Logger)]
     user_callbacks = [cb for cb in user_callbacks if not isinstance(cb, Logger)]
@@ -668,7 +672,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         checkpoint_changes(plan.ckpt_path, cfg, plan.resume_step)
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     named_by_env = multiprocess and bool(os.environ.get(RUN_DIR_ENV))  # a rank Lightning or the user launched
-    follower = named_by_env and launch_rank(recipe) != 0  # rank 0 owns the run directory; the others write into it
+    follower = named_by_env and launch_rank(recipe) != 0  # rank 0 owns the run directory; the others only run
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
         require_pipeline_strategy_for_its_keys(recipe)  # after: a changed key is named as the resume's change
@@ -713,8 +717,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         raise RunInterrupted(f"{what}; nothing was written") from None
     # only a directory this run made is ever removed (a named one its peers may have made first)
     created = plan.new_dir and not follower and not (named_by_env and plan.run_dir.exists())
-    try:
-        run_dir = mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env)
+    try:  # rank 0 makes and records the run directory; the other ranks write nothing there
+        run_dir = plan.run_dir if follower else mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env)
     except OSError as err:
         if not refused_by_storage(err):
             raise
@@ -734,12 +738,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             print(f"note: {notice}", file=sys.stderr, flush=True)
         if not follower:
             print(f"run directory: {plan.run_dir}", flush=True)
-        before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
-        record = plan.run_dir / "recipe.yaml"
-        if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
-            replace_text(kept_record, record.read_text())
-        replace_text(record, to_yaml(cfg))
-        trainer = build_trainer(recipe, plan, user_callbacks)
+        if not follower:
+            before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
+            record = plan.run_dir / "recipe.yaml"
+            if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
+                replace_text(kept_record, record.read_text())
+            replace_text(record, to_yaml(cfg))
+        trainer = build_trainer(recipe, plan, user_callbacks, logs=not follower)
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
             os.environ[RUN_DIR_ENV] = str(plan.run_dir)

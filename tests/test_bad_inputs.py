@@ -56,6 +56,8 @@ CASES: dict[str, Case] = {
     "lr-negative": override("grpo.lr=-1"),
     "lr-nan": override("grpo.lr=nan"),
     "temperature-zero": override("sampler.temperature=0"),
+    "temperature-denormal": override("sampler.temperature=1e-45"),  # sampling failed inside generate
+    "warmup-lr-past-float32": override("model.warmup.lr=1e39"),  # the warm-up's first AdamW step failed
     "num-threads-negative": override("trainer.num_threads=-1"),
     "devices-zero": override("trainer.devices=0"),
     "heads-do-not-divide": override("model.tiny.num_heads=3"),
@@ -111,6 +113,8 @@ CASES: dict[str, Case] = {
     # past what a float32 parameter holds (the optimizer's first step overflowed); a codec budget
     # that buys no coefficient; a two-node link the shaper cannot make, no time, no process
     "lr-past-float32": override("grpo.lr=1e39", names=("grpo.lr=1e39",)),
+    "pipeline-timeout-past-the-clock": override("trainer.strategy=pipeline", "pipeline.stages=2", "trainer.devices=2",
+                                                "pipeline.timeout_s=1e15", names=("pipeline.timeout_s=1e15",)),
     # autocast cannot take float16 weights (a traceback in the first step)
     "float16-weights-with-mixed-precision": override("model.dtype=float16", "trainer.precision=bf16-mixed",
                                                      names=("trainer.precision=bf16-mixed", "cannot be autocast")),

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
-from tclightning.export import PROVENANCE_FILE, STAGING_MARKER, export_policy, find_checkpoint
+from tclightning.export import PROVENANCE_FILE, REPLACED_MARKER, STAGING_MARKER, export_policy, find_checkpoint
 from tclightning.files import exchange
 from tclightning.grpo.module import GRPOModule
 from tclightning.models.loading import load_model
@@ -276,16 +276,27 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     (abandoned / STAGING_MARKER).write_text("999999999\n")
     killed_before_its_marker = tmp_path / ".policy.export-999999998-def"  # empty: nothing to lose
     killed_before_its_marker.mkdir()
-    # folders of yours only named like one (no staging marker, no provenance): never removed
+    # the old export an --overwrite killed right after its swap left under the staging name
+    swapped_out = tmp_path / ".policy.export-999999997-ghi"
+    export_policy(run_dir, swapped_out, step=1)
+    (swapped_out / REPLACED_MARKER).write_text("999999997\n")
+    # folders of yours only named like one (no staging marker, no replaced marker): never removed,
+    # an export of yours so named neither (a plain export to `policy` deleted it)
     mine = [tmp_path / ".policy.export-2024-notes", tmp_path / ".policy.export-99999999999999999999-x"]
     for folder in mine:
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
+    an_export_of_yours = tmp_path / ".policy.export-4000000-v1"
+    export_policy(run_dir, an_export_of_yours, step=1)
+    kept = sorted(p.name for p in an_export_of_yours.iterdir())
     export_policy(run_dir, out, step=2, overwrite=True)
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
     assert not abandoned.exists() and not killed_before_its_marker.exists() and not (out / STAGING_MARKER).exists()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")) == sorted(f.name for f in mine)
+    assert not swapped_out.exists() and not (out / REPLACED_MARKER).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")) == sorted(
+        [*(f.name for f in mine), an_export_of_yours.name])
     assert all((folder / "notes.txt").read_text() == "mine" for folder in mine)
+    assert sorted(p.name for p in an_export_of_yours.iterdir()) == kept
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, text in ((a, "new"), (b, "old")):
         folder.mkdir()

@@ -82,6 +82,32 @@ def test_tensorboard_event_files(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["first_warning_step"] == 0
 
 
+def test_a_damaged_event_file_is_refused_and_a_tail_cut_short_is_read(tmp_path, capsys):
+    """TensorBoard's reader stops at a damaged record without a word: one flipped byte made the
+    replay judge the first 2 of 60 steps and call the run healthy (its collapse at step 40 unseen)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from tclightning.cli.main import main
+
+    writer = SummaryWriter(str(tmp_path / "w"))
+    for step in range(60):
+        writer.add_scalar("reward/mean", 0.5 if step < 40 else float("nan"), step)
+    writer.close()
+    (events,) = (tmp_path / "w").iterdir()
+    data = bytearray(events.read_bytes())
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / events.name).write_bytes(data[:-7])  # a live run's last record
+    data[300] ^= 0xFF
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / events.name).write_bytes(data)
+    capsys.readouterr()
+    assert main(["analyze", "health", str(tmp_path / "damaged")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "a checksum does not match" in lines[0], lines
+    rows = read_run(tmp_path / "cut")
+    assert [step for step, _ in rows] == list(range(59))
+
+
 def test_main_dispatch_turns_user_errors_into_exit_2(tmp_path, capsys):
     from tclightning.cli.main import main
 

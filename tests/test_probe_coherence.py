@@ -149,3 +149,21 @@ def test_cli_bad_option_exits_2_with_one_line(argv: list[str], needle: str, tmp_
     assert main(["probe", "coherence", "--recipe", "shallow-compressed", "--out", str(tmp_path), *argv, *FAST]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error:") and needle in err
+
+
+def test_an_interrupted_warm_up_is_one_line_and_exit_130(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C or SIGTERM in the supervised warm-up: its WarmupInterrupted was a traceback (exit 1)."""
+    from tclightning.grpo.module import GRPOModule
+    from tclightning.models.warmup import WarmupInterrupted
+
+    def interrupted(self: GRPOModule, stage: str) -> None:
+        raise WarmupInterrupted("interrupted during the supervised warm-up (step 26 of at most 3000)")
+
+    monkeypatch.setattr(GRPOModule, "setup", interrupted)
+    capsys.readouterr()
+    assert main(["probe", "coherence", "--recipe", "tiny", "--lags", "0", "1", "--out", str(tmp_path / "out"),
+                 *FAST]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["interrupted during the supervised warm-up (step 26 of at most 3000); nothing was written"]
+    assert not (tmp_path / "out").exists()

@@ -162,3 +162,55 @@ def test_a_signal_to_bench_link_in_a_namespace_leaves_no_process(tmp_path: Path)
     assert bench.returncode == 130 and _gone_within(below, 10), (bench.returncode, _alive(below))
     listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     assert f"tcl-link-{bench.pid}" not in listed
+
+
+@pytest.mark.parametrize("signum, rank", [(signal.SIGINT, 0), (signal.SIGINT, 1), (signal.SIGTERM, 0)],
+                         ids=["ctrl-c-to-rank-0", "ctrl-c-to-rank-1", "sigterm-to-rank-0"])
+def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_path: Path, signum: int,
+                                                                          rank: int) -> None:
+    """``kill -INT`` or ``kill -TERM`` of one rank (a terminal's Ctrl-C reaches every rank): the
+    others waited in the next step for one that had stopped, until pipeline.timeout_s (and
+    Lightning's SIGTERM handler broadcast from inside the handler, a collective no other rank was in)."""
+    with _start(tmp_path, "trainer.steps=2000", "trainer.checkpoint_every=1000", "pipeline.timeout_s=600") as run:
+        ranks = _wait_for_rank_1(run)
+        metrics = tmp_path / "runs" / "tiny"
+        deadline = time.monotonic() + 180
+        while not any(metrics.glob("*/metrics.csv")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rank_1 = next(pid for pid in ranks if b"tclightning" in _cmdline(pid))
+        os.kill(run.pid if rank == 0 else rank_1, signum)
+        started = time.monotonic()
+        _, err = run.communicate(timeout=300)
+    assert time.monotonic() - started < 120 and _gone_within(ranks, 10), err[-3000:]
+    assert run.returncode == (0 if signum == signal.SIGINT else 130), (run.returncode, err[-3000:])
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_signal_to_bench_step_link_leaves_no_node_behind(tmp_path: Path, signum: int) -> None:
+    """torchrun starts each node's worker in a session of its own: a signal to the benchmark left
+    both training on under init (and its temporary folder, after a SIGTERM)."""
+    from tclightning.bench.link import netns_problem
+
+    problem = netns_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}
+    command = [sys.executable, "-m", "tclightning", "bench", "step-link", "--recipe", "tiny", "--compressed-recipe",
+               "fast-only-lowrank", "--stages", "2", "--bandwidth", "100", "--steps", "2", "--timeout", "120"]
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as bench:
+        deadline = time.monotonic() + 180
+        workers: set[int] = set()
+        while len(workers) < 2 and time.monotonic() < deadline and bench.poll() is None:
+            below = _descendants(bench.pid)
+            workers = {pid for pid in below if b"-u\x00-m\x00tclightning\x00run" in _cmdline(pid)}  # not torchrun
+            time.sleep(0.2)
+        assert len(workers) == 2, "the nodes never started"
+        below = _descendants(bench.pid)
+        bench.send_signal(signum)
+        bench.communicate(timeout=60)
+    assert _gone_within(below, 15), _alive(below)
+    if signum == signal.SIGTERM:
+        assert bench.returncode == 130 and not list(tmp_path.glob("tcl-step-link-*"))

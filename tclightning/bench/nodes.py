@@ -23,6 +23,7 @@ nodes; ``tclightning bench step-link`` (:mod:`tclightning.bench.step_link`) one 
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
@@ -36,7 +37,7 @@ from typing import Any
 from tclightning.bench.link import netns_problem
 from tclightning.errors import TclightningError
 from tclightning.files import own_file
-from tclightning.processes import child_environment
+from tclightning.processes import LAUNCHER_PID_ENV, child_environment, die_with_parent
 
 SUBNET = "10.77.0"
 MASTER_PORT = 29500
@@ -86,6 +87,22 @@ def _tail(log: Path, size: int = 4000) -> str:
         return handle.read(size).decode(errors="replace")
 
 
+def _remove_orphaned_links() -> None:
+    """Delete the namespaces and bridges of launches whose process no longer runs (killed with -9,
+    which leaves no time to delete them): ``tcl-node<i>-<pid>``, ``tclb-<pid>``."""
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        owner = name.rpartition("-")[2]
+        if name.startswith("tcl-node") and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], check=False, capture_output=True, text=True)
+    for line in links.stdout.splitlines():
+        name = line.split(":")[1].strip() if line.count(":") >= 2 else ""
+        owner = name.removeprefix("tclb-")
+        if name.startswith("tclb-") and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            subprocess.run(["ip", "link", "del", name], check=False, capture_output=True)
+
+
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -126,6 +143,7 @@ def run_nodes(
     veths = [f"tclv{i}-{tag}"[:15] for i in range(nodes)]  # each node's end
     ports = [f"tclp{i}-{tag}"[:15] for i in range(nodes)]  # the switch's end
     bridge = f"tclb-{tag}"[:15]
+    _remove_orphaned_links()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: list[subprocess.Popen[bytes]] = []
     logs = [Path(cwd) / f"node{i}.log" for i in range(nodes)]
@@ -151,11 +169,13 @@ def run_nodes(
         started = time.perf_counter()
         for node, (space, veth) in enumerate(zip(spaces, veths)):
             node_env = {**child_environment(env), "TCLIGHTNING_RUN_DIR": str(run_dir), "GLOO_SOCKET_IFNAME": veth,
-                        "OMP_NUM_THREADS": "1"}
+                        "OMP_NUM_THREADS": "1",
+                        LAUNCHER_PID_ENV: "parent"}  # torchrun starts its workers in sessions of their own
             echo(f"node {node} ({space}): {shlex.join(commands[node])}")
             with own_file(logs[node], "wb") as log:  # a file, not a pipe: a chatty node never blocks
                 procs.append(subprocess.Popen(["ip", "netns", "exec", space, *commands[node]], cwd=cwd, env=node_env,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                              preexec_fn=functools.partial(die_with_parent, os.getpid())))
         deadline = started + timeout_s
         for proc in procs:
             try:

@@ -24,6 +24,7 @@ run's own ``wire/*`` counters, and dense ÷ this configuration's step time at th
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -107,15 +108,30 @@ def run_step_link_bench(
     Each run is a fresh ``tclightning run`` in ``workdir`` (a temporary folder by default); a run
     that fails raises ``TclightningError`` naming its nodes' logs."""
     from tclightning.bench.link import netns_problem
-    from tclightning.bench.nodes import run_nodes
-    from tclightning.errors import TclightningError
-    from tclightning.grpo.summary import read_metrics
 
     check_options(stages=stages, bandwidths=bandwidths, configs=configs, steps=steps)
     problem = netns_problem()
     if problem is not None:
         raise RuntimeError(f"bench step-link needs tc-shaped network namespaces: {problem}")
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="tcl-step-link-"))
+    try:
+        rows, load = _measure(root, dense_recipe, compressed_recipe, stages, bandwidths, configs, steps, overrides,
+                              timeout_s, env, echo)
+    except KeyboardInterrupt:  # a Ctrl-C or SIGTERM: nothing measured is kept, nor the folder made for it
+        if workdir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
+    return {"dense_recipe": dense_recipe, "compressed_recipe": compressed_recipe, "steps": steps,
+            "overrides": list(overrides), "rows": rows, "load_average": load, "workdir": str(root)}
+
+
+def _measure(root: Path, dense_recipe: str, compressed_recipe: str, stages: Sequence[int], bandwidths: Sequence[float],
+             configs: Sequence[str], steps: int, overrides: Sequence[str], timeout_s: float,
+             env: dict[str, str] | None, echo: Callable[[str], Any]) -> tuple[list[dict[str, Any]], list[float]]:
+    from tclightning.bench.nodes import run_nodes
+    from tclightning.errors import TclightningError
+    from tclightning.grpo.summary import read_metrics
+
     load = [os.getloadavg()[0]]
     rows = []
     for count in stages:
@@ -145,8 +161,7 @@ def run_step_link_bench(
                       and r["mbit"] == row["mbit"]), None)
         row["dense_over_this"] = dense / row["step_s"] if dense else None
     load.append(os.getloadavg()[0])
-    return {"dense_recipe": dense_recipe, "compressed_recipe": compressed_recipe, "steps": steps,
-            "overrides": list(overrides), "rows": rows, "load_average": load, "workdir": str(root)}
+    return rows, load
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -558,7 +558,8 @@ class SigtermBeforeTraining(L.Callback):
 
 class GracefulStop(L.Callback):
     """First Ctrl-C: finish the current RL step, then stop (``StepCheckpoint`` saves on the way
-    out). A second Ctrl-C interrupts at once.
+    out). A second Ctrl-C interrupts at once. Across processes a Ctrl-C or SIGTERM one rank alone
+    took stops every rank after the same step (agreed at the end of each step).
 
     The stop ends the run as SIGTERM does: the validation the schedule (``trainer.val_every``)
     has at that step runs, and no other. Lightning validates on any ``trainer.should_stop``
@@ -568,6 +569,7 @@ class GracefulStop(L.Callback):
 
     def __init__(self) -> None:
         self.requested = False
+        self.sigterm = False  # across processes: a SIGTERM this rank took, not yet agreed
         self._previous: Any = None
         self._limit_val_batches: Any = None  # restored at the end of training when the stop changed it
 
@@ -586,7 +588,22 @@ class GracefulStop(L.Callback):
         except ValueError:  # not the main thread: leave signals alone
             self._previous = None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1:  # before Lightning registers its handlers (after on_fit_start)
+            # Its SIGTERM notifier broadcasts from inside the handler, a collective the other ranks
+            # are not in at that moment: a pipeline's ranks then wait on each other until the
+            # timeout. Noted here instead, and agreed at the end of the step.
+            trainer._signal_connector._sigterm_notifier_fn = self._note_sigterm
+
+    def _note_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm = True
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.world_size > 1:  # a Ctrl-C or SIGTERM one rank alone took: all stop after this same step
+            agreed = trainer.strategy.reduce(torch.tensor([float(self.requested), float(self.sigterm)]), reduce_op="max")
+            self.requested, self.sigterm = bool(agreed[0]), bool(agreed[1])
+            if self.sigterm:  # Lightning stops every rank at the end of this step, checkpoint first
+                trainer._signal_connector.received_sigterm = True
         if not self.requested or trainer.should_stop:
             return
         # Lightning's own decision, asked before the stop is set (it then reads `should_stop` as

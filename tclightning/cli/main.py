@@ -62,8 +62,8 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         # words itself: the machine's state, one line; writes that matter replace files whole
         print(f"error: the storage refused a write ({storage_reason(err)})", file=sys.stderr)
         return StorageError.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # a handler may say what the interrupt stopped
+        print(shown(str(err)) or "interrupted", file=sys.stderr)
         return 130
 
 

@@ -49,9 +49,13 @@ def register_coherence(tools: argparse._SubParsersAction) -> None:
 def warm_start(module: Any) -> None:
     """The recipe's supervised warm-up exactly as a run's ``setup('fit')`` does it (so the cache
     entry a run wrote is reused), without a Trainer."""
+    from tclightning.models.warmup import WarmupInterrupted
+
     module.trainer = SimpleNamespace(ckpt_path=None, progress_bar_callback=None)
     try:
         module.setup("fit")
+    except WarmupInterrupted as err:  # Ctrl-C or SIGTERM: one line and exit 130, as for a run
+        raise KeyboardInterrupt(f"{err}; nothing was written") from None
     finally:
         module.trainer = None
 

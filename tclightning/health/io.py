@@ -141,6 +141,27 @@ EVENT_PREFIX = "events.out.tfevents."
 """How a TensorBoard event file's name starts."""
 
 
+def _require_intact(file: Path) -> None:
+    """Refuse an event file with a damaged record: TensorBoard's reader stops at it without a word,
+    and the replay would judge the steps before it alone. A last record cut short is one still being
+    written (a live run), and the steps before it are read."""
+    from tensorboard.compat.tensorflow_stub import errors, pywrap_tensorflow
+
+    reader = pywrap_tensorflow.PyRecordReader_New(str(file).encode(), 0, b"", None)
+    records = 0
+    try:
+        while True:
+            reader.GetNext()
+            records += 1
+    except errors.OutOfRangeError:
+        return
+    except errors.DataLossError as err:
+        if "truncated record" in str(err):
+            return
+        raise TclightningError(f"{file}: damaged after its first {records} records (a checksum does not match): the "
+                               "steps after them cannot be read; give analyze health the run's metrics.csv") from None
+
+
 def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
     """Scalars from every TensorBoard event file under ``path``, merged by step."""
     from tensorboard.backend.event_processing import event_accumulator
@@ -157,6 +178,7 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
     names = dict(names or {})
     merged: dict[int, dict[str, float]] = {}
     for file in files:
+        _require_intact(file)
         acc = event_accumulator.EventAccumulator(str(file), size_guidance={event_accumulator.SCALARS: 0})
         try:
             acc.Reload()

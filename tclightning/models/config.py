@@ -70,7 +70,7 @@ class WarmupConfig:
 
     steps: int = setting(0, integer(0, MAX_STEPS), "most steps; 0 disables the warm-up")
     batch_size: int = setting(64, positive(1 << 16), "demonstrations per warm-up step")
-    lr: float = setting(3.0e-3, number(0.0, low_open=True),
+    lr: float = setting(3.0e-3, number(0.0, 1.0e3, low_open=True),
                         "after a 20-step ramp, constant (the stopping point is not known ahead)")
     target_accuracy: float = setting(
         0.0, share(),

@@ -157,9 +157,9 @@ class PipelineConfig:
         "gpipe", one_of(SCHEDULES),
         "multi-process mode: ``gpipe`` (all forwards, then all backwards) | ``1f1b``")
     timeout_s: float = setting(
-        300.0, number(0.0, low_open=True),
+        300.0, number(0.0, 10**7, low_open=True),
         "multi-process mode: seconds a rank waits for a peer before stopping with an error naming it (the process "
-        "group's timeout)")
+        "group's timeout; at most 10^7, about 116 days)")
     replicas: int = setting(
         1, positive(1024),
         "multi-process mode: copies of each stage (data parallel over replicas of the pipeline). ``trainer.devices x "

@@ -50,7 +50,8 @@ class SamplerConfig:
 
     backend: str = setting("hf", one_of(BACKENDS), "hf (transformers generate; CPU or GPU) | vllm (GPU, optional extra)")
     group_size: int = setting(8, integer(2), "G completions per prompt (GRPO compares them: at least 2)")
-    temperature: float = setting(1.0, number(0.0, low_open=True), "sampling temperature")
+    temperature: float = setting(1.0, number(1e-3), "sampling temperature (at least 0.001: far below it the "
+                                 "logits divided by it overflow and sampling fails; 0.001 is already greedy)")
     top_p: float = setting(1.0, number(0.0, 1.0, low_open=True), "nucleus sampling: the smallest set of tokens of this mass")
     max_new_tokens: int = setting(64, positive(MAX_TOKENS), "most tokens a completion may have")
     batch_size: int = setting(64, positive(1 << 16), "sequences per generate call (memory knob, not a semantics knob)")
