@@ -766,11 +766,15 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except (WarmupInterrupted, KeyboardInterrupt) as err:
         gone = discard_unfinished_run(plan.run_dir, created)
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
+        if follower:  # rank 0 says what became of the run directory
+            raise RunInterrupted(what) from None
         raise RunInterrupted(f"{what}; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone
                                             else f"{plan.run_dir} is kept")) from None
     except SystemExit:
         if trainer is None or not trainer.interrupted:
             raise
+        if follower:  # rank 0 says what became of the run directory, once its checkpoint is in
+            raise RunInterrupted("interrupted") from None
         # Lightning turns a Ctrl-C it did not see coming (before the first step, or a second one
         # during a step) into exit 1 after its own graceful shutdown: say so, and exit 130
         gone = discard_unfinished_run(plan.run_dir, created)

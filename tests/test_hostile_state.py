@@ -903,3 +903,23 @@ def test_analyze_health_refuses_more_tensorboard_events_than_it_reads(tmp_path: 
     assert main(["analyze", "health", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MiB of TensorBoard events" in err[0] and "metrics.csv" in err[0], err
+
+
+def test_a_rank_other_than_0_writes_nothing_into_the_run_dir_it_is_named(run_dir: Path, tmp_path: Path) -> None:
+    """A second node's rank (NODE_RANK=1) named into an earlier run rewrote its recipe.yaml, and one
+    named into a new folder left it behind (marker and recipe) when its rank 0 never came."""
+    from tclightning.run import RUN_DIR_ENV
+    from tests.test_interrupts import _free_port
+
+    earlier = tmp_path / "earlier"
+    shutil.copytree(run_dir, earlier)
+    before = _snapshot(earlier)
+    repo = Path(__file__).resolve().parents[1]
+    for named in (earlier, tmp_path / "new"):
+        env = {**os.environ, "PYTHONPATH": str(repo), "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(_free_port()), RUN_DIR_ENV: str(named)}
+        done = subprocess.run([sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "trainer.steps=2",
+                               "trainer.seed=9", "trainer.num_nodes=2", "trainer.strategy=pipeline", "pipeline.stages=2",
+                               "pipeline.timeout_s=3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "did not all meet" in done.stderr, done.stderr[-3000:]
+    assert _snapshot(earlier) == before and not (tmp_path / "new").exists()
