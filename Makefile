@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/tclightning run --recipe fast-only-lowrank
 
+# two workers, each test file on one of them (its module fixtures are built once): the suite's
+# multi-process tests leave a 2-core machine half idle one at a time
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: setup smollm2
 	$(PY) -m pytest -q -m slow

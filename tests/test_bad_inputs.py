@@ -630,7 +630,7 @@ def test_a_run_whose_planned_directory_is_taken_meanwhile_uses_the_next_and_remo
         (plan.run_dir / "other-run.txt").write_text("the other run's\n")
         return plan
 
-    def fail(*args):
+    def fail(*args: object, **kwargs: object) -> None:
         raise RuntimeError("trainer build failed")
 
     real_plan = run_module.plan_run

@@ -3,12 +3,14 @@ fails stops it in one line naming the rank (``tclightning/pipeline/launch.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,19 @@ TWO_STAGES = [*FAST, "trainer.steps=4", "trainer.val_every=0", "trainer.strategy
               "pipeline.stages=2", "logging.root=runs"]
 
 
-def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+@contextlib.contextmanager
+def _start(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A two-stage run, killed at the end of the block if it is still going (its rank 1 dies with it)."""
     environment = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO), **(env or {})}
     environment.pop("TCLIGHTNING_RUN_DIR", None)
-    return subprocess.Popen([sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *TWO_STAGES, *args],
-                            cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen([sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *TWO_STAGES, *args],
+                          cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as run:
+        try:
+            yield run
+        finally:
+            if run.poll() is None:
+                run.kill()
 
 
 def _descendants(pid: int) -> set[int]:
@@ -69,10 +79,11 @@ def _gone_within(pids: set[int], seconds: float) -> bool:
 
 
 def _wait_for_rank_1(run: subprocess.Popen[str]) -> set[int]:
+    """The processes below rank 0 once rank 1 (a ``tclightning run`` of its own) is among them."""
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and run.poll() is None:
         below = _descendants(run.pid)
-        if below:
+        if any(b"tclightning" in _cmdline(pid) and b"run" in _cmdline(pid) for pid in below):
             return below
         time.sleep(0.2)
     raise AssertionError(f"rank 1 never started (exit {run.poll()})")
@@ -177,8 +188,7 @@ def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_pa
         deadline = time.monotonic() + 180
         while not any(metrics.glob("*/metrics.csv")) and time.monotonic() < deadline:
             time.sleep(0.2)
-        rank_1 = next(pid for pid in ranks if b"tclightning" in _cmdline(pid))
-        os.kill(run.pid if rank == 0 else rank_1, signum)
+        os.kill(run.pid if rank == 0 else next(pid for pid in ranks if b"tclightning" in _cmdline(pid)), signum)
         started = time.monotonic()
         _, err = run.communicate(timeout=300)
     assert time.monotonic() - started < 120 and _gone_within(ranks, 10), err[-3000:]
