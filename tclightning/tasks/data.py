@@ -92,12 +92,12 @@ class _FieldTwice(ValueError):
 
 def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object's fields; one given twice (JSON keeps the last, silently) is refused."""
-    row = dict(pairs)
-    if len(row) < len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))  # type: ignore[func-returns-value]
-        raise _FieldTwice(f"field {twice!r} given twice")
-    return row
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _FieldTwice(f"field {key!r} given twice")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
