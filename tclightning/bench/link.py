@@ -136,13 +136,13 @@ def _sh(*argv: str) -> None:
     subprocess.run(list(argv), check=True, capture_output=True, text=True)
 
 
-def _remove_orphaned_namespaces() -> None:
-    """Delete the ``tcl-link-<pid>`` namespaces of benchmarks that no longer run (killed with -9,
-    which leaves no time to delete them)."""
+def remove_orphaned_namespaces(prefix: str) -> None:
+    """Delete the namespaces ``<prefix>...-<pid>`` of benchmarks whose process no longer runs
+    (killed with -9, which leaves no time to delete them)."""
     listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
     for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
-        pid = name.removeprefix("tcl-link-")
-        if name.startswith("tcl-link-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        pid = name.rpartition("-")[2]
+        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
 
 
@@ -152,7 +152,7 @@ def measure_in_namespace(options: dict[str, Any], mbit: float) -> list[dict[str,
     name = f"tcl-link-{os.getpid()}"
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        _remove_orphaned_namespaces()
+        remove_orphaned_namespaces("tcl-link-")
         _sh("ip", "netns", "add", name)
         # 1500-byte packets (the loopback's default 64 KiB MTU exceeds a small bucket) and a bucket
         # of about 4 ms of traffic (at least 32 KiB), as a home link's shaper would have

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tclightning.bench.link import netns_problem
+from tclightning.bench.link import netns_problem, remove_orphaned_namespaces
 from tclightning.errors import TclightningError
 from tclightning.files import own_file
 from tclightning.processes import LAUNCHER_PID_ENV, child_environment, die_with_parent
@@ -90,11 +90,7 @@ def _tail(log: Path, size: int = 4000) -> str:
 def _remove_orphaned_links() -> None:
     """Delete the namespaces and bridges of launches whose process no longer runs (killed with -9,
     which leaves no time to delete them): ``tcl-node<i>-<pid>``, ``tclb-<pid>``."""
-    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
-    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
-        owner = name.rpartition("-")[2]
-        if name.startswith("tcl-node") and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    remove_orphaned_namespaces("tcl-node")
     links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], check=False, capture_output=True, text=True)
     for line in links.stdout.splitlines():
         name = line.split(":")[1].strip() if line.count(":") >= 2 else ""
