@@ -174,3 +174,16 @@ class BusyOnRankAt(L.Callback):
             deadline = time.monotonic() + self.seconds
             while time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+class SlowStopOnRank(L.Callback):
+    """Keeps one rank ``seconds`` longer on its way out of a stopped run (a slow disk, a loaded
+    machine), then writes ``done``: Lightning calls ``on_exception`` for a SIGTERM's stop too."""
+
+    def __init__(self, rank: int, seconds: float, done: str) -> None:
+        self.rank, self.seconds, self.done = rank, seconds, Path(done)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.global_rank == self.rank:
+            time.sleep(self.seconds)
+            self.done.write_text("ended on its own\n")

@@ -175,14 +175,22 @@ def test_a_signal_to_bench_link_in_a_namespace_leaves_no_process(tmp_path: Path)
     assert f"tcl-link-{bench.pid}" not in listed
 
 
-@pytest.mark.parametrize("signum, rank", [(signal.SIGINT, 0), (signal.SIGINT, 1), (signal.SIGTERM, 0)],
-                         ids=["ctrl-c-to-rank-0", "ctrl-c-to-rank-1", "sigterm-to-rank-0"])
-def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_path: Path, signum: int,
-                                                                          rank: int) -> None:
+SLOW_RANK_1_STOP = ("callbacks=[{class_path: tests.conftest.SlowStopOnRank, "
+                    "init_args: {rank: 1, seconds: 8, done: rank-1-ended}}]")
+
+
+@pytest.mark.parametrize("signum, rank, extra", [(signal.SIGINT, 0, ()), (signal.SIGINT, 1, ()), (signal.SIGTERM, 0, ()),
+                                                 (signal.SIGTERM, 0, (SLOW_RANK_1_STOP,))],
+                         ids=["ctrl-c-to-rank-0", "ctrl-c-to-rank-1", "sigterm-to-rank-0", "sigterm-rank-1-ends-slowly"])
+def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_path: Path, signum: int, rank: int,
+                                                                          extra: tuple[str, ...]) -> None:
     """``kill -INT`` or ``kill -TERM`` of one rank (a terminal's Ctrl-C reaches every rank): the
     others waited in the next step for one that had stopped, until pipeline.timeout_s (and
-    Lightning's SIGTERM handler broadcast from inside the handler, a collective no other rank was in)."""
-    with _start(tmp_path, "trainer.steps=2000", "trainer.checkpoint_every=1000", "pipeline.timeout_s=600") as run:
+    Lightning's SIGTERM handler broadcast from inside the handler, a collective no other rank was in).
+    A rank slow to end after the agreed stop was killed after 3 s (and, if the rank watcher saw
+    it first, its SIGKILL reported as its failure)."""
+    with _start(tmp_path, "trainer.steps=2000", "trainer.checkpoint_every=1000", "pipeline.timeout_s=600",
+                *extra) as run:
         ranks = _wait_for_rank_1(run)
         metrics = tmp_path / "runs" / "tiny"
         deadline = time.monotonic() + 180
@@ -196,6 +204,8 @@ def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_pa
     assert "no checkpoint was saved" not in err  # rank 1 speaks for no run directory
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    if extra:  # the slow rank was let end its stop
+        assert (tmp_path / "rank-1-ended").is_file(), err[-3000:]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])

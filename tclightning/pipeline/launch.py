@@ -29,12 +29,15 @@ from typing import Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tclightning.processes import LAUNCHER_PID_ENV, follow_launcher
 
 _WATCH_PERIOD_S = 0.2
 _EXIT_WAIT_S = 3.0
 """How long an error of this process waits for a rank to end, to tell whether its failure caused it."""
+_AGREED_STOP_WAIT_S = 60.0
+"""How long a stop every rank agreed on (SIGTERM) waits for the ranks to end on their own."""
 _STOP_GRACE_S = 30.0
 """How long this process has to stop once a rank failed before it is ended where it is."""
 
@@ -72,6 +75,7 @@ class StageLauncher(_SubprocessScriptLauncher):
         super().__init__(*args, **kwargs)
         self.exited: RankExit | None = None
         self._done = threading.Event()
+        self._stopping = False  # this process stops its ranks: how they end is not a failure of theirs
         self._ending = threading.Lock()  # the main thread's stop is raised only while launch() runs
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
@@ -89,9 +93,13 @@ class StageLauncher(_SubprocessScriptLauncher):
         threading.Thread(target=self._watch, args=(main_thread,), name="tclightning-rank-watcher", daemon=True).start()
         try:
             return function(*args, **kwargs)
-        except BaseException:
-            if self.exited is None:  # a rank that fails closes its links before it exits: this error may be its absence
-                self._await_exit(_EXIT_WAIT_S)
+        except BaseException as err:
+            with self._ending:  # from here the watcher neither records nor raises anything
+                self._stopping = True
+            if self.exited is None:
+                # Every rank stops after the same step on a SIGTERM and ends on its own; on any
+                # other error a rank that fails closes its links before it exits: this may be its absence.
+                self._await_exit(_AGREED_STOP_WAIT_S if isinstance(err, SIGTERMException) else _EXIT_WAIT_S)
             self._stop_ranks()  # never leave a rank waiting for this process
             raise
         finally:
@@ -119,12 +127,15 @@ class StageLauncher(_SubprocessScriptLauncher):
             exited = self._failed_rank()
             if exited is None:
                 continue
-            self.exited = exited
+            with self._ending:
+                if self._stopping:  # the main thread stops the ranks and tells what ended them
+                    return
+                self.exited = exited
             self._stop_ranks()
             if self.exited.interrupted:  # this process was interrupted too, and stops as it does
                 return
             with self._ending:  # at the main thread's next bytecode; a collective waiting on a killed rank fails at once
-                if self._done.is_set():
+                if self._done.is_set() or self._stopping:
                     return
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_thread), ctypes.py_object(RankFailed))
             if not self._done.wait(_STOP_GRACE_S):  # stuck where no bytecode runs: ended here
