@@ -187,3 +187,16 @@ class SlowStopOnRank(L.Callback):
         if trainer.global_rank == self.rank:
             time.sleep(self.seconds)
             self.done.write_text("ended on its own\n")
+
+
+class SlowExitAfterClosingLinks(L.Callback):
+    """On one rank of a failed run: closes its links to the other ranks, then stays ``seconds``
+    longer before it exits (a loaded machine tearing a large process down)."""
+
+    def __init__(self, rank: int, seconds: float) -> None:
+        self.rank, self.seconds = rank, seconds
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if trainer.global_rank == self.rank:
+            torch.distributed.destroy_process_group()
+            time.sleep(self.seconds)

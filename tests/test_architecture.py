@@ -304,3 +304,14 @@ def test_no_import_circle_between_subpackages(graph: dict[str, dict[str, int]]) 
     assert not found, "import circles between subpackages (one import per edge):\n" + "\n".join(
         describe(component, units) for component in found
     )
+
+
+def test_every_source_compiles_without_a_warning() -> None:
+    """An invalid escape in a string (``"\\|"``) is a SyntaxWarning from Python 3.12 on, printed
+    to every user at import, and an error in a later Python."""
+    import warnings
+
+    for path in sorted(p for root in ("tclightning", "tests", "benchmarks", "tools") for p in (REPO / root).rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")

@@ -172,6 +172,22 @@ def test_sweep_points_and_errors(trained) -> None:
         inference_sweep(model, formatter, task, list(task.eval_examples())[:2], BASE, sweep_points(["svd"], [0.5]))
 
 
+@pytest.mark.parametrize("layout", ["shallow:99", "solo:3"])
+def test_a_layout_past_the_cuts_is_refused_before_the_dense_pass(trained, monkeypatch: pytest.MonkeyPatch,
+                                                                  layout: str) -> None:
+    """BASE has 3 cuts: the sweep used to generate the dense reference first and fail after it."""
+    from tclightning.sampling.hf import HFSampler
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass ran before the layout was checked")
+
+    monkeypatch.setattr(HFSampler, "generate", no_pass)
+    model, formatter, task, _ = trained
+    with pytest.raises(TclightningError, match=f"pipeline.layout '{layout}'"):
+        inference_sweep(model, formatter, task, list(task.eval_examples())[:2], BASE, sweep_points(["prf"], [0.5]),
+                        layout=layout)
+
+
 def test_cli_writes_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep"
     code = main(["probe", "inference", "--recipe", "tiny", "--model", "tiny", "--task", "arithmetic", "--limit", "3",

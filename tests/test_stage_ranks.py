@@ -111,10 +111,15 @@ def test_a_rank_that_fails_while_rank_0_computes_stops_the_run_in_one_line(tmp_p
     assert (run_dir / "metrics.csv").is_file()  # its logged steps are kept
 
 
-def test_a_rank_that_fails_in_setup_is_named_and_its_run_folder_removed(tmp_path: Path) -> None:
+SLOW_RANK_1_EXIT = "{class_path: tests.conftest.SlowExitAfterClosingLinks, init_args: {rank: 1, seconds: 8}}"
+
+
+@pytest.mark.parametrize("extra", ["", f", {SLOW_RANK_1_EXIT}"], ids=["exits-at-once", "exits-8-s-after-closing-its-links"])
+def test_a_rank_that_fails_in_setup_is_named_and_its_run_folder_removed(tmp_path: Path, extra: str) -> None:
     """Rank 0 meets rank 1's absence in a collective first: the error is rank 1's, not the
-    collective's traceback."""
-    with _start(tmp_path, "callbacks=[{class_path: tests.conftest.FailOnRankAt, init_args: {rank: 1}}]") as run:
+    collective's traceback, also when rank 1 takes seconds to exit once its links are closed
+    (it was killed after 3 s and rank 0's collective error shown)."""
+    with _start(tmp_path, f"callbacks=[{{class_path: tests.conftest.FailOnRankAt, init_args: {{rank: 1}}}}{extra}]") as run:
         _, err = run.communicate(timeout=300)
     lines = err.strip().splitlines()
     assert run.returncode == 1 and lines[-1].startswith("error: rank 1 (pid "), (run.returncode, err[-3000:])

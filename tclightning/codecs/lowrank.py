@@ -133,7 +133,7 @@ class TokenMoments:
     def principal_basis(self, rank: int) -> tuple[Tensor, Tensor, float]:
         """``(U [d, r], mu [d], energy kept)``: the mean and the top-``rank`` eigenvectors of the
         centred covariance ``sum x x^T / n - mu mu^T`` (float32 out), each direction's sign fixed
-        (largest \|entry\| positive) so the basis is reproducible; energy kept = the top-r
+        (largest |entry| positive) so the basis is reproducible; energy kept = the top-r
         eigenvalues' share of the trace."""
         mean, eigenvalues, eigenvectors = self.spectrum()
         top = eigenvectors[:, -rank:].flip(-1)

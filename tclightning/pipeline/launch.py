@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -38,6 +39,9 @@ _EXIT_WAIT_S = 3.0
 """How long an error of this process waits for a rank to end, to tell whether its failure caused it."""
 _AGREED_STOP_WAIT_S = 60.0
 """How long a stop every rank agreed on (SIGTERM) waits for the ranks to end on their own."""
+_PEER_EXIT_WAIT_S = 30.0
+"""How long a link a rank closed waits for that rank to exit (a loaded machine takes seconds to
+tear a large process down): its failure, not the closed link, is what the run reports."""
 _STOP_GRACE_S = 30.0
 """How long this process has to stop once a rank failed before it is ended where it is."""
 
@@ -97,9 +101,7 @@ class StageLauncher(_SubprocessScriptLauncher):
             with self._ending:  # from here the watcher neither records nor raises anything
                 self._stopping = True
             if self.exited is None:
-                # Every rank stops after the same step on a SIGTERM and ends on its own; on any
-                # other error a rank that fails closes its links before it exits: this may be its absence.
-                self._await_exit(_AGREED_STOP_WAIT_S if isinstance(err, SIGTERMException) else _EXIT_WAIT_S)
+                self._await_exit(_exit_wait_s(err))
             self._stop_ranks()  # never leave a rank waiting for this process
             raise
         finally:
@@ -153,6 +155,15 @@ class StageLauncher(_SubprocessScriptLauncher):
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _exit_wait_s(err: BaseException) -> float:
+    """How long this process's ``err`` waits for a started rank to end before the ranks are killed."""
+    if isinstance(err, SIGTERMException):  # every rank stops after the same step and ends on its own
+        return _AGREED_STOP_WAIT_S
+    if isinstance(err, torch.distributed.DistError) or "/gloo/" in str(err) or "NCCL" in str(err):
+        return _PEER_EXIT_WAIT_S  # a link a rank closed: that rank is on its way out
+    return _EXIT_WAIT_S  # a rank that fails closes its links before it exits: this may be its absence
 
 
 def rank_exit(trainer: Any) -> RankExit | None:

@@ -40,7 +40,7 @@ from tclightning.errors import TclightningError
 from tclightning.models.logprobs import completion_logps
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.cuts import CutSet, find_decoder_layers, install_cuts
-from tclightning.pipeline.layout import cut_layers
+from tclightning.pipeline.layout import compressed_flags, cut_layers
 from tclightning.sampling.base import PromptFormatter, Rollouts
 from tclightning.sampling.config import SamplerConfig
 from tclightning.sampling.hf import HFSampler
@@ -248,6 +248,7 @@ def inference_sweep(
         raise TclightningError("probe inference: the first point must be dense (the reference)")
     width = int(model.config.hidden_size)
     _, blocks = find_decoder_layers(model)
+    compressed_flags(dataclasses.replace(base, layout=layout), len(cut_layers(base, len(blocks))))  # before any pass
     sampler = HFSampler(SamplerConfig(max_new_tokens=max_new_tokens, batch_size=batch_size), formatter)
     prompts = [e.prompt for e in examples]
     reference = reference_batch(formatter, prompts, [e.solution for e in examples])
