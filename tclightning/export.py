@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (exchange, file_in_the_way, open_regular, refused_by_storage, require_writable,
+from tclightning.files import (exchange, in_the_way, open_regular, refused_by_storage, require_writable,
                               storage_reason)
 
 POLICY_PREFIX = "policy."
@@ -243,11 +243,11 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                                f"({os.path.realpath(target)}) or a new path")
     if ".." in target.parts:  # `yours/new/..` is yours: every check below is of where the files land
         target = Path(os.path.realpath(target))
-    blocking = file_in_the_way(target)
-    if blocking == target:
-        raise TclightningError(f"export: {target} is a file, expected a folder to write the model to")
-    if blocking is not None:  # the folder would be created under a file
-        raise TclightningError(f"export: cannot create {target}: {blocking} is a file, not a folder")
+    blocking = in_the_way(target)
+    if blocking is not None and blocking[0] == target:
+        raise TclightningError(f"export: {target} {blocking[1]}, expected a folder to write the model to")
+    if blocking is not None:  # the folder would be created under it
+        raise TclightningError(f"export: cannot create {target}: {blocking[0]} {blocking[1]}")
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
             raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")

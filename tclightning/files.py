@@ -161,12 +161,15 @@ def own_file(path: Path, mode: str) -> IO[Any]:
     return os.fdopen(fd, "r" if mode == "r" else "w", newline="")
 
 
-def file_in_the_way(folder: Path) -> Path | None:
-    """The file that keeps ``folder`` from being a folder to write into: ``folder`` itself, or the
-    nearest existing folder on the way to it, when that is not a directory; ``None`` otherwise."""
+def in_the_way(folder: Path) -> tuple[Path, str] | None:
+    """What keeps ``folder`` from being a folder to write into, and why: ``folder`` itself or the
+    nearest existing entry on the way to it, when that is a file or a link that leads nowhere (to
+    itself, or to a missing place: creating a folder through it fails); ``None`` otherwise."""
     for candidate in (folder, *folder.absolute().parents):
         if candidate.exists():
-            return None if candidate.is_dir() else candidate
+            return None if candidate.is_dir() else (candidate, "is a file, not a folder")
+        if candidate.is_symlink():
+            return candidate, "is a link that leads nowhere (to itself, or to a missing place)"
     return None
 
 

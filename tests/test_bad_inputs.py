@@ -62,6 +62,10 @@ CASES: dict[str, Case] = {
     "devices-zero": override("trainer.devices=0"),
     "heads-do-not-divide": override("model.tiny.num_heads=3"),
     "hidden-size-zero": override("model.tiny.hidden_size=0"),
+    # every size in its range, together 1024 layers of width 4096: 206 G parameters, allocated before
+    "tiny-model-past-any-memory": override("model.tiny.hidden_size=4096", "model.tiny.num_layers=1024",
+                                           "model.tiny.intermediate_size=16384",
+                                           names=("model.tiny.hidden_size", "parameters, more than")),
     "betas-one-value": override("grpo.betas=[0.9]"),
     "seed-too-large": override("trainer.seed=99999999999"),
     "recipe-not-utf8": recipe(b"description: caf\xe9\n", "not UTF-8"),
@@ -101,6 +105,9 @@ CASES: dict[str, Case] = {
                                                 {"m.csv": b"step,reward/mean\n1_0,0.5\n"}),
     "analyze-health-too-many-rows": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "more than 250000 rows"),
                                          {"m.csv": b"step,reward/mean\n" + b"0,0.5\n" * 250_001}),
+    # the csv reader ends a row at a bare \r too (old Mac line ends): the count was of \n alone
+    "analyze-health-too-many-rows-cr": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "more than 250000 rows"),
+                                            {"m.csv": b"step,reward/mean\r" + b"0,0.5\r" * 250_001}),
     "analyze-health-200k-columns": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "no metric columns"), {
         "m.csv": ("step," + ",".join(f"c{i}" for i in range(200_000)) + "\n0," + ",".join("1" * 200_000) + "\n").encode()}),
     # a header of 100k columns over 101 rows: ten million cells to parse (counted before parsing)
@@ -126,7 +133,7 @@ CASES: dict[str, Case] = {
     "bench-two-node-timeout-zero": Case(("bench", "two-node", "--dir", "{tmp}/n", "--timeout", "0"), ("--timeout",)),
     "bench-two-node-no-process": Case(("bench", "two-node", "--dir", "{tmp}/n", "--per-node", "0"), ("--per-node",)),
     "bench-step-link-dir-a-file": Case(("bench", "step-link", "--recipe", "tiny", "--dir", "{tmp}/afile"),
-                                       ("--dir", "a file is in the way"), {"afile": b"x"}),
+                                       ("--dir", "is a file, not a folder"), {"afile": b"x"}),
     "bench-step-link-timeout-zero": Case(("bench", "step-link", "--recipe", "tiny", "--timeout", "0"), ("--timeout",)),
     "callbacks-an-empty-entry": recipe(BASE + "callbacks: [{}]\n", "class_path'", "needs a class_path"),
     "callbacks-a-mapping": recipe(BASE + "callbacks: {class_path: x}\n", "key 'callbacks'", "expected a list"),
@@ -203,6 +210,11 @@ CASES: dict[str, Case] = {
     "task-operations": override("task.operations=/", names=("command line: override 'task.operations=/'",)),
     "template-without-question": override("task.prompt_template=hello"),
     "task-path-missing": override("task.name=gsm8k", "task.path={tmp}/nowhere.jsonl"),
+    # arithmetic and calculator generate their problems: the file would be ignored and the run train on sums
+    "task-path-for-a-generated-task": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.path={tmp}/mine.jsonl"),
+                                           ("override 'task.path={tmp}/mine.jsonl'", "generates its problems"),
+                                           {"mine.jsonl": b'{"question": "1+1?", "answer": "#### 2"}\n'}),
+    "task-hf-name-for-a-generated-task": override("task.name=calculator", "task.hf_name=openai/gsm8k"),
     "task-data-not-json": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
                                 "task.path={tmp}/bad.jsonl"), ("bad.jsonl:1: not valid JSON",),
                                {"bad.jsonl": b'{"question": "1+1?", "answer": "#### 2"\n'}),
@@ -269,6 +281,9 @@ CASES: dict[str, Case] = {
     # sizes that would hang a command or exhaust the machine: refused before anything is loaded
     "warmup-batch-size-huge": override("model.warmup.batch_size=1000000000"),
     "bench-codec-tokens-huge": Case(("bench", "codec", "--tokens", "1000000000000"), ("--tokens x --dim",)),
+    # few tokens pass the tokens x dim bound, but a basis codec's covariance is dim x dim (32 GiB here)
+    "bench-codec-basis-dim-huge": Case(("bench", "codec", "--codec", "lowrank", "--dim", "65536", "--tokens", "16"),
+                                       ("--codec lowrank: --dim",)),
     "bench-codec-device-unknown": Case(("bench", "codec", "--device", "tpu"), ("--device 'tpu'",)),
     "bench-codec-repeats-huge": Case(("bench", "codec", "--repeats", "10000000000"), ("bench codec: --repeats",)),
     "probe-cuts-group-size-huge": Case(("probe", "cuts", "--recipe", "tiny", "--group-size", "1000000000"),

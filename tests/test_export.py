@@ -314,7 +314,10 @@ def test_export_to_a_link_or_under_a_file_is_one_line(run_dir: Path, tmp_path: P
         (tmp_path / name).symlink_to(points_to)
         with pytest.raises(TclightningError, match="is a symbolic link"):
             export_policy(run_dir, tmp_path / name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling", "real", "to-a-folder"]
+    (tmp_path / "loop").symlink_to("loop")  # a folder under it: Path.resolve raised RuntimeError("Symlink loop")
+    with pytest.raises(TclightningError, match="loop is a link that leads nowhere"):
+        export_policy(run_dir, tmp_path / "loop" / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling", "loop", "real", "to-a-folder"]
 
 
 def test_an_export_onto_a_full_disk_is_one_line_and_keeps_the_old_export(

@@ -74,6 +74,21 @@ def test_a_config_describing_more_than_its_weights_is_refused_before_anything_is
     assert said in str(refused.value)
 
 
+def test_a_custom_code_model_the_recipe_trusts_gets_the_size_bound_without_a_question(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The meta model was built without ``trust_remote_code``: transformers refused (or asked on a
+    terminal, waiting 15 s), and the bound was skipped: a 1000-layer config beside 2-layer weights trained."""
+    folder = _config_beside_small_weights(tmp_path / "model", {
+        **LLAMA, "model_type": "mycustom", "num_hidden_layers": 1000, "intermediate_size": 4096,
+        "auto_map": {"AutoConfig": "custom.MyConfig", "AutoModelForCausalLM": "custom.MyModel"}})
+    (folder / "custom.py").write_text("from transformers import LlamaConfig, LlamaForCausalLM\n"
+                                      "class MyConfig(LlamaConfig):\n    model_type = 'mycustom'\n"
+                                      "class MyModel(LlamaForCausalLM):\n    config_class = MyConfig\n")
+    monkeypatch.setattr("builtins.input", lambda *args: pytest.fail("transformers asked a question"))
+    with pytest.raises(TclightningError, match="far more than its weight files hold"):
+        check_model_folder(folder, trust_remote_code=True)
+
+
 def _gguf(path: Path, blocks: int = 1, width: int = 16, chat_template: str | None = None) -> Path:
     """A valid llama GGUF whose metadata says ``blocks`` layers of ``width``; its tensors are one
     16-wide layer's."""

@@ -11,6 +11,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -554,19 +555,52 @@ def test_an_export_of_a_checkpoint_naming_an_uncached_hub_model_is_one_line_at_o
     assert len(err) == 1 and "not in the Hugging Face cache" in err[0], err
 
 
-@pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "out-is-a-file", "out-under-proc", "linked-default"])
+@pytest.mark.parametrize("command", [["analyze", "trajectory", "{run}"], ["probe", "cuts", "--recipe", "tiny"],
+                                     ["probe", "inference", "--recipe", "tiny"], ["probe", "coherence", "--recipe", "tiny"],
+                                     ["bench", "step-link", "--recipe", "tiny", "--dir"]],
+                         ids=["analyze-trajectory", "probe-cuts", "probe-inference", "probe-coherence", "bench-step-link"])
+def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
+        tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``--out loop/x`` with ``loop -> loop``: mkdir failed with ELOOP after the work (probe cuts:
+    the whole probe), a traceback."""
+    run = tmp_path / "run" / "trajectory"
+    run.mkdir(parents=True)
+    for i in range(3):
+        torch.save({"step": i, "point": torch.arange(8.0) * i}, run / f"point-{i:08d}.pt")
+    (tmp_path / "loop").symlink_to("loop")
+    argv = [part.replace("{run}", str(tmp_path / "run")) for part in command]
+    argv += [str(tmp_path / "loop" / "x")] if argv[-1] == "--dir" else ["--out", str(tmp_path / "loop" / "x")]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "loop is a link that leads nowhere" in err[0], err
+
+
+@pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "out-is-a-file",
+                                 "out-under-proc", "linked-default"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A stride-0 point of 1.6 KB expanded to 2^30 values before any check (a compressed record
+    likewise inflates): each is refused before a value is read."""
     folder = tmp_path / "run" / "trajectory"
     folder.mkdir(parents=True)
     for i in range(4):
         point = torch.full((8,), float(i)) + torch.arange(8.0) * i
         if bad == "nan" and i == 2:
             point[0] = float("nan")
+        if bad == "stride-0" and i == 2:
+            point = torch.zeros(1).expand(1 << 24)
         record = {"step": i, "point": point if bad != "scalar" else torch.tensor(float(i))}
         torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
     if bad == "garbage":
         (folder / "point-00000009.pt").write_bytes(b"not torch")
+    if bad == "compressed":  # the same records, deflated
+        stored = folder / "point-00000002.pt"
+        with zipfile.ZipFile(stored) as source:
+            records = [(info.filename, source.read(info)) for info in source.infolist()]
+        with zipfile.ZipFile(stored, "w", zipfile.ZIP_DEFLATED) as deflated:
+            for name, data in records:
+                deflated.writestr(name, data)
     out = {"out-is-a-file": tmp_path / "afile", "out-under-proc": Path("/proc/self/x")}.get(bad)
     (tmp_path / "afile").write_text("mine")
     if bad == "linked-default":
@@ -576,6 +610,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
     assert main(["analyze", "trajectory", str(tmp_path / "run"), *(["--out", str(out)] if out else [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
+    said = {"stride-0": "stored bytes", "compressed": "is compressed"}.get(bad)
+    assert said is None or said in err[0], err
     assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "elsewhere").glob("*")) \
         if bad == "linked-default" else (tmp_path / "afile").read_text() == "mine"
 

@@ -257,6 +257,16 @@ def test_timeout_bounds_a_pathological_answer() -> None:
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e10, 0.0, -1.0], ids=["inf", "1e10", "zero", "negative"])
+def test_a_limit_past_any_timer_is_no_limit_and_nan_is_refused(timeout_s: float) -> None:
+    """From Python (a recipe's range is (0, 3600]): inf or 1e10 s overflowed the interval timer and
+    every right answer scored 0.0."""
+    assert verify_math(r"\boxed{\sqrt{4}}", "2", timeout_s=timeout_s) == 1.0
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+    with pytest.raises(ValueError, match="NaN"):
+        verify_math(r"\boxed{\sqrt{4}}", "2", timeout_s=float("nan"))
+
+
 def test_timeout_nests_with_an_outer_alarm() -> None:
     fired: list[float] = []
 

@@ -91,6 +91,7 @@ class CalculatorTask(AgenticTask):
     digits, operations and chain, so the eval set does not move with ``num_train``)."""
 
     name = "calculator"
+    reads_data = False
 
     def __init__(self, cfg: TaskConfig) -> None:
         ops = [op for op in dict.fromkeys(cfg.operations)]

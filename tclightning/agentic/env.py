@@ -56,6 +56,8 @@ class AgenticTask(ABC):
 
     name: str = "agentic"
     system_prompt: str | None = None
+    reads_data: bool = True
+    """False for a task that generates its problems (``task.path`` and ``task.hf_name`` are refused)."""
     max_turns: int = 4
 
     @abstractmethod

@@ -8,7 +8,6 @@ import os
 import pickle
 import re
 import signal
-import zipfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
+from tclightning.tensor_files import compressed_record, thin_tensor
 
 
 def checkpoint_globals() -> list[Any]:
@@ -113,7 +113,7 @@ def _lightning_2_or_later(version: Any) -> bool:
 
 
 def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: bool) -> dict[str, Any]:
-    compressed = _compressed_record(source)
+    compressed = compressed_record(source)
     if compressed is not None:
         raise CheckpointRefused(f"checkpoint {shown}: its record {compressed} is compressed, which torch.save never "
                                 "does (a small file that would expand to gigabytes?); nothing was loaded")
@@ -137,50 +137,11 @@ def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: 
         raise CheckpointRefused(f"checkpoint {shown}: holds more than {MAX_CHECKPOINT_VALUES} values once its shared "
                                 f"references are followed, or nests deeper than {MAX_CHECKPOINT_DEPTH} (a structure "
                                 "built to expand without end); nothing was loaded")
-    thin = _thin_tensor(ckpt)
+    thin = thin_tensor(ckpt)
     if thin is not None:
         raise CheckpointRefused(f"checkpoint {shown}: {thin}, which torch.save never writes for a tensor of its own "
                                 "(a small file that would expand to gigabytes once copied?); nothing was loaded")
     return ckpt
-
-
-def _thin_tensor(obj: Any) -> str | None:
-    """Why a tensor in ``obj`` is not one torch.save writes for state of its own, or None: a
-    strided tensor whose storage holds fewer bytes than its shape covers (a stride of 0 makes one
-    stored number a weight of any size, and copying it into a model or an optimizer allocates all
-    of it), or a tensor of another layout. Walked after :func:`_fewer_values_than`, so bounded."""
-    stack = [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, torch.Tensor):
-            if value.layout != torch.strided:
-                return f"it holds a tensor of layout {value.layout}, not a dense one"
-            covered = value.numel() * value.element_size()
-            stored = value.untyped_storage().nbytes()
-            if covered > stored:
-                return (f"it holds a tensor of shape {tuple(value.shape)} over {stored} stored bytes, where its "
-                        f"shape covers {covered}")
-    return None
-
-
-def _compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:
-    """The name of a compressed record of the zip file ``path``, if any: ``torch.save`` stores
-    every record as it is, and a deflated one is how a small file asks for gigabytes. A file that
-    is no zip is torch.load's to judge. An open file is read from and left where it was."""
-    start = path.tell() if not isinstance(path, (str, os.PathLike)) else None
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return next((info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED),
-                        None)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return None
-    finally:
-        if start is not None:
-            path.seek(start)
 
 
 LEGACY_HPARAMS_KEYS = ("hparams", "module_arguments", "hparams_name")
@@ -192,6 +153,7 @@ Lightning writes ``hparams_name: None``."""
 def legacy_hparams(checkpoint: Mapping[str, Any]) -> str | None:
     """The first of :data:`LEGACY_HPARAMS_KEYS` that ``checkpoint`` fills in, or None."""
     return next((key for key in LEGACY_HPARAMS_KEYS if checkpoint.get(key) not in (None, {}, "")), None)
+
 
 CLASS_KEYS = ("class_path", "_class_path", "init_args", "_instantiator", "__path__", "dict_kwargs",
               "__default_config__")

@@ -75,6 +75,8 @@ def run_codec(args: argparse.Namespace) -> int:
     within("bench codec", "--repeats", args.repeats, 1, 10000)
     within("bench codec", "--warmup", args.warmup, 0, 10000)
     within("bench codec", "--tokens x --dim", args.tokens * args.dim, 1, 1 << 30)  # 4 GiB of float32 at most
+    if args.codec.startswith("lowrank"):  # a basis codec holds [dim, dim] matrices (the covariance, its eigenvectors)
+        within(f"bench codec --codec {args.codec}", "--dim", args.dim, 1, 16384)
     _require_device("bench codec", args.device)
     try:
         result = bench_codec(
@@ -262,12 +264,12 @@ def run_step_link(args: argparse.Namespace) -> int:
 
     from tclightning.bench.step_link import format_table, run_step_link_bench
     from tclightning.errors import TclightningError
-    from tclightning.files import file_in_the_way
+    from tclightning.files import in_the_way
 
     within("bench step-link", "--timeout", args.timeout, 1, 7 * 86400)  # nan fails the comparison too
-    if args.dir is not None and file_in_the_way(Path(args.dir)) is not None:
-        raise TclightningError(f"bench step-link: --dir {args.dir}: a file is in the way (it or a folder above it is "
-                               "a file)")
+    blocking = None if args.dir is None else in_the_way(Path(args.dir))
+    if blocking is not None:
+        raise TclightningError(f"bench step-link: --dir {args.dir}: {blocking[0]} {blocking[1]}")
     result = run_step_link_bench(
         dense_recipe=args.recipe, compressed_recipe=args.compressed_recipe, stages=args.stages,
         bandwidths=args.bandwidth, configs=args.configs, steps=args.steps, overrides=args.overrides,

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from tclightning.errors import TclightningError
-from tclightning.files import file_in_the_way, require_writable
+from tclightning.files import in_the_way, require_writable
 
 MAX_THREADS = 4096
 """The most intra-op threads any command takes (as ``trainer.num_threads``)."""
@@ -28,9 +28,9 @@ def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, nam
     may be theirs: the command's own default folder is its to replace)."""
     if ".." in path.parts:  # `yours/new/..` is yours: the checks are of where the files land
         path = Path(os.path.realpath(path))
-    blocking = file_in_the_way(path)
+    blocking = in_the_way(path)
     if blocking is not None:
-        raise TclightningError(f"{command}: --out {path}: {blocking} is a file, not a folder")
+        raise TclightningError(f"{command}: --out {path}: {blocking[0]} {blocking[1]}")
     nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.is_dir())
     require_writable(nearest, f"{command}: --out {path}", TclightningError)  # /proc, a read-only mount
     if not named and path.is_symlink():  # the default folder, not one the user named: never followed

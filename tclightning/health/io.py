@@ -64,9 +64,12 @@ def _require_rows_at_most(path: Path, max_rows: int) -> None:
     lines, columns = 0, None
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
-            if columns is None and b"\n" in chunk:  # the header's width (a quoted comma may count twice: an upper bound)
-                columns = chunk.split(b"\n", 1)[0].count(b",") + 1
-            lines += chunk.count(b"\n")
+            # a row ends at \n, \r\n or a bare \r, as the csv reader reads them (a \r\n cut by the
+            # chunk counts twice: an upper bound)
+            breaks = chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+            if columns is None and breaks:  # the header's width (a quoted comma may count twice: an upper bound)
+                columns = re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",") + 1
+            lines += breaks
             if lines > max_rows + 1:  # the header is not a row
                 raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
                                        "a step); give it the rows of the steps you want to look at")

@@ -21,6 +21,11 @@ ARCHITECTURES = ("llama", "qwen2")
 """``model.tiny.architecture``: transformers model types the tiny model is built as."""
 
 
+MAX_TINY_PARAMETERS = 1 << 28
+"""The most parameters ``model.tiny`` may describe: each size key has its own range, and together
+they could still ask for terabytes."""
+
+
 @dataclass
 class TinyModelConfig:
     """A small random decoder built from a transformers config (tests, the embedded default).
@@ -54,6 +59,18 @@ class TinyModelConfig:
         if self.num_heads % self.num_kv_heads:
             yield Problem((f"{prefix}.num_kv_heads", heads),
                           f"{self.num_kv_heads} key/value heads do not divide num_heads {self.num_heads}")
+            return
+        if self.parameters() > MAX_TINY_PARAMETERS:  # each size in its range, together past any memory
+            yield Problem((width, f"{prefix}.num_layers", f"{prefix}.intermediate_size"),
+                          f"{self.parameters():,} parameters, more than the {MAX_TINY_PARAMETERS:,} of a tiny model "
+                          "(1 GiB of float32 weights, 4 GiB with AdamW's state); train a real model (model.source=hf)")
+
+    def parameters(self) -> int:
+        """About how many parameters the model has (its layers' projections and norms; the
+        character vocabulary's embedding is small)."""
+        width, kv_width = self.hidden_size, self.hidden_size // self.num_heads * self.num_kv_heads
+        layer = 2 * width * width + 2 * width * kv_width + 3 * width * self.intermediate_size + 2 * width
+        return self.num_layers * layer
 
 
 @dataclass

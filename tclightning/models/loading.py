@@ -223,7 +223,7 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - a config transformers cannot read is the loader's to name, in one line
         return
-    check_model_size(config, weights, f"the model folder {folder}")
+    check_model_size(config, weights, f"the model folder {folder}", trust_remote_code)
 
 
 def _model_folder_files(folder: Path) -> Iterator[Path]:
@@ -243,19 +243,21 @@ def _model_folder_files(folder: Path) -> Iterator[Path]:
                 yield entry
 
 
-def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str) -> None:
+def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str, trust_remote_code: bool = False) -> None:
     """A model's config may not describe far more parameters than its weight files hold, nor more
     than :data:`MAX_LAYERS` layers: a 20 KB file whose config asks for a billion parameters would
     allocate (or build layers) for minutes before anything failed. The parameters are counted on
-    the meta device (nothing is allocated) with the model's own classes, so every size key of
-    every architecture counts (``head_dim``, GPT-2's ``n_embd``, ...)."""
+    the meta device (nothing is allocated) with the model's own classes (custom code ones when the
+    recipe trusts them), so every size key of every architecture counts (``head_dim``, GPT-2's
+    ``n_embd``, ...)."""
     layers = getattr(config, "num_hidden_layers", None)
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or not 0 < layers <= MAX_LAYERS):
         raise TclightningError(f"{what}: its config declares {layers!r} layers, not a layer count in [1, {MAX_LAYERS}]; "
                                "nothing was allocated")
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            # trust_remote_code always given: left None, transformers asks on a terminal and waits
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         described = sum(t.numel() for t in (*model.parameters(), *model.buffers()))  # a mask buffer is memory too
     except Exception:  # noqa: BLE001 - a config transformers cannot build is the loader's to report, in its words
         return

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file, replace_text, save_figure
+from tclightning.tensor_files import compressed_record, thin_tensor
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -78,13 +79,19 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
 def _point(path: Path) -> dict[str, Any]:
     """One trajectory point, read as data only: a record with a whole ``step`` and a 1-D finite
     float ``point``; one line naming the file otherwise (a FIFO named point-*.pt is never opened)."""
+    regular_file(path, "trajectory point")  # a FIFO named point-*.pt is never opened
+    compressed = compressed_record(path)
+    if compressed is not None:
+        raise TclightningError(f"trajectory point {path}: its record {compressed} is compressed, which torch.save "
+                               "never does (a small file that would expand to gigabytes?)")
     try:
-        record = torch.load(regular_file(path, "trajectory point"), map_location="cpu", weights_only=True)
-    except TclightningError:
-        raise
+        record = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - garbage, cut short, a pickle asking for code: the file, not a bug
         raise TclightningError(f"trajectory point {path}: not a point file ({type(err).__name__})") from None
     point = record.get("point") if isinstance(record, dict) else None
+    thin = thin_tensor(point)
+    if thin is not None:  # before any value is read: a stride of 0 expands one number to any size
+        raise TclightningError(f"trajectory point {path}: {thin}, which torch.save never writes")
     step = record.get("step") if isinstance(record, dict) else None
     if type(step) is not int or step < 0 or not isinstance(point, Tensor) or point.dim() != 1 \
             or not point.is_floating_point() or point.numel() < 2 or not bool(torch.isfinite(point).all()):

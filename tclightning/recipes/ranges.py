@@ -132,9 +132,14 @@ def _task(cfg: DictConfig) -> Iterator[Problem]:
     # The task's own checks (digits, operations, template, ...): building one reads no data.
     task_cfg = TaskConfig(**OmegaConf.to_container(t))  # type: ignore[arg-type]
     try:
-        build_agentic_task(task_cfg) if is_agentic(t.name) else build_task(task_cfg)
+        task = build_agentic_task(task_cfg) if is_agentic(t.name) else build_task(task_cfg)
     except TclightningError as err:
         yield Problem(("task",), str(err))
+        return
+    for key in ("path", "hf_name"):  # a data source the task would never read: the run would train on other data
+        if t[key] and not task.reads_data:
+            yield Problem((f"task.{key}",), f"task '{t.name}' generates its problems and reads no data; "
+                                            "choose a task that reads it (gsm8k, math, bigmath) or remove the key")
 
 
 def _pipeline(cfg: DictConfig) -> Iterator[Problem]:

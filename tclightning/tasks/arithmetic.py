@@ -72,6 +72,7 @@ class ArithmeticTask(Task):
     last``: the last) is the answer."""
 
     name = "arithmetic"
+    reads_data = False
 
     def __init__(self, cfg: TaskConfig) -> None:
         if not 1 <= cfg.digits <= _MAX_DIGITS:

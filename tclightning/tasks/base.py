@@ -45,6 +45,8 @@ class Task(ABC):
 
     name: str = "task"
     system_prompt: str | None = None
+    reads_data: bool = True
+    """False for a task that generates its problems (``task.path`` and ``task.hf_name`` are refused)."""
 
     @abstractmethod
     def train_examples(self) -> Sequence[Example]:

@@ -31,6 +31,7 @@ Two things stay outside every limit, on purpose:
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import re
 import signal
@@ -390,7 +391,7 @@ def _math_verify_local(pred_text: str, gold: str, timeout_s: float) -> bool | No
         return None
     before = _math_verify_modules()
     try:
-        if timeout_s is None or timeout_s <= 0:
+        if not _limited(timeout_s):
             return _math_verify_equal(pred_text, gold)
         return run_with_alarm(lambda: _math_verify_equal(pred_text, gold), timeout_s)
     except Exception:  # noqa: BLE001 -- includes TimeoutError
@@ -482,9 +483,21 @@ def math_verify_equal(pred_text: str, gold: str, timeout_s: float) -> bool | Non
     independent of the input). The first call in a process also imports math-verify (~1-2 s,
     see ``load_math_verify``).
     """
-    if can_use_alarm() or timeout_s is None or timeout_s <= 0:
+    if can_use_alarm() or not _limited(timeout_s):
         return _math_verify_local(pred_text, gold, timeout_s)
     return _math_verify_in_worker(pred_text, gold, timeout_s)
+
+
+UNLIMITED_S = 1e6
+"""A ``timeout_s`` at or past this (11 days; ``inf`` too) is no limit, as <= 0 is: an interval timer
+takes no longer one."""
+
+
+def _limited(timeout_s: float | None) -> bool:
+    """Whether ``timeout_s`` asks for a limit; ``ValueError`` for NaN (a caller's bug, not a completion's)."""
+    if timeout_s is not None and math.isnan(timeout_s):
+        raise ValueError("timeout_s is NaN; give a number of seconds (<= 0: no limit)")
+    return timeout_s is not None and 0 < timeout_s < UNLIMITED_S
 
 
 # --------------------------------------------------------------------------- math verifier
@@ -510,9 +523,11 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
 
     The answer is the last ``\\boxed{}``; without one, math-verify's own extraction over
     the last ``MAX_TAIL_CHARS`` characters. Order: a cheap normalised string / exact-number
-    check, then math-verify (sympy) under ``timeout_s`` (see the module docstring; <= 0
-    disables the limit). A timeout or any error scores 0.0. Never raises.
+    check, then math-verify (sympy) under ``timeout_s`` (see the module docstring; <= 0 or
+    :data:`UNLIMITED_S` and more disable the limit). A timeout or any error scores 0.0. Never
+    raises for a completion; a NaN ``timeout_s`` is ``ValueError``.
     """
+    _limited(timeout_s)  # a caller's NaN is its bug, not a wrong answer
     try:
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
