@@ -4,11 +4,26 @@ by someone else is used: checkpoints, trajectory points."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zipfile
+from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
+
+
+def contents(value: Any) -> Iterator[Any]:
+    """What a loaded container holds: a dict's keys and values, a list's or tuple's items, a
+    dataclass instance's fields (the allow-listed objects a checkpoint may hold, such as the
+    anchor circuit's ``Rollouts``); nothing for anything else."""
+    if isinstance(value, dict):
+        yield from value.keys()
+        yield from value.values()
+    elif isinstance(value, (list, tuple)):
+        yield from value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        yield from vars(value).values()
 
 
 def thin_tensor(obj: Any) -> str | None:
@@ -19,11 +34,7 @@ def thin_tensor(obj: Any) -> str | None:
     stack = [obj]
     while stack:
         value = stack.pop()
-        if isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):
             if value.layout != torch.strided:
                 return f"it holds a tensor of layout {value.layout}, not a dense one"
             covered = value.numel() * value.element_size()
@@ -31,6 +42,8 @@ def thin_tensor(obj: Any) -> str | None:
             if covered > stored:
                 return (f"it holds a tensor of shape {tuple(value.shape)} over {stored} stored bytes, where its "
                         f"shape covers {covered}")
+        else:
+            stack.extend(contents(value))
     return None
 
 

@@ -62,6 +62,11 @@ CASES: dict[str, Case] = {
     "devices-zero": override("trainer.devices=0"),
     "heads-do-not-divide": override("model.tiny.num_heads=3"),
     "hidden-size-zero": override("model.tiny.hidden_size=0"),
+    # OmegaConf reads "on", "yes", "1" or 1 as true for a switch (trust_remote_code runs a folder's code)
+    "flag-given-a-word": override("model.trust_remote_code=enabled", names=("trust_remote_code=enabled", "expected true or false")),
+    "flag-given-a-quoted-true": override('model.trust_remote_code="true"'),
+    "flag-given-a-number": override("task.reverse_answer=1"),
+    "file-flag-given-on": recipe(BASE + 'model: {trust_remote_code: "on"}\n', "model.trust_remote_code", "expected true or false"),
     # every size in its range, together 1024 layers of width 4096: 206 G parameters, allocated before
     "tiny-model-past-any-memory": override("model.tiny.hidden_size=4096", "model.tiny.num_layers=1024",
                                            "model.tiny.intermediate_size=16384",

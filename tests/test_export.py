@@ -235,12 +235,15 @@ def test_a_checkpoint_never_turns_on_remote_code(run_dir: Path, tmp_path: Path) 
 
 
 def test_checkpoint_hyper_parameters_are_validated_as_a_recipe(run_dir: Path, tmp_path: Path) -> None:
-    huge = _crafted(run_dir, tmp_path, tiny={"hidden_size": 65536, "num_layers": 1024})
+    wide = _crafted(run_dir, tmp_path, tiny={"hidden_size": 4096})
     # refused before anything is allocated: the shape is not the weights' shape
-    with pytest.raises(TclightningError, match="hidden_size=65536 but its weights have 32"):
+    with pytest.raises(TclightningError, match="hidden_size=4096 but its weights have 32"):
+        export_policy(wide, tmp_path / "out")
+    with pytest.raises(TclightningError, match="hidden_size=4096 but its weights have 32"):
+        GRPOModule.load_from_checkpoint(wide)
+    huge = _crafted(run_dir, tmp_path, tiny={"hidden_size": 65536, "num_layers": 1024})  # a recipe's bound
+    with pytest.raises(TclightningError, match="key 'model.tiny.hidden_size': .* parameters, more than"):
         export_policy(huge, tmp_path / "out")
-    with pytest.raises(TclightningError, match="hidden_size=65536 but its weights have 32"):
-        GRPOModule.load_from_checkpoint(huge)
     bad_dtype = _crafted(run_dir, tmp_path, dtype="float8")
     with pytest.raises(TclightningError, match="key 'model.dtype'"):
         export_policy(bad_dtype, tmp_path / "out")

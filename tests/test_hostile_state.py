@@ -890,6 +890,27 @@ def test_a_tensor_over_fewer_stored_bytes_than_its_shape_is_refused_everywhere(
     assert code == 2 and len(err) == 1 and "stored bytes" in err[0], err
 
 
+@pytest.mark.parametrize("nested", ["stride-0", "too-many-values"])
+def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path: Path, nested: str) -> None:
+    """The anchor circuit's replay ``Rollouts`` (an allow-listed dataclass) was a leaf to both
+    walks: a 1 MB checkpoint whose replay held 200000 x 200000 stride-0 tensors resumed and trained
+    on them without end."""
+    from tclightning.callbacks.checkpointing import MAX_CHECKPOINT_VALUES, CheckpointRefused, load_checkpoint
+    from tclightning.sampling.base import Rollouts
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    rollouts = Rollouts(prompt_ids=ids, prompt_mask=ids, completion_ids=ids, completion_mask=ids.float(),
+                        logp_sampler=ids.float(), texts=["a", "b"], truncated=torch.zeros(2, dtype=torch.bool),
+                        group_size=2)
+    if nested == "stride-0":
+        rollouts.completion_ids = torch.zeros(1, dtype=torch.long).expand(200_000, 200_000)
+    else:
+        rollouts.texts = [""] * MAX_CHECKPOINT_VALUES
+    torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointRefused, match="stored bytes" if nested == "stride-0" else "more than"):
+        load_checkpoint(tmp_path / "x.ckpt")
+
+
 def test_an_export_through_a_folder_yet_to_be_made_is_checked_where_it_lands(
         run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``mine/new/..`` is ``mine``: refused as ``mine`` is (not empty, not an export), and no

@@ -152,6 +152,45 @@ def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, 
     assert err and err[-1].startswith(f"error: --ckpt_path {ckpt_path}") and said in err[-1], err
 
 
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_ckpt_path_that_starts_with_http_is_the_local_file_checked(tmp_path, monkeypatch, capsys):
+    """Lightning reads any path starting with "http" as a URL: ``http_runs/last.ckpt``, checked here
+    as the local file, was loaded from torch.hub's cache (``$TORCH_HOME/hub/checkpoints/last.ckpt``)
+    with full unpickling, and a payload planted there ran."""
+    import os
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), BoringDataModule())
+    (tmp_path / "http_runs").mkdir()
+    trainer.save_checkpoint("http_runs/last.ckpt")
+    planted = tmp_path / "torch-home" / "hub" / "checkpoints" / "last.ckpt"
+    planted.parent.mkdir(parents=True)
+    checkpoint = torch.load("http_runs/last.ckpt", weights_only=False)
+    checkpoint["x"] = Marker(str(tmp_path / "ran"))
+    torch.save(checkpoint, planted)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG.replace("max_steps: 2", "max_steps: 3"))
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "http_runs/last.ckpt"]) == 0
+    assert not (tmp_path / "ran").exists()
+    assert os.listdir(tmp_path / "torch-home" / "hub" / "checkpoints") == ["last.ckpt"]
+
+
+class Marker:
+    """Unpickled, it creates ``path``: what a payload would do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
 def test_open_regular_refuses_a_fifo_swapped_in_after_the_look(tmp_path):
     """The check is on the descriptor opened: the file read is the file checked."""
     import os

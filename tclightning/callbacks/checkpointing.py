@@ -24,7 +24,7 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
-from tclightning.tensor_files import compressed_record, thin_tensor
+from tclightning.tensor_files import compressed_record, contents, thin_tensor
 
 
 def checkpoint_globals() -> list[Any]:
@@ -190,19 +190,16 @@ recurses, OmegaConf's included, would fail on a list a million levels deep)."""
 
 
 def _fewer_values_than(obj: Any, limit: int, depth: int) -> bool:
-    """Whether walking ``obj`` (lists, tuples, dicts; anything else a leaf) visits fewer than
-    ``limit`` values, following every reference, a shared one once per place it appears, and never
-    goes more than ``depth`` containers deep."""
+    """Whether walking ``obj`` (lists, tuples, dicts, dataclass instances: :func:`contents`;
+    anything else a leaf) visits fewer than ``limit`` values, following every reference, a shared
+    one once per place it appears, and never goes more than ``depth`` containers deep."""
     stack, seen = [(obj, 0)], 0
     while stack:
         value, level = stack.pop()
         seen += 1
         if seen >= limit or level > depth:
             return False
-        if isinstance(value, dict):
-            stack.extend((item, level + 1) for item in (*value.keys(), *value.values()))
-        elif isinstance(value, (list, tuple)):
-            stack.extend((item, level + 1) for item in value)
+        stack.extend((item, level + 1) for item in contents(value))
     return True
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,9 @@ def lightning_cli(argv: Sequence[str]) -> int:
                                            "would import any module or read any file; give the model with --model "
                                            "yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
+                # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
+                # loads torch.hub's cached file of that name unchecked: hand it the file checked
+                self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)
             super()._parse_ckpt_path()
 
     # args=None when argv is the command line itself: LightningCLI warns when given both

@@ -360,16 +360,21 @@ def _check_sections(schema: DictConfig, data: dict, prefix: str, source: str, ov
             _check_sections(node, value, f"{prefix}{key}.", source, override)
 
 
+def _schema_node(cfg: DictConfig, key: str) -> Any:
+    """The schema's node of ``key`` (dotted), or None where the schema has no such field."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node._get_node(part)
+    return node
+
+
 def _is_text_key(cfg: DictConfig, key: str) -> bool:
     """Whether ``key`` (dotted) is a text field of the schema (``logging.name``, ``task.system_prompt``)."""
     from omegaconf.nodes import StringNode
 
-    node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
-            return False
-        node = node._get_node(part)
-    return isinstance(node, StringNode)
+    return isinstance(_schema_node(cfg, key), StringNode)
 
 
 def _merge(base: DictConfig, data: Any, source: str, override: str | None = None) -> DictConfig:
@@ -377,10 +382,15 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}", file=source)
     _check_sections(base, data, "", source, override)
     _refuse_foreign_digits(data, source, override)
+    from omegaconf.nodes import BooleanNode
+
     for key, value in leaves(data):
         if isinstance(value, bool) and _is_text_key(base, key):  # OmegaConf would store "True"
             raise RecipeError(f"YAML reads this value as the boolean {str(value).lower()} (yes/no/on/off are booleans), "
                               "where the key is text: quote it ('no')", file=source, key=key, override=override)
+        if value is not None and not isinstance(value, bool) and isinstance(_schema_node(base, key), BooleanNode):
+            # OmegaConf would read "on", "yes", "1" or 1 as true: a switch (trust_remote_code!) is set by true or false
+            raise RecipeError(f"expected true or false, got {value!r}", file=source, key=key, override=override)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
