@@ -407,10 +407,15 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
     return loggers
 
 
+RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
+"""The folders of a run directory the run writes itself (beside its files: ``metrics.csv``, ...)."""
+
+
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
     """A CSV or TensorBoard logger writes its files into its ``log_dir`` and replaces a
     ``metrics.csv`` there: one pointed (by a fixed ``version``) at a folder outside the run that
-    already holds files is refused, before it writes."""
+    already holds files, or at the run directory or a folder of the run's own (its ``metrics.csv``,
+    events, checkpoints), is refused, before it writes."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     from tclightning.errors import RecipeError
@@ -423,7 +428,12 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     if where.startswith("file:"):
         where = urllib.parse.unquote(urllib.parse.urlparse(where).path)
     log_dir = Path(os.path.realpath(Path(where).expanduser()))
-    if log_dir.is_relative_to(os.path.realpath(run_dir)) or not log_dir.is_dir() or not any(log_dir.iterdir()):
+    run = Path(os.path.realpath(run_dir))
+    if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
+        raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "
+                          "logger would write over: give it a folder of its own (a new sub-folder of the run will do)",
+                          file=source, key=key)
+    if log_dir.is_relative_to(run) or not log_dir.is_dir() or not any(log_dir.iterdir()):
         return
     raise RecipeError(f"{log_dir} already holds files, which this logger would write over: leave its version unset "
                       "(a new version folder each run), or give it a folder of its own", file=source, key=key)

@@ -23,6 +23,7 @@ from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
+from tclightning.logging import RUN_FOLDERS
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
     find_recipe,
@@ -45,7 +46,6 @@ RUN_MARKER = ".tclightning-run"
 holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
-RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
 RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER,
              "tb/hparams.yaml")
 """What a resume in place writes in its run directory (each a file or folder of the run's own)."""
@@ -320,6 +320,19 @@ def checkpoint_changes(ckpt: Path, cfg: DictConfig, resume_step: int) -> None:
                   if key in old_leaves or key.split(".", 1)[0] in record and key != "trainer.steps"
                   and not key.startswith("trainer.")}
     _changed_keys(old_leaves, new_leaves, f"of {ckpt}", resume_step)
+
+
+def require_the_run_s_rows(run_dir: Path, recipe: RecipeConfig) -> None:
+    """A run that keeps ``metrics.csv`` keeps it through every resume: a later resume reads its
+    last row to tell which checkpoints are this run's history, and would go back past steps that
+    have none, training over their checkpoints. ``TclightningError`` (one line) otherwise."""
+    from tclightning.logging import own_loggers
+
+    if (run_dir / "metrics.csv").is_file() and "csv" not in own_loggers(recipe.logging.loggers):
+        raise TclightningError(f"--resume: {run_dir} records its steps in metrics.csv, which a resume reads to tell "
+                               "its checkpoints from those of a replaced history; logging.loggers leaves csv out, so "
+                               "the steps of this resume would have no rows and a later resume would train over "
+                               "them: keep csv in logging.loggers; nothing was written")
 
 
 def _changed_keys(old_leaves: dict[str, Any], new_leaves: dict[str, Any], where: str, resume_step: int) -> tuple[str, ...]:
@@ -675,6 +688,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     follower = named_by_env and launch_rank(recipe) != 0  # rank 0 owns the run directory; the others only run
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
+        require_the_run_s_rows(plan.run_dir, recipe)
         require_pipeline_strategy_for_its_keys(recipe)  # after: a changed key is named as the resume's change
         for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
             require_writable(folder, "--resume")

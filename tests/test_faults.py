@@ -458,3 +458,19 @@ def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: py
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["step"], r["a"], r["b"]) for r in rows] == [("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.5", "7.0")]
+
+
+def test_a_metrics_row_cut_short_by_a_crash_is_dropped_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A crash in the middle of an append leaves a row without its step cell: the resume printed
+    a TypeError traceback reading it."""
+    monkeypatch.chdir(tmp_path)
+    base = ["run", "--recipe", "tiny", *FAST, "trainer.val_every=0", "trainer.checkpoint_every=1", "logging.root=runs"]
+    assert main([*base, "trainer.steps=3", "--quiet"]) == 0
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    with (run_dir / "metrics.csv").open("a") as handle:
+        handle.write("0,3.1e-08,0.0,1.0,4.7")
+    assert main([*base, "trainer.steps=5", "--quiet", "--resume", str(run_dir)]) == 0, capsys.readouterr().err
+    with (run_dir / "metrics.csv").open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [row["step"] for row in rows] == ["0", "1", "2", "3", "4"] and all(None not in row.values() for row in rows)

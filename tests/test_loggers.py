@@ -76,6 +76,39 @@ def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_p
     assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
 
 
+def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
+    """A resume with a CSVLogger whose folder was the run directory replaced its metrics.csv: the
+    rows of every step before the resume were gone."""
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    (run / "metrics.csv").write_text("step\n0\n")
+    for save_dir, name in ((run, ""), (run, "tb"), (run / "checkpoints", "")):
+        for logger in ("CSVLogger", "TensorBoardLogger"):
+            entry = {"class_path": f"lightning.pytorch.loggers.{logger}",
+                     "init_args": {"save_dir": str(save_dir), "name": name, "version": ""}}
+            with pytest.raises(RecipeError, match="is the run's own folder"):
+                build_loggers([entry], run, "tiny")
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run), "name": "mine"}}
+    assert len(build_loggers([entry], run, "tiny")) == 1  # a sub-folder of its own
+    assert (run / "metrics.csv").read_text() == "step\n0\n"
+
+
+def test_a_resume_that_leaves_the_run_s_csv_out_is_refused(run_root, capsys):
+    """Steps trained without rows (loggers=[tensorboard]) were past the last row for the next
+    resume, which went back and trained over their checkpoints."""
+    from tclightning.cli.main import main
+
+    base = ["run", "--recipe", "tiny", *FAST, "trainer.val_every=0", "trainer.checkpoint_every=1"]
+    assert main([*base, "trainer.steps=2", "--quiet"]) == 0
+    (run_dir,) = (run_root / "tiny").iterdir()
+    before = {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*base, "trainer.steps=4", "logging.loggers=[tensorboard]", "--quiet", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "keep csv in logging.loggers" in err[0], err
+    assert {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
 def test_class_path_logger_logs_every_step(run_root):
     from tclightning.run import run
 

@@ -18,10 +18,13 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 
 
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
-    """``metrics.csv`` merged by step (Lightning writes train and val rows separately)."""
+    """``metrics.csv`` merged by step (Lightning writes train and val rows separately). A row cut
+    short before its ``step`` cell (a crash in the middle of an append) is left out."""
     merged: dict[int, dict[str, float]] = {}
     with regular_file(path, "metrics", METRICS_MAX_BYTES).open(newline="") as handle:  # 8 GiB of rows: refused
         for row in csv.DictReader(handle):
+            if row["step"] is None:
+                continue
             step = int(float(row["step"]))
             for key, value in row.items():
                 if key != "step" and value not in ("", None):
