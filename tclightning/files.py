@@ -21,9 +21,10 @@ from typing import IO, Any
 
 from tclightning.errors import StorageError, TclightningError
 
-STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG})
-"""The errors of storage that refuses a write (full, read-only, over quota, file too large): the
-machine's state, not a bug; a run reports them in one line and keeps what it saved."""
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
+"""The errors of storage that refuses a write (full, read-only, over quota, file too large, a file
+or folder that may not be written: an immutable file, a root-squashed share): the machine's state,
+not a bug; a run reports them in one line and keeps what it saved."""
 
 
 def refused_by_storage(err: BaseException) -> bool:

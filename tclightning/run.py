@@ -807,7 +807,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug
             raise StorageError(f"the storage refused a write in {plan.run_dir} ({storage_reason(err)}); "
                                + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
-                                  f"what {plan.run_dir} saved is kept: free space and resume with "
+                                  f"what {plan.run_dir} saved is kept: once the storage takes writes again (space, "
+                                  "permissions), resume with "
                                   f"`tclightning run --resume {plan.run_dir}`")) from None
         if gone:
             print(f"note: removed {plan.run_dir}: the run failed before it logged or saved anything",

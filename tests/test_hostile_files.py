@@ -147,8 +147,9 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 def _storage_refuses(monkeypatch: pytest.MonkeyPatch, folder: Path, refusal: str, after: int = 0) -> None:
     """From the ``after``-th temporary file created under ``folder`` on, the storage refuses:
-    ``read-only`` fails the file's creation with EROFS, ``full`` creates it for real but hands back
-    a descriptor of ``/dev/full``, whose every write fails with ENOSPC as a full disk's does."""
+    ``read-only`` fails the file's creation with EROFS, ``not-permitted`` with EPERM (an immutable
+    file, a root-squashed share), ``full`` creates it for real but hands back a descriptor of
+    ``/dev/full``, whose every write fails with ENOSPC as a full disk's does."""
     import errno
     import tempfile
 
@@ -161,6 +162,8 @@ def _storage_refuses(monkeypatch: pytest.MonkeyPatch, folder: Path, refusal: str
             return real(*args, dir=dir, **kwargs)
         if refusal == "read-only":
             raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        if refusal == "not-permitted":
+            raise OSError(errno.EPERM, "Operation not permitted", str(dir))
         fd, name = real(*args, dir=dir, **kwargs)
         os.close(fd)
         return os.open("/dev/full", os.O_WRONLY), name
@@ -168,7 +171,7 @@ def _storage_refuses(monkeypatch: pytest.MonkeyPatch, folder: Path, refusal: str
     monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
 
 
-@pytest.mark.parametrize("refusal", ["read-only", "full"])
+@pytest.mark.parametrize("refusal", ["read-only", "full", "not-permitted"])
 def test_a_resume_onto_storage_that_takes_no_writes_is_one_line_and_loses_nothing(
         run_dir: Path, tmp_path: Path, refusal: str, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -178,23 +181,28 @@ def test_a_resume_onto_storage_that_takes_no_writes_is_one_line_and_loses_nothin
     _storage_refuses(monkeypatch, copy, refusal)
     assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "--resume", str(copy)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    reason = "Read-only file system" if refusal == "read-only" else "No space left on device"
+    reason = {"read-only": "Read-only file system", "full": "No space left on device",
+              "not-permitted": "Operation not permitted"}[refusal]
     assert len(err) == 1 and err[0].startswith("error: --resume: cannot write in") and reason in err[0], err
     assert "nothing was written" in err[0]
     assert _snapshot(copy) == before  # no file changed, none added (no temporary file left either)
 
 
+@pytest.mark.parametrize("refusal", ["full", "not-permitted"])
 def test_a_disk_that_fills_up_during_a_resume_is_one_line_and_keeps_the_run(
-        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The write check passes, then the disk is full when the resume rewrites the run's records
-    (a changed learning rate keeps the earlier record too): each is replaced whole or not at all."""
+        run_dir: Path, tmp_path: Path, refusal: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The write check passes, then the disk is full (or a file may not be replaced: an immutable
+    metrics.csv was a PermissionError traceback) when the resume rewrites the run's records (a
+    changed learning rate keeps the earlier record too): each is replaced whole or not at all."""
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     before = _snapshot(copy)
-    _storage_refuses(monkeypatch, copy, "full", after=2)  # the two write checks (run, checkpoints) pass
+    _storage_refuses(monkeypatch, copy, refusal, after=2)  # the two write checks (run, checkpoints) pass
     assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "grpo.lr=1e-4", "--resume", str(copy)]) == 1
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
-    assert len(err) == 1 and "No space left on device" in err[0] and f"--resume {copy}" in err[0], err
+    reason = "No space left on device" if refusal == "full" else "Operation not permitted"
+    assert len(err) == 1 and reason in err[0] and f"--resume {copy}" in err[0], err
     assert _snapshot(copy) == before
 
 

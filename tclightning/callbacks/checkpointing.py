@@ -388,7 +388,8 @@ class StepCheckpoint(Checkpoint):
                 self._tmp_path.unlink()
             kept = (f"{self.last_path} (step {self.committed_step})" if self.committed_step is not None
                     else str(self.last_path) if self.last_path.is_file() else None)  # a resumed run's
-            then = (f"{kept} is kept: free space and resume with `tclightning run --resume {self.dirpath.parent}`"
+            then = (f"{kept} is kept: once the storage takes writes again (space, permissions), resume with "
+                    f"`tclightning run --resume {self.dirpath.parent}`"
                     if kept else "no checkpoint of this run was written, so there is nothing to resume")
             raise StorageError(f"cannot write the checkpoint of step {step} in {self.dirpath}: "
                                f"{err.strerror or err}; {then}") from None

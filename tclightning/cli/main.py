@@ -58,9 +58,11 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
             return 2
         if args.debug or not refused_by_storage(err):  # a bug, or a file the command names: in full
             raise
-        # the backstop for a write the storage refused (full, read-only, quota) that no command
-        # words itself: the machine's state, one line; writes that matter replace files whole
-        print(f"error: the storage refused a write ({storage_reason(err)})", file=sys.stderr)
+        # the backstop for a write the storage refused (full, read-only, quota, permissions) that no
+        # command words itself: the machine's state, one line; writes that matter replace files whole
+        denied = err.errno in (errno.EACCES, errno.EPERM)  # a read too may be denied
+        print(f"error: {storage_reason(err)}" if denied else f"error: the storage refused a write ({storage_reason(err)})",
+              file=sys.stderr)
         return StorageError.exit_code
     except KeyboardInterrupt as err:  # a handler may say what the interrupt stopped
         print(shown(str(err)) or "interrupted", file=sys.stderr)
