@@ -153,10 +153,12 @@ def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, 
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
-def test_a_ckpt_path_that_starts_with_http_is_the_local_file_checked(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("checked", ["http_runs/last.ckpt", "file:last.ckpt"])
+def test_a_ckpt_path_lightning_reads_as_a_url_is_the_local_file_checked(checked, tmp_path, monkeypatch, capsys):
     """Lightning reads any path starting with "http" as a URL: ``http_runs/last.ckpt``, checked here
     as the local file, was loaded from torch.hub's cache (``$TORCH_HOME/hub/checkpoints/last.ckpt``)
-    with full unpickling, and a payload planted there ran."""
+    with full unpickling, and a payload planted there ran; ``file:last.ckpt`` was checked as that
+    file and ``last.ckpt`` loaded."""
     import os
 
     import lightning.pytorch as pl
@@ -169,16 +171,16 @@ def test_a_ckpt_path_that_starts_with_http_is_the_local_file_checked(tmp_path, m
                          enable_model_summary=False, limit_val_batches=0)
     trainer.fit(BoringModel(), BoringDataModule())
     (tmp_path / "http_runs").mkdir()
-    trainer.save_checkpoint("http_runs/last.ckpt")
-    planted = tmp_path / "torch-home" / "hub" / "checkpoints" / "last.ckpt"
-    planted.parent.mkdir(parents=True)
-    checkpoint = torch.load("http_runs/last.ckpt", weights_only=False)
+    trainer.save_checkpoint("benign.ckpt")  # Lightning itself would save file:last.ckpt as last.ckpt
+    os.replace("benign.ckpt", checked)
+    planted = tmp_path / ("torch-home/hub/checkpoints/last.ckpt" if checked.startswith("http") else "last.ckpt")
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = torch.load(checked, weights_only=False)
     checkpoint["x"] = Marker(str(tmp_path / "ran"))
     torch.save(checkpoint, planted)
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG.replace("max_steps: 2", "max_steps: 3"))
-    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "http_runs/last.ckpt"]) == 0
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", checked]) == 0
     assert not (tmp_path / "ran").exists()
-    assert os.listdir(tmp_path / "torch-home" / "hub" / "checkpoints") == ["last.ckpt"]
 
 
 class Marker:
