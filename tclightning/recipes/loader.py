@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.nodes import BooleanNode, StringNode
 
 from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
@@ -372,8 +373,6 @@ def _schema_node(cfg: DictConfig, key: str) -> Any:
 
 def _is_text_key(cfg: DictConfig, key: str) -> bool:
     """Whether ``key`` (dotted) is a text field of the schema (``logging.name``, ``task.system_prompt``)."""
-    from omegaconf.nodes import StringNode
-
     return isinstance(_schema_node(cfg, key), StringNode)
 
 
@@ -382,8 +381,6 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         raise RecipeError(f"expected a mapping of sections at the top level, got {type(data).__name__}", file=source)
     _check_sections(base, data, "", source, override)
     _refuse_foreign_digits(data, source, override)
-    from omegaconf.nodes import BooleanNode
-
     for key, value in leaves(data):
         if isinstance(value, bool) and _is_text_key(base, key):  # OmegaConf would store "True"
             raise RecipeError(f"YAML reads this value as the boolean {str(value).lower()} (yes/no/on/off are booleans), "
