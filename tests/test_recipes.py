@@ -211,6 +211,18 @@ def test_a_fifo_or_device_named_yaml_on_the_search_path_hangs_nothing(tmp_path: 
     assert load_recipe("tiny").name == "tiny"
 
 
+def test_a_recipe_s_name_field_never_stands_in_for_another_file(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file ``zz-experiment.yaml`` saying ``name: tiny`` on the search path replaced ``--recipe
+    tiny`` and every shipped recipe's ``defaults: [tiny]``; by its own name it is still found."""
+    from tclightning.recipes.loader import find_recipe
+
+    (tmp_path / "zz-experiment.yaml").write_text("name: tiny\ndefaults: [dense]\ndescription: mine\n")
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", str(tmp_path))
+    assert find_recipe("tiny").parent != tmp_path and find_recipe("zz-experiment").parent == tmp_path
+    assert load_recipe("dense").name == "dense"  # its defaults: [tiny] read the shipped tiny, not a circle
+
+
 def test_interpolations_and_invalid_yaml_values_are_one_line(tmp_path: Path) -> None:
     path = tmp_path / "interp.yaml"
     path.write_text("name: interp\ndefaults: [tiny]\ngrpo: {lr: '${oc.env:HOME}'}\n")

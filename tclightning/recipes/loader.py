@@ -106,9 +106,11 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
         hint = _installed_recipe_hint(as_path.stem, in_file=relative_to is not None)
         raise RecipeError(f"no such recipe file: {ref}{hint}", file=str(relative_to) if relative_to else None)
     recipes = list_recipes()
-    for info in recipes:
-        if ref.lower() in (info.name.lower(), info.path.stem.lower()):
-            return info.path
+    # a file's name first, on the whole search path: another file's `name:` never stands in for it
+    for key in (lambda info: info.path.stem, lambda info: info.name):
+        found = next((info.path for info in recipes if key(info).lower() == ref.lower()), None)
+        if found is not None:
+            return found
     names = [r.name for r in recipes]
     close = difflib.get_close_matches(ref, names, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
