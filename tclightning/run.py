@@ -726,6 +726,9 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     try:  # the model and the task before the run directory: what they refuse leaves nothing behind
         module = resume_module(recipe, plan.ckpt_path) if plan.ckpt_path is not None else None
         module = module if module is not None else build_module(recipe)
+        skipped = getattr(module.task, "skipped", None)  # a data file's unusable rows: said, not dropped silently
+        if skipped:
+            plan = replace(plan, notices=(*plan.notices, skipped))
     except (WarmupInterrupted, KeyboardInterrupt) as err:
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         raise RunInterrupted(f"{what}; nothing was written") from None

@@ -422,3 +422,19 @@ def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
     examples = [*task.train_examples(), *task.eval_examples()]
     assert sorted(int(example.answer) for example in examples) == [0, 2, 4, 6, 8, 10]
     assert task.reward("The answer is 10.", next(e for e in examples if e.answer == "10")) == 1.0
+    assert task.skipped is not None and "1 of the rows read had no usable question or answer" in task.skipped
+
+
+def test_a_run_says_how_many_rows_of_its_data_it_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """360 of 400 rows without a usable answer were dropped without a word, and the run trained on 40."""
+    from tclightning.cli.main import main
+    from tests.conftest import FAST
+
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}" if i % 10 == 0 else ["x"]} for i in range(400)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--recipe", "tiny", *FAST, "task.name=gsm8k", f"task.path={tmp_path / 'rows.jsonl'}",
+                 "trainer.steps=1", "trainer.val_every=0", "logging.root=runs", "--quiet"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert any("360 of the rows read had no usable question or answer" in line for line in notes), notes

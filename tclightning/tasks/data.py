@@ -253,6 +253,9 @@ class DatasetTask(Task):
         self.system_prompt = cfg.system_prompt
         self.instruction = self.default_instruction if cfg.instruction is None else cfg.instruction
         self._examples: tuple[tuple[Example, ...], tuple[Example, ...]] | None = None
+        self.skipped: str | None = None
+        """Once the data is loaded: how many rows had no usable question or answer, and where
+        (one line for the user), or None when every row was used."""
 
     def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Rows kept before the train / held-out cut (a task's filters); all rows by default."""
@@ -263,12 +266,13 @@ class DatasetTask(Task):
         """(question, answer, solution) of a dataset row, or None to skip an unusable row."""
 
     def _to_examples(
-        self, rows: Sequence[Row], split: str, indices: Sequence[int]
+        self, rows: Sequence[Row], split: str, indices: Sequence[int], skipped: list[int]
     ) -> list[Example]:
         examples = []
         for i in indices:
             parsed = self.parse_row(rows[i])
             if parsed is None:
+                skipped.append(i)
                 continue
             question, answer, solution = parsed
             prompt = build_prompt(question, self.cfg.prompt_template, self.instruction)
@@ -282,6 +286,7 @@ class DatasetTask(Task):
         source = DataSource.from_config(cfg, self.default_subdir)
         train_split, eval_split = resolve_splits(cfg, source.splits())
         train_rows = self.select_rows(source.rows(train_split))
+        skipped: list[int] = []
         if eval_split is None:
             if cfg.eval_size >= len(train_rows):
                 raise TclightningError(
@@ -291,22 +296,25 @@ class DatasetTask(Task):
             eval_idx = held_out_indices(len(train_rows), cfg.eval_size, cfg.seed)
             held = set(eval_idx)
             train_idx = [i for i in range(len(train_rows)) if i not in held]
-            evals = self._to_examples(train_rows, train_split, eval_idx)
+            evals = self._to_examples(train_rows, train_split, eval_idx, skipped)
         else:
             eval_rows = self.select_rows(source.rows(eval_split))
             eval_idx = held_out_indices(len(eval_rows), cfg.eval_size, cfg.seed)
             train_idx = list(range(len(train_rows)))
-            evals = self._to_examples(eval_rows, eval_split, eval_idx)
+            evals = self._to_examples(eval_rows, eval_split, eval_idx, skipped)
         eval_prompts = {e.prompt for e in evals}
         train = [
             e
-            for e in self._to_examples(train_rows, train_split, train_idx)
+            for e in self._to_examples(train_rows, train_split, train_idx, skipped)
             if e.prompt not in eval_prompts
         ]
         if cfg.train_size is not None:
             train = train[: cfg.train_size]
         if not train:
             raise TclightningError(f"{source}: no usable training rows for task '{self.name}'")
+        if skipped:
+            self.skipped = (f"{source}: {len(skipped)} of the rows read had no usable question or answer for task "
+                            f"'{self.name}' and were left out")
         self._examples = (tuple(train), tuple(evals))
         return self._examples
 
