@@ -183,6 +183,29 @@ def test_a_ckpt_path_lightning_reads_as_a_url_is_the_local_file_checked(checked,
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("name", ["last", "best", "hpc"])
+def test_a_file_named_like_lightning_s_checkpoint_names_is_never_read_for_the_model(name, tmp_path, monkeypatch):
+    """``--ckpt_path last`` is Lightning's own name, which tclightning left unchecked; LightningCLI
+    then read a file called ``last`` in the working folder for the model's arguments, and its
+    ``_class_path`` imported any module."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / f"planted_{name}.py").write_text(
+        f"open({str(tmp_path / 'ran')!r}, 'w').write('imported')\n"
+        "from lightning.pytorch.demos.boring_classes import BoringModel as Planted\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    torch.save({"hyper_parameters": {"_class_path": f"planted_{name}.Planted"}}, tmp_path / name)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    try:
+        lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", name])
+    except ValueError as err:  # Lightning's own: no ModelCheckpoint (best), no HPC checkpoint (hpc)
+        assert name in str(err)
+    assert not (tmp_path / "ran").exists()
+
+
 class Marker:
     """Unpickled, it creates ``path``: what a payload would do instead."""
 

@@ -81,7 +81,11 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
             subcommand = self.config.get("subcommand")
             ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-            if ckpt_path and str(ckpt_path) not in LIGHTNING_CKPT_NAMES:
+            if ckpt_path and str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+                # Lightning finds these among its own callbacks' checkpoints; LightningCLI would read a
+                # file of that name in the working folder for the model's arguments, unchecked
+                return
+            if ckpt_path:
                 if "://" in str(ckpt_path) or "::" in str(ckpt_path):
                     raise TclightningError(f"--ckpt_path {ckpt_path}: only a local checkpoint file is read (a URL "
                                            "or fsspec chain is not checked before Lightning loads it); copy it here "
