@@ -12,7 +12,6 @@ import contextlib
 import re
 import tempfile
 import threading
-import urllib.parse
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -423,11 +422,18 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
         return
     # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
-    # mine, and so is `file://mine` (Lightning's loggers write through fsspec)
+    # mine, and so are `file://mine` and `local://mine` (Lightning's loggers write through fsspec)
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
     where = str(logger.log_dir)
-    if where.startswith("file:"):
-        where = urllib.parse.unquote(urllib.parse.urlparse(where).path)
-    log_dir = Path(os.path.realpath(Path(where).expanduser()))
+    if "::" in where:  # a chain (simplecache::file://...) writes through to where it ends: unchecked
+        raise RecipeError(f"{where}: a chained fsspec URL is not checked for files of yours it would write over; "
+                          "give the logger a plain folder or a remote store", file=source, key=key)
+    filesystem, path = url_to_fs(str(Path(where).expanduser()) if "://" not in where else where)
+    if not isinstance(filesystem, LocalFileSystem):  # a remote store holds none of this machine's files
+        return
+    log_dir = Path(os.path.realpath(path))
     run = Path(os.path.realpath(run_dir))
     if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
         raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "

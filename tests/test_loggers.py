@@ -65,11 +65,16 @@ def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_p
                       # `mine` once the logger has made `new`: the check is of where the files land
                       {"save_dir": str(mine / "new" / ".."), "name": "", "version": ""},
                       {"save_dir": str(tmp_path), "name": "x/../", "version": "mine/"},
-                      {"save_dir": f"file://{mine}", "name": "", "version": ""}):  # fsspec's URL of it
+                      {"save_dir": f"file://{mine}", "name": "", "version": ""},  # fsspec's URL of it
+                      {"save_dir": f"local://{mine}", "name": "", "version": ""}):  # and its other name
         for logger in ("CSVLogger", "TensorBoardLogger"):
             entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": init_args}
             with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*already holds files"):
                 build_loggers([entry], tmp_path / "run", "tiny")
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+             "init_args": {"save_dir": f"simplecache::file://{mine}", "name": "", "version": ""}}
+    with pytest.raises(RecipeError, match="a chained fsspec URL is not checked"):  # writes through to mine
+        build_loggers([entry], tmp_path / "run", "tiny")
     assert (mine / "metrics.csv").read_text() == "precious\n"
     # a new version folder each run (version unset), or an empty folder: built
     entry = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "mine"}}
