@@ -437,9 +437,9 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     run = Path(os.path.realpath(run_dir))
     if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
         raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "
-                          "logger would write over: give it a folder of its own (a new sub-folder of the run will do)",
-                          file=source, key=key)
-    if log_dir.is_relative_to(run) or not log_dir.is_dir() or not any(log_dir.iterdir()):
+                          "logger would write over: leave its version unset (a new version folder each run), or "
+                          "give it a folder of its own", file=source, key=key)
+    if not log_dir.is_dir() or not any(log_dir.iterdir()):  # in the run too: a resume's logger would replace its rows
         return
     raise RecipeError(f"{log_dir} already holds files, which this logger would write over: leave its version unset "
                       "(a new version folder each run), or give it a folder of its own", file=source, key=key)

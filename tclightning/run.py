@@ -755,13 +755,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             print(f"note: {notice}", file=sys.stderr, flush=True)
         if not follower:
             print(f"run directory: {plan.run_dir}", flush=True)
+        trainer = build_trainer(recipe, plan, user_callbacks, logs=not follower)  # its loggers refused: no record rewritten
         if not follower:
             before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
             record = plan.run_dir / "recipe.yaml"
             if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
                 replace_text(kept_record, record.read_text())
             replace_text(record, to_yaml(cfg))
-        trainer = build_trainer(recipe, plan, user_callbacks, logs=not follower)
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
             os.environ[RUN_DIR_ENV] = str(plan.run_dir)

@@ -94,8 +94,32 @@ def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
             with pytest.raises(RecipeError, match="is the run's own folder"):
                 build_loggers([entry], run, "tiny")
     entry = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(run), "name": "mine"}}
-    assert len(build_loggers([entry], run, "tiny")) == 1  # a sub-folder of its own
+    assert len(build_loggers([entry], run, "tiny")) == 1  # a new version folder of its own
     assert (run / "metrics.csv").read_text() == "step\n0\n"
+    # a fixed folder in the run that holds its earlier rows: a resume's logger replaced them
+    (run / "extra").mkdir()
+    (run / "extra" / "metrics.csv").write_text("step\n0\n")
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+             "init_args": {"save_dir": str(run), "name": "extra", "version": ""}}
+    with pytest.raises(RecipeError, match="already holds files"):
+        build_loggers([entry], run, "tiny")
+
+
+def test_a_resume_refused_for_its_loggers_rewrites_no_record(run_root, capsys):
+    """The record (recipe.yaml, and the earlier one kept beside it) was written before the loggers
+    were built and refused: exit 2, yet the run's record said the refused recipe."""
+    from tclightning.cli.main import main
+
+    base = ["run", "--recipe", "tiny", *FAST, "trainer.val_every=0", "trainer.checkpoint_every=1"]
+    assert main([*base, "trainer.steps=2", "--quiet"]) == 0
+    (run_dir,) = (run_root / "tiny").iterdir()
+    before = {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    own = "{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: " + str(run_dir) + ", name: '', version: ''}}"
+    capsys.readouterr()
+    assert main([*base, "trainer.steps=4", "grpo.lr=1e-4", f"logging.loggers=[tensorboard, csv, {own}]", "--quiet",
+                 "--resume", str(run_dir)]) == 2
+    assert "is the run's own folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 def test_a_resume_that_leaves_the_run_s_csv_out_is_refused(run_root, capsys):

@@ -267,6 +267,15 @@ def test_a_limit_past_any_timer_is_no_limit_and_nan_is_refused(timeout_s: float)
         verify_math(r"\boxed{\sqrt{4}}", "2", timeout_s=float("nan"))
 
 
+def test_a_math_task_built_with_a_nan_limit_is_refused() -> None:
+    """From Python (a recipe's range refuses it): every completion scored 0.0, right ones included."""
+    from tclightning.errors import TclightningError
+    from tclightning.tasks import TaskConfig, build_task
+
+    with pytest.raises(TclightningError, match="reward_timeout_s is NaN"):
+        build_task(TaskConfig(name="math", reward_timeout_s=float("nan")))
+
+
 def test_timeout_nests_with_an_outer_alarm() -> None:
     fired: list[float] = []
 

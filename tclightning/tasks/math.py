@@ -12,6 +12,9 @@ MATH-500 ships one split ("test"): the held-out set is then a seeded cut of it (
 
 from __future__ import annotations
 
+import math
+
+from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example
 from tclightning.tasks.config import TaskConfig
 from tclightning.tasks.data import DatasetTask, Row, first_field
@@ -56,6 +59,9 @@ class MathTask(DatasetTask):
 
     def __init__(self, cfg: TaskConfig) -> None:
         super().__init__(cfg)
+        if cfg.reward_timeout_s is not None and math.isnan(cfg.reward_timeout_s):  # every reward would be 0.0
+            raise TclightningError("task.reward_timeout_s is NaN; give the seconds one completion's verification "
+                                   "may take")
         self.reward_timeout_s = cfg.reward_timeout_s
 
     def parse_row(self, row: Row) -> tuple[str, str, str] | None:
