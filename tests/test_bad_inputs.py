@@ -140,12 +140,15 @@ CASES: dict[str, Case] = {
     "bench-step-link-dir-a-file": Case(("bench", "step-link", "--recipe", "tiny", "--dir", "{tmp}/afile"),
                                        ("--dir", "is a file, not a folder"), {"afile": b"x"}),
     "bench-step-link-timeout-zero": Case(("bench", "step-link", "--recipe", "tiny", "--timeout", "0"), ("--timeout",)),
+    # 255 namespaces were made before the 256th address failed, a traceback
+    "bench-step-link-stages-huge": Case(("bench", "step-link", "--recipe", "tiny", "--stages", "300"), ("--stages",)),
+    "bench-two-node-dir-under-proc": Case(("bench", "two-node", "--dir", "/proc/tcl-nowhere"), ("--dir", "cannot make")),
     "callbacks-an-empty-entry": recipe(BASE + "callbacks: [{}]\n", "class_path'", "needs a class_path"),
     "callbacks-a-mapping": recipe(BASE + "callbacks: {class_path: x}\n", "key 'callbacks'", "expected a list"),
     "betas-a-mapping": override("grpo.betas={a: 1}", names=("grpo.betas", "expected a list")),
-    "bench-two-node-dir-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile"), ("--dir", "a file is in the way"),
+    "bench-two-node-dir-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile"), ("--dir", "is a file, not a folder"),
                                       {"afile": b"x"}),
-    "bench-two-node-dir-under-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile/sub"), ("a file is in the way",),
+    "bench-two-node-dir-under-a-file": Case(("bench", "two-node", "--dir", "{tmp}/afile/sub"), ("is a file, not a folder",),
                                             {"afile": b"x"}),
     "bench-traffic-config-negative-width": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("hidden_size -64",),

@@ -557,8 +557,9 @@ def test_an_export_of_a_checkpoint_naming_an_uncached_hub_model_is_one_line_at_o
 
 @pytest.mark.parametrize("command", [["analyze", "trajectory", "{run}"], ["probe", "cuts", "--recipe", "tiny"],
                                      ["probe", "inference", "--recipe", "tiny"], ["probe", "coherence", "--recipe", "tiny"],
-                                     ["bench", "step-link", "--recipe", "tiny", "--dir"]],
-                         ids=["analyze-trajectory", "probe-cuts", "probe-inference", "probe-coherence", "bench-step-link"])
+                                     ["bench", "step-link", "--recipe", "tiny", "--dir"], ["bench", "two-node", "--dir"]],
+                         ids=["analyze-trajectory", "probe-cuts", "probe-inference", "probe-coherence", "bench-step-link",
+                              "bench-two-node"])
 def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
         tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """``--out loop/x`` with ``loop -> loop``: mkdir failed with ELOOP after the work (probe cuts:

@@ -267,6 +267,8 @@ def run_step_link(args: argparse.Namespace) -> int:
     from tclightning.files import in_the_way
 
     within("bench step-link", "--timeout", args.timeout, 1, 7 * 86400)  # nan fails the comparison too
+    for stages in args.stages:  # a node a stage, each a namespace with an address of one /24
+        within("bench step-link", "--stages", stages, 2, 64)
     blocking = None if args.dir is None else in_the_way(Path(args.dir))
     if blocking is not None:
         raise TclightningError(f"bench step-link: --dir {args.dir}: {blocking[0]} {blocking[1]}")
@@ -287,15 +289,19 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     from tclightning.bench.link import LINK_MBIT
     from tclightning.bench.nodes import run_nodes
     from tclightning.errors import TclightningError
+    from tclightning.files import in_the_way
 
     within("bench two-node", "--mbit", args.mbit, *LINK_MBIT)  # nan fails the comparison too
     within("bench two-node", "--timeout", args.timeout, 1, 7 * 86400)
     within("bench two-node", "--per-node", args.per_node, 1, 64)
+    blocking = in_the_way(Path(args.dir))
+    if blocking is not None:
+        raise TclightningError(f"bench two-node: --dir {args.dir}: {blocking[0]} {blocking[1]}")
     where = Path(args.dir).resolve()
     try:
         where.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise TclightningError(f"--dir {args.dir}: a file is in the way (it or a folder above it is a file)") from None
+    except OSError as err:  # under /proc, a read-only mount
+        raise TclightningError(f"bench two-node: --dir {args.dir}: cannot make the folder ({err.strerror})") from None
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     result = run_nodes(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
                           timeout_s=args.timeout)
