@@ -113,6 +113,10 @@ CASES: dict[str, Case] = {
     # the csv reader ends a row at a bare \r too (old Mac line ends): the count was of \n alone
     "analyze-health-too-many-rows-cr": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "more than 250000 rows"),
                                             {"m.csv": b"step,reward/mean\r" + b"0,0.5\r" * 250_001}),
+    # a header past the 1 MiB the count reads at a time: its width was read from the second read only
+    "analyze-health-header-past-a-read": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "cells"), {
+        "m.csv": ("step," + ",".join(f"column{i:07d}" for i in range(140_000)) + "\n"
+                  + ("0," + "," * 139_999 + "\n") * 80).encode()}),
     "analyze-health-200k-columns": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "no metric columns"), {
         "m.csv": ("step," + ",".join(f"c{i}" for i in range(200_000)) + "\n0," + ",".join("1" * 200_000) + "\n").encode()}),
     # a header of 100k columns over 101 rows: ten million cells to parse (counted before parsing)

@@ -61,14 +61,16 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
 
 
 def _require_rows_at_most(path: Path, max_rows: int) -> None:
-    lines, columns = 0, None
+    lines, columns, header_commas = 0, None, 0
     with path.open("rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             # a row ends at \n, \r\n or a bare \r, as the csv reader reads them (a \r\n cut by the
             # chunk counts twice: an upper bound)
             breaks = chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
-            if columns is None and breaks:  # the header's width (a quoted comma may count twice: an upper bound)
-                columns = re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",") + 1
+            if columns is None:  # the header's width, over as many chunks as it spans (a quoted comma may
+                # count twice: an upper bound)
+                header_commas += re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",")
+                columns = header_commas + 1 if breaks else None
             lines += breaks
             if lines > max_rows + 1:  # the header is not a row
                 raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
