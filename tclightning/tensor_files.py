@@ -14,13 +14,13 @@ import torch
 
 
 def contents(value: Any) -> Iterator[Any]:
-    """What a loaded container holds: a dict's keys and values, a list's or tuple's items, a
+    """What a loaded container holds: a dict's keys and values, a list's, tuple's or set's items, a
     dataclass instance's fields (the allow-listed objects a checkpoint may hold, such as the
     anchor circuit's ``Rollouts``); nothing for anything else."""
     if isinstance(value, dict):
         yield from value.keys()
         yield from value.values()
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple, set, frozenset)):
         yield from value
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         yield from vars(value).values()

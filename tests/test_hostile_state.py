@@ -891,7 +891,7 @@ def test_a_tensor_over_fewer_stored_bytes_than_its_shape_is_refused_everywhere(
     assert code == 2 and len(err) == 1 and "stored bytes" in err[0], err
 
 
-@pytest.mark.parametrize("nested", ["stride-0", "too-many-values"])
+@pytest.mark.parametrize("nested", ["stride-0", "too-many-values", "stride-0-in-a-set"])
 def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path: Path, nested: str) -> None:
     """The anchor circuit's replay ``Rollouts`` (an allow-listed dataclass) was a leaf to both
     walks: a 1 MB checkpoint whose replay held 200000 x 200000 stride-0 tensors resumed and trained
@@ -905,10 +905,12 @@ def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path
                         group_size=2)
     if nested == "stride-0":
         rollouts.completion_ids = torch.zeros(1, dtype=torch.long).expand(200_000, 200_000)
+    elif nested == "stride-0-in-a-set":
+        rollouts.texts = {torch.zeros(1).expand(200_000, 200_000)}  # type: ignore[assignment]
     else:
         rollouts.texts = [""] * MAX_CHECKPOINT_VALUES
     torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "x.ckpt")
-    with pytest.raises(CheckpointRefused, match="stored bytes" if nested == "stride-0" else "more than"):
+    with pytest.raises(CheckpointRefused, match="more than" if nested == "too-many-values" else "stored bytes"):
         load_checkpoint(tmp_path / "x.ckpt")
 
 
