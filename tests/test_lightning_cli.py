@@ -156,7 +156,7 @@ def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, 
 @pytest.mark.parametrize("checked", ["http_runs/last.ckpt", "file:last.ckpt"])
 def test_a_ckpt_path_lightning_reads_as_a_url_is_the_local_file_checked(checked, tmp_path, monkeypatch, capsys):
     """Lightning reads any path starting with "http" as a URL: ``http_runs/last.ckpt``, checked here
-    as the local file, was loaded from torch.hub's cache (``$TORCH_HOME/hub/checkpoints/last.ckpt``)
+    as the local file, was loaded from torch's download cache (``$TORCH_HOME/hub/checkpoints/last.ckpt``)
     with full unpickling, and a payload planted there ran; ``file:last.ckpt`` was checked as that
     file and ``last.ckpt`` loaded."""
     import os

@@ -101,7 +101,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
                                            "yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
-                # loads torch.hub's cached file of that name unchecked: hand it the file checked
+                # loads the file of that name in torch's download cache unchecked: hand it the file checked
                 self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)
             super()._parse_ckpt_path()
 
