@@ -363,6 +363,7 @@ def test_a_run_whose_stdout_goes_away_finishes_without_a_traceback(stdout: str, 
     assert (run / "checkpoints" / "step-000003.ckpt").is_file()
 
 
+@pytest.mark.timeout(600)  # five command starts: minutes on a loaded 2-core machine
 def test_a_console_that_refuses_writes_changes_no_outcome(tmp_path: Path) -> None:
     """stdout on ``/dev/full``: the run trains to the end (its record is whole) and exits 1 with a
     line saying its output is incomplete, as ``recipes list`` does; stderr on ``/dev/full`` or
@@ -371,7 +372,7 @@ def test_a_console_that_refuses_writes_changes_no_outcome(tmp_path: Path) -> Non
     import sys
 
     def cli(*argv: str, **streams) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "tclightning", *argv], text=True, timeout=120,
+        return subprocess.run([sys.executable, "-m", "tclightning", *argv], text=True, timeout=300,
                               stdin=subprocess.DEVNULL, **streams)
 
     with open("/dev/full", "w") as full:

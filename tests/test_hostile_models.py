@@ -224,7 +224,8 @@ def test_a_tokenizer_that_multiplies_the_text_is_refused_from_a_separate_process
     prompts = [f"{i}+{i}=" for i in range(200)]
     assert PromptFormatter(tokenizer, None, False).lengths(prompts) == [len(p) for p in prompts]  # the control
     prompts[where] = "#+1="
-    with pytest.raises(TclightningError, match="tokenizing the prompts ran out of 1 GiB of memory"):
+    # which limit stops it first depends on the machine's load: either is the refusal
+    with pytest.raises(TclightningError, match="tokenizing the prompts ran out of 1 GiB of memory|it took more than"):
         PromptFormatter(tokenizer, None, False).lengths(prompts)
 
 
@@ -248,7 +249,7 @@ def test_a_python_tokenizer_is_measured_under_the_same_budget(monkeypatch: pytes
 def test_the_cli_runs_tokenizers_on_one_thread() -> None:
     code = ("import os; os.environ['TOKENIZERS_PARALLELISM'] = 'true'\nfrom tclightning.cli.main import main\n"
             "main(['recipes', 'list']); print(os.environ['TOKENIZERS_PARALLELISM'])")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.stdout.strip().splitlines()[-1] == "false", done.stderr[-2000:]
 
