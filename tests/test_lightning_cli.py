@@ -216,6 +216,22 @@ class Marker:
         return (Path.touch, (Path(self.path),))
 
 
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("argv", [["--config", "pipe.yaml"], ["--config", "my_config.yaml", "--trainer.callbacks=pipe.yaml"]],
+                         ids=["config", "callbacks-file"])
+@pytest.mark.timeout(120)  # a regression waits on the FIFO: fail instead
+def test_a_fifo_given_to_lightning_fit_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    """jsonargparse opened it and waited for ever."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    os.mkfifo(tmp_path / "pipe.yaml")
+    assert lightning_cli.main(["fit", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "pipe.yaml: is a named pipe (FIFO), not a regular file" in err[-1], err
+
+
 def test_open_regular_refuses_a_fifo_swapped_in_after_the_look(tmp_path):
     """The check is on the descriptor opened: the file read is the file checked."""
     import os

@@ -17,6 +17,7 @@ from tclightning.cli.formatting import HelpFormatter
 from tclightning.cli.main import dispatch
 from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
+from tclightning.files import regular_file
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
 """``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
@@ -55,6 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_blocking_paths(argv: Sequence[str]) -> None:
+    """jsonargparse opens any value that names an existing file (``--config X``,
+    ``--trainer.callbacks=X.yaml``) as it is: a FIFO or a device there would be waited on forever.
+    ``TclightningError`` (one line naming it) for every such value, before anything is parsed."""
+    import stat
+
+    for before, token in zip(["", *argv], argv):
+        option, _, value = token.partition("=") if token.startswith("--") else (before, "", token)
+        if not value or option == "--ckpt_path":  # the checkpoint is checked as one (_parse_ckpt_path)
+            continue
+        try:
+            mode = os.stat(value).st_mode
+        except (OSError, ValueError):  # no such path (or not one at all): a plain value
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            regular_file(value, f"lightning {argv[0]} {option}".rstrip())
+
+
 def lightning_cli(argv: Sequence[str]) -> int:
     """``LightningCLI`` on ``argv`` (``fit ...`` etc.): any ``LightningModule`` / ``LightningDataModule``
     by ``--model`` / ``--data`` class path or in ``--config`` files, exactly as a script calling
@@ -64,6 +83,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
         raise TclightningError(
             f"lightning {argv[0]} runs LightningCLI, which needs jsonargparse: pip install 'lightning[pytorch-extra]'"
         )
+    _refuse_blocking_paths(argv)
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
