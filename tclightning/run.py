@@ -479,14 +479,23 @@ def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
 
 
 def require_logger_servers(recipe: RecipeConfig) -> None:
-    """A W&B logger that logs online needs its server to answer now: W&B retries a silent or
-    closed one for minutes, with the run folder made and nothing trained."""
+    """A W&B logger that logs online, or an MLflow logger with an http(s) tracking server, needs
+    its server to answer now: each retries a silent or closed one for minutes (MLflow waited
+    without end on one that accepts and never answers), with the run folder made and nothing trained."""
     from tclightning.network import WANDB_URL, host_of, no_answer
     from tclightning.recipes.schema import LOGGERS
 
     for entry in recipe.logging.loggers:
         class_path = entry if isinstance(entry, str) else entry.get("class_path")
         init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
+        if class_path in ("mlflow", LOGGERS["mlflow"][0]):
+            uri = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+            silent = no_answer(uri) if uri.startswith(("http://", "https://")) else None
+            if silent is not None:
+                raise TclightningError(f"logging.loggers: the MLflow server {host_of(uri)} does not answer "
+                                       f"({silent.reason}); start it, or leave tracking_uri unset to log to a local "
+                                       "file store")
+            continue
         if class_path not in ("wandb", LOGGERS["wandb"][0]) or wandb_offline(init_args):
             continue
         url = os.environ.get("WANDB_BASE_URL") or WANDB_URL

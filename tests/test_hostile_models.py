@@ -379,6 +379,19 @@ def test_a_wandb_logger_whose_server_does_not_answer_is_refused(server: str, req
     require_logger_servers(recipe)
 
 
+@pytest.mark.parametrize("server", ["silent_server", "closed_port"])
+def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, request: pytest.FixtureRequest,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One that accepts and never answers was waited on without end (a closed one, retried for minutes)."""
+    recipe = to_dataclass(load_recipe("tiny"))
+    recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": request.getfixturevalue(server)}}]
+    with pytest.raises(TclightningError, match="the MLflow server 127.0.0.1 does not answer"):
+        require_logger_servers(recipe)
+    recipe.logging.loggers = ["mlflow"]  # a local file store: no server asked
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    require_logger_servers(recipe)
+
+
 def test_weights_in_a_sub_folder_and_a_cached_hub_model_get_the_size_bound(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     sharded = _config_beside_small_weights(tmp_path / "sharded", {**LLAMA, "intermediate_size": 4_000_000,
