@@ -488,21 +488,18 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
     for entry in recipe.logging.loggers:
         class_path = entry if isinstance(entry, str) else entry.get("class_path")
         init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
-        if class_path in ("mlflow", LOGGERS["mlflow"][0]):
-            uri = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
-            silent = no_answer(uri) if uri.startswith(("http://", "https://")) else None
-            if silent is not None:
-                raise TclightningError(f"logging.loggers: the MLflow server {host_of(uri)} does not answer "
-                                       f"({silent.reason}); start it, or leave tracking_uri unset to log to a local "
-                                       "file store")
+        if class_path in ("mlflow", LOGGERS["mlflow"][0]):  # a local file store unless an http(s) server is named
+            url = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+            server, advice = "MLflow", "start it, or leave tracking_uri unset to log to a local file store"
+        elif class_path in ("wandb", LOGGERS["wandb"][0]) and not wandb_offline(init_args):
+            url = os.environ.get("WANDB_BASE_URL") or WANDB_URL
+            server, advice = "W&B", "set WANDB_MODE=offline to log locally and `wandb sync` later"
+        else:
             continue
-        if class_path not in ("wandb", LOGGERS["wandb"][0]) or wandb_offline(init_args):
-            continue
-        url = os.environ.get("WANDB_BASE_URL") or WANDB_URL
-        silent = no_answer(url)
+        silent = no_answer(url) if url.startswith(("http://", "https://")) else None
         if silent is not None:
-            raise TclightningError(f"logging.loggers: the W&B server {host_of(url)} does not answer ({silent.reason}); "
-                                   "set WANDB_MODE=offline to log locally and `wandb sync` later")
+            raise TclightningError(f"logging.loggers: the {server} server {host_of(url)} does not answer "
+                                   f"({silent.reason}); {advice}")
 
 
 def require_pipeline_for_processes(recipe: RecipeConfig) -> None:
@@ -735,9 +732,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     try:  # the model and the task before the run directory: what they refuse leaves nothing behind
         module = resume_module(recipe, plan.ckpt_path) if plan.ckpt_path is not None else None
         module = module if module is not None else build_module(recipe)
-        skipped = getattr(module.task, "skipped", None)  # a data file's unusable rows: said, not dropped silently
-        if skipped:
-            plan = replace(plan, notices=(*plan.notices, skipped))
+        if module.task.skipped:  # a data file's unusable rows: said, not dropped silently
+            plan = replace(plan, notices=(*plan.notices, module.task.skipped))
     except (WarmupInterrupted, KeyboardInterrupt) as err:
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         raise RunInterrupted(f"{what}; nothing was written") from None

@@ -58,6 +58,9 @@ class AgenticTask(ABC):
     system_prompt: str | None = None
     reads_data: bool = True
     """False for a task that generates its problems (``task.path`` and ``task.hf_name`` are refused)."""
+    skipped: str | None = None
+    """Once the data is loaded: how many rows had no usable question or answer, and where (one
+    line for the user), or None when every row was used."""
     max_turns: int = 4
 
     @abstractmethod

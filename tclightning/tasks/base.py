@@ -47,6 +47,9 @@ class Task(ABC):
     system_prompt: str | None = None
     reads_data: bool = True
     """False for a task that generates its problems (``task.path`` and ``task.hf_name`` are refused)."""
+    skipped: str | None = None
+    """Once the data is loaded: how many rows had no usable question or answer, and where (one
+    line for the user), or None when every row was used."""
 
     @abstractmethod
     def train_examples(self) -> Sequence[Example]:

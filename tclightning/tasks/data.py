@@ -253,9 +253,6 @@ class DatasetTask(Task):
         self.system_prompt = cfg.system_prompt
         self.instruction = self.default_instruction if cfg.instruction is None else cfg.instruction
         self._examples: tuple[tuple[Example, ...], tuple[Example, ...]] | None = None
-        self.skipped: str | None = None
-        """Once the data is loaded: how many rows had no usable question or answer, and where
-        (one line for the user), or None when every row was used."""
 
     def select_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Rows kept before the train / held-out cut (a task's filters); all rows by default."""
