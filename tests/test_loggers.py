@@ -4,6 +4,7 @@ load with one-line errors; W&B (offline) and MLflow (local file store) tested wi
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -221,3 +222,31 @@ def test_wandb_without_a_key_and_not_offline_is_one_line(run_root, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "logging.loggers[0]" in err[0] and "no API key" in err[0], err
     assert not run_root.exists()
+
+
+def test_a_netrc_that_is_a_fifo_is_no_key_and_is_never_opened(tmp_path, monkeypatch):
+    """W&B's key lookup reads the netrc only when it is a small regular file: a FIFO there (at
+    ``$NETRC`` or ``~/.netrc``) would be waited on without end."""
+    import threading
+
+    from tclightning.recipes.loader import wandb_can_log
+
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai login user password k3y\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert wandb_can_log({})
+    netrc.unlink()
+    os.mkfifo(netrc)
+    answers: list[bool] = []
+    for env in ({"NETRC": str(netrc)}, {"NETRC": "", "HOME": str(tmp_path)}):
+        if env.get("HOME"):
+            os.mkfifo(tmp_path / ".netrc")
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        asker = threading.Thread(target=lambda: answers.append(wandb_can_log({})), daemon=True)
+        asker.start()
+        asker.join(60)  # a stat and no open: at once on any machine; the FIFO's open would never return
+        assert not asker.is_alive(), f"waited on the FIFO at {env}"
+    assert answers == [False, False]

@@ -664,10 +664,16 @@ def wandb_can_log(init_args: Mapping[str, Any]) -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:  # a FIFO or a device there would be waited on without end: only a small regular file holds a key
+        regular_file(path, "netrc", NETRC_MAX_BYTES)
+        return netrc.netrc(path).authenticators(host) is not None
+    except (TclightningError, OSError, netrc.NetrcParseError):
         return False
+
+
+NETRC_MAX_BYTES = 1 << 20
+"""The largest netrc file read for a W&B key (one holds a few lines per host)."""
 
 
 def resolve_logger_class(class_path: str, source: str, key: str) -> type:
