@@ -1,13 +1,15 @@
-"""What a small torch file can hide from ``torch.load(weights_only=True)``: a tensor that expands
-to gigabytes once used (a stride of 0) and a compressed zip record. Checked before a file written
-by someone else is used: checkpoints, trajectory points."""
+"""What a small torch file can hide from ``torch.load(weights_only=True)``: a pickle that calls an
+allowed global with arguments that run for hours or allocate without end, a compressed zip record,
+a tensor that expands to gigabytes once used (a stride of 0). Checked before a file written by
+someone else is used: checkpoints, warm-up cache entries, trajectory points."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import pickletools
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import IO, Any
 
 import torch
@@ -47,18 +49,265 @@ def thin_tensor(obj: Any) -> str | None:
     return None
 
 
-def compressed_record(path: str | os.PathLike | IO[bytes]) -> str | None:
-    """The name of a compressed record of the zip file ``path``, if any: ``torch.save`` stores
-    every record as it is, and a deflated one is how a small file asks for gigabytes. A file that
-    is no zip is torch.load's to judge. An open file is read from and left where it was."""
-    start = path.tell() if not isinstance(path, (str, os.PathLike)) else None
+class BrokenTensorFile(Exception):
+    """A file ``torch.save`` did not write whole: no zip archive (cut short, garbage, the legacy
+    format) or a record that cannot be read."""
+
+
+class RefusedTensorFile(Exception):
+    """A torch file holding what ``torch.save`` never writes for the state it is read for: possibly
+    crafted, so it is never loaded."""
+
+
+def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collection[type] = (),
+                     numpy_arrays: bool = False) -> None:
+    """Read ``source`` (a path, or an open file, read from and left where it was) as
+    ``torch.load(weights_only=True)`` would, without building anything, and raise
+    :class:`RefusedTensorFile` for what no ``torch.save`` of plain state writes, before any of it
+    runs: a compressed record (a small file that expands to gigabytes), a storage larger than its
+    record, and a pickle that calls anything but the tensor rebuilders with the arguments
+    ``torch.save`` gives them. ``weights_only`` lets a pickle call each allowed global with any
+    arguments: ``set`` or a dict key over tuples sharing themselves hashes for ages, ``bytearray(10**12)``
+    allocates, ``_codecs.encode(text, "punycode")`` is quadratic. ``classes`` may be built empty and
+    given a dict of fields (dataclasses such as ``Rollouts``); ``numpy_arrays`` allows the arrays and
+    dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
+    archive ``torch.save`` writes."""
+    start = source.tell() if not isinstance(source, (str, os.PathLike)) else None
     try:
-        with zipfile.ZipFile(path) as archive:
-            return next((info.filename for info in archive.infolist() if info.compress_type != zipfile.ZIP_STORED),
-                        None)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
-        return None
+        try:
+            archive = zipfile.ZipFile(source)
+        except (zipfile.BadZipFile, EOFError, ValueError) as err:
+            raise BrokenTensorFile("not a torch file (torch.save writes a zip archive)") from err
+        with archive:
+            records = {info.filename: info for info in archive.infolist()}
+            compressed = next((name for name, info in records.items() if info.compress_type != zipfile.ZIP_STORED),
+                              None)
+            if compressed is not None:
+                raise RefusedTensorFile(f"its record {compressed} is compressed, which torch.save never does (a "
+                                        "small file that would expand to gigabytes?)")
+            pickles = [name for name in records if name.endswith(".pkl")]
+            if not pickles:
+                raise BrokenTensorFile("not a torch file (its archive holds no data.pkl)")
+            for name in pickles:
+                folder = name.rpartition("/")[0]
+                sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
+                         if key.startswith(f"{folder}/data/")}
+                with archive.open(name) as pickled:
+                    _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
+    except OSError as err:
+        raise BrokenTensorFile(f"cannot read it: {err.strerror or err}") from err
     finally:
         if start is not None:
-            path.seek(start)
+            source.seek(start)
 
+
+MAX_KEY_NODES = 64
+"""The most values a dict key may hold (a tuple's items, nested): tclightning's keys are names and
+indices; a tuple holding itself twice at each of 60 levels hashes 2^60 times."""
+
+LARGEST_HASHED_INT = 2**61 - 2
+"""Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
+can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Value:
+    """What the pickle machine would hold, without building it: ``kind`` is str, bytes, int,
+    float, bool, none, tuple, list, dict, set, global (``text`` its dotted name), storage, tensor,
+    array, dtype or object (``text`` its class); a short str's ``text``, an int's ``number``, a tuple's
+    ``items`` and ``nodes`` (values held, nested, capped)."""
+    kind: str
+    text: str | None = None
+    number: int | None = None
+    items: tuple[_Value, ...] = ()
+    nodes: int = 1
+
+
+_NONE, _TRUE, _FALSE, _EMPTY = _Value("none"), _Value("bool"), _Value("bool"), _Value("tuple")
+
+
+def _tuple(items: list[_Value]) -> _Value:
+    nodes = 1 + sum(item.nodes for item in items)
+    return _Value("tuple", items=tuple(items), nodes=min(nodes, MAX_KEY_NODES + 1))
+
+
+def _hashes_fast(key: _Value) -> bool:
+    """Whether ``key`` hashes and compares in bounded time: a str, bytes, bool, None or small
+    int, or a small tuple of them."""
+    if key.kind == "tuple":
+        return key.nodes <= MAX_KEY_NODES and all(_hashes_fast(item) for item in key.items)
+    if key.kind == "int":
+        return key.number is not None and abs(key.number) <= LARGEST_HASHED_INT
+    return key.kind in ("str", "bytes", "bool", "none")
+
+
+_TENSOR_REBUILD = "torch._utils _rebuild_tensor_v2"
+_NUMPY_RECONSTRUCT = ("numpy._core.multiarray _reconstruct", "numpy.core.multiarray _reconstruct")
+_NUMPY_GLOBALS = ("numpy ndarray", "numpy dtype", *_NUMPY_RECONSTRUCT)
+
+
+class _PickleCheck:
+    """Runs the opcodes ``torch.load(weights_only=True)`` reads over :class:`_Value` stand-ins,
+    refusing each step ``torch.save`` never writes (see :func:`check_torch_file`)."""
+
+    def __init__(self, storage_bytes: dict[str, int], classes: set[str], numpy_arrays: bool) -> None:
+        self.storage_bytes, self.classes, self.numpy_arrays = storage_bytes, classes, numpy_arrays
+        self.stack: list[_Value] = []
+        self.marks: list[list[_Value]] = []
+        self.memo: dict[int, _Value] = {}
+
+    def run(self, pickled: IO[bytes]) -> None:
+        try:
+            for opcode, arg, _ in pickletools.genops(pickled):
+                if opcode.name == "STOP":
+                    return
+                self.step(opcode.name, arg)
+        except (ValueError, IndexError, KeyError, EOFError) as err:  # genops: cut short; ours: a stack underflow
+            raise BrokenTensorFile(f"its pickle is damaged ({type(err).__name__})") from err
+        raise BrokenTensorFile("its pickle is cut short")
+
+    def step(self, name: str, arg: Any) -> None:
+        stack, push = self.stack, self.stack.append
+        if name in _LEAVES:
+            push(_LEAVES[name](arg))
+        elif name in ("BINPUT", "LONG_BINPUT"):
+            self.memo[arg] = stack[-1]
+        elif name in ("BINGET", "LONG_BINGET"):
+            push(self.memo[arg])
+        elif name == "MARK":
+            self.marks.append(self.stack)
+            self.stack = []
+        elif name == "TUPLE":
+            items = self._pop_mark()
+            self.stack.append(_tuple(items))
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            count = int(name[-1])
+            if len(stack) < count:
+                raise IndexError("stack underflow")
+            stack[-count:] = [_tuple(stack[-count:])]
+        elif name == "APPEND":
+            stack.pop()
+            self._expect(stack[-1], "list", "APPEND")
+        elif name == "APPENDS":
+            self._pop_mark()
+            self._expect(self.stack[-1], "list", "APPENDS")
+        elif name in ("SETITEM", "SETITEMS"):
+            items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else self._pop_mark()
+            self._expect(self.stack[-1], "dict", name)
+            slow = next((key for key in items[::2] if not _hashes_fast(key)), None)
+            if slow is not None or len(items) % 2:
+                raise RefusedTensorFile(f"its pickle keys a dict by a value that can take ages to hash (a "
+                                        f"{slow.kind if slow else 'key with no value'}), which torch.save never writes")
+        elif name == "GLOBAL":
+            push(self._global(arg))
+        elif name == "BINPERSID":
+            push(self._storage(stack.pop()))
+        elif name == "REDUCE":
+            args = stack.pop()
+            stack[-1] = self._call(stack[-1], args)
+        elif name == "NEWOBJ":
+            args, cls = stack.pop(), stack.pop()
+            if cls.kind != "global" or cls.text not in self.classes or args.kind != "tuple" or args.items:
+                raise RefusedTensorFile(f"its pickle builds {_named(cls)}, which torch.save never writes here")
+            push(_Value("object", cls.text))
+        elif name == "BUILD":
+            self._build(stack.pop(), stack[-1])
+        elif name != "PROTO":
+            raise RefusedTensorFile(f"its pickle uses the instruction {name}, which torch.save never writes")
+
+    def _pop_mark(self) -> list[_Value]:
+        items, self.stack = self.stack, self.marks.pop()
+        return items
+
+    @staticmethod
+    def _expect(target: _Value, kind: str, opcode: str) -> None:
+        if target.kind != kind:
+            raise RefusedTensorFile(f"its pickle applies {opcode} to a {target.kind}")
+
+    def _global(self, dotted: str) -> _Value:
+        module, _, attr = dotted.partition(" ")
+        module = "builtins" if module == "__builtin__" else module  # protocol 2's name for it
+        allowed = (dotted in (_TENSOR_REBUILD, "collections OrderedDict", "_codecs encode")
+                   or (module == "torch" and attr.endswith("Storage") and _storage_dtype(attr) is not None)
+                   or dotted in self.classes or (self.numpy_arrays and dotted in _NUMPY_GLOBALS))
+        if not allowed:
+            raise RefusedTensorFile(f"it asks to load {module}.{attr}, which this file never holds (loading it "
+                                    "could run code or expand without end)")
+        return _Value("global", dotted)
+
+    def _storage(self, pid: _Value) -> _Value:
+        kind, storage_type, key, _location, numel = (pid.items if pid.kind == "tuple" and len(pid.items) == 5
+                                                     else (None,) * 5)
+        dtype = _storage_dtype(storage_type.text.partition(" ")[2]) if storage_type is not None \
+            and storage_type.kind == "global" else None
+        if kind is None or kind.text != "storage" or dtype is None or key.kind != "str" or numel.kind != "int" \
+                or numel.number is None:
+            raise RefusedTensorFile("its pickle asks for a storage in a form torch.save never writes")
+        stored = self.storage_bytes.get(key.text or "")
+        if stored is None or not 0 <= numel.number * dtype.itemsize <= stored:
+            raise RefusedTensorFile(f"its pickle asks for a storage of {numel.number} values from a record of "
+                                    f"{stored} bytes, which torch.save never writes")
+        return _Value("storage")
+
+    def _call(self, func: _Value, args: _Value) -> _Value:
+        """What calling ``func`` with ``args`` gives, for the calls ``torch.save`` writes."""
+        items = args.items if args.kind == "tuple" else None
+        name = func.text if func.kind == "global" else None
+        if items is not None:
+            if name == _TENSOR_REBUILD and items and items[0].kind == "storage":
+                return _Value("tensor")  # any size or stride: loaded tensors are checked (thin_tensor)
+            if name == "collections OrderedDict" and not items:  # filled by SETITEMS, each key checked
+                return _Value("dict")
+            if name == "_codecs encode" and [i.kind for i in items] == ["str", "str"] \
+                    and items[1].text in ("latin1", "latin-1"):  # how protocol 2 writes bytes
+                return _Value("bytes")
+            if name in _NUMPY_RECONSTRUCT and len(items) == 3 and items[0].text == "numpy ndarray" \
+                    and items[1].kind == "tuple" and [i.number for i in items[1].items] == [0]:
+                return _Value("array")  # an empty array; BUILD gives its shape and bytes, which numpy matches
+            if name == "numpy dtype" and [i.kind for i in items] == ["str", "bool", "bool"] \
+                    and items[0].text is not None and len(items[0].text) <= 8:
+                return _Value("dtype")
+        raise RefusedTensorFile(f"its pickle calls {_named(func)} with arguments torch.save never gives it (a call "
+                                "that could run for hours or allocate without end)")
+
+    def _build(self, state: _Value, target: _Value) -> None:
+        fields = state.items if state.kind == "tuple" else ()
+        flat = all(item.kind in ("str", "int", "bool", "none") for item in fields)
+        if target.kind == "object" and (state.kind == "dict" or (len(fields) == 2 and fields[0].kind == "dict"
+                                                                 and fields[1].kind == "none")):
+            return  # a dataclass's fields
+        if target.kind == "dict" and state.kind == "dict":  # a state dict's ``_metadata``
+            return
+        if target.kind == "dtype" and fields and flat:  # a plain dtype: no fields, no subarray shape
+            return
+        if target.kind == "array" and len(fields) == 5 and fields[1].kind == "tuple" and fields[1].nodes <= 33 \
+                and all(d.kind == "int" for d in fields[1].items) and fields[2].kind == "dtype" \
+                and fields[4].kind == "bytes":
+            return
+        raise RefusedTensorFile(f"its pickle sets the state of a {target.kind} in a form torch.save never writes")
+
+
+def _named(value: _Value) -> str:
+    return value.text.replace(" ", ".") if value.kind == "global" and value.text else f"a {value.kind}"
+
+
+def _storage_dtype(name: str) -> torch.dtype | None:
+    """The dtype of the storage class ``name`` (``FloatStorage``), or None if torch knows none."""
+    try:
+        return torch.serialization.StorageType(name).dtype
+    except (KeyError, AttributeError, RuntimeError):
+        return None
+
+
+def _short(text: str) -> str | None:
+    return text if len(text) <= 64 else None
+
+
+_LEAVES: dict[str, Callable[[Any], _Value]] = {
+    "NONE": lambda _: _NONE, "NEWTRUE": lambda _: _TRUE, "NEWFALSE": lambda _: _FALSE,
+    "EMPTY_TUPLE": lambda _: _EMPTY, "EMPTY_LIST": lambda _: _Value("list"), "EMPTY_DICT": lambda _: _Value("dict"),
+    "EMPTY_SET": lambda _: _Value("set"), "BINFLOAT": lambda _: _Value("float"),
+    **{op: lambda n: _Value("int", number=n) for op in ("BININT", "BININT1", "BININT2", "LONG1")},
+    **{op: lambda text: _Value("str", _short(text)) for op in ("BINUNICODE", "SHORT_BINSTRING")},
+}
+"""Instructions that push a plain value (no call, nothing looked up)."""

@@ -41,6 +41,58 @@ def two_step_run(root: Path) -> Path:
     return Path(summary["run_dir"])
 
 
+def _global(dotted: str) -> bytes:
+    module, _, name = dotted.rpartition(".")
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _text(value: str) -> bytes:
+    data = value.encode("utf-8", "surrogatepass")
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def _int(value: int) -> bytes:  # LONG1: any size
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def _shared_tuples(levels: int) -> bytes:
+    """A tuple holding the one before it twice, ``levels`` deep: a few bytes per level, 2^levels to hash."""
+    ops = _text("x") + b"q\x00"
+    for _ in range(levels):
+        ops += b"h\x00\x86q\x00"  # t (on the stack) and t again: (t, t), memoised as the next t
+    return ops
+
+
+PICKLE_BOMBS: dict[str, bytes] = {
+    # each calls only what torch.load(weights_only=True) allows, and runs for hours or allocates without end
+    "set-over-a-stride-0-array": (
+        _global("builtins.set") + _global("numpy.ndarray") + b"(" + _int(10**12) + b"\x85" + _text("u1")
+        + _global("_codecs.encode") + _text("\x00") + _text("latin1") + b"\x86R" + _int(0) + _int(0) + b"\x85"
+        + b"tR\x85R"),
+    "punycode": _global("_codecs.encode") + _text("".join(map(chr, range(0x4E00, 0x9E00)))) + _text("punycode") + b"\x86R",
+    "bytearray-of-a-terabyte": _global("builtins.bytearray") + _int(10**12) + b"\x85R",
+    "dict-key-of-shared-tuples": b"}" + _shared_tuples(60) + b"Ns",
+    "dict-keys-that-collide": b"}(" + b"".join(_int(k * (2**61 - 1) + 7) + b"N" for k in range(1, 200_000)) + b"u",
+    "set-of-shared-tuples": _global("builtins.set") + _shared_tuples(60) + b"\x85\x85R",
+}
+"""Pickles of under 200 KB for ``data.pkl``, by what they do to ``torch.load(weights_only=True)``."""
+
+
+def with_pickle(path: Path, bomb: str) -> Path:
+    """Write a torch file at ``path`` whose ``data.pkl`` is :data:`PICKLE_BOMBS` ``[bomb]`` (every
+    other record as ``torch.save`` writes it)."""
+    import zipfile
+
+    torch.save({"step": 0}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, b"\x80\x02" + PICKLE_BOMBS[bomb] + b"." if name.endswith("data.pkl") else data)
+    return path
+
+
 def require_shared_data(path: Path) -> None:
     """Tests on the real GSM8K/MATH-500 files need ``../shared/data`` (or ``$TCLIGHTNING_DATA``).
     Outside CI a missing copy skips them; in CI (``CI`` set) it fails, so CI never skips them."""

@@ -31,7 +31,7 @@ from tclightning.run import require_logger_servers
 from tclightning.sampling import PromptFormatter, SamplerConfig, build_sampler
 from tclightning.tasks.config import TaskConfig
 from tclightning.tasks.data import DataSource
-from tests.conftest import FAST
+from tests.conftest import FAST, with_pickle
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[1]
@@ -414,6 +414,24 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_refused(tmp_path: Path)
     folder = _model_folder(tmp_path / "model")
     (folder / "tokenizer_config.json").unlink()
     with pytest.raises(TclightningError, match="has no end-of-sequence token"):
+        load_model(ModelConfig(source="hf", name=str(folder)))
+
+
+@pytest.mark.timeout(60)  # torch.load would hash a tuple 2^60 times
+@pytest.mark.parametrize("weights", ["pickle-bomb", "legacy-format"])
+def test_a_pickled_weights_file_is_read_as_torch_save_writes_it_before_transformers_loads_it(
+        tmp_path: Path, weights: str) -> None:
+    """transformers reads ``pytorch_model.bin`` with ``torch.load(weights_only=True)``, which calls
+    what its pickle asks with any arguments: one that would run for hours is refused first, and a
+    file in torch's legacy format (no archive to check) is named with the way out."""
+    folder = _model_folder(tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+    if weights == "pickle-bomb":
+        with_pickle(folder / "pytorch_model.bin", "dict-key-of-shared-tuples")
+    else:
+        torch.save({"weight": torch.zeros(1)}, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    said = "ages to hash" if weights == "pickle-bomb" else "save it again with torch.save or as safetensors"
+    with pytest.raises(TclightningError, match=said):
         load_model(ModelConfig(source="hf", name=str(folder)))
 
 

@@ -25,7 +25,7 @@ from tclightning.errors import TclightningError
 from tclightning.grpo.module import GRPOModule
 from tclightning.pipeline import PipelineConfig
 from tclightning.pipeline.cuts import CutSet
-from tests.conftest import FAST, two_step_run
+from tests.conftest import FAST, PICKLE_BOMBS, two_step_run, with_pickle
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -577,8 +577,8 @@ def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
     assert len(err) == 1 and "loop is a link that leads nowhere" in err[0], err
 
 
-@pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "out-is-a-file",
-                                 "out-under-proc", "linked-default"])
+@pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
+                                 "out-is-a-file", "out-under-proc", "linked-default"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A stride-0 point of 1.6 KB expanded to 2^30 values before any check (a compressed record
@@ -595,6 +595,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
         torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
     if bad == "garbage":
         (folder / "point-00000009.pt").write_bytes(b"not torch")
+    if bad == "pickle-bomb":
+        with_pickle(folder / "point-00000009.pt", "dict-key-of-shared-tuples")
     if bad == "compressed":  # the same records, deflated
         stored = folder / "point-00000002.pt"
         with zipfile.ZipFile(stored) as source:
@@ -611,7 +613,7 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
     assert main(["analyze", "trajectory", str(tmp_path / "run"), *(["--out", str(out)] if out else [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    said = {"stride-0": "stored bytes", "compressed": "is compressed"}.get(bad)
+    said = {"stride-0": "stored bytes", "compressed": "is compressed", "pickle-bomb": "ages to hash"}.get(bad)
     assert said is None or said in err[0], err
     assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "elsewhere").glob("*")) \
         if bad == "linked-default" else (tmp_path / "afile").read_text() == "mine"
@@ -843,6 +845,33 @@ def test_a_checkpoint_whose_records_are_compressed_is_refused_before_anything_ex
         GRPOModule.load_from_checkpoint(str(bomb))
 
 
+@pytest.mark.timeout(60)  # each runs for hours or allocates a terabyte once torch.load calls what it asks
+@pytest.mark.parametrize("bomb", sorted(PICKLE_BOMBS))
+def test_a_pickle_calling_allowed_globals_with_hostile_arguments_is_refused_before_it_runs(
+        tmp_path: Path, bomb: str) -> None:
+    """``weights_only`` allows ``set``, ``bytearray``, ``_codecs.encode`` and (for the RNG state)
+    numpy arrays, each with any arguments, and hashes any dict key: the pickle is read first."""
+    from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
+
+    path = with_pickle(tmp_path / "bomb.ckpt", bomb)
+    with pytest.raises(CheckpointRefused, match="refused: it"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointRefused, match="refused: it"), path.open("rb") as handle:
+        load_checkpoint(handle)
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_from_a_pickle_bomb_is_one_line_and_changes_nothing(run_dir: Path, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    with_pickle(copied / "checkpoints" / "last.ckpt", "set-over-a-stride-0-array")
+    before = _snapshot(copied)
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and "asks to load builtins.set" in err[0], err
+    assert _snapshot(copied) == before
+
+
 def test_load_from_checkpoint_refuses_a_pipe_at_once(run_dir: Path) -> None:
     read_end, write_end = os.pipe()
     with os.fdopen(read_end, "rb") as pipe:
@@ -910,7 +939,8 @@ def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path
     else:
         rollouts.texts = [""] * MAX_CHECKPOINT_VALUES
     torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "x.ckpt")
-    with pytest.raises(CheckpointRefused, match="more than" if nested == "too-many-values" else "stored bytes"):
+    said = {"too-many-values": "more than", "stride-0-in-a-set": "asks to load builtins.set"}.get(nested, "stored bytes")
+    with pytest.raises(CheckpointRefused, match=said):  # a set is refused before anything in it is built
         load_checkpoint(tmp_path / "x.ckpt")
 
 

@@ -19,7 +19,7 @@ from tclightning.cache import DirectoryCache
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.recipes.loader import load_recipe, to_dataclass
 from tclightning.run import intra_op_threads, run
-from tests.conftest import FAST, CrashAt
+from tests.conftest import FAST, CrashAt, with_pickle
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = ["model.warmup.steps=12", "model.warmup.batch_size=16", "model.warmup.target_accuracy=0"]
@@ -127,6 +127,7 @@ DAMAGE = {
     "entry-is-a-file": _entry_is_a_file,
     "entry-is-a-fifo": lambda e: (e.rename(e.with_name(".moved-away")), os.mkfifo(e)),
     "weights-nan": lambda e: _poison(e / "weights.pt"),
+    "weights-pickle-bomb": lambda e: with_pickle(e / "weights.pt", "punycode"),
 }
 
 

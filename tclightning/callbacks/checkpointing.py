@@ -24,7 +24,7 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
-from tclightning.tensor_files import compressed_record, contents, thin_tensor
+from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, thin_tensor
 
 
 def checkpoint_globals() -> list[Any]:
@@ -113,10 +113,14 @@ def _lightning_2_or_later(version: Any) -> bool:
 
 
 def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: bool) -> dict[str, Any]:
-    compressed = compressed_record(source)
-    if compressed is not None:
-        raise CheckpointRefused(f"checkpoint {shown}: its record {compressed} is compressed, which torch.save never "
-                                "does (a small file that would expand to gigabytes?); nothing was loaded")
+    from tclightning.sampling.base import Rollouts
+
+    try:  # before torch.load runs a single call of its pickle
+        check_torch_file(source, classes=[Rollouts], numpy_arrays=True)
+    except RefusedTensorFile as err:
+        raise CheckpointRefused(f"checkpoint {shown}: refused: {err}; nothing was loaded") from None
+    except BrokenTensorFile as err:
+        raise TclightningError(f"checkpoint {shown}: cannot read it (truncated or corrupted?): {err}") from None
     try:
         with checkpoint_allow_list():
             ckpt = torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)

@@ -26,6 +26,7 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
+from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file
 
 
 T = TypeVar("T")
@@ -219,11 +220,30 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
     if not weights:  # transformers refuses the folder itself
         return
+    for entry in tree(folder):
+        if entry.suffix in PICKLED_WEIGHTS and entry.is_file():
+            _check_pickled_weights(entry)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - a config transformers cannot read is the loader's to name, in one line
         return
     check_model_size(config, weights, f"the model folder {folder}", trust_remote_code)
+
+
+PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
+"""Weight files transformers reads with ``torch.load(weights_only=True)``, which calls what the pickle asks."""
+
+
+def _check_pickled_weights(path: Path) -> None:
+    """A pickled weights file holds tensors as ``torch.save`` writes them, and nothing else, before
+    transformers unpickles it (:func:`~tclightning.tensor_files.check_torch_file`)."""
+    try:
+        check_torch_file(path)
+    except BrokenTensorFile as err:
+        raise TclightningError(f"the model folder's weights {path}: {err}; a file in torch's pre-1.6 format cannot be "
+                               "checked before it is read: save it again with torch.save or as safetensors") from None
+    except RefusedTensorFile as err:
+        raise TclightningError(f"the model folder's weights {path}: refused: {err}; nothing was loaded") from None
 
 
 def _model_folder_files(folder: Path) -> Iterator[Path]:

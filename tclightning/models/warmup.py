@@ -26,6 +26,7 @@ from tclightning.files import exchange, open_regular, regular_file, remove_tree,
 from tclightning.limits import interrupt
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
+from tclightning.tensor_files import RefusedTensorFile, check_torch_file
 
 
 def _sigterm_interrupts(received: list[int]) -> Any:
@@ -288,7 +289,10 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
         raise UnreadableEntry(f"{STATS}: warmup/steps is {steps}, not a step count")
     try:
         with open_regular(entry / WEIGHTS, WEIGHTS) as handle:
+            check_torch_file(handle)  # before torch.load runs a single call of its pickle
             state = torch.load(handle, map_location="cpu", weights_only=True)
+    except RefusedTensorFile as err:
+        raise UnreadableEntry(f"{WEIGHTS}: {err}") from None
     except Exception:  # noqa: BLE001 - truncated, garbage, refused: all the same to a cache
         # (torch's own message for a cut file can be as unhelpful as "Invalid argument")
         raise UnreadableEntry(f"{WEIGHTS}: truncated, corrupted or not plain tensors") from None

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file, replace_text, save_figure
-from tclightning.tensor_files import compressed_record, thin_tensor
+from tclightning.files import open_regular, regular_file, replace_text, save_figure
+from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file, thin_tensor
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -80,12 +80,12 @@ def _point(path: Path) -> dict[str, Any]:
     """One trajectory point, read as data only: a record with a whole ``step`` and a 1-D finite
     float ``point``; one line naming the file otherwise (a FIFO named point-*.pt is never opened)."""
     regular_file(path, "trajectory point")  # a FIFO named point-*.pt is never opened
-    compressed = compressed_record(path)
-    if compressed is not None:
-        raise TclightningError(f"trajectory point {path}: its record {compressed} is compressed, which torch.save "
-                               "never does (a small file that would expand to gigabytes?)")
     try:
-        record = torch.load(path, map_location="cpu", weights_only=True)
+        with open_regular(path, "trajectory point") as handle:  # checked as read: a file swapped in is refused
+            check_torch_file(handle)  # before torch.load runs a single call of its pickle
+            record = torch.load(handle, map_location="cpu", weights_only=True)
+    except (RefusedTensorFile, BrokenTensorFile) as err:
+        raise TclightningError(f"trajectory point {path}: {err}") from None
     except Exception as err:  # noqa: BLE001 - garbage, cut short, a pickle asking for code: the file, not a bug
         raise TclightningError(f"trajectory point {path}: not a point file ({type(err).__name__})") from None
     point = record.get("point") if isinstance(record, dict) else None
