@@ -96,6 +96,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
                     _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
     except OSError as err:
         raise BrokenTensorFile(f"cannot read it: {err.strerror or err}") from err
+    except (zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as err:  # a record cut or encrypted
+        raise BrokenTensorFile(f"its archive is damaged ({' '.join(str(err).split())[:80]})") from err
     finally:
         if start is not None:
             source.seek(start)
