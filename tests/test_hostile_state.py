@@ -1013,3 +1013,58 @@ def test_a_rank_other_than_0_writes_nothing_into_the_run_dir_it_is_named(run_dir
                                "pipeline.timeout_s=3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2 and "did not all meet" in done.stderr, done.stderr[-3000:]
     assert _snapshot(earlier) == before and not (tmp_path / "new").exists()
+
+
+def _restored_job(edit) -> tuple:
+    """An anchor whose pending job came back from a checkpoint and was edited by ``edit``."""
+    from tclightning.anchor import Anchor, AnchorCircuit, AnchorSchedule
+    from tclightning.anchor.mergers import make_merger
+    from tclightning.sampling.base import Rollouts
+
+    params = [torch.nn.Parameter(torch.ones(3, 2)), torch.nn.Parameter(torch.ones(2))]
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    rollouts = Rollouts(prompt_ids=ids, prompt_mask=ids, completion_ids=ids, completion_mask=ids.float(),
+                        logp_sampler=ids.float(), texts=["a", "b"], truncated=torch.zeros(2, dtype=torch.bool),
+                        group_size=2)
+    replay = {"rollouts": rollouts, "advantages": torch.zeros(2), "rows": torch.tensor([0, 1])}
+    saved = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(latency=1, cadence=1)))
+    saved.tick(0, first=True, parameters=lambda: params, payload=lambda: replay, gradient=lambda job: ([], 0.0))
+    state = copy.deepcopy(saved.state_dict())
+    edit(state["circuit"]["pending"][0])
+    restored = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(latency=1, cadence=1)))
+    restored.load_state_dict(state)
+    computed: list = []
+    return restored, params, computed
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda job: job.update(snapshot=[torch.zeros(3) for _ in job["snapshot"]]), "snapshot is not shaped"),
+    (lambda job: job.update(snapshot=job["snapshot"][:1]), "snapshot is not shaped"),
+    (lambda job: job["payload"]["rollouts"].__setattr__("texts", 12345), "replay is not"),
+    (lambda job: job["payload"]["rollouts"].__setattr__("group_size", "x"), "replay is not"),
+    (lambda job: job["payload"].update(rows=torch.tensor([0, 7])), "replay is not"),
+    (lambda job: job["payload"].update(rollouts=[1, 2]), "replay is not"),
+], ids=["snapshot-shapes", "snapshot-count", "texts-an-int", "group-size-a-word", "rows-out-of-range", "no-rollouts"])
+def test_an_anchor_job_restored_from_a_checkpoint_that_does_not_fit_is_one_line(edit, said: str) -> None:
+    """A checkpoint's pending anchor job (snapshot, replay) was computed as restored: a RuntimeError
+    or TypeError traceback at its delivery. Refused before anything of it is computed."""
+    anchor, params, computed = _restored_job(edit)
+    with pytest.raises(TclightningError, match=f"anchor job of tick 0: its {said}"):
+        anchor.tick(1, first=False, parameters=lambda: params, payload=lambda: None,
+                    gradient=lambda job: computed.append(job) or ([torch.zeros_like(p) for p in params], 0.0))
+    assert not computed
+
+
+@pytest.mark.parametrize("edit", [
+    lambda job: job.update(snapshot=7), lambda job: job.update(tick="soon"), lambda job: job.pop("due_tick"),
+], ids=["snapshot-a-number", "tick-a-word", "no-due-tick"])
+def test_an_anchor_circuit_state_tclightning_never_writes_is_one_line(edit) -> None:
+    with pytest.raises(TclightningError, match="anchor circuit state is not one tclightning writes"):
+        _restored_job(edit)
+
+
+def test_an_anchor_job_restored_whole_is_delivered() -> None:
+    anchor, params, computed = _restored_job(lambda job: None)
+    anchor.tick(1, first=False, parameters=lambda: params, payload=lambda: None,
+                gradient=lambda job: computed.append(job) or ([torch.zeros_like(p) for p in params], 0.0))
+    assert len(computed) == 1 and anchor.pop_delivery() is not None

@@ -281,17 +281,41 @@ def test_a_sigterm_in_a_finalizer_still_stops_the_run_before_training() -> None:
         time.sleep(5)
 
 
-def test_a_sigterm_a_library_swallowed_still_stops_the_run_at_the_next_hook() -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_a_library_swallowed_before_training_still_stops_the_run_at_the_next_hook(signum: int) -> None:
+    """A Ctrl-C while the trainer set up or restored a checkpoint was lost to a bare ``except:``
+    there: the run trained every step and exited 0."""
     from tclightning.callbacks.checkpointing import SigtermBeforeTraining
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a terminal's Python has it
     with SigtermBeforeTraining() as guard:
         try:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
             time.sleep(5)
         except BaseException:  # noqa: BLE001 -- a library's bare `except:`
             pass
         with pytest.raises(KeyboardInterrupt):
             guard.setup(None, None, "fit")  # type: ignore[arg-type]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_goes_back_to_its_handler_once_training_starts() -> None:
+    """After ``on_train_start`` a Ctrl-C is the step-finishing stop's, whichever callback ran first."""
+    from tclightning.callbacks.checkpointing import GracefulStop, SigtermBeforeTraining
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for order in ("guard-first", "stop-first"):
+        with SigtermBeforeTraining() as guard:
+            stop = GracefulStop()
+            hooks = [guard, stop] if order == "guard-first" else [stop, guard]
+            for callback in hooks:
+                callback.on_train_start(None, None)  # type: ignore[arg-type]
+            os.kill(os.getpid(), signal.SIGINT)  # the first asks to stop after the step
+            assert stop.requested, order
+            with pytest.raises(KeyboardInterrupt):  # the second stops at once
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_a_sigterm_a_library_swallowed_in_the_warm_up_stops_it_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:

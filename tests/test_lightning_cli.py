@@ -199,11 +199,30 @@ def test_a_file_named_like_lightning_s_checkpoint_names_is_never_read_for_the_mo
     monkeypatch.syspath_prepend(str(tmp_path / "mods"))
     torch.save({"hyper_parameters": {"_class_path": f"planted_{name}.Planted"}}, tmp_path / name)
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
-    try:
-        lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", name])
-    except ValueError as err:  # Lightning's own: no ModelCheckpoint (best), no HPC checkpoint (hpc)
-        assert name in str(err)
+    code = lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", name])
+    assert code == (0 if name == "last" else 2)  # Lightning finds no ModelCheckpoint (best), no HPC checkpoint (hpc)
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.timeout(120)  # torch.load would hash a tuple 2^60 times
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_checkpoint_lightning_finds_by_name_is_checked_as_any_other(tmp_path, monkeypatch, capsys):
+    """``--ckpt_path hpc`` loads the newest ``hpc_ckpt_N.ckpt`` Lightning finds in the run's root
+    folder: read through tclightning's checks, a crafted one is refused in one line; with none
+    there, Lightning's refusal is one line too."""
+    from tests.conftest import with_pickle
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = ["fit", "--config", "my_config.yaml", "--trainer.default_root_dir=.", "--ckpt_path", "hpc"]
+    capsys.readouterr()
+    assert lightning_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: --ckpt_path: ") and "no HPC checkpoint" in err[-1], err
+    with_pickle(tmp_path / "hpc_ckpt_1.ckpt", "dict-key-of-shared-tuples")
+    assert lightning_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "hpc_ckpt_1.ckpt" in err[-1] and "ages to hash" in err[-1], err
 
 
 class Marker:

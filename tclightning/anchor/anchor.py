@@ -130,6 +130,7 @@ class Anchor:
                                    "pass fast_gradient to Anchor.tick")
         needs_fast = required or (self.measure_fast and fast_gradient is not None)
         for job in self.circuit.due(tick):
+            refuse_unfit_job(job, parameters())  # a job restored from a checkpoint of another model
             started = time.perf_counter()
             grads, sent = gradient(job)
             fast = None
@@ -315,6 +316,48 @@ class Anchor:
         self.agreement = [float(a) for a in state.get("agreement", [])]
         self.coordinates = [int(n) for n in state.get("coordinates", [1] * len(self.agreement))]
         self._device = None  # the state is on CPU now; moved to the parameters' device at the next merge
+
+
+def refuse_unfit_job(job: AnchorJob, params: Sequence[Tensor]) -> None:
+    """One line (``TclightningError``) for a job that cannot be computed here: its snapshot is not
+    shaped like ``params`` (the weights the anchor snapshots), or its replay is not the rollouts,
+    advantages and rows a step records. Jobs come back from checkpoints, which a recipe's checks
+    never see."""
+    where = f"the checkpoint's anchor job of tick {job.tick}"
+    snapshot = job.snapshot if isinstance(job.snapshot, list) else None
+    if snapshot is None or len(snapshot) != len(params) or any(
+            not isinstance(t, Tensor) or t.shape != p.shape or t.dtype != p.dtype for t, p in zip(snapshot, params)):
+        raise TclightningError(f"{where}: its snapshot is not shaped like this model's weights ({len(params)} "
+                               "tensors); resume with the recipe that saved it")
+    payload = job.payload
+    if payload is None:
+        return
+    from tclightning.sampling.base import Rollouts
+
+    rollouts = payload.get("rollouts") if isinstance(payload, dict) else None
+    if not isinstance(rollouts, Rollouts) or not _rows_agree(rollouts, payload):
+        raise TclightningError(f"{where}: its replay is not the rollouts, advantages and rows a step records; resume "
+                               "with the recipe that saved it")
+
+
+def _rows_agree(rollouts: Any, payload: dict[str, Any]) -> bool:
+    """Whether a replay's tensors are what a step records: token grids of one row per sequence,
+    one advantage per sequence, row indices among them, one text each."""
+    grids = (rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask,
+             rollouts.logp_sampler)
+    if not all(isinstance(t, Tensor) and t.dim() == 2 for t in grids):
+        return False
+    count = rollouts.completion_ids.shape[0]
+    advantages, rows = payload.get("advantages"), payload.get("rows")
+    return (all(t.shape[0] == count for t in grids) and grids[0].shape == grids[1].shape
+            and grids[2].shape == grids[3].shape == grids[4].shape
+            and isinstance(rollouts.truncated, Tensor) and rollouts.truncated.shape == (count,)
+            and isinstance(rollouts.texts, list) and len(rollouts.texts) == count
+            and all(isinstance(text, str) for text in rollouts.texts)
+            and isinstance(rollouts.group_size, int) and rollouts.group_size >= 1
+            and isinstance(advantages, Tensor) and advantages.shape == (count,)
+            and isinstance(rows, Tensor) and rows.dim() == 1 and not rows.is_floating_point()
+            and bool(((rows >= 0) & (rows < count)).all()))
 
 
 def build_anchor(config: AnchorConfig) -> Anchor | None:

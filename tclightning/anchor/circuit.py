@@ -219,12 +219,19 @@ class AnchorCircuit:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the pending work exactly; the schedule stays the constructor's (a recipe may change it)."""
-        self.pending = [AnchorJob.from_state(job) for job in state.get("pending", [])]
-        last = state.get("last_record_tick")
-        self.last_record_tick = None if last is None else int(last)
-        self.recorded = int(state.get("recorded", 0))
-        self.delivered = int(state.get("delivered", 0))
+        """Restore the pending work exactly; the schedule stays the constructor's (a recipe may change it).
+        ``TclightningError`` (one line) for a state that is not one :meth:`state_dict` writes; whether
+        each job fits the model is checked when it is due (:func:`~tclightning.anchor.anchor.refuse_unfit_job`)."""
+        try:
+            pending = [AnchorJob.from_state(job) for job in state.get("pending", [])]
+            last = state.get("last_record_tick")
+            last_record_tick = None if last is None else int(last)
+            recorded, delivered = int(state.get("recorded", 0)), int(state.get("delivered", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise TclightningError(f"the checkpoint's anchor circuit state is not one tclightning writes "
+                                   f"({type(err).__name__}: {' '.join(str(err).split())[:120]}); resume with the "
+                                   "recipe that saved it") from None
+        self.pending, self.last_record_tick, self.recorded, self.delivered = pending, last_record_tick, recorded, delivered
 
 
 def rank_share(state: Any, rank: int, world_size: int) -> Any:

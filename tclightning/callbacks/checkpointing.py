@@ -262,7 +262,15 @@ class OwnFileCheckpointIO(TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO`` with its writes done by :func:`~tclightning.files.save_tensors`:
     a new temporary file beside the checkpoint, renamed over it. Lightning's own write stages the
     file in ``$TMPDIR`` and, when that is another filesystem, copies it onto the name, following a
-    link planted there (and needing the whole checkpoint's size free in ``$TMPDIR``)."""
+    link planted there (and needing the whole checkpoint's size free in ``$TMPDIR``). Its reads go
+    through :func:`load_checkpoint`, every check included: Lightning resolves ``ckpt_path="hpc"``,
+    ``"last"`` or ``"best"`` to a file itself, and would otherwise unpickle it unchecked."""
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if weights_only is False:
+            raise TclightningError(f"checkpoint {path}: loading it with weights_only=False could run code; tclightning "
+                                   "reads checkpoints as data only")
+        return load_checkpoint(path)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -463,36 +471,46 @@ class StepCheckpoint(Checkpoint):
 
 class SigtermBeforeTraining(L.Callback):
     """Until training starts, SIGTERM stops a run as Ctrl-C does (one line; a run folder that saved
-    nothing is removed): there is no step to finish yet. Used as a context manager around the
-    whole run and passed to the trainer, whose ``on_train_start`` hands SIGTERM over to Lightning
-    (finish the step, checkpoint, stop); a second SIGTERM during training stops at once, as a
-    second Ctrl-C does (a long step is not waited for). Off the main thread no handler can be set:
-    it does nothing."""
+    nothing is removed): there is no step to finish yet; and either signal is remembered, so one a
+    library's bare ``except:`` swallowed (while the model loads, the trainer sets up, a checkpoint
+    is restored) stops the run at the next hook instead of being lost. Used as a context manager
+    around the whole run and passed to the trainer, whose ``on_train_start`` hands SIGTERM over to
+    Lightning (finish the step, checkpoint, stop) and Ctrl-C back to :class:`GracefulStop`'s
+    handling; a second SIGTERM during training stops at once, as a second Ctrl-C does (a long step
+    is not waited for). Off the main thread no handler can be set: it does nothing."""
 
     def __init__(self) -> None:
         self.armed = False
         self.received = False
         self.training = False
         self._in_training = 0  # SIGTERMs since training started (Lightning calls this handler after its own)
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> SigtermBeforeTraining:
         try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
             self.armed = True
         except ValueError:  # not the main thread
-            self._previous = None
+            self._restore(signal.SIGTERM)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.armed:
             self.received = True
             interrupt(signum, frame)
+        elif signum == signal.SIGINT:  # after training started (its handler is back by then, but a race)
+            interrupt(signum, frame)
         elif self.training:  # Lightning, holding SIGTERM, called it after its own: it stops after the step
             self._in_training += 1
             if self._in_training > 1:
                 interrupt(signum, frame)
             print("\nSIGTERM: stopping after this step (SIGTERM again to stop now)", flush=True)
+
+    def _restore(self, signum: int) -> None:
+        previous = self._previous.pop(signum, None)
+        if previous is not None:
+            signal.signal(signum, previous)
 
     def _stop_if_received(self) -> None:
         """The interrupt again, at a hook: a library's bare ``except:`` may have swallowed the first."""
@@ -509,6 +527,9 @@ class SigtermBeforeTraining(L.Callback):
         self._stop_if_received()
         self.armed = False
         self.training = True
+        previous = self._previous.pop(signal.SIGINT, None)  # Ctrl-C during training: finish the step (GracefulStop)
+        if previous is not None and signal.getsignal(signal.SIGINT) == self._handle:  # not yet taken over
+            signal.signal(signal.SIGINT, previous)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.training = False  # the last checkpoint is being committed: SIGTERM only asks to stop
@@ -516,8 +537,8 @@ class SigtermBeforeTraining(L.Callback):
     def __exit__(self, *exc: object) -> None:
         self.armed = False
         self.training = False
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum in list(self._previous):
+            self._restore(signum)
 
 
 class GracefulStop(L.Callback):

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from tclightning.cli import run as run_cli
@@ -95,6 +96,16 @@ def lightning_cli(argv: Sequence[str]) -> int:
         class to build anywhere in them (``class_path``, ``_class_path``, ``init_args``: jsonargparse
         would import any module they name), never turning on remote code."""
 
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
+
+            trainer = super().instantiate_trainer(**kwargs)
+            if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
+                trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
+            return trainer
+
         def _parse_ckpt_path(self) -> None:
             from tclightning.callbacks.checkpointing import legacy_hparams, load_checkpoint, names_a_class
             from tclightning.models.loading import check_checkpoint_model
@@ -135,6 +146,11 @@ def lightning_cli(argv: Sequence[str]) -> int:
         if "SaveConfigCallback" not in str(err):
             raise
         raise TclightningError(" ".join(str(err).split())[:300]) from None
+    except ValueError as err:  # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
+        text = " ".join(str(err).split())
+        if "ckpt_path=" not in text:
+            raise
+        raise TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)") from None
     return 0
 
 
