@@ -11,7 +11,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from pathlib import Path
@@ -492,7 +492,9 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
             url = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
             server, advice = "MLflow", "start it, or leave tracking_uri unset to log to a local file store"
         elif class_path in ("wandb", LOGGERS["wandb"][0]) and not wandb_offline(init_args):
-            url = os.environ.get("WANDB_BASE_URL") or WANDB_URL
+            settings = init_args.get("settings")  # wandb.init(settings=...) names the server before the environment
+            url = str((settings.get("base_url") if isinstance(settings, Mapping) else None)
+                      or os.environ.get("WANDB_BASE_URL") or WANDB_URL)
             server, advice = "W&B", "set WANDB_MODE=offline to log locally and `wandb sync` later"
         else:
             continue

@@ -379,6 +379,21 @@ def test_a_wandb_logger_whose_server_does_not_answer_is_refused(server: str, req
     require_logger_servers(recipe)
 
 
+def test_a_wandb_logger_s_own_server_setting_is_the_one_asked(silent_server: str, answering_server: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init_args.settings.base_url`` is the server wandb.init talks to, whatever the environment
+    says: a silent one there was waited on for two minutes, then a traceback."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", answering_server)
+    recipe = to_dataclass(load_recipe("tiny"))
+    recipe.logging.loggers = ["wandb"]
+    require_logger_servers(recipe)  # the environment's server answers
+    recipe.logging.loggers = [{"class_path": "wandb", "init_args": {"settings": {"base_url": silent_server}}}]
+    with pytest.raises(TclightningError, match="the W&B server 127.0.0.1 does not answer"):
+        require_logger_servers(recipe)
+
+
 @pytest.mark.parametrize("server", ["silent_server", "closed_port"])
 def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, request: pytest.FixtureRequest,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
