@@ -80,6 +80,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             raise BrokenTensorFile("not a torch file (torch.save writes a zip archive)") from err
         with archive:
             records = {info.filename: info for info in archive.infolist()}
+            if len(records) < len(archive.infolist()):  # which of two records of one name torch reads is its own
+                raise RefusedTensorFile("its archive holds two records of one name, which torch.save never writes")
             compressed = next((name for name, info in records.items() if info.compress_type != zipfile.ZIP_STORED),
                               None)
             if compressed is not None:
@@ -264,7 +266,8 @@ class _PickleCheck:
                     and items[1].text in ("latin1", "latin-1"):  # how protocol 2 writes bytes
                 return _Value("bytes")
             if name in _NUMPY_RECONSTRUCT and len(items) == 3 and items[0].text == "numpy ndarray" \
-                    and items[1].kind == "tuple" and [i.number for i in items[1].items] == [0]:
+                    and items[1].kind == "tuple" and [i.number for i in items[1].items] == [0] \
+                    and items[2].kind in ("bytes", "dtype"):
                 return _Value("array")  # an empty array; BUILD gives its shape and bytes, which numpy matches
             if name == "numpy dtype" and [i.kind for i in items] == ["str", "bool", "bool"] \
                     and items[0].text is not None and len(items[0].text) <= 8:

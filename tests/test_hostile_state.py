@@ -860,6 +860,27 @@ def test_a_pickle_calling_allowed_globals_with_hostile_arguments_is_refused_befo
         load_checkpoint(handle)
 
 
+def test_a_checkpoint_holding_two_records_of_one_name_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    """Python's zip reader and torch's need not pick the same one of two ``data.pkl``: the one checked
+    must be the one loaded."""
+    import warnings
+
+    from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
+
+    doubled = tmp_path / "doubled.ckpt"
+    with_pickle(tmp_path / "bomb.pt", "dict-key-of-shared-tuples")
+    with zipfile.ZipFile(tmp_path / "bomb.pt") as bomb, zipfile.ZipFile(run_dir / "checkpoints" / "last.ckpt") as real, \
+            zipfile.ZipFile(doubled, "w", zipfile.ZIP_STORED) as archive, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name" is the point
+        pickled = next(info for info in bomb.infolist() if info.filename.endswith("data.pkl"))
+        for info in real.infolist():
+            if info.filename.endswith("data.pkl"):
+                archive.writestr(info.filename, bomb.read(pickled))
+            archive.writestr(info.filename, real.read(info))
+    with pytest.raises(CheckpointRefused, match="two records of one name"):
+        load_checkpoint(doubled)
+
+
 @pytest.mark.timeout(120)
 def test_a_resume_from_a_pickle_bomb_is_one_line_and_changes_nothing(run_dir: Path, tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
