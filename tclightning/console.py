@@ -33,9 +33,19 @@ def sigterm_interrupts() -> None:
     """SIGTERM stops the command as Ctrl-C does (one line, exit 130), where nothing else holds it:
     while it starts, and after a run has finished (a run holds SIGTERM itself: before its first step
     it stops at once, then it finishes the step and checkpoints). The default would end the process
-    by the signal without a word (exit -15). Leaves a handler someone else set alone."""
+    by the signal without a word (exit -15). A SIGHUP (the terminal closed) is a SIGTERM: by default
+    it would end a bench without removing its network namespaces. Leaves a handler someone else set
+    alone (``nohup``'s ignored SIGHUP)."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, interrupt)
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
+        signal.signal(hangup, hangup_is_sigterm)
+
+
+def hangup_is_sigterm(signum: int, frame: Any) -> None:
+    """The SIGHUP handler: the SIGTERM handler in force then (a run's, or the command's) decides."""
+    signal.raise_signal(signal.SIGTERM)
 
 
 def exit_at_late_interrupt() -> None:

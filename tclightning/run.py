@@ -895,11 +895,13 @@ def _signal_handlers_kept() -> Any:
     handler for it (``nohup``: ignored)."""
     import signal
 
+    from tclightning.console import hangup_is_sigterm
+
     hangup = getattr(signal, "SIGHUP", None)
     kept = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, hangup) if sig is not None}
     if hangup is not None and kept[hangup] is signal.SIG_DFL:
         with contextlib.suppress(ValueError):  # not the main thread: signals are the caller's
-            signal.signal(hangup, lambda signum, frame: signal.raise_signal(signal.SIGTERM))
+            signal.signal(hangup, hangup_is_sigterm)
     try:
         yield
     finally:

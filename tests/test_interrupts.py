@@ -341,6 +341,27 @@ def test_a_sigterm_a_library_swallowed_in_the_warm_up_stops_it_at_the_next_step(
     assert len(steps) == 2
 
 
+def test_a_closed_terminal_stops_any_command_as_sigterm_does_and_its_cleanup_runs(tmp_path: Path) -> None:
+    """SIGHUP's default ended a command (a bench holding network namespaces) without its cleanup."""
+    marker = tmp_path / "cleaned"
+    script = ("import os, signal, sys, time\n"
+              "import tclightning.recipes.loader as loader\n"
+              "import tclightning.cli.main as cli\n"
+              "def listing():\n"
+              "    try:\n"
+              "        os.kill(os.getpid(), signal.SIGHUP)\n"
+              "        time.sleep(30)\n"
+              "    finally:\n"
+              f"        open({str(marker)!r}, 'w').write('done')\n"
+              "loader.list_recipes = listing\n"
+              "sys.argv = ['tclightning', 'recipes', 'list']\n"
+              "sys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
+    assert marker.read_text() == "done"
+
+
 def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> None:
     """Between the end of a command and Python's exit nothing held SIGTERM: the finished command
     died by the signal (exit -15) without a word."""
