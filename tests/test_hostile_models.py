@@ -394,6 +394,14 @@ def test_a_wandb_logger_s_own_server_setting_is_the_one_asked(silent_server: str
         require_logger_servers(recipe)
 
 
+def test_a_malformed_server_url_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://[::1")
+    recipe = to_dataclass(load_recipe("tiny"))
+    recipe.logging.loggers = ["mlflow"]
+    with pytest.raises(TclightningError, match=r"the MLflow server http://\[::1 does not answer"):
+        require_logger_servers(recipe)
+
+
 @pytest.mark.parametrize("server", ["silent_server", "closed_port"])
 def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, request: pytest.FixtureRequest,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

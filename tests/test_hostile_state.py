@@ -860,9 +860,13 @@ def test_a_pickle_calling_allowed_globals_with_hostile_arguments_is_refused_befo
         load_checkpoint(handle)
 
 
-def test_a_checkpoint_holding_two_records_of_one_name_is_refused(run_dir: Path, tmp_path: Path) -> None:
-    """Python's zip reader and torch's need not pick the same one of two ``data.pkl``: the one checked
-    must be the one loaded."""
+@pytest.mark.timeout(60)  # torch.load would hash a tuple 2^60 times
+@pytest.mark.parametrize("name", ["same-name", "other-case", "beside-it"])
+def test_a_pickle_torch_may_read_in_place_of_the_one_checked_is_checked_too(run_dir: Path, tmp_path: Path,
+                                                                             name: str) -> None:
+    """torch finds ``archive/data.pkl`` ignoring case and takes the first of two equal names; Python's
+    zip reader the last, by exact name: a bomb placed first, or as ``DATA.PKL`` beside a genuine
+    pickle renamed, passed the check and ran."""
     import warnings
 
     from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
@@ -875,10 +879,25 @@ def test_a_checkpoint_holding_two_records_of_one_name_is_refused(run_dir: Path, 
         pickled = next(info for info in bomb.infolist() if info.filename.endswith("data.pkl"))
         for info in real.infolist():
             if info.filename.endswith("data.pkl"):
-                archive.writestr(info.filename, bomb.read(pickled))
-            archive.writestr(info.filename, real.read(info))
-    with pytest.raises(CheckpointRefused, match="two records of one name"):
+                planted = {"same-name": info.filename, "other-case": info.filename.upper()}.get(name)
+                archive.writestr(planted or info.filename.replace("data.pkl", "DATA.PKL"), bomb.read(pickled))
+                archive.writestr(info.filename.replace("data.pkl", "real.pkl") if name == "beside-it" else info.filename,
+                                 real.read(info))
+            else:
+                archive.writestr(info.filename, real.read(info))
+    with pytest.raises(CheckpointRefused, match="refused: it"):
         load_checkpoint(doubled)
+
+
+def test_a_dict_of_more_int_keys_than_any_state_holds_is_refused(tmp_path: Path) -> None:
+    """Ints hash to themselves: a pickle can choose thousands whose slots probe into each other."""
+    from tclightning.tensor_files import MAX_INT_KEYS, RefusedTensorFile, check_torch_file
+
+    torch.save({"held": dict.fromkeys(range(MAX_INT_KEYS), 0)}, tmp_path / "most.pt")
+    check_torch_file(tmp_path / "most.pt")
+    torch.save({"held": dict.fromkeys(range(MAX_INT_KEYS + 1), 0)}, tmp_path / "more.pt")
+    with pytest.raises(RefusedTensorFile, match=f"more than {MAX_INT_KEYS} int keys"):
+        check_torch_file(tmp_path / "more.pt")
 
 
 @pytest.mark.timeout(120)

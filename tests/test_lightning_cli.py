@@ -236,15 +236,21 @@ class Marker:
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
-@pytest.mark.parametrize("argv", [["--config", "pipe.yaml"], ["--config", "my_config.yaml", "--trainer.callbacks=pipe.yaml"]],
-                         ids=["config", "callbacks-file"])
+@pytest.mark.parametrize("argv", [
+    ["--config", "pipe.yaml"], ["--config", "my_config.yaml", "--trainer.callbacks=pipe.yaml"], ["-cpipe.yaml"],
+    ["--config", "my_config.yaml", "--config", "names_callbacks.yaml"],
+    ["--config", "my_config.yaml", "--config", "names_model.yaml"],
+], ids=["config", "callbacks-file", "short-option-attached", "inside-a-config-callbacks", "inside-a-config-model"])
 @pytest.mark.timeout(120)  # a regression waits on the FIFO: fail instead
 def test_a_fifo_given_to_lightning_fit_is_one_line(argv, tmp_path, monkeypatch, capsys):
-    """jsonargparse opened it and waited for ever."""
+    """jsonargparse opened it and waited for ever: named on the command line, or in a config file
+    (every file jsonargparse reads is checked as it reads it)."""
     import os
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    (tmp_path / "names_callbacks.yaml").write_text("trainer: {callbacks: pipe.yaml}\n")
+    (tmp_path / "names_model.yaml").write_text("model: pipe.yaml\n")
     os.mkfifo(tmp_path / "pipe.yaml")
     assert lightning_cli.main(["fit", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

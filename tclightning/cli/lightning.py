@@ -9,7 +9,8 @@ import argparse
 import importlib.util
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from pathlib import Path
 
@@ -73,6 +74,27 @@ def _refuse_blocking_paths(argv: Sequence[str]) -> None:
             continue
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             regular_file(value, f"lightning {argv[0]} {option}".rstrip())
+
+
+@contextmanager
+def _files_read_are_regular() -> Iterator[None]:
+    """jsonargparse reads every file a value names (``--config X``, ``-cX``, and inside a config
+    ``trainer: {callbacks: x.yaml}`` or ``model: x.yaml``) through ``jsonargparse.Path.read_text``:
+    within the block each must be a regular file (a FIFO or a device would be waited on forever)."""
+    from jsonargparse import Path as ConfigPath
+
+    read_text = ConfigPath.read_text
+
+    def checked(path: ConfigPath) -> str:
+        if not (path.is_url or path.is_fsspec or path.relative == "-"):  # stdin is the caller's to give
+            regular_file(path.absolute, "lightning: a file the configuration names")
+        return read_text(path)
+
+    ConfigPath.read_text = checked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigPath.read_text = read_text  # type: ignore[method-assign]
 
 
 def lightning_cli(argv: Sequence[str]) -> int:
@@ -139,7 +161,8 @@ def lightning_cli(argv: Sequence[str]) -> int:
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
     try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
-        with checkpoint_allow_list():  # a tclightning checkpoint's few data objects (the RNG states), for Lightning too
+        with checkpoint_allow_list(), _files_read_are_regular():  # a tclightning checkpoint's few data objects
+            # (the RNG states), for Lightning too
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)
     except RuntimeError as err:
