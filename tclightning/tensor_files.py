@@ -112,6 +112,10 @@ LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
 
+MAX_OPEN_MARKS = 1_000
+"""The most pickle marks open at once (torch.save nests them as deep as the state nests: a few):
+each holds a list, so a file of nothing but marks would cost ~80 bytes of memory a byte."""
+
 MAX_INT_KEYS = 16_384
 """The most int keys one dict may have (an optimizer's state has one per parameter tensor: a few
 hundred). Ints hash to themselves, so a pickle can choose keys whose slots all probe into each
@@ -183,6 +187,9 @@ class _PickleCheck:
         elif name in ("BINGET", "LONG_BINGET"):
             push(self.memo[arg])
         elif name == "MARK":
+            if len(self.marks) >= MAX_OPEN_MARKS:
+                raise RefusedTensorFile(f"its pickle opens more than {MAX_OPEN_MARKS} marks at once, which torch.save "
+                                        "never writes")
             self.marks.append(self.stack)
             self.stack = []
         elif name == "TUPLE":

@@ -1108,3 +1108,17 @@ def test_an_anchor_job_restored_whole_is_delivered() -> None:
     anchor.tick(1, first=False, parameters=lambda: params, payload=lambda: None,
                 gradient=lambda job: computed.append(job) or ([torch.zeros_like(p) for p in params], 0.0))
     assert len(computed) == 1 and anchor.pop_delivery() is not None
+
+
+def test_a_pickle_of_nothing_but_marks_is_refused_at_once(tmp_path: Path) -> None:
+    """Each open mark holds a list: 20 MB of them took minutes and 1.7 GB to read through."""
+    from tclightning.tensor_files import MAX_OPEN_MARKS, RefusedTensorFile, check_torch_file
+
+    torch.save({"step": 0}, tmp_path / "marks.pt")
+    with zipfile.ZipFile(tmp_path / "marks.pt") as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(tmp_path / "marks.pt", "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, b"\x80\x02" + b"(" * (MAX_OPEN_MARKS + 1) + b"." if name.endswith("data.pkl") else data)
+    with pytest.raises(RefusedTensorFile, match=f"more than {MAX_OPEN_MARKS} marks"):
+        check_torch_file(tmp_path / "marks.pt")
