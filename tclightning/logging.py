@@ -409,6 +409,14 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
 RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
 """The folders of a run directory the run writes itself (beside its files: ``metrics.csv``, ...)."""
 
+RUN_FOLDER_FILES: dict[str, tuple[str, ...]] = {
+    "checkpoints": ("*.ckpt", ".*.tmp"),  # step-*.ckpt, last.ckpt, .last.ckpt.tmp, a replace's .NAME.*.tmp
+    "tb": ("events.out.tfevents.*", "hparams.yaml"),
+    "trajectory": ("point-*.pt", ".*.tmp"),
+}
+"""The names of the files the run writes into each of :data:`RUN_FOLDERS` (glob patterns): any other
+file there is someone else's."""
+
 
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
     """A CSV or TensorBoard logger writes its files into its ``log_dir`` and replaces a

@@ -7,6 +7,7 @@ before the run directory is created.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 import sys
@@ -23,7 +24,7 @@ from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
-from tclightning.logging import RUN_FOLDERS
+from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
     find_recipe,
@@ -1006,8 +1007,9 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     own = {name.split("/", 1)[0] for name in RUN_FILES}
     if any(entry.name not in own or (entry.is_dir() and entry.name not in RUN_FOLDERS) for entry in run_dir.iterdir()):
         return False  # a folder where the run writes a file was put there by someone else
-    if any(inner.is_dir() for folder in RUN_FOLDERS if (run_dir / folder).is_dir() for inner in (run_dir / folder).iterdir()):
-        return False  # the run's folders hold files only
+    if any(inner.is_dir() or not any(fnmatch.fnmatchcase(inner.name, own) for own in RUN_FOLDER_FILES[folder])
+           for folder in RUN_FOLDERS if (run_dir / folder).is_dir() for inner in (run_dir / folder).iterdir()):
+        return False  # the run's folders hold the files it writes there, and nothing else
     if any(path.name == RUN_MARKER and path.parent != run_dir for path in tree(run_dir)):
         return False
     return remove_tree(run_dir)

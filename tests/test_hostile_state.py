@@ -368,6 +368,16 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
     other = unfinished("other")
     (other / "notes.md").write_text("mine")
     assert not discard_unfinished_run(other, created=True) and (other / "notes.md").read_text() == "mine"
+    for placed in ("tb/notes.txt", "checkpoints/README.txt", "trajectory/mine.pt"):  # inside the run's own folders
+        kept = unfinished(placed.replace("/", "-"))
+        (kept / placed).parent.mkdir(exist_ok=True)
+        (kept / placed).write_text("mine")
+        assert not discard_unfinished_run(kept, created=True) and (kept / placed).read_text() == "mine", placed
+    written = unfinished("written")  # what the run itself writes there goes with it
+    for own in ("tb/events.out.tfevents.1.host.1.0", "tb/hparams.yaml", "checkpoints/.last.ckpt.tmp"):
+        (written / own).parent.mkdir(exist_ok=True)
+        (written / own).write_text("")
+    assert discard_unfinished_run(written, created=True) and not written.exists()
 
 
 def _bind_mount(source: Path, target: Path) -> None:
