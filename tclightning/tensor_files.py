@@ -233,7 +233,8 @@ class _PickleCheck:
         elif name == "BUILD":
             self._build(stack.pop(), stack[-1])
         elif name != "PROTO":
-            raise RefusedTensorFile(f"its pickle uses the instruction {name}, which torch.save never writes")
+            raise RefusedTensorFile(f"its pickle uses the instruction {name}, which torch.load(weights_only=True) "
+                                    "does not read (torch.save writes it only with a pickle_protocol above its default 2)")
 
     def _pop_mark(self) -> list[_Value]:
         items, self.stack = self.stack, self.marks.pop()
