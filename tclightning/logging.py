@@ -401,9 +401,24 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
         except (TypeError, ValueError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise RecipeError(reason, file=source, key=f"logging.loggers[{i}].init_args") from None
+        except Exception as err:  # noqa: BLE001 - MLflow's own (a store URI it cannot use): one line
+            if name != "mlflow":
+                raise
+            raise RecipeError(f"MLflow cannot use its tracking store: {_first_line(err)}", file=source,
+                              key=f"logging.loggers[{i}].init_args") from None
+        if name == "mlflow":
+            try:  # opens the store now (a damaged one is one line here, not a traceback once training starts)
+                logger.experiment  # noqa: B018
+            except Exception as err:  # noqa: BLE001 - whatever MLflow raises reading a store it cannot use
+                raise RecipeError(f"MLflow cannot open its tracking store: {_first_line(err)}", file=source,
+                                  key=f"logging.loggers[{i}].init_args") from None
         _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
         loggers.append(logger)
     return loggers
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 RUN_FOLDERS = ("checkpoints", "tb", "trajectory")

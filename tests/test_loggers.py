@@ -210,6 +210,26 @@ def test_mlflow_file_store_the_recipe_names(run_root, monkeypatch, scheme):
     assert found.info.run_name == Path(summary["run_dir"]).name
 
 
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
+@pytest.mark.parametrize("store", ["damaged-experiment", "database-uri"])
+def test_an_mlflow_store_mlflow_cannot_use_is_one_line_before_training(run_root, monkeypatch, capsys, store):
+    """A file store whose experiment record is not a mapping, or a database URI without its driver,
+    ended the run in MLflow's traceback once training started."""
+    from tclightning.cli.main import main
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    damaged = run_root.parent / "store"
+    (damaged / "0").mkdir(parents=True)
+    (damaged / "0" / "meta.yaml").write_text("mine\n")
+    uri = f"file:{damaged}" if store == "damaged-experiment" else f"sqlite:///{run_root.parent / 'runs.db'}"
+    entry = f"{{class_path: mlflow, init_args: {{tracking_uri: '{uri}'}}}}"
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=1", f"logging.loggers=[{entry}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "Traceback" not in "\n".join(err) and "logging.loggers[0]" in err[-1] \
+        and "MLflow cannot" in err[-1], err
+
+
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
 def test_wandb_without_a_key_and_not_offline_is_one_line(run_root, monkeypatch, capsys):
     from tclightning.cli.main import main
