@@ -263,7 +263,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             raise TclightningError(f"export: {target}/{PROVENANCE_FILE} lists no files the export wrote, so which "
                                    "are yours cannot be told; nothing was touched: remove the folder yourself, or "
                                    "choose a new one")
-        added = sorted(p.name for p in target.iterdir() if p.name not in own)
+        # an export killed around its swap may leave its own marker in the folder: its own too
+        added = sorted(p.name for p in target.iterdir() if p.name not in own | {REPLACED_MARKER, STAGING_MARKER})
         if added:  # a model card, notes: the user's, and an export never deletes what it did not write
             raise TclightningError(f"export: {target} holds {added[0]}"
                                    f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}, which the earlier "
@@ -307,7 +308,9 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                       "model": checkpoint["hyper_parameters"]["model"],
                       "files": sorted(p.name for p in staging.iterdir() if p.name != STAGING_MARKER)}
         (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
-        (staging / STAGING_MARKER).unlink()  # a whole export from here on
+        # The staging marker stays until the swap: a kill before it leaves a staging folder the
+        # next export removes; one after it, a stray marker in the new export that the next
+        # --overwrite counts as the export's own.
         if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, marked for the next export to remove
@@ -315,14 +318,16 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             replaced.write_text(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
-            except OSError as err:
+            except BaseException as err:  # a refusal, or Ctrl-C/SIGTERM before the swap: the old export as it was
                 with contextlib.suppress(OSError):
                     replaced.unlink()
-                if refused_by_storage(err):
+                if not isinstance(err, OSError) or refused_by_storage(err):
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            remove_export(staging, export_files(staging) | {REPLACED_MARKER})  # the old export: its own files only
+            with contextlib.suppress(OSError):
+                (target / STAGING_MARKER).unlink()  # a whole export from here on
+            remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})  # the old export's own files
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -331,6 +336,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
+            with contextlib.suppress(OSError):
+                (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
         remove_export(staging)  # the new export, not yet (or never) in place
         if refused_by_storage(err):

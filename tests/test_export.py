@@ -308,6 +308,50 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     assert (b / "f").read_text() == "new" and (a / "f").read_text() == "old"
 
 
+def test_an_export_killed_between_marking_the_old_export_and_the_swap_is_replaced_by_the_next(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill -9 there left the old export holding a marker the next --overwrite took for a file of
+    yours (so it refused for good), and the whole new export hidden beside it, never removed."""
+    import tclightning.export as export_module
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    killed = tmp_path / ".policy.export-999999999-abc"
+
+    def killed_at_the_swap(staging: Path, target: Path) -> None:
+        shutil.copytree(staging, killed)  # what a kill -9 leaves: the staging folder, of a process now gone
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(export_module, "exchange", killed_at_the_swap)
+    with pytest.raises(SystemExit):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    (out / REPLACED_MARKER).write_text("999999999\n")  # the kill came before its marker could be taken back
+    assert (killed / STAGING_MARKER).is_file()  # marked until the swap: the next export removes it
+    monkeypatch.undo()
+    export_policy(run_dir, out, step=2, overwrite=True)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    assert not killed.exists() and not (out / REPLACED_MARKER).exists() and not (out / STAGING_MARKER).exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".policy")]
+
+
+def test_a_ctrl_c_just_before_the_swap_leaves_the_old_export_as_it_was(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tclightning.export as export_module
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    before = sorted(p.name for p in out.iterdir())
+
+    def interrupted(staging: Path, target: Path) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "exchange", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".policy")]
+
+
 def test_export_to_a_link_or_under_a_file_is_one_line(run_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(TclightningError, match="a-file is a file, not a folder"):
