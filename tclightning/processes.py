@@ -61,7 +61,16 @@ def die_with_parent(parent: int) -> None:
 
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent:  # it ended before the signal was armed
-        os._exit(1)
+        _launcher_gone(parent)
+
+
+def _launcher_gone(parent: int) -> None:
+    """Exit 1 at once, saying why: a rank whose launcher is gone has nobody to work for."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"error: the process that started this one ({LAUNCHER_PID_ENV}={parent}) is no longer its "
+                         "parent; exiting\n")
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def follow_launcher() -> None:
@@ -71,6 +80,6 @@ def follow_launcher() -> None:
     if parent == "parent":
         parent = str(os.getppid())
         if parent == "1":  # it has ended already
-            os._exit(1)
+            _launcher_gone(1)
     if parent.isdigit():
         die_with_parent(int(parent))

@@ -70,3 +70,14 @@ def test_the_command_hands_the_safe_path_to_every_child(tmp_path: Path, monkeypa
     monkeypatch.setenv("PYTHONSAFEPATH", "")
     assert main(["recipes", "list"]) == 0
     assert os.environ.get("PYTHONSAFEPATH") == "1"
+
+
+def test_a_launcher_pid_that_is_not_the_parent_is_one_line(tmp_path: Path) -> None:
+    """A rank whose launcher is gone exits 1 at once: it said nothing, for every command."""
+    from tclightning.processes import LAUNCHER_PID_ENV
+
+    done = subprocess.run([sys.executable, "-m", "tclightning.cli.main", "recipes", "list"], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, LAUNCHER_PID_ENV: "12345678", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1 and done.stderr.strip().splitlines() == [
+        f"error: the process that started this one ({LAUNCHER_PID_ENV}=12345678) is no longer its parent; exiting"]

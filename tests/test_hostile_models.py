@@ -441,7 +441,7 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_refused(tmp_path: Path)
 
 
 @pytest.mark.timeout(60)  # torch.load would hash a tuple 2^60 times
-@pytest.mark.parametrize("weights", ["pickle-bomb", "legacy-format"])
+@pytest.mark.parametrize("weights", ["pickle-bomb", "legacy-format", "indexed-shard"])
 def test_a_pickled_weights_file_is_read_as_torch_save_writes_it_before_transformers_loads_it(
         tmp_path: Path, weights: str) -> None:
     """transformers reads ``pytorch_model.bin`` with ``torch.load(weights_only=True)``, which calls
@@ -451,9 +451,12 @@ def test_a_pickled_weights_file_is_read_as_torch_save_writes_it_before_transform
     (folder / "model.safetensors").unlink()
     if weights == "pickle-bomb":
         with_pickle(folder / "pytorch_model.bin", "dict-key-of-shared-tuples")
+    elif weights == "indexed-shard":  # transformers unpickles what the index names, whatever its suffix
+        with_pickle(folder / "shard.dat", "dict-key-of-shared-tuples")
+        (folder / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "shard.dat"}}))
     else:
         torch.save({"weight": torch.zeros(1)}, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
-    said = "ages to hash" if weights == "pickle-bomb" else "save it again with torch.save or as safetensors"
+    said = "save it again with torch.save or as safetensors" if weights == "legacy-format" else "ages to hash"
     with pytest.raises(TclightningError, match=said):
         load_model(ModelConfig(source="hf", name=str(folder)))
 

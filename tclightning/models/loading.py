@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import importlib.machinery
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -211,18 +212,19 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     """Every file of a local model folder, sub-folders included (``additional_chat_templates/``, a
     sharded checkpoint's), is a regular file: transformers reads them by name, and a FIFO or a link
     to ``/proc/kmsg`` there would be waited on forever; one it reads whole is at most
-    :data:`CONFIG_MAX_BYTES`. Then :func:`check_model_size`. ``TclightningError`` (one line naming
-    the file) otherwise."""
+    :data:`CONFIG_MAX_BYTES`. Every pickled weights file transformers would unpickle holds only what
+    ``torch.save`` writes for tensors (:func:`_check_pickled_weights`). Then :func:`check_model_size`.
+    ``TclightningError`` (one line naming the file) otherwise."""
     for entry in _model_folder_files(folder):
         regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix in READ_WHOLE_SUFFIXES else None)
     # sub-folders too: a sharded checkpoint's index may name weight files anywhere below it
     weights = sum(p.stat().st_size for p in tree(folder)
                   if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
+    for entry in {*(e for e in tree(folder) if e.suffix in PICKLED_WEIGHTS), *_indexed_weights(folder)}:
+        if entry.is_file():
+            _check_pickled_weights(entry)
     if not weights:  # transformers refuses the folder itself
         return
-    for entry in tree(folder):
-        if entry.suffix in PICKLED_WEIGHTS and entry.is_file():
-            _check_pickled_weights(entry)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception:  # noqa: BLE001 - a config transformers cannot read is the loader's to name, in one line
@@ -232,6 +234,19 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
 
 PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
 """Weight files transformers reads with ``torch.load(weights_only=True)``, which calls what the pickle asks."""
+
+
+def _indexed_weights(folder: Path) -> Iterator[Path]:
+    """The files a sharded checkpoint's index (``*.index.json``, its ``weight_map``) names that are
+    not safetensors: transformers unpickles them whatever their suffix (``shard.dat``)."""
+    for index in folder.glob("*.index.json"):
+        try:  # a config-sized file (checked above); one transformers cannot read is its to name
+            weight_map = json.loads(index.read_bytes()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(weight_map, dict):
+            yield from (folder / name for name in set(weight_map.values())
+                        if isinstance(name, str) and not name.endswith(".safetensors"))
 
 
 def _check_pickled_weights(path: Path) -> None:
