@@ -295,6 +295,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
     (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
+    swapped = False  # from the swap on, ``staging`` holds the old export (and whatever was put in it meanwhile)
     try:
         if adapter_only:
             save_adapter(model, _lora_config(checkpoint), staging)
@@ -318,6 +319,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             replaced.write_text(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
+                swapped = True
             except BaseException as err:  # a refusal, or Ctrl-C/SIGTERM before the swap: the old export as it was
                 with contextlib.suppress(OSError):
                     replaced.unlink()
@@ -339,7 +341,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             with contextlib.suppress(OSError):
                 (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
-        remove_export(staging)  # the new export, not yet (or never) in place
+        if swapped:  # interrupted while the old export was removed: its own files go, a file put in it stays
+            remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
+        else:
+            remove_export(staging)  # the new export, not yet (or never) in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
             raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
