@@ -86,6 +86,9 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
                 raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
                                         "NUL, which torch.save never writes")
+            if sum(info.compress_size for info in infos) > _size_of(source):  # records sharing their bytes
+                raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
+                                        "read as gigabytes), which torch.save never writes")
             compressed = next((info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
             if compressed is not None:
                 raise RefusedTensorFile(f"its record {compressed} is compressed, which torch.save never does (a "
@@ -111,6 +114,13 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
 LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
+
+def _size_of(source: str | os.PathLike | IO[bytes]) -> int:
+    """The size of the file ``source`` names or is (an open file's position is the caller's to restore)."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.stat(source).st_size
+    return source.seek(0, os.SEEK_END)
+
 
 MAX_OPEN_MARKS = 1_000
 """The most pickle marks open at once (torch.save nests them as deep as the state nests: a few):

@@ -1132,3 +1132,39 @@ def test_a_pickle_of_nothing_but_marks_is_refused_at_once(tmp_path: Path) -> Non
             archive.writestr(name, b"\x80\x02" + b"(" * (MAX_OPEN_MARKS + 1) + b"." if name.endswith("data.pkl") else data)
     with pytest.raises(RefusedTensorFile, match=f"more than {MAX_OPEN_MARKS} marks"):
         check_torch_file(tmp_path / "marks.pt")
+
+
+def _records_sharing_one_block(path: Path, copies: int) -> Path:
+    """A torch file whose central directory lists ``copies`` more records (``data/1``...) all
+    pointing at the bytes of ``data/0``: a small file torch would read as ``copies`` storages."""
+    import struct
+
+    torch.save({"t": torch.zeros(1 << 16, dtype=torch.uint8)}, path)
+    data = path.read_bytes()
+    end = data.rindex(b"PK\x05\x06")
+    entries, size, offset = struct.unpack("<HII", data[end + 10:end + 20])
+    directory, at, shared = data[offset:offset + size], 0, b""
+    while at < len(directory):
+        name_length, extra_length, comment_length = struct.unpack("<HHH", directory[at + 28:at + 34])
+        length = 46 + name_length + extra_length + comment_length
+        if directory[at + 46:at + 46 + name_length].endswith(b"/data/0"):
+            shared = directory[at:at + length]
+        at += length
+    added = b"".join(shared.replace(b"/data/0", f"/data/{i}".encode(), 1) for i in range(1, copies + 1))
+    directory += added
+    tail = data[end:end + 10] + struct.pack("<HII", entries + copies, len(directory), offset) + data[end + 20:]
+    path.write_bytes(data[:offset] + directory + tail)
+    return path
+
+
+def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path) -> None:
+    """Each of 512 records listed over one 16 MB block was read whole: gigabytes from 17 MB."""
+    from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+
+    path = _records_sharing_one_block(tmp_path / "shared.pt", 9)
+    with zipfile.ZipFile(path) as archive:
+        assert sum(info.compress_size for info in archive.infolist()) > path.stat().st_size  # crafted as meant
+    with pytest.raises(RefusedTensorFile, match="records that overlap"):
+        check_torch_file(path)
+    with pytest.raises(RefusedTensorFile, match="records that overlap"), path.open("rb") as handle:
+        check_torch_file(handle)
