@@ -442,7 +442,14 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
 
     from tclightning.errors import RecipeError
 
-    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):  # W&B, MLflow: their own folder layout
+        save_dir = getattr(logger, "save_dir", None)
+        run = Path(os.path.realpath(run_dir))
+        if isinstance(save_dir, str) and "://" not in save_dir and any(
+                Path(os.path.realpath(Path(save_dir).expanduser())).is_relative_to(run / folder) for folder in RUN_FOLDERS):
+            raise RecipeError(f"{save_dir} lies in the run's {'/'.join(RUN_FOLDERS)} folders, which the run writes and a "
+                              "resume reads (links and folders of another logger there stop it): give the logger "
+                              "the run folder itself (its default) or a folder of its own", file=source, key=key)
         return
     # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
     # mine, and so are `file://mine` and `local://mine` (Lightning's loggers write through fsspec)

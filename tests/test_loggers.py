@@ -82,6 +82,20 @@ def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_p
     assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
 
 
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
+@pytest.mark.parametrize("folder", ["tb", "checkpoints"])
+def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatch, folder):
+    """W&B's offline files (and its links) in the run's tb/ or checkpoints/ made every later resume
+    in place refuse the run; its default, the run folder itself, is fine."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    (run / folder).mkdir(parents=True)
+    entry = {"class_path": "wandb", "init_args": {"save_dir": str(run / folder)}}
+    with pytest.raises(RecipeError, match=f"{folder} lies in the run's"):
+        build_loggers([entry], run, "tiny")
+    assert len(build_loggers(["wandb"], run, "tiny")) == 1
+
+
 def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
     """A resume with a CSVLogger whose folder was the run directory replaced its metrics.csv: the
     rows of every step before the resume were gone."""
