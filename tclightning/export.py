@@ -295,7 +295,6 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
     (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
-    swapped = False  # from the swap on, ``staging`` holds the old export (and whatever was put in it meanwhile)
     try:
         if adapter_only:
             save_adapter(model, _lora_config(checkpoint), staging)
@@ -319,7 +318,6 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             replaced.write_text(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
-                swapped = True
             except BaseException as err:  # a refusal, or Ctrl-C/SIGTERM before the swap: the old export as it was
                 with contextlib.suppress(OSError):
                     replaced.unlink()
@@ -341,7 +339,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             with contextlib.suppress(OSError):
                 (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
-        if swapped:  # interrupted while the old export was removed: its own files go, a file put in it stays
+        if (staging / REPLACED_MARKER).is_file():  # swapped (even if the interrupt came inside the swap call):
+            # the old export is here; its own files go, a file put in it meanwhile stays
             remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
         else:
             remove_export(staging)  # the new export, not yet (or never) in place

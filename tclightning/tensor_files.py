@@ -86,6 +86,10 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
                 raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
                                         "NUL, which torch.save never writes")
+            if infos and min(info.header_offset for info in infos) != 0:  # torch.save's archive starts the file
+                # (Python's zipfile and torch's reader find a second archive before or after it differently)
+                raise RefusedTensorFile("it holds data before its archive, which torch.save never writes (a reader "
+                                        "could find another archive than the one checked)")
             if sum(info.compress_size for info in infos) > _size_of(source):  # records sharing their bytes
                 raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
                                         "read as gigabytes), which torch.save never writes")
@@ -96,6 +100,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             pickles = [name for name in records if name.endswith(".pkl")]
             if not pickles:
                 raise BrokenTensorFile("not a torch file (its archive holds no data.pkl)")
+            if len(pickles) > 1:  # torch.save writes one; each read below walks every record
+                raise RefusedTensorFile(f"its archive holds {len(pickles)} pickles, where torch.save writes one")
             for name in pickles:
                 folder = name.rpartition("/")[0]
                 sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()

@@ -495,6 +495,27 @@ def test_a_file_put_into_the_old_export_survives_a_ctrl_c_after_the_swap(run_dir
     assert kept.read_text() == "mine"
 
 
+def test_a_ctrl_c_inside_the_swap_call_after_it_swapped_keeps_a_file_put_in_the_old_export(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tclightning import export as export_module
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    real = export_module.exchange
+
+    def swapped_then_interrupted(a: Path, b: Path) -> None:
+        (b / "notes.txt").write_text("mine")
+        real(a, b)
+        raise KeyboardInterrupt  # the swap is done; the call has not returned
+
+    monkeypatch.setattr(export_module, "exchange", swapped_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    (kept,) = tmp_path.glob(".policy.export-*/notes.txt")
+    assert kept.read_text() == "mine" and sorted(p.name for p in kept.parent.iterdir()) == ["notes.txt"]
+
+
 def test_a_run_put_into_the_old_export_while_it_is_replaced_is_kept(run_dir: Path, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """After the check that the old export holds no folder and before it is swapped out, a run

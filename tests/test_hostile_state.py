@@ -588,7 +588,8 @@ def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
 
 
 @pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
-                                 "out-is-a-file", "out-under-proc", "linked-default"])
+                                 "point-holds-itself", "unit-holds-itself", "out-is-a-file", "out-under-proc",
+                                 "linked-default"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A stride-0 point of 1.6 KB expanded to 2^30 values before any check (a compressed record
@@ -602,6 +603,10 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
         if bad == "stride-0" and i == 2:
             point = torch.zeros(1).expand(1 << 24)
         record = {"step": i, "point": point if bad != "scalar" else torch.tensor(float(i))}
+        looped: list = [1.0]
+        looped.append(looped)  # walked without end (a report's json.dumps too)
+        if i == 2 and bad in ("point-holds-itself", "unit-holds-itself"):
+            record["point" if bad == "point-holds-itself" else "unit"] = looped
         torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
     if bad == "garbage":
         (folder / "point-00000009.pt").write_bytes(b"not torch")
@@ -1045,6 +1050,7 @@ def test_analyze_health_refuses_more_tensorboard_events_than_it_reads(tmp_path: 
     assert len(err) == 1 and "MiB of TensorBoard events" in err[0] and "metrics.csv" in err[0], err
 
 
+@pytest.mark.timeout(600)  # two processes that train: minutes on a loaded 2-core machine
 def test_a_rank_other_than_0_writes_nothing_into_the_run_dir_it_is_named(run_dir: Path, tmp_path: Path) -> None:
     """A second node's rank (NODE_RANK=1) named into an earlier run rewrote its recipe.yaml, and one
     named into a new folder left it behind (marker and recipe) when its rank 0 never came."""
@@ -1168,3 +1174,20 @@ def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path)
         check_torch_file(path)
     with pytest.raises(RefusedTensorFile, match="records that overlap"), path.open("rb") as handle:
         check_torch_file(handle)
+
+
+@pytest.mark.parametrize("layout", ["data-before-the-archive", "two-pickles"])
+def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Path, layout: str) -> None:
+    """Data before the archive let torch's reader find another archive than the one checked; each
+    of 40,000 pickles made the check walk every record again."""
+    from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+
+    path = tmp_path / "odd.pt"
+    torch.save({"step": 1}, path)
+    if layout == "data-before-the-archive":
+        path.write_bytes(b"\0" * 64 + path.read_bytes())
+    else:
+        with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive:
+            archive.writestr("other/data.pkl", b"\x80\x02}.")
+    with pytest.raises(RefusedTensorFile, match="before its archive" if layout.startswith("data") else "2 pickles"):
+        check_torch_file(path)

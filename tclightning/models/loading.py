@@ -242,7 +242,7 @@ def _indexed_weights(folder: Path) -> Iterator[Path]:
     for index in folder.glob("*.index.json"):
         try:  # a config-sized file (checked above); one transformers cannot read is its to name
             weight_map = json.loads(index.read_bytes()).get("weight_map")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             continue
         if isinstance(weight_map, dict):
             yield from (folder / name for name in set(weight_map.values())

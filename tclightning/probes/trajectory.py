@@ -71,9 +71,13 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
     if len(dims) != 1:
         raise TclightningError(f"{folder}: points of different sizes {sorted(dims)}; record one run with one setting")
     first = records[0]
-    meta = {k: first.get(k) for k in ("unit", "method", "dim", "seed", "num_params")}
+    meta = {k: first.get(k) for k in POINT_FIELDS}
     steps = [int(r["step"]) for r in records]
     return steps, torch.stack([r["point"].double() for r in records]), meta
+
+
+POINT_FIELDS = ("unit", "method", "dim", "seed", "num_params")
+"""What a trajectory point records beside its step and point (each a plain value)."""
 
 
 def _point(path: Path) -> dict[str, Any]:
@@ -89,6 +93,13 @@ def _point(path: Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - garbage, cut short, a pickle asking for code: the file, not a bug
         raise TclightningError(f"trajectory point {path}: not a point file ({type(err).__name__})") from None
     point = record.get("point") if isinstance(record, dict) else None
+    if not isinstance(point, Tensor):  # before any walk: a list holding itself has no end
+        raise TclightningError(f"trajectory point {path}: its point is not a tensor, as TrajectoryRecorder writes")
+    meta = {key: record.get(key) for key in POINT_FIELDS}
+    if any(not (value is None or isinstance(value, (str, int, float))) or (isinstance(value, str) and len(value) > 200)
+           for value in meta.values()):  # they go into the report as they are
+        raise TclightningError(f"trajectory point {path}: its {', '.join(POINT_FIELDS)} are not plain short values, as "
+                               "TrajectoryRecorder writes")
     thin = thin_tensor(point)
     if thin is not None:  # before any value is read: a stride of 0 expands one number to any size
         raise TclightningError(f"trajectory point {path}: {thin}, which torch.save never writes")
