@@ -5,6 +5,7 @@ someone else is used: checkpoints, warm-up cache entries, trajectory points."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickletools
@@ -86,6 +87,9 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
                 raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
                                         "NUL, which torch.save never writes")
+            if not _zip64_locator_agrees(source):
+                raise RefusedTensorFile("its zip64 locator names another end record than the one before it (a reader "
+                                        "could find another archive than the one checked), which torch.save never writes")
             if infos and min(info.header_offset for info in infos) != 0:  # torch.save's archive starts the file
                 # (Python's zipfile and torch's reader find a second archive before or after it differently)
                 raise RefusedTensorFile("it holds data before its archive, which torch.save never writes (a reader "
@@ -120,6 +124,24 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
 LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
+
+def _zip64_locator_agrees(source: str | os.PathLike | IO[bytes]) -> bool:
+    """Whether a zip64 end-record locator, if the file has one, names the zip64 end record right
+    before it: Python's zipfile reads that one whatever the locator says, torch's reader the one
+    the locator names."""
+    import struct
+
+    size = _size_of(source)
+    tail_start = max(0, size - (1 << 16) - 22)  # the end record and its longest comment
+    with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
+        handle.seek(tail_start)
+        tail = handle.read()
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 20 or tail[end - 20:end - 16] != b"PK\x06\x07":
+        return True
+    (named,) = struct.unpack("<Q", tail[end - 12:end - 4])
+    return named == tail_start + end - 20 - 56  # a zip64 end record without extensible data is 56 bytes
+
 
 def _size_of(source: str | os.PathLike | IO[bytes]) -> int:
     """The size of the file ``source`` names or is (an open file's position is the caller's to restore)."""

@@ -1176,18 +1176,28 @@ def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path)
         check_torch_file(handle)
 
 
-@pytest.mark.parametrize("layout", ["data-before-the-archive", "two-pickles"])
+@pytest.mark.parametrize("layout", ["data-before-the-archive", "zip64-locator-elsewhere", "two-pickles"])
 def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Path, layout: str) -> None:
-    """Data before the archive let torch's reader find another archive than the one checked; each
-    of 40,000 pickles made the check walk every record again."""
+    """Data before the archive, or a zip64 locator naming another end record, let torch's reader
+    find another archive than the one checked; each of 40,000 pickles made the check walk every
+    record again."""
+    import struct
+
     from tclightning.tensor_files import RefusedTensorFile, check_torch_file
 
     path = tmp_path / "odd.pt"
     torch.save({"step": 1}, path)
+    check_torch_file(path)
+    data = path.read_bytes()
     if layout == "data-before-the-archive":
-        path.write_bytes(b"\0" * 64 + path.read_bytes())
+        path.write_bytes(b"\0" * 64 + data)
+    elif layout == "zip64-locator-elsewhere":
+        end = data.rindex(b"PK\x05\x06")
+        assert data[end - 20:end - 16] == b"PK\x06\x07"  # torch.save writes one
+        path.write_bytes(data[:end - 12] + struct.pack("<Q", 0) + data[end - 4:])
     else:
         with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive:
             archive.writestr("other/data.pkl", b"\x80\x02}.")
-    with pytest.raises(RefusedTensorFile, match="before its archive" if layout.startswith("data") else "2 pickles"):
+    said = "2 pickles" if layout == "two-pickles" else "another archive than the one checked"
+    with pytest.raises(RefusedTensorFile, match=said):
         check_torch_file(path)
