@@ -463,55 +463,37 @@ def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_pat
     assert not (copied / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.parametrize("moment", ["inside-the-swap-call", "removing-the-old-export"])
 def test_a_file_put_into_the_old_export_survives_a_ctrl_c_after_the_swap(run_dir: Path, tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Interrupted while the swapped-out old export was removed, the export removed all of it, a file
-    of yours put in it meanwhile included."""
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          moment: str) -> None:
+    """Interrupted once the swap was done (inside the swap call, or while the swapped-out old export
+    was removed), the export removed all of the old export, a file of yours put in it meanwhile
+    included."""
     from tclightning import export as export_module
 
     out = tmp_path / "policy"
     export_policy(run_dir, out, step=1)
-    real = export_module.exchange
+    real_exchange, real_remove = export_module.exchange, export_module.remove_export
+    removals: list[frozenset[str] | None] = []
 
     def note_then_swap(a: Path, b: Path) -> None:
         (b / "notes.txt").write_text("mine")
-        real(a, b)
-
-    monkeypatch.setattr(export_module, "exchange", note_then_swap)
-    remove = export_module.remove_export
-    calls: list[frozenset[str] | None] = []
+        real_exchange(a, b)
+        if moment == "inside-the-swap-call":
+            raise KeyboardInterrupt  # the swap is done; the call has not returned
 
     def first_removal_interrupted(folder: Path, own: frozenset[str] | None = None) -> None:
-        calls.append(own)
-        if len(calls) == 1:
-            raise KeyboardInterrupt  # Ctrl-C while the old export's files were removed
-        remove(folder, own)
+        removals.append(own)
+        if moment == "removing-the-old-export" and len(removals) == 1:
+            raise KeyboardInterrupt
+        real_remove(folder, own)
 
+    monkeypatch.setattr(export_module, "exchange", note_then_swap)
     monkeypatch.setattr(export_module, "remove_export", first_removal_interrupted)
     with pytest.raises(KeyboardInterrupt):
         export_policy(run_dir, out, step=2, overwrite=True)
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2  # the new export is in place
-    (kept,) = tmp_path.glob(".policy.export-*/notes.txt")
-    assert kept.read_text() == "mine"
-
-
-def test_a_ctrl_c_inside_the_swap_call_after_it_swapped_keeps_a_file_put_in_the_old_export(
-        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tclightning import export as export_module
-
-    out = tmp_path / "policy"
-    export_policy(run_dir, out, step=1)
-    real = export_module.exchange
-
-    def swapped_then_interrupted(a: Path, b: Path) -> None:
-        (b / "notes.txt").write_text("mine")
-        real(a, b)
-        raise KeyboardInterrupt  # the swap is done; the call has not returned
-
-    monkeypatch.setattr(export_module, "exchange", swapped_then_interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        export_policy(run_dir, out, step=2, overwrite=True)
-    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
     (kept,) = tmp_path.glob(".policy.export-*/notes.txt")
     assert kept.read_text() == "mine" and sorted(p.name for p in kept.parent.iterdir()) == ["notes.txt"]
 
