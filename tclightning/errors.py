@@ -45,3 +45,9 @@ class StorageError(TclightningError):
     was saved before is kept and the run resumes from it once the storage takes writes again."""
 
     exit_code = 1
+
+
+def one_line(err: BaseException) -> str:
+    """The first sentence of an error, on one line (library messages, torch's and MLflow's, run to paragraphs)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text.split(". ", 1)[0][:160]

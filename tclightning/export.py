@@ -325,8 +325,6 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            with contextlib.suppress(OSError):
-                (target / STAGING_MARKER).unlink()  # a whole export from here on
             remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})  # the old export's own files
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
@@ -336,8 +334,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
-            with contextlib.suppress(OSError):
-                (target / STAGING_MARKER).unlink()  # a whole export from here on
+        with contextlib.suppress(OSError):
+            (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
         if (staging / REPLACED_MARKER).is_file():  # swapped (even if the interrupt came inside the swap call):
             # the old export is here; its own files go, a file put in it meanwhile stays

@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
-from tclightning.errors import TclightningError
+from tclightning.errors import TclightningError, one_line
 from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
@@ -404,21 +404,17 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
         except Exception as err:  # noqa: BLE001 - MLflow's own (a store URI it cannot use): one line
             if name != "mlflow":
                 raise
-            raise RecipeError(f"MLflow cannot use its tracking store: {_first_line(err)}", file=source,
-                              key=f"logging.loggers[{i}].init_args") from None
+            raise RecipeError(f"MLflow cannot use its tracking store: {type(err).__name__}: {one_line(err)}",
+                              file=source, key=f"logging.loggers[{i}].init_args") from None
         if name == "mlflow":
             try:  # opens the store now (a damaged one is one line here, not a traceback once training starts)
                 logger.experiment  # noqa: B018
             except Exception as err:  # noqa: BLE001 - whatever MLflow raises reading a store it cannot use
-                raise RecipeError(f"MLflow cannot open its tracking store: {_first_line(err)}", file=source,
-                                  key=f"logging.loggers[{i}].init_args") from None
+                raise RecipeError(f"MLflow cannot open its tracking store: {type(err).__name__}: {one_line(err)}",
+                                  file=source, key=f"logging.loggers[{i}].init_args") from None
         _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
         loggers.append(logger)
     return loggers
-
-
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
 
 
 RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
@@ -442,9 +438,9 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
 
     from tclightning.errors import RecipeError
 
+    run = Path(os.path.realpath(run_dir))
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):  # W&B, MLflow: their own folder layout
         save_dir = getattr(logger, "save_dir", None)
-        run = Path(os.path.realpath(run_dir))
         if isinstance(save_dir, str) and "://" not in save_dir and any(
                 Path(os.path.realpath(Path(save_dir).expanduser())).is_relative_to(run / folder) for folder in RUN_FOLDERS):
             raise RecipeError(f"{save_dir} lies in the run's {'/'.join(RUN_FOLDERS)} folders, which the run writes and a "
@@ -464,7 +460,6 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     if not isinstance(filesystem, LocalFileSystem):  # a remote store holds none of this machine's files
         return
     log_dir = Path(os.path.realpath(path))
-    run = Path(os.path.realpath(run_dir))
     if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
         raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "
                           "logger would write over: leave its version unset (a new version folder each run), or "

@@ -87,14 +87,15 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
                 raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
                                         "NUL, which torch.save never writes")
-            if not _zip64_locator_agrees(source):
+            size = _size_of(source)
+            if not _zip64_locator_agrees(source, size):
                 raise RefusedTensorFile("its zip64 locator names another end record than the one before it (a reader "
                                         "could find another archive than the one checked), which torch.save never writes")
             if infos and min(info.header_offset for info in infos) != 0:  # torch.save's archive starts the file
                 # (Python's zipfile and torch's reader find a second archive before or after it differently)
                 raise RefusedTensorFile("it holds data before its archive, which torch.save never writes (a reader "
                                         "could find another archive than the one checked)")
-            if sum(info.compress_size for info in infos) > _size_of(source):  # records sharing their bytes
+            if sum(info.compress_size for info in infos) > size:  # records sharing their bytes
                 raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
                                         "read as gigabytes), which torch.save never writes")
             compressed = next((info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
@@ -104,14 +105,14 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             pickles = [name for name in records if name.endswith(".pkl")]
             if not pickles:
                 raise BrokenTensorFile("not a torch file (its archive holds no data.pkl)")
-            if len(pickles) > 1:  # torch.save writes one; each read below walks every record
+            if len(pickles) > 1:  # torch.save writes one
                 raise RefusedTensorFile(f"its archive holds {len(pickles)} pickles, where torch.save writes one")
-            for name in pickles:
-                folder = name.rpartition("/")[0]
-                sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
-                         if key.startswith(f"{folder}/data/")}
-                with archive.open(records[name]) as pickled:
-                    _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
+            (name,) = pickles
+            folder = name.rpartition("/")[0]
+            sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
+                     if key.startswith(f"{folder}/data/")}
+            with archive.open(records[name]) as pickled:
+                _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
     except OSError as err:
         raise BrokenTensorFile(f"cannot read it: {err.strerror or err}") from err
     except (zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as err:  # a record cut or encrypted
@@ -125,13 +126,12 @@ LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
 
-def _zip64_locator_agrees(source: str | os.PathLike | IO[bytes]) -> bool:
-    """Whether a zip64 end-record locator, if the file has one, names the zip64 end record right
-    before it: Python's zipfile reads that one whatever the locator says, torch's reader the one
+def _zip64_locator_agrees(source: str | os.PathLike | IO[bytes], size: int) -> bool:
+    """Whether a zip64 end-record locator, if the file (of ``size`` bytes) has one, names the zip64
+    end record right before it: Python's zipfile reads that one whatever the locator says, torch's reader the one
     the locator names."""
     import struct
 
-    size = _size_of(source)
     tail_start = max(0, size - (1 << 16) - 22)  # the end record and its longest comment
     with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
         handle.seek(tail_start)

@@ -58,24 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_blocking_paths(argv: Sequence[str]) -> None:
-    """jsonargparse opens any value that names an existing file (``--config X``,
-    ``--trainer.callbacks=X.yaml``) as it is: a FIFO or a device there would be waited on forever.
-    ``TclightningError`` (one line naming it) for every such value, before anything is parsed."""
-    import stat
-
-    for before, token in zip(["", *argv], argv):
-        option, _, value = token.partition("=") if token.startswith("--") else (before, "", token)
-        if not value or option == "--ckpt_path":  # the checkpoint is checked as one (_parse_ckpt_path)
-            continue
-        try:
-            mode = os.stat(value).st_mode
-        except (OSError, ValueError):  # no such path (or not one at all): a plain value
-            continue
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            regular_file(value, f"lightning {argv[0]} {option}".rstrip())
-
-
 @contextmanager
 def _files_read_are_regular() -> Iterator[None]:
     """jsonargparse reads every file a value names (``--config X``, ``-cX``, and inside a config
@@ -106,7 +88,6 @@ def lightning_cli(argv: Sequence[str]) -> int:
         raise TclightningError(
             f"lightning {argv[0]} runs LightningCLI, which needs jsonargparse: pip install 'lightning[pytorch-extra]'"
         )
-    _refuse_blocking_paths(argv)
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
-from tclightning.errors import TclightningError
+from tclightning.errors import TclightningError, one_line
 from tclightning.files import exchange, open_regular, regular_file, remove_tree, save_tensors
 from tclightning.limits import interrupt
 from tclightning.models.config import WarmupConfig
@@ -275,7 +275,7 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
     except TclightningError:
         raise UnreadableEntry(f"{STATS}: is no longer a regular file") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise UnreadableEntry(f"{STATS}: {_one_line(err)}") from None
+        raise UnreadableEntry(f"{STATS}: {one_line(err)}") from None
     if not isinstance(stats, dict):
         raise UnreadableEntry(f"{STATS}: not a JSON object")
     missing = [k for k in REQUIRED_STATS if k not in stats]
@@ -306,12 +306,6 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
         if got.is_floating_point() and not bool(torch.isfinite(got).all()):  # a warm-up never saves one
             raise UnreadableEntry(f"{WEIGHTS}: {name} holds NaN or infinite values")
     return state, {k: float(v) for k, v in stats.items()}
-
-
-def _one_line(err: BaseException) -> str:
-    """The first sentence of an error, on one line (torch's own messages run to paragraphs)."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text.split(". ", 1)[0][:160]
 
 
 def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
