@@ -164,8 +164,8 @@ other; this bounds that to well under a second."""
 class _Value:
     """What the pickle machine would hold, without building it: ``kind`` is str, bytes, int,
     float, bool, none, tuple, list, dict, set, global (``text`` its dotted name), storage, tensor,
-    array, dtype or object (``text`` its class); a short str's ``text``, an int's ``number``, a tuple's
-    ``items``. Compared by identity: a dict's keys are counted per dict."""
+    array, dtype (numpy's), torch dtype or object (``text`` its class); a short str's ``text``, an
+    int's ``number``, a tuple's ``items``. Compared by identity: a dict's keys are counted per dict."""
     kind: str
     text: str | None = None
     number: int | None = None
@@ -190,6 +190,8 @@ def _plain_key(key: _Value) -> bool:
 
 
 _TENSOR_REBUILD = "torch._utils _rebuild_tensor_v2"
+_TENSOR_REBUILD_BY_DTYPE = "torch._utils _rebuild_tensor_v3"  # float8, uint16/32/64: a byte storage and a dtype
+_BYTE_STORAGE = "torch.storage UntypedStorage"
 _PARAMETER_REBUILD = "torch._utils _rebuild_parameter"  # an nn.Parameter saved as it is (weights a user pickled)
 _NUMPY_RECONSTRUCT = ("numpy._core.multiarray _reconstruct", "numpy.core.multiarray _reconstruct")
 _NUMPY_GLOBALS = ("numpy ndarray", "numpy dtype", *_NUMPY_RECONSTRUCT)
@@ -286,7 +288,10 @@ class _PickleCheck:
     def _global(self, dotted: str) -> _Value:
         module, _, attr = dotted.partition(" ")
         module = "builtins" if module == "__builtin__" else module  # protocol 2's name for it
-        allowed = (dotted in (_TENSOR_REBUILD, _PARAMETER_REBUILD, "collections OrderedDict", "_codecs encode")
+        if module == "torch" and isinstance(getattr(torch, attr, None), torch.dtype):
+            return _Value("torch dtype", attr)
+        allowed = (dotted in (_TENSOR_REBUILD, _TENSOR_REBUILD_BY_DTYPE, _PARAMETER_REBUILD, _BYTE_STORAGE,
+                              "collections OrderedDict", "_codecs encode")
                    or (module == "torch" and attr.endswith("Storage") and _storage_dtype(attr) is not None)
                    or dotted in self.classes or (self.numpy_arrays and dotted in _NUMPY_GLOBALS))
         if not allowed:
@@ -297,8 +302,10 @@ class _PickleCheck:
     def _storage(self, pid: _Value) -> _Value:
         kind, storage_type, key, _location, numel = (pid.items if pid.kind == "tuple" and len(pid.items) == 5
                                                      else (None,) * 5)
-        dtype = _storage_dtype(storage_type.text.partition(" ")[2]) if storage_type is not None \
-            and storage_type.kind == "global" else None
+        dtype = None
+        if storage_type is not None and storage_type.kind == "global":
+            dtype = torch.uint8 if storage_type.text == _BYTE_STORAGE else \
+                _storage_dtype(storage_type.text.partition(" ")[2])
         if kind is None or kind.text != "storage" or dtype is None or key.kind != "str" or numel.kind != "int" \
                 or numel.number is None:
             raise RefusedTensorFile("its pickle asks for a storage in a form torch.save never writes")
@@ -315,6 +322,9 @@ class _PickleCheck:
         if items is not None:
             if name == _TENSOR_REBUILD and items and items[0].kind == "storage":
                 return _Value("tensor")  # any size or stride: loaded tensors are checked (thin_tensor)
+            if name == _TENSOR_REBUILD_BY_DTYPE and len(items) in (7, 8) and items[0].kind == "storage" \
+                    and items[6].kind == "torch dtype":
+                return _Value("tensor")
             if name == _PARAMETER_REBUILD and len(items) == 3 and items[0].kind == "tensor" and items[1].kind == "bool":
                 return _Value("tensor")
             if name == "collections OrderedDict" and not items:  # filled by SETITEMS, each key checked

@@ -478,3 +478,37 @@ def test_a_pickled_weights_file_that_asks_for_code_is_refused_without_torch_s_un
         torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     line = str(refused.value)
     assert "weights_only" not in line and "could run code" in line and "system" in line, line
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"])
+def test_weights_torch_saves_by_dtype_pass_the_pickle_check(tmp_path: Path, dtype: str) -> None:
+    """torch.save writes float8 and the wide unsigned ints as a byte storage with a dtype
+    (``_rebuild_tensor_v3``): a genuine ``pytorch_model.bin`` of them is read, and a storage of
+    more bytes than its record is still refused."""
+    import torch
+
+    from tclightning.models.loading import check_model_folder
+    from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+
+    folder = _model_folder(tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+    weight = torch.arange(6).to(getattr(torch, dtype))
+    torch.save({"lm_head.weight": weight}, folder / "pytorch_model.bin")
+    check_model_folder(folder)
+    assert torch.equal(torch.load(folder / "pytorch_model.bin", weights_only=True)["lm_head.weight"].view(torch.uint8),
+                       weight.view(torch.uint8))
+    nbytes = weight.nbytes
+    _rewrite_pickle(folder / "pytorch_model.bin", lambda pickled: pickled.replace(
+        b"K" + bytes([nbytes]) + b"t", b"K" + bytes([nbytes + 1]) + b"t", 1))
+    with pytest.raises(RefusedTensorFile, match="storage of"):
+        check_torch_file(folder / "pytorch_model.bin")
+
+
+def _rewrite_pickle(path: Path, edit) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, edit(data) if name.endswith("data.pkl") else data)
