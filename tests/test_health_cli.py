@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,7 @@ def test_tensorboard_event_files(tmp_path, capsys):
 def test_a_damaged_event_file_is_refused_and_a_tail_cut_short_is_read(tmp_path, capsys):
     """TensorBoard's reader stops at a damaged record without a word: one flipped byte made the
     replay judge the first 2 of 60 steps and call the run healthy (its collapse at step 40 unseen)."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     from torch.utils.tensorboard import SummaryWriter
 
     from tclightning.cli.main import main
@@ -106,6 +108,12 @@ def test_a_damaged_event_file_is_refused_and_a_tail_cut_short_is_read(tmp_path, 
     assert len(lines) == 1 and "a checksum does not match" in lines[0], lines
     rows = read_run(tmp_path / "cut")
     assert [step for step, _ in rows] == list(range(59))
+    length = struct.pack("<Q", 2**62)  # a length whose own checksum holds: the reader allocates it
+    (tmp_path / "huge").mkdir()
+    (tmp_path / "huge" / events.name).write_bytes(events.read_bytes() + length + struct.pack("<I", masked_crc32c(length)))
+    assert main(["analyze", "health", str(tmp_path / "huge")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "more bytes than can be read" in lines[0], lines
 
 
 def test_main_dispatch_turns_user_errors_into_exit_2(tmp_path, capsys):

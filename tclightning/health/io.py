@@ -163,8 +163,11 @@ def _require_intact(file: Path) -> None:
     except errors.DataLossError as err:
         if "truncated record" in str(err):
             return
-        raise TclightningError(f"{file}: damaged after its first {records} records (a checksum does not match): the "
-                               "steps after them cannot be read; give analyze health the run's metrics.csv") from None
+        why = "a checksum does not match"
+    except (MemoryError, OverflowError):  # a length field whose checksum holds, of exabytes
+        why = "a record claims more bytes than can be read"
+    raise TclightningError(f"{file}: damaged after its first {records} records ({why}): the steps after them cannot "
+                           "be read; give analyze health the run's metrics.csv")
 
 
 def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -> list[Row]:
