@@ -512,3 +512,13 @@ def _rewrite_pickle(path: Path, edit) -> None:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
         for name, data in records:
             archive.writestr(name, edit(data) if name.endswith("data.pkl") else data)
+
+
+def test_a_sharded_index_nested_past_the_json_reader_s_depth_is_one_line(tmp_path: Path) -> None:
+    """An index nested deeper than Python's JSON reader recurses is the model folder's to name, not
+    a RecursionError traceback from the check that looks for the shards it names."""
+    folder = _model_folder(tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TclightningError, match="cannot be loaded as a model"):
+        load_model(ModelConfig(source="hf", name=str(folder)))
