@@ -275,3 +275,30 @@ def test_open_regular_refuses_a_fifo_swapped_in_after_the_look(tmp_path):
     path.write_bytes(b"y")
     with open_regular(path, "checkpoint") as handle:
         assert handle.read() == b"y"
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.timeout(300)
+def test_a_closed_terminal_stops_lightning_fit_as_sigterm_does(tmp_path: Path) -> None:
+    """SIGHUP's default ended ``lightning fit`` without a word (exit 129): it is a SIGTERM, which
+    Lightning's own handler turns into a stop after the step."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG.replace("max_steps: 2", "max_steps: 100000000\n  max_epochs: -1"))
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from tclightning.cli.lightning import main; "
+                              "sys.exit(main())", "fit", "--config", "my_config.yaml"],
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "logs").rglob("*.ckpt")) and time.monotonic() < deadline:
+            time.sleep(0.5)  # an epoch's checkpoint: the fit (and Lightning's SIGTERM handler) is under way
+        child.send_signal(signal.SIGHUP)
+        out, _ = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and "Received SIGTERM" in out, (child.returncode, out[-2000:])

@@ -158,11 +158,25 @@ def lightning_cli(argv: Sequence[str]) -> int:
     return 0
 
 
+def _hangup_is_sigterm() -> None:
+    """A closed terminal (SIGHUP) stops a LightningCLI command as SIGTERM does (Lightning's own
+    handler: the fit stops after the step), where its default would end it without a word. Leaves
+    a handler someone else set alone (``nohup``'s ignored SIGHUP)."""
+    import signal
+
+    from tclightning.console import hangup_is_sigterm
+
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is signal.SIG_DFL:
+        signal.signal(hangup, hangup_is_sigterm)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = bool(args) and args[0] == "--debug"
     rest = args[1:] if debug else args
     if rest and rest[0] in CLI_COMMANDS:  # LightningCLI parses its own options (argparse would refuse them)
+        _hangup_is_sigterm()
         try:
             code = lightning_cli(rest)
         except TclightningError as err:
