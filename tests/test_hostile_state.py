@@ -587,6 +587,21 @@ def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
     assert len(err) == 1 and "loop is a link that leads nowhere" in err[0], err
 
 
+def test_analyze_trajectory_shows_terminal_escapes_in_a_point_s_fields_never_sends_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A point's ``unit`` or ``method`` is any short text: an escape in it would retitle or clear the
+    terminal the table is printed to."""
+    run = tmp_path / "run" / "trajectory"
+    run.mkdir(parents=True)
+    for i in range(3):
+        torch.save({"step": i, "point": torch.arange(8.0) * i, "unit": "\x1b]0;owned\x07step", "method": "\x1b[2J"},
+                   run / f"point-{i:08d}.pt")
+    capsys.readouterr()
+    assert main(["analyze", "trajectory", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;owned\\x07step" in out, out
+
+
 @pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
                                  "point-holds-itself", "unit-holds-itself", "out-is-a-file", "out-under-proc",
                                  "linked-default"])

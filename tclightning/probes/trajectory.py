@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, regular_file, replace_text, save_figure
 from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file, thin_tensor
@@ -202,11 +203,11 @@ def _fmt(value: float | None) -> str:
 
 def to_markdown(report: dict[str, Any]) -> str:
     """A markdown summary: one table of the metrics with their meaning."""
-    meta = report.get("meta", {})
+    meta = {key: shown(str(value)) for key, value in report.get("meta", {}).items()}  # written by the run: any text
     steps = report.get("steps", [])
     span = f"{steps[0]}..{steps[-1]}" if steps else "-"
     lines = [
-        f"# Trajectory analysis: `{report.get('path', '')}`",
+        f"# Trajectory analysis: `{shown(str(report.get('path', '')))}`",
         "",
         (
             f"{report['points']} points ({meta.get('unit', 'step')} {span}), {meta.get('method')} of "
