@@ -215,3 +215,30 @@ def test_the_documented_sbatch_script_runs_under_a_two_node_slurm_allocation(tmp
     assert sorted(rows) == [0, 1]
     for values in rows.values():
         assert values["dp/replicas"] == 2 and values["wire/bytes_fwd"] > 0
+
+
+@pytest.mark.parametrize("node_log, code, said", [
+    ("Traceback (most recent call last):\nerror: trainer.devices x trainer.num_nodes = 2 needs trainer.strategy="
+     "pipeline\ntorch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n", 2,
+     "node 0 exited with 1: trainer.devices x trainer.num_nodes = 2 needs trainer.strategy=pipeline; "),
+    ("Segmentation fault\n", 1, "node 0 exited with 1; the nodes' output is in "),
+], ids=["the-run-refused-its-arguments", "the-run-crashed"])
+def test_a_two_node_bench_whose_nodes_fail_says_why_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str], node_log: str,
+                                                              code: int, said: str) -> None:
+    """Every node refused its run arguments and the bench exited 1 with nothing on stderr: the
+    reason was only in node*.log, under torchrun's traceback."""
+    from tclightning.cli.main import main
+
+    def failing_nodes(run_args: list[str], *, cwd: Path, **_: Any) -> dict[str, Any]:
+        for node in range(2):
+            (cwd / f"node{node}.log").write_text(node_log)
+        return {"returncodes": [1, 1], "commands": [], "stderr": ["", ""], "link": {}, "seconds": 1.0, "mbit": 100}
+
+    monkeypatch.setattr("tclightning.bench.nodes.run_nodes", failing_nodes)
+    capsys.readouterr()
+    assert main(["bench", "two-node", "--dir", str(tmp_path / "w"), "--", "--recipe", "tiny"]) == code
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: bench two-node: ") and said in err[0], err
+    assert '"returncodes": [' in captured.out

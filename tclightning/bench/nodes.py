@@ -87,6 +87,12 @@ def _tail(log: Path, size: int = 4000) -> str:
         return handle.read(size).decode(errors="replace")
 
 
+def first_error_line(log: Path, size: int = 1 << 16) -> str | None:
+    """The first ``error:`` line a node's run printed in the last ``size`` bytes of its log (its
+    refusal, above torchrun's traceback about the failed child), or None."""
+    return next((line for line in _tail(log, size).splitlines() if line.startswith("error: ")), None)
+
+
 def _remove_orphaned_links() -> None:
     """Delete the namespaces and bridges of launches whose process no longer runs (killed with -9,
     which leaves no time to delete them): ``tcl-node<i>-<pid>``, ``tclb-<pid>``."""

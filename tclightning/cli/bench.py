@@ -287,7 +287,8 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tclightning.bench.link import LINK_MBIT
-    from tclightning.bench.nodes import run_nodes
+    from tclightning.bench.nodes import first_error_line, run_nodes
+    from tclightning.console import shown
     from tclightning.errors import TclightningError
     from tclightning.files import in_the_way
 
@@ -306,7 +307,14 @@ def run_two_node_launch(args: argparse.Namespace) -> int:
     result = run_nodes(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
                           timeout_s=args.timeout)
     print(json.dumps({key: value for key, value in result.items() if key != "stderr"}, indent=1))
-    return 0 if result["returncodes"] == [0, 0] else 1
+    failed = [node for node, code in enumerate(result["returncodes"]) if code != 0]
+    if not failed:
+        return 0
+    refusal = first_error_line(where / f"node{failed[0]}.log")  # the run refused its arguments: exit 2, as it does
+    said = f": {refusal.removeprefix('error: ')}" if refusal else ""
+    print(shown(f"error: bench two-node: node {failed[0]} exited with {result['returncodes'][failed[0]]}{said}; "
+                f"the nodes' output is in {where}/node*.log"), file=sys.stderr)
+    return 2 if refusal else 1
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
