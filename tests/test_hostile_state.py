@@ -260,13 +260,23 @@ def test_a_resume_prunes_only_its_own_step_files(run_dir: Path, tmp_path: Path) 
     copied = tmp_path / "run"
     shutil.copytree(run_dir, copied)
     folder = copied / "checkpoints"
-    keep = {name: name.encode() for name in ("step-000001.keep.ckpt", "step-000002 backup.ckpt")}
+    keep = {name: name.encode() for name in ("step-000001.keep.ckpt", "step-000002 backup.ckpt", "step-0000001.ckpt")}
     for name, data in keep.items():
         (folder / name).write_bytes(data)
     assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=4", "trainer.val_every=0",
                  "trainer.checkpoint_every=1", "trainer.keep_checkpoints=1", "--quiet", "--resume", str(copied)]) == 0
     assert all((folder / name).read_bytes() == data for name, data in keep.items())
     assert sorted(p.name for p in folder.glob("step-*.ckpt") if p.name not in keep) == ["step-000004.ckpt"]
+
+
+def test_step_files_are_pruned_oldest_step_first_past_a_million_steps(tmp_path: Path) -> None:
+    """By name, ``step-1000000.ckpt`` sorted before ``step-999999.ckpt``: the newest file was pruned."""
+    from tclightning.callbacks.checkpointing import own_step_files
+
+    for name in ("step-999998.ckpt", "step-1000000.ckpt", "step-999999.ckpt", "step-1000001.ckpt", "step-0999999.ckpt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in own_step_files(tmp_path, 1_000_000)] == ["step-999998.ckpt", "step-999999.ckpt",
+                                                                     "step-1000000.ckpt"]
 
 
 def test_a_kernel_interface_that_stat_calls_a_file_is_never_read(tmp_path: Path,

@@ -58,8 +58,17 @@ class CheckpointRefused(TclightningError):
     crafted, so it is never loaded and never silently replaced by another file."""
 
 
-STEP_FILE = re.compile(r"step-\d{6,}\.ckpt")
-"""The name of a periodic checkpoint this callback writes (and the only files it prunes)."""
+STEP_FILE = re.compile(r"step-(\d{6}|[1-9]\d{6,})\.ckpt")
+"""The name of a periodic checkpoint this callback writes, ``step-{S:06d}.ckpt`` (and the only
+files it prunes: a ``step-0000001.ckpt`` is never one of them)."""
+
+
+def own_step_files(folder: Path, up_to: int) -> list[Path]:
+    """The periodic checkpoints in ``folder`` of steps up to ``up_to``, oldest first by step
+    (``step-1000000`` after ``step-999999``); never a link or a name the callback does not write."""
+    steps = {path: int(path.name[5:-5]) for path in folder.glob("step-*.ckpt") if STEP_FILE.fullmatch(path.name)}
+    return sorted((path for path, step in steps.items() if step <= up_to and path.is_file() and not path.is_symlink()),
+                  key=steps.__getitem__)
 
 
 def checkpoint_error(path: str | os.PathLike, err: BaseException) -> TclightningError:
@@ -378,9 +387,7 @@ class StepCheckpoint(Checkpoint):
             copy_file(tmp, periodic)  # a copy, not a link: damage to one never reaches the other
             # Prune among steps up to this one: files further on (from before a resume) are
             # replaced when the run gets there, and must not push out the one just written.
-            done = [p for p in sorted(self.dirpath.glob("step-*.ckpt")) if p.name <= periodic.name
-                    and STEP_FILE.fullmatch(p.name) and p.is_file() and not p.is_symlink()]  # never a user's file
-            for old in done[: -self.keep]:
+            for old in own_step_files(self.dirpath, step)[: -self.keep]:
                 old.unlink()
             fault_point("step-file", step)
         os.replace(tmp, self.last_path)
