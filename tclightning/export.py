@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from glob import escape as glob_escape
 from collections.abc import Mapping
@@ -372,9 +373,11 @@ def clear_abandoned_staging(target: Path) -> None:
     if not parent.is_dir():
         return
     marker = f".{target.name}.export-"
+    # as mkdtemp names it; never the staging folder of an export into `a.export-77-z` beside `a`
+    staging_name = re.compile(re.escape(marker) + r"(\d+)-[a-z0-9_]+")
     for folder in parent.glob(f"{glob_escape(marker)}*"):
-        pid = folder.name[len(marker):].split("-", 1)[0]
-        if not (folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not _running(int(pid))):
+        named = staging_name.fullmatch(folder.name)
+        if not (named and folder.is_dir() and not folder.is_symlink() and not _running(int(named[1]))):
             continue
         if (folder / STAGING_MARKER).is_file():
             remove_export(folder)

@@ -290,6 +290,12 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
     an_export_of_yours = tmp_path / ".policy.export-4000000-v1"
+    # the live staging folder of an export into `policy.export-999999996-z` (named after its own pid)
+    another_export_s = tmp_path / f".policy.export-999999996-z.export-{os.getpid()}-jkl"
+    another_export_s.mkdir()
+    (another_export_s / STAGING_MARKER).write_text(f"{os.getpid()}\n")
+    mine.append(another_export_s)
+    (another_export_s / "notes.txt").write_text("mine")
     export_policy(run_dir, an_export_of_yours, step=1)
     kept = sorted(p.name for p in an_export_of_yours.iterdir())
     export_policy(run_dir, out, step=2, overwrite=True)
