@@ -87,26 +87,20 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if len(records) < len(infos) or any(info.orig_filename != info.filename for info in infos):
                 raise RefusedTensorFile("its archive holds two records of one name (ignoring case) or a name with a "
                                         "NUL, which torch.save never writes")
-            size = _size_of(source)
-            if not _zip64_locator_agrees(source, size):
-                raise RefusedTensorFile("its zip64 locator names another end record than the one before it (a reader "
-                                        "could find another archive than the one checked), which torch.save never writes")
-            if infos and min(info.header_offset for info in infos) != 0:  # torch.save's archive starts the file
-                # (Python's zipfile and torch's reader find a second archive before or after it differently)
-                raise RefusedTensorFile("it holds data before its archive, which torch.save never writes (a reader "
-                                        "could find another archive than the one checked)")
-            if sum(info.compress_size for info in infos) > size:  # records sharing their bytes
-                raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
-                                        "read as gigabytes), which torch.save never writes")
-            compressed = next((info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
-            if compressed is not None:
-                raise RefusedTensorFile(f"its record {compressed} is compressed, which torch.save never does (a "
-                                        "small file that would expand to gigabytes?)")
             pickles = [name for name in records if name.endswith(".pkl")]
             if not pickles:
                 raise BrokenTensorFile("not a torch file (its archive holds no data.pkl)")
             if len(pickles) > 1:  # torch.save writes one
                 raise RefusedTensorFile(f"its archive holds {len(pickles)} pickles, where torch.save writes one")
+            compressed = next((info.filename for info in infos if info.compress_type != zipfile.ZIP_STORED), None)
+            if compressed is not None:
+                raise RefusedTensorFile(f"its record {compressed} is compressed, which torch.save never does (a "
+                                        "small file that would expand to gigabytes?)")
+            size = _size_of(source)
+            if sum(info.compress_size for info in infos) > size:  # records sharing their bytes
+                raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
+                                        "read as gigabytes), which torch.save never writes")
+            _require_one_reading(source, archive, size)
             (name,) = pickles
             folder = name.rpartition("/")[0]
             sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
@@ -126,21 +120,49 @@ LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
 
-def _zip64_locator_agrees(source: str | os.PathLike | IO[bytes], size: int) -> bool:
-    """Whether a zip64 end-record locator, if the file (of ``size`` bytes) has one, names the zip64
-    end record right before it: Python's zipfile reads that one whatever the locator says, torch's reader the one
-    the locator names."""
+def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile.ZipFile, size: int) -> None:
+    """Refuse an archive that torch's reader (miniz) could read otherwise than Python's zipfile,
+    which the checks read: the two find the end record, the zip64 end record and the directory in
+    different ways (a search from the end, the locator's offset, the stated offset; or the record
+    right before, the directory right before), so only the layout ``torch.save`` writes is read
+    alike. The end record ends the file (no comment), a zip64 locator names the zip64 end record
+    right before it, and the directory ends where they start (zipfile's "concat" is 0). Then torch's
+    own reader must list the same records at the same bytes."""
     import struct
 
-    tail_start = max(0, size - (1 << 16) - 22)  # the end record and its longest comment
+    def refuse(why: str) -> RefusedTensorFile:
+        return RefusedTensorFile(f"{why}, which torch.save never writes (a reader could find another archive than "
+                                 "the one checked)")
+
     with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
-        handle.seek(tail_start)
+        handle.seek(max(0, size - 98))  # a zip64 end record (56 bytes), its locator (20), the end record (22)
         tail = handle.read()
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 20 or tail[end - 20:end - 16] != b"PK\x06\x07":
-        return True
-    (named,) = struct.unpack("<Q", tail[end - 12:end - 4])
-    return named == tail_start + end - 20 - 56  # a zip64 end record without extensible data is 56 bytes
+        if tail[-22:-18] != b"PK\x05\x06" or tail[-2:] != b"\0\0":
+            raise refuse("its archive does not end with its end record (a comment or bytes after it)")
+        directory_size, directory_at = struct.unpack("<II", tail[-10:-2])
+        directory_ends = size - 22
+        if tail[-42:-38] == b"PK\x06\x07":
+            (named,) = struct.unpack("<Q", tail[-34:-26])
+            directory_ends = size - 98
+            if len(tail) < 98 or named != directory_ends or tail[:4] != b"PK\x06\x06":
+                raise refuse("its zip64 locator names another end record than the one before it")
+            directory_size, directory_at = struct.unpack("<QQ", tail[40:56])
+        if directory_at + directory_size != directory_ends or directory_at != archive.start_dir:
+            raise refuse("its directory is not where its end record says")
+        infos = archive.infolist()
+        folder = infos[0].filename.partition("/")[0] if infos else ""
+        offsets = {}
+        for info in infos:  # where each record's bytes start: after its local header, name and extra field
+            handle.seek(info.header_offset + 26)
+            name_length, extra_length = struct.unpack("<HH", handle.read(4))
+            offsets[info.filename] = (info.header_offset + 30 + name_length + extra_length, info.file_size)
+        handle.seek(0)
+        reader = torch._C.PyTorchFileReader(handle)
+        names = reader.get_all_records()
+        if len(names) != len(infos) or any(offsets.get(f"{folder}/{name}") != (reader.get_record_offset(name),
+                                                                             reader.get_record_size(name))
+                                           for name in names):
+            raise refuse("torch's reader finds other records in it than the ones checked")
 
 
 def _size_of(source: str | os.PathLike | IO[bytes]) -> int:

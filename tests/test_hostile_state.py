@@ -1201,11 +1201,15 @@ def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path)
         check_torch_file(handle)
 
 
-@pytest.mark.parametrize("layout", ["data-before-the-archive", "zip64-locator-elsewhere", "two-pickles"])
+@pytest.mark.parametrize("layout", ["data-before-the-archive", "zip64-locator-elsewhere", "directory-elsewhere",
+                                    "a-comment", "end-record-signature-in-a-field", "records-by-another-name",
+                                    "two-pickles"])
 def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Path, layout: str) -> None:
-    """Data before the archive, or a zip64 locator naming another end record, let torch's reader
-    find another archive than the one checked; each of 40,000 pickles made the check walk every
-    record again."""
+    """torch's reader (miniz) and Python's zipfile find the end record, the zip64 end record and the
+    directory in different ways: data before the archive, a zip64 locator naming another end
+    record, a directory offset pointing past the one zipfile reads (into a comment holding another),
+    an end-record signature inside the end record's own fields each let torch unpickle another
+    archive than the one checked; each of 40,000 pickles made the check walk every record again."""
     import struct
 
     from tclightning.tensor_files import RefusedTensorFile, check_torch_file
@@ -1214,12 +1218,32 @@ def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Pat
     torch.save({"step": 1}, path)
     check_torch_file(path)
     data = path.read_bytes()
+    end, locator, zip64_end = len(data) - 22, len(data) - 42, len(data) - 98
+    assert data[end:end + 4] == b"PK\x05\x06" and data[locator:locator + 4] == b"PK\x06\x07"  # as torch.save writes
     if layout == "data-before-the-archive":
         path.write_bytes(b"\0" * 64 + data)
     elif layout == "zip64-locator-elsewhere":
-        end = data.rindex(b"PK\x05\x06")
-        assert data[end - 20:end - 16] == b"PK\x06\x07"  # torch.save writes one
-        path.write_bytes(data[:end - 12] + struct.pack("<Q", 0) + data[end - 4:])
+        path.write_bytes(data[:locator + 8] + struct.pack("<Q", 0) + data[locator + 16:])
+    elif layout == "directory-elsewhere":  # both the zip64 and the plain end record say 22 bytes further
+        (size, at), (size32, at32) = struct.unpack("<QQ", data[zip64_end + 40:zip64_end + 56]), \
+            struct.unpack("<II", data[end + 12:end + 20])
+        data = data[:zip64_end + 48] + struct.pack("<Q", at + 22) + data[zip64_end + 56:]
+        path.write_bytes(data[:end + 16] + struct.pack("<I", at32 + 22) + data[end + 20:])
+    elif layout == "a-comment":
+        path.write_bytes(data[:-2] + struct.pack("<H", 4) + b"note")
+    elif layout == "end-record-signature-in-a-field":  # a search for the last signature lands inside the record,
+        # where no locator is found 20 bytes before it: the locator naming another end record went unseen
+        data = data[:locator + 8] + struct.pack("<Q", 0) + data[locator + 16:]
+        path.write_bytes(data[:end + 12] + b"PK\x05\x06" + data[end + 16:])
+    elif layout == "records-by-another-name":  # a name zipfile reads as cp437 and torch as UTF-8
+        with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive:
+            archive.writestr(f"{archive.namelist()[0].partition('/')[0]}/\u00e9", b"")
+        data = path.read_bytes()
+        for header in (b"PK\x03\x04", b"PK\x01\x02"):  # the record's UTF-8 flag taken off
+            at = data.rindex(header)
+            flags = 8 if header == b"PK\x01\x02" else 6
+            data = data[:at + flags] + b"\0\0" + data[at + flags + 2:]
+        path.write_bytes(data)
     else:
         with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive:
             archive.writestr("other/data.pkl", b"\x80\x02}.")
