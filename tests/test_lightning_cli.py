@@ -302,3 +302,25 @@ def test_a_closed_terminal_stops_lightning_fit_as_sigterm_does(tmp_path: Path) -
     finally:
         child.kill()
     assert child.returncode == 0 and "Received SIGTERM" in out, (child.returncode, out[-2000:])
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("content, said", [
+    ("".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}' if i else 'x'] * 10)}]\n" for i in range(9))
+     + "trainer: {callbacks: *a8}\n", "more than 20000 values once its aliases are expanded"),
+    ("u0: &u0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(f"u{i}: &u{i} [*u{i - 1}, *u{i - 1}, *u{i - 1}, *u{i - 1}, "
+                                                          f"*u{i - 1}, *u{i - 1}, *u{i - 1}, *u{i - 1}]\n"
+                                                          for i in range(1, 9)), "more than 20000 values"),
+    (b"trainer: {max_steps: \xff\xfe}\n", "not UTF-8 text (byte 0xff at offset 21)"),
+    (b"#" * ((1 << 20) + 1), "larger than a lightning: a file the configuration names can be"),
+], ids=["alias-bomb", "alias-bomb-in-keys-no-one-reads", "not-utf8", "past-1-mib"])
+@pytest.mark.timeout(120)  # a regression expands the bomb for ever: fail instead
+def test_a_config_file_lightning_fit_reads_is_bounded_as_a_recipe_is(content, said, tmp_path, monkeypatch, capsys):
+    """A 456-byte config of aliases expanded to 10^9 values inside jsonargparse (no end, gigabytes),
+    bytes that are not UTF-8 were a traceback, and a file of any size was read whole."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    (tmp_path / "odd.yaml").write_bytes(content.encode() if isinstance(content, str) else content)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--config", "odd.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "odd.yaml" in err[0] and said in err[0], err

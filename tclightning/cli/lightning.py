@@ -19,7 +19,6 @@ from tclightning.cli.formatting import HelpFormatter
 from tclightning.cli.main import dispatch
 from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
 """``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
@@ -59,18 +58,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def _files_read_are_regular() -> Iterator[None]:
+def _files_read_are_bounded() -> Iterator[None]:
     """jsonargparse reads every file a value names (``--config X``, ``-cX``, and inside a config
     ``trainer: {callbacks: x.yaml}`` or ``model: x.yaml``) through ``jsonargparse.Path.read_text``:
-    within the block each must be a regular file (a FIFO or a device would be waited on forever)."""
+    within the block each is read as a recipe file is (a regular file, 1 MiB of UTF-8, its aliases
+    expanding to at most 20,000 values): a FIFO or a device would be waited on forever, and an
+    alias bomb of a few hundred bytes expanded for ever."""
     from jsonargparse import Path as ConfigPath
+
+    from tclightning.recipes.loader import bounded_yaml_text
 
     read_text = ConfigPath.read_text
 
     def checked(path: ConfigPath) -> str:
-        if not (path.is_url or path.is_fsspec or path.relative == "-"):  # stdin is the caller's to give
-            regular_file(path.absolute, "lightning: a file the configuration names")
-        return read_text(path)
+        if path.is_url or path.is_fsspec or path.relative == "-":  # stdin is the caller's to give
+            return read_text(path)
+        return bounded_yaml_text(Path(path.absolute), "lightning: a file the configuration names")
 
     ConfigPath.read_text = checked  # type: ignore[method-assign]
     try:
@@ -142,7 +145,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
     try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
-        with checkpoint_allow_list(), _files_read_are_regular():  # a tclightning checkpoint's few data objects
+        with checkpoint_allow_list(), _files_read_are_bounded():  # a tclightning checkpoint's few data objects
             # (the RNG states), for Lightning too
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)

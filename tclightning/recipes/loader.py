@@ -209,27 +209,54 @@ def _read_yaml(path: Path) -> Any:
     it, so nothing waits on it) of at most :data:`MAX_YAML_BYTES`, at most :data:`MAX_YAML_NODES`
     values with aliases expanded and :data:`MAX_YAML_DEPTH` levels, and no OmegaConf
     interpolation (``${...}``: a recipe holds values)."""
+    data = _parse_yaml(_read_text(path), str(path))
+    refuse_interpolation(data, str(path))
+    return data
+
+
+def _read_text(path: Path, what: str = "recipe") -> str:
+    """The text of ``path``, a regular file of at most :data:`MAX_YAML_BYTES` in UTF-8; one-line
+    :class:`RecipeError` otherwise (a FIFO or a device is never opened)."""
     try:
-        regular_file(path, "recipe")
+        regular_file(path, what)
     except TclightningError as err:  # the path is named once, by the RecipeError
-        raise RecipeError(str(err).replace(f"recipe {path}: ", "", 1), file=str(path)) from None
+        raise RecipeError(str(err).replace(f"{what} {path}: ", "", 1), file=str(path)) from None
     try:
         with path.open("rb") as fh:
             raw = fh.read(MAX_YAML_BYTES + 1)
     except OSError as err:
         raise RecipeError(f"cannot read: {err.strerror or err}", file=str(path)) from None
     if len(raw) > MAX_YAML_BYTES:
-        raise RecipeError(f"larger than a recipe can be ({MAX_YAML_BYTES} bytes)", file=str(path))
+        raise RecipeError(f"larger than a {what} can be ({MAX_YAML_BYTES} bytes)", file=str(path))
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise RecipeError(
             f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save the file as UTF-8",
             file=str(path),
         ) from None
-    data = _parse_yaml(text, str(path))
-    refuse_interpolation(data, str(path))
-    return data
+
+
+def bounded_yaml_text(path: Path, what: str) -> str:
+    """The text of a YAML file another parser reads (jsonargparse, for ``lightning fit``), bounded
+    as a recipe file is, before that parser expands anything: a regular file of at most
+    :data:`MAX_YAML_BYTES` in UTF-8, at most :data:`MAX_YAML_NODES` values with its aliases
+    expanded and :data:`MAX_YAML_DEPTH` levels. Text that is not YAML is the other parser's to
+    name. One-line :class:`RecipeError` otherwise."""
+    text = _read_text(path, what)
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError:
+        return text
+    except RecursionError:
+        raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=str(path)) from None
+    if node is not None:
+        _check_size(node, str(path))
+    return text
 
 
 def _parse_yaml(text: str, source: str, override: str | None = None) -> Any:
