@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (exchange, in_the_way, open_regular, refused_by_storage, require_writable,
+from tclightning.files import (exchange, in_the_way, open_regular, own_file, refused_by_storage, require_writable,
                               storage_reason)
 
 POLICY_PREFIX = "policy."
@@ -296,6 +296,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
     (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
+    old_export_files: frozenset[str] | None = None  # the old export's own files, once it is under the staging name
+    placed = False  # the new export is at target
     try:
         if adapter_only:
             save_adapter(model, _lora_config(checkpoint), staging)
@@ -316,17 +318,24 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, marked for the next export to remove
             replaced = target / REPLACED_MARKER
-            replaced.write_text(f"{os.getpid()}\n")
+            with contextlib.suppress(FileNotFoundError):  # one a killed export left (or a link, a FIFO of that
+                replaced.unlink()                          # name): replaced, never written through or waited on
+            with own_file(replaced, "x") as marker:
+                marker.write(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
-            except BaseException as err:  # a refusal, or Ctrl-C/SIGTERM before the swap: the old export as it was
-                with contextlib.suppress(OSError):
+            except BaseException as err:
+                if (staging / REPLACED_MARKER).is_file():  # swapped, the interrupt inside the call
+                    raise
+                with contextlib.suppress(OSError):  # a refusal, or Ctrl-C/SIGTERM before the swap: as it was
                     replaced.unlink()
                 if not isinstance(err, OSError) or refused_by_storage(err):
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})  # the old export's own files
+            placed = True
+            old_export_files = export_files(staging) | {REPLACED_MARKER, STAGING_MARKER}
+            remove_export(staging, old_export_files)
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -335,13 +344,14 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
+            placed = True
         with contextlib.suppress(OSError):
             (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
-        if (staging / REPLACED_MARKER).is_file():  # swapped (even if the interrupt came inside the swap call):
-            # the old export is here; its own files go, a file put in it meanwhile stays
-            remove_export(staging, export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
-        else:
+        if old_export_files is not None or (staging / REPLACED_MARKER).is_file():  # swapped (the interrupt
+            # perhaps inside the swap call): the old export is here; its own files go, one put in it meanwhile stays
+            remove_export(staging, old_export_files or export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
+        elif not placed:
             remove_export(staging)  # the new export, not yet (or never) in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
@@ -403,8 +413,13 @@ def export_files(folder: Path) -> frozenset[str]:
 def remove_export(folder: Path, own: frozenset[str] | None = None) -> None:
     """Remove an export (or its staging folder): its own files, which are flat (``own``: only
     these names; ``None``: a staging folder this export made, all of it); a file or folder
-    someone put inside it meanwhile (a run, a bind mount) stays, and with it the export's folder."""
-    for entry in folder.iterdir():
+    someone put inside it meanwhile (a run, a bind mount) stays, and with it the export's folder.
+    Nothing to do where ``folder`` is gone (renamed into place just before an interrupt)."""
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
         if (own is None or entry.name in own) and (entry.is_symlink() or not entry.is_dir()):
             with contextlib.suppress(OSError):
                 entry.unlink()

@@ -176,17 +176,45 @@ def in_the_way(folder: Path) -> tuple[Path, str] | None:
 
 def exchange(a: Path, b: Path) -> None:
     """Swap two folders atomically (Linux ``renameat2(RENAME_EXCHANGE)``); elsewhere, or where the
-    filesystem cannot, move ``b`` aside, ``a`` into place and the old ``b`` to ``a``'s name."""
+    filesystem cannot, move ``b`` aside, ``a`` into place and the old ``b`` to ``a``'s name, with
+    Ctrl-C, SIGTERM and SIGHUP held until all three renames are done (one in between left ``b``
+    missing)."""
     if _renameat2_exchange(a, b):
         return
     aside = a.with_name(a.name + "-old")
-    os.replace(b, aside)
+    with _signals_held():
+        os.replace(b, aside)
+        try:
+            os.replace(a, b)
+        except BaseException:
+            os.replace(aside, b)
+            raise
+        os.replace(aside, a)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP received in the block are raised again once it is done, to the
+    handlers in force before (in the main thread, where Python runs handlers; a mask would not do:
+    the kernel hands a process's signal to any thread that does not block it)."""
+    import signal
+    import threading
+
+    held = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    before = {signum: signal.getsignal(signum) for signum in held}
+    if threading.current_thread() is not threading.main_thread() or None in before.values():
+        yield  # handlers are only set in the main thread; one set from C cannot be put back
+        return
+    caught: list[int] = []
+    for signum in held:
+        signal.signal(signum, lambda signum, frame: caught.append(signum))
     try:
-        os.replace(a, b)
-    except BaseException:
-        os.replace(aside, b)
-        raise
-    os.replace(aside, a)
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        for signum in caught:
+            signal.raise_signal(signum)
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -469,7 +470,8 @@ def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_pat
     assert not (copied / "checkpoints" / "last.ckpt").exists()
 
 
-@pytest.mark.parametrize("moment", ["inside-the-swap-call", "removing-the-old-export"])
+@pytest.mark.parametrize("moment", ["inside-the-swap-call", "removing-the-old-export",
+                                    "once-the-old-export-s-marker-went", "once-the-old-export-s-files-went"])
 def test_a_file_put_into_the_old_export_survives_a_ctrl_c_after_the_swap(run_dir: Path, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch,
                                                                           moment: str) -> None:
@@ -491,9 +493,14 @@ def test_a_file_put_into_the_old_export_survives_a_ctrl_c_after_the_swap(run_dir
 
     def first_removal_interrupted(folder: Path, own: frozenset[str] | None = None) -> None:
         removals.append(own)
-        if moment == "removing-the-old-export" and len(removals) == 1:
+        if len(removals) == 1 and moment == "removing-the-old-export":
+            raise KeyboardInterrupt
+        if len(removals) == 1 and moment == "once-the-old-export-s-marker-went":
+            (folder / REPLACED_MARKER).unlink()  # what told the export it had swapped
             raise KeyboardInterrupt
         real_remove(folder, own)
+        if len(removals) == 1 and moment == "once-the-old-export-s-files-went":
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(export_module, "exchange", note_then_swap)
     monkeypatch.setattr(export_module, "remove_export", first_removal_interrupted)
@@ -502,6 +509,73 @@ def test_a_file_put_into_the_old_export_survives_a_ctrl_c_after_the_swap(run_dir
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2  # the new export is in place
     (kept,) = tmp_path.glob(".policy.export-*/notes.txt")
     assert kept.read_text() == "mine" and sorted(p.name for p in kept.parent.iterdir()) == ["notes.txt"]
+
+
+def test_an_export_interrupted_once_it_is_in_place_is_an_interrupt_not_a_traceback(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C right after the rename that put a new export in place: the clean-up looked into the
+    staging folder, gone by then (a FileNotFoundError traceback)."""
+    real_rename = os.rename
+
+    def renamed_then_interrupted(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+        real_rename(source, destination)
+        if Path(source).name.startswith(".policy.export-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "rename", renamed_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_policy(run_dir, tmp_path / "policy", step=1)
+    assert json.loads((tmp_path / "policy" / PROVENANCE_FILE).read_text())["rl_step"] == 1
+
+
+@pytest.mark.timeout(120)  # a regression waits on the FIFO: fail instead
+@pytest.mark.parametrize("planted", ["link-to-a-file-of-yours", "hard-link-to-a-file-of-yours", "dangling-link", "fifo"])
+def test_a_marker_name_planted_in_the_old_export_is_replaced_never_written_through(
+        run_dir: Path, tmp_path: Path, planted: str) -> None:
+    """``--overwrite`` marks the old export before the swap: it wrote its pid through a link planted
+    under the marker's name (into a file of yours, or a new file outside), or waited on a FIFO."""
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    yours, marker = tmp_path / "yours.txt", out / REPLACED_MARKER
+    yours.write_text("mine")
+    if planted == "link-to-a-file-of-yours":
+        marker.symlink_to(yours)
+    elif planted == "hard-link-to-a-file-of-yours":
+        os.link(yours, marker)
+    elif planted == "dangling-link":
+        marker.symlink_to(tmp_path / "made-outside.txt")
+    else:
+        os.mkfifo(marker)
+    export_policy(run_dir, out, step=2, overwrite=True)
+    assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
+    assert yours.read_text() == "mine" and not (tmp_path / "made-outside.txt").exists()
+
+
+def test_a_swap_without_an_atomic_exchange_holds_ctrl_c_until_both_folders_are_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the filesystem cannot swap two folders in one call, three renames do it: a Ctrl-C
+    after the first left the old folder moved aside and its name missing."""
+    import signal
+
+    from tclightning import files
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, text in ((a, "new"), (b, "old")):
+        folder.mkdir()
+        (folder / "f").write_text(text)
+    real_replace = os.replace
+
+    def replace_then_ctrl_c(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+        real_replace(source, destination)
+        if Path(destination).name == "a-old":  # the old folder just moved aside
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(files, "_renameat2_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        files.exchange(a, b)
+        time.sleep(5)  # where the signal is not held it lands at once, inside the call
+    assert (b / "f").read_text() == "new" and (a / "f").read_text() == "old"
 
 
 def test_a_run_put_into_the_old_export_while_it_is_replaced_is_kept(run_dir: Path, tmp_path: Path,
