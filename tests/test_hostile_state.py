@@ -612,9 +612,24 @@ def test_analyze_trajectory_shows_terminal_escapes_in_a_point_s_fields_never_sen
     assert "\x1b" not in out and "\x07" not in out and "\\x1b]0;owned\\x07step" in out, out
 
 
+@pytest.mark.parametrize("saved", ["parameter", "requires-grad"])
+def test_analyze_trajectory_reads_a_point_saved_with_its_gradient_flag_as_its_values(
+        tmp_path: Path, saved: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A point saved as an ``nn.Parameter`` or a tensor that requires grad passed every check, then
+    the plot's ``.numpy()`` raised (a traceback, after the JSON and markdown were written)."""
+    run = tmp_path / "run" / "trajectory"
+    run.mkdir(parents=True)
+    for i in range(4):
+        point = torch.arange(8.0) * i + torch.full((8,), float(i * i))
+        point = torch.nn.Parameter(point) if saved == "parameter" else point.requires_grad_()
+        torch.save({"step": i, "point": point}, run / f"point-{i:08d}.pt")
+    assert main(["analyze", "trajectory", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "analysis" / "trajectory.png").is_file()
+
+
 @pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
-                                 "point-holds-itself", "unit-holds-itself", "out-is-a-file", "out-under-proc",
-                                 "linked-default"])
+                                 "point-holds-itself", "unit-holds-itself", "seed-nan", "out-is-a-file",
+                                 "out-under-proc", "linked-default"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A stride-0 point of 1.6 KB expanded to 2^30 values before any check (a compressed record
@@ -632,6 +647,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
         looped.append(looped)  # walked without end (a report's json.dumps too)
         if i == 2 and bad in ("point-holds-itself", "unit-holds-itself"):
             record["point" if bad == "point-holds-itself" else "unit"] = looped
+        if bad == "seed-nan":  # the report's JSON holds no NaN: json.dumps raised
+            record["seed"] = float("nan")
         torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
     if bad == "garbage":
         (folder / "point-00000009.pt").write_bytes(b"not torch")

@@ -97,10 +97,10 @@ def _point(path: Path) -> dict[str, Any]:
     if not isinstance(point, Tensor):  # before any walk: a list holding itself has no end
         raise TclightningError(f"trajectory point {path}: its point is not a tensor, as TrajectoryRecorder writes")
     meta = {key: record.get(key) for key in POINT_FIELDS}
-    if any(not (value is None or isinstance(value, (str, int, float))) or (isinstance(value, str) and len(value) > 200)
-           for value in meta.values()):  # they go into the report as they are
-        raise TclightningError(f"trajectory point {path}: its {', '.join(POINT_FIELDS)} are not plain short values, as "
-                               "TrajectoryRecorder writes")
+    if not all(value is None or isinstance(value, int) or (isinstance(value, str) and len(value) <= 200)
+               or (isinstance(value, float) and math.isfinite(value)) for value in meta.values()):
+        raise TclightningError(f"trajectory point {path}: its {', '.join(POINT_FIELDS)} are not plain short values "
+                               "(finite numbers, short text), as TrajectoryRecorder writes")  # the report holds them
     thin = thin_tensor(point)
     if thin is not None:  # before any value is read: a stride of 0 expands one number to any size
         raise TclightningError(f"trajectory point {path}: {thin}, which torch.save never writes")
@@ -109,7 +109,7 @@ def _point(path: Path) -> dict[str, Any]:
             or not point.is_floating_point() or point.numel() < 2 or not bool(torch.isfinite(point).all()):
         raise TclightningError(f"trajectory point {path}: not a point (a whole step >= 0 and a 1-D finite float "
                                "point of at least 2 values, as TrajectoryRecorder writes)")
-    return record
+    return {**record, "point": point.detach()}  # a Parameter, or a tensor that requires grad, is its values here
 
 
 def _top(x: Tensor) -> tuple[Tensor, Tensor]:
