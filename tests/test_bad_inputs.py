@@ -60,6 +60,7 @@ CASES: dict[str, Case] = {
     "warmup-lr-past-float32": override("model.warmup.lr=1e39"),  # the warm-up's first AdamW step failed
     "num-threads-negative": override("trainer.num_threads=-1"),
     "devices-zero": override("trainer.devices=0"),
+    "num-nodes-past-any-cluster": override("trainer.num_nodes=2147483648"),  # torch's rendezvous raised on it
     "heads-do-not-divide": override("model.tiny.num_heads=3"),
     "hidden-size-zero": override("model.tiny.hidden_size=0"),
     # OmegaConf reads "on", "yes", "1" or 1 as true for a switch (trust_remote_code runs a folder's code)

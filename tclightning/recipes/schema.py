@@ -95,7 +95,7 @@ class TrainerConfig:
     accelerator: str = setting("auto", one_of(ACCELERATORS), "auto | cpu | gpu")
     devices: int = setting(1, positive(1024),
                            "processes per node; > 1 with strategy pipeline: one pipeline stage per process")
-    num_nodes: int = setting(1, positive(), "machines (torchrun / SLURM set the ranks; see docs/distributed.md)")
+    num_nodes: int = setting(1, positive(65536), "machines (torchrun / SLURM set the ranks; see docs/distributed.md)")
     strategy: str = setting("auto", one_of(STRATEGIES), "auto | pipeline (cuts from the `pipeline` section)")
     num_threads: Optional[int] = setting(None, positive(4096, optional=True),
                                          "torch.set_num_threads; None keeps torch's default")
