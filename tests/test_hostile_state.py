@@ -1142,7 +1142,11 @@ def _restored_job(edit) -> tuple:
     (lambda job: job["payload"]["rollouts"].__setattr__("group_size", "x"), "replay is not"),
     (lambda job: job["payload"].update(rows=torch.tensor([0, 7])), "replay is not"),
     (lambda job: job["payload"].update(rollouts=[1, 2]), "replay is not"),
-], ids=["snapshot-shapes", "snapshot-count", "texts-an-int", "group-size-a-word", "rows-out-of-range", "no-rollouts"])
+    (lambda job: job["payload"]["rollouts"].completion_ids.fill_(-5), "replay is not"),  # an IndexError traceback
+    (lambda job: job["payload"]["rollouts"].completion_mask.fill_(1e30), "replay is not"),  # anchor/bytes of 1e34
+    (lambda job: job["payload"]["rollouts"].logp_sampler.fill_(float("nan")), "replay is not"),
+], ids=["snapshot-shapes", "snapshot-count", "texts-an-int", "group-size-a-word", "rows-out-of-range", "no-rollouts",
+        "negative-token-ids", "mask-not-0-or-1", "logp-nan"])
 def test_an_anchor_job_restored_from_a_checkpoint_that_does_not_fit_is_one_line(edit, said: str) -> None:
     """A checkpoint's pending anchor job (snapshot, replay) was computed as restored: a RuntimeError
     or TypeError traceback at its delivery. Refused before anything of it is computed."""

@@ -341,11 +341,17 @@ def refuse_unfit_job(job: AnchorJob, params: Sequence[Tensor]) -> None:
 
 
 def _rows_agree(rollouts: Any, payload: dict[str, Any]) -> bool:
-    """Whether a replay's tensors are what a step records: token grids of one row per sequence,
-    one advantage per sequence, row indices among them, one text each."""
+    """Whether a replay's tensors are what a step records: token grids of one row per sequence
+    (whole non-negative token ids, masks of 0 and 1, finite log-probabilities), one advantage per
+    sequence, row indices among them, one text each."""
     grids = (rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask,
              rollouts.logp_sampler)
     if not all(isinstance(t, Tensor) and t.dim() == 2 for t in grids):
+        return False
+    ids, masks = (rollouts.prompt_ids, rollouts.completion_ids), (rollouts.prompt_mask, rollouts.completion_mask)
+    if any(t.is_floating_point() or t.is_complex() or bool((t < 0).any()) for t in ids) \
+            or not all(bool(((t == 0) | (t == 1)).all()) for t in masks) \
+            or not bool(torch.isfinite(rollouts.logp_sampler).all()):
         return False
     count = rollouts.completion_ids.shape[0]
     advantages, rows = payload.get("advantages"), payload.get("rows")
