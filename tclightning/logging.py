@@ -396,8 +396,15 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
                 # MLflow >= 3.7 refuses its file store unless this opt-out is set; a local store
                 # needs no server or database package (mlflow-skinny has no SQLAlchemy)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        arguments = {**defaults, **init_args}
+        store = _local_store(name, arguments)
+        if store is not None and _lies_in_run_folders(store, Path(os.path.realpath(run_dir))):  # before it is made
+            raise RecipeError(f"{store} lies in the run's {'/'.join(RUN_FOLDERS)} folders, which the run writes and a "
+                              "resume reads (links and folders of another logger there stop it): give the logger "
+                              "the run folder itself (its default) or a folder of its own", file=source,
+                              key=f"logging.loggers[{i}].init_args")
         try:
-            logger = cls(**{**defaults, **init_args})
+            logger = cls(**arguments)
         except (TypeError, ValueError) as err:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise RecipeError(reason, file=source, key=f"logging.loggers[{i}].init_args") from None
@@ -406,13 +413,13 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
                 raise
             raise RecipeError(f"MLflow cannot use its tracking store: {type(err).__name__}: {one_line(err)}",
                               file=source, key=f"logging.loggers[{i}].init_args") from None
+        _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
         if name == "mlflow":
             try:  # opens the store now (a damaged one is one line here, not a traceback once training starts)
                 logger.experiment  # noqa: B018
             except Exception as err:  # noqa: BLE001 - whatever MLflow raises reading a store it cannot use
                 raise RecipeError(f"MLflow cannot open its tracking store: {type(err).__name__}: {one_line(err)}",
                                   file=source, key=f"logging.loggers[{i}].init_args") from None
-        _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
         loggers.append(logger)
     return loggers
 
@@ -429,6 +436,48 @@ RUN_FOLDER_FILES: dict[str, tuple[str, ...]] = {
 file there is someone else's."""
 
 
+def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
+    """The folder on this machine a W&B or MLflow logger built with ``arguments`` writes into, or
+    None (another logger, a server, a database): W&B's ``save_dir`` (a local folder, whatever it
+    spells); MLflow's tracking URI (its argument, else ``MLFLOW_TRACKING_URI``, else its
+    ``save_dir``) read as MLflow reads it: a plain path, or a ``file:`` URI (``file://localhost/``,
+    percent-encoded)."""
+    from urllib.parse import unquote, urlparse
+
+    if name == "wandb":
+        save_dir = arguments.get("save_dir") or arguments.get("dir")
+        return Path(str(save_dir)).expanduser() if save_dir else None
+    if name != "mlflow":
+        return None
+    uri = str(arguments.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+              or f"file:{arguments.get('save_dir') or './mlruns'}")
+    parsed = urlparse(uri)
+    if not parsed.scheme:
+        return Path(uri).expanduser()
+    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
+        return Path(unquote(parsed.path))
+    return None
+
+
+def _lies_in_run_folders(path: Path, run: Path) -> bool:
+    """Whether ``path`` (made or yet to be made) lies in one of the run's :data:`RUN_FOLDERS`: by
+    its real path, or by a folder above it that is one of them under another name (a bind mount)."""
+    real = Path(os.path.realpath(path))
+    if any(real.is_relative_to(run / folder) for folder in RUN_FOLDERS):
+        return True
+    own = set()
+    for folder in RUN_FOLDERS:
+        with contextlib.suppress(OSError):
+            found = os.stat(run / folder)
+            own.add((found.st_dev, found.st_ino))
+    for above in (real, *real.parents):
+        with contextlib.suppress(OSError):
+            found = os.stat(above)
+            if (found.st_dev, found.st_ino) in own:
+                return True
+    return False
+
+
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
     """A CSV or TensorBoard logger writes its files into its ``log_dir`` and replaces a
     ``metrics.csv`` there: one pointed (by a fixed ``version``) at a folder outside the run that
@@ -439,13 +488,7 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     from tclightning.errors import RecipeError
 
     run = Path(os.path.realpath(run_dir))
-    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):  # W&B, MLflow: their own folder layout
-        save_dir = getattr(logger, "save_dir", None)
-        if isinstance(save_dir, str) and "://" not in save_dir and any(
-                Path(os.path.realpath(Path(save_dir).expanduser())).is_relative_to(run / folder) for folder in RUN_FOLDERS):
-            raise RecipeError(f"{save_dir} lies in the run's {'/'.join(RUN_FOLDERS)} folders, which the run writes and a "
-                              "resume reads (links and folders of another logger there stop it): give the logger "
-                              "the run folder itself (its default) or a folder of its own", file=source, key=key)
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):  # W&B, MLflow: checked before they were built
         return
     # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
     # mine, and so are `file://mine` and `local://mine` (Lightning's loggers write through fsspec)

@@ -4,6 +4,7 @@ load with one-line errors; W&B (offline) and MLflow (local file store) tested wi
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import os
 from pathlib import Path
 
@@ -94,6 +95,50 @@ def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatc
     with pytest.raises(RecipeError, match=f"{folder} lies in the run's"):
         build_loggers([entry], run, "tiny")
     assert len(build_loggers(["wandb"], run, "tiny")) == 1
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
+@pytest.mark.parametrize("spelling", ["plain-path", "file-localhost", "percent-encoded", "environment"])
+def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_written(tmp_path, monkeypatch, spelling):
+    """Other spellings of the run's checkpoints/ passed the check, and the store was opened (and
+    written into the run) before it: a refused resume left an mlruns folder in the run."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    store = run / "checkpoints" / "mlruns"
+    uri = {"plain-path": str(store), "file-localhost": f"file://localhost{store}",
+           "percent-encoded": f"file:{str(store).replace('checkpoints', 'check%70oints')}",
+           "environment": f"file:{store}"}[spelling]
+    if spelling == "environment":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    entry = {"class_path": "mlflow", "init_args": {} if spelling == "environment" else {"tracking_uri": uri}}
+    with pytest.raises(RecipeError, match="lies in the run's"):
+        build_loggers([entry], run, "tiny")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
+@pytest.mark.parametrize("spelling", ["a-folder-named-like-a-url", "a-bind-mount"])
+def test_a_wandb_folder_that_is_the_run_s_own_by_another_name_is_refused(tmp_path, monkeypatch, spelling):
+    """W&B takes ``save_dir`` as a local folder whatever it spells: one holding ``://`` was not
+    checked, and a bind mount of the run's checkpoints/ is that folder under another name."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "x:").mkdir(parents=True)
+    if spelling == "a-folder-named-like-a-url":
+        save_dir = f"{run}/checkpoints/x://y"
+    else:
+        from tests.test_hostile_state import _bind_mount
+
+        _bind_mount(run / "checkpoints", tmp_path / "elsewhere")
+        save_dir = str(tmp_path / "elsewhere" / "wandb-files")
+    try:
+        entry = {"class_path": "wandb", "init_args": {"save_dir": save_dir}}
+        with pytest.raises(RecipeError, match="lies in the run's"):
+            build_loggers([entry], run, "tiny")
+    finally:
+        if spelling == "a-bind-mount":
+            subprocess.run(["umount", str(tmp_path / "elsewhere")], check=False)
 
 
 def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
