@@ -437,3 +437,20 @@ def test_a_boolean_in_a_text_key_of_a_file_is_refused(tmp_path: Path) -> None:
     recipe.write_text("description: x\ndefaults: [tiny]\nlogging:\n  name: no\n")
     with pytest.raises(RecipeError, match=r"key 'logging.name'.*boolean false.*quote it"):
         load_recipe(str(recipe))
+
+
+@pytest.mark.timeout(60)  # a regression waits on the FIFO: fail instead
+@pytest.mark.parametrize("planted", ["fifo", "folder"])
+def test_a_callback_preset_that_is_no_file_is_named_as_what_it_is(tmp_path, monkeypatch, capsys, planted):
+    """A FIFO named evil.yaml on the preset search path was called an unknown preset, in a line
+    that listed evil among the known ones."""
+    import os
+
+    (tmp_path / "cb").mkdir()
+    os.mkfifo(tmp_path / "cb" / "evil.yaml") if planted == "fifo" else (tmp_path / "cb" / "evil.yaml").mkdir()
+    monkeypatch.setenv("TCLIGHTNING_CALLBACKS", str(tmp_path / "cb"))
+    capsys.readouterr()
+    assert main(["recipes", "show", "tiny", "callback_presets=[evil]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "evil.yaml" in err[0] and "unknown callback preset" not in err[0], err
+    assert ("named pipe" if planted == "fifo" else "is a directory") in err[0], err

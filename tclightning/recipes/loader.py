@@ -141,7 +141,9 @@ def find_preset(ref: str, relative_to: Path) -> Path:
         for name in (ref, f"{ref}.yaml"):
             if (folder / name).is_file():
                 return (folder / name).resolve()
-    known = sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
+            if name.endswith(".yaml") and ((folder / name).exists() or (folder / name).is_symlink()):
+                _read_text(folder / name, "callback preset")  # a FIFO, a device: named as what it is, never opened
+    known = sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml") if p.is_file()})
     raise RecipeError(f"unknown callback preset '{ref}'; known presets: {', '.join(known)}", key="callback_presets")
 
 
