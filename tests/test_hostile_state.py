@@ -628,7 +628,7 @@ def test_analyze_trajectory_reads_a_point_saved_with_its_gradient_flag_as_its_va
 
 
 @pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
-                                 "point-holds-itself", "unit-holds-itself", "seed-nan", "out-is-a-file",
+                                 "point-holds-itself", "unit-holds-itself", "seed-nan", "one-step-twice", "out-is-a-file",
                                  "out-under-proc", "linked-default"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -649,6 +649,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
             record["point" if bad == "point-holds-itself" else "unit"] = looped
         if bad == "seed-nan":  # the report's JSON holds no NaN: json.dumps raised
             record["seed"] = float("nan")
+        if bad == "one-step-twice":  # analysed as a trajectory without a word
+            record["step"] = 1
         torch.save(record if bad != "not-a-dict" or i < 3 else [1, 2], folder / f"point-{i:08d}.pt")
     if bad == "garbage":
         (folder / "point-00000009.pt").write_bytes(b"not torch")

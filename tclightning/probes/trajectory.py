@@ -71,9 +71,12 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
     dims = {int(r["point"].numel()) for r in records}
     if len(dims) != 1:
         raise TclightningError(f"{folder}: points of different sizes {sorted(dims)}; record one run with one setting")
+    steps = [int(r["step"]) for r in records]
+    twice = next((step for step, following in zip(steps, steps[1:]) if step == following), None)
+    if twice is not None:  # a trajectory has one point a step: two folders' points mixed, or files copied
+        raise TclightningError(f"{folder}: two points of step {twice}; record one run into one folder")
     first = records[0]
     meta = {k: first.get(k) for k in POINT_FIELDS}
-    steps = [int(r["step"]) for r in records]
     return steps, torch.stack([r["point"].double() for r in records]), meta
 
 
