@@ -297,7 +297,6 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
     (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
     old_export_files: frozenset[str] | None = None  # the old export's own files, once it is under the staging name
-    placed = False  # the new export is at target
     try:
         if adapter_only:
             save_adapter(model, _lora_config(checkpoint), staging)
@@ -333,7 +332,6 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            placed = True
             old_export_files = export_files(staging) | {REPLACED_MARKER, STAGING_MARKER}
             remove_export(staging, old_export_files)
         else:
@@ -344,15 +342,14 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
-            placed = True
         with contextlib.suppress(OSError):
             (target / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
         if old_export_files is not None or (staging / REPLACED_MARKER).is_file():  # swapped (the interrupt
             # perhaps inside the swap call): the old export is here; its own files go, one put in it meanwhile stays
             remove_export(staging, old_export_files or export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
-        elif not placed:
-            remove_export(staging)  # the new export, not yet (or never) in place
+        else:
+            remove_export(staging)  # the new export, not yet (or never) in place: gone if it is in place
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
             raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
