@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
+from tclightning.files import (copy_file, hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS
@@ -30,6 +30,7 @@ from tclightning.recipes.loader import (
     find_recipe,
     instantiate_callbacks,
     load_recipe,
+    read_record,
     to_dataclass,
     to_yaml,
     wandb_offline,
@@ -292,8 +293,6 @@ def resume_changes(run_dir: Path, cfg: DictConfig, resume_step: int, ckpt: Path 
     kept as ``recipe.before-step-<S>.yaml`` (``trainer.steps`` aside: extending a run is what a
     resume is for). A run without a readable record is compared with the hyper-parameters of
     its checkpoint ``ckpt`` instead (:func:`checkpoint_changes`), and returns ()."""
-    from tclightning.recipes.loader import read_record
-
     before = read_record(run_dir / "recipe.yaml")
     if before is None:
         if ckpt is not None:
@@ -686,7 +685,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     plan = plan_run(recipe, resume)
     if resume is not None and plan.new_dir:  # a checkpoint outside a run directory: a new one
         require_writable_root(recipe)
-    changed: tuple[str, ...] = ()
+    kept_record: Path | None = None  # where a resume in place keeps the earlier record it replaces
     if plan.resume_step is not None and plan.resume_step >= recipe.trainer.steps:
         raise TclightningError(f"--resume: {plan.ckpt_path} is at step {plan.resume_step}, and trainer.steps="
                                f"{recipe.trainer.steps} leaves nothing to train; raise trainer.steps to continue the run")
@@ -708,11 +707,14 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
                 raise TclightningError(f"--resume: {plan.run_dir} changed while this resume started (its run was "
                                        f"still going: now at step {again.resume_step}); nothing was written, "
                                        "run the resume again")
-        if changed:
+        unreadable = not changed and (plan.run_dir / "recipe.yaml").is_file() \
+            and read_record(plan.run_dir / "recipe.yaml") is None  # notes of yours, or damage: kept, not replaced
+        if changed or unreadable:
             kept_record = unused_name(plan.run_dir / f"recipe.before-step-{plan.resume_step}.yaml")
-            plan = replace(plan, notices=(*plan.notices, f"the recipe changed since step {plan.resume_step} "
-                                          f"({', '.join(changed[:6])}{', ...' if len(changed) > 6 else ''}); "
-                                          f"the earlier record is kept as {kept_record.name}"))
+            why = (f"the recipe changed since step {plan.resume_step} ({', '.join(changed[:6])}"
+                   f"{', ...' if len(changed) > 6 else ''})" if changed else "the run's recipe.yaml is not a record "
+                   "it can read")
+            plan = replace(plan, notices=(*plan.notices, f"{why}; the earlier record is kept as {kept_record.name}"))
     if named_by_env:
         given = Path(os.path.realpath(os.environ[RUN_DIR_ENV]))  # `mine/new/..` is mine
         if given.is_dir() and not (given / RUN_MARKER).is_file() and any(given.iterdir()):
@@ -767,8 +769,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if not follower:
             before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
             record = plan.run_dir / "recipe.yaml"
-            if changed:  # the earlier steps' record stays beside the new one; each file is replaced whole
-                replace_text(kept_record, record.read_text())
+            if kept_record is not None:  # the earlier steps' record stays beside the new one; each file is
+                copy_file(record, kept_record)  # replaced whole
             replace_text(record, to_yaml(cfg))
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory
@@ -778,7 +780,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         except Exception as err:
             if before is not None and _restoring(trainer, plan) and not refused_by_storage(err):
                 _finish_loggers(trainer)  # nothing of a refused resume stays in the run's record
-                before.put_back(kept_record if changed else None)
+                before.put_back(kept_record)
             if not _failed_restoring(err, trainer, plan):
                 raise
             detail = " ".join(str(err).split())[:200] or "no detail"

@@ -269,6 +269,22 @@ def test_a_resume_prunes_only_its_own_step_files(run_dir: Path, tmp_path: Path) 
     assert sorted(p.name for p in folder.glob("step-*.ckpt") if p.name not in keep) == ["step-000004.ckpt"]
 
 
+@pytest.mark.parametrize("record", [b"my notes on this run \xff\n", b"a: [unclosed\n"], ids=["not-utf8", "not-yaml"])
+def test_a_resume_keeps_a_record_it_cannot_read_beside_the_new_one(run_dir: Path, tmp_path: Path, record: bytes,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``recipe.yaml`` the resume could not read (your notes written over it, damage) was
+    replaced by the new record without a word."""
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    (copied / "recipe.yaml").write_bytes(record)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.val_every=0", "--quiet",
+                 "--resume", str(copied)]) == 0
+    assert (copied / "recipe.before-step-2.yaml").read_bytes() == record
+    assert "recipe.yaml is not a record it can read; the earlier record is kept as recipe.before-step-2.yaml" \
+        in capsys.readouterr().err
+
+
 def test_step_files_are_pruned_oldest_step_first_past_a_million_steps(tmp_path: Path) -> None:
     """By name, ``step-1000000.ckpt`` sorted before ``step-999999.ckpt``: the newest file was pruned."""
     from tclightning.callbacks.checkpointing import own_step_files
