@@ -778,9 +778,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         try:
             _fit(trainer, module, plan.ckpt_path)
         except Exception as err:
-            if before is not None and _restoring(trainer, plan) and not refused_by_storage(err):
+            if before is not None and _restoring(trainer, plan):
                 _finish_loggers(trainer)  # nothing of a refused resume stays in the run's record
-                before.put_back(kept_record)
+                with contextlib.suppress(OSError) if refused_by_storage(err) else contextlib.nullcontext():
+                    before.put_back(kept_record)  # (where the storage refuses that too, its own error is said)
             if not _failed_restoring(err, trainer, plan):
                 raise
             detail = " ".join(str(err).split())[:200] or "no detail"

@@ -779,3 +779,25 @@ def test_remove_tree_removes_a_chain_of_a_thousand_and_more_nested_folders(tmp_p
         os.mkdir(deepest)
     (deepest / "f.txt").write_text("x")
     assert remove_tree(tmp_path / "tree") and not (tmp_path / "tree").exists()
+
+
+def test_a_resume_whose_event_file_the_storage_refuses_puts_its_record_back(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An immutable tb/ refuses the event file only once the record was rewritten: nothing trained,
+    yet recipe.yaml said the refused run's trainer.steps."""
+    import errno
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    before = _snapshot(copy)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted", str(copy / "tb"))
+
+    monkeypatch.setattr(SummaryWriter, "__init__", refused)
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=5", "--resume", str(copy)]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
+    assert len(err) == 1 and "Operation not permitted" in err[0], err
+    assert _snapshot(copy) == before
