@@ -324,3 +324,26 @@ def test_a_config_file_lightning_fit_reads_is_bounded_as_a_recipe_is(content, sa
     assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--config", "odd.yaml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "odd.yaml" in err[0] and said in err[0], err
+
+
+_FLOW_BOMB = "[&a0 [x,x,x,x,x,x,x,x,x,x], " + ", ".join(
+    f"&a{i} [" + ",".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)) + "]"
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("argv, said", [
+    (["--config", "trainer: {callbacks: " + _FLOW_BOMB + "}"], "more than 20000 values"),
+    ([f"--trainer.callbacks={_FLOW_BOMB}"], "more than 20000 values"),
+    ([f"--trainer={{callbacks: {_FLOW_BOMB}}}"], "more than 20000 values"),
+    (["--config", "trainer: {max_steps: " + "9" * 5000 + "}"], "not a value a configuration holds"),
+], ids=["config-text", "option-value", "section-value", "integer-of-5000-digits"])
+@pytest.mark.timeout(120)  # a regression expands the bomb for ever: fail instead
+def test_yaml_text_lightning_fit_parses_is_bounded_as_a_recipe_is(argv, said, tmp_path, monkeypatch, capsys):
+    """jsonargparse parses a --config that names no file, and every option value, as YAML: the
+    alias bomb bounded in a file ran without end as text, and an integer Python does not convert
+    was a traceback."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err

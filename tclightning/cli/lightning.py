@@ -58,17 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def _files_read_are_bounded() -> Iterator[None]:
-    """jsonargparse reads every file a value names (``--config X``, ``-cX``, and inside a config
-    ``trainer: {callbacks: x.yaml}`` or ``model: x.yaml``) through ``jsonargparse.Path.read_text``:
-    within the block each is read as a recipe file is (a regular file, 1 MiB of UTF-8, its aliases
-    expanding to at most 20,000 values): a FIFO or a device would be waited on forever, and an
-    alias bomb of a few hundred bytes expanded for ever."""
+def _configuration_bounded() -> Iterator[None]:
+    """Within the block jsonargparse reads its configuration as a recipe is read. Every file a value
+    names (``--config X``, ``-cX``, and inside a config ``trainer: {callbacks: x.yaml}`` or
+    ``model: x.yaml``), read through ``jsonargparse.Path.read_text``, is a regular file of 1 MiB of
+    UTF-8 (a FIFO or a device would be waited on forever); every YAML text it loads, a file's or a
+    value's (``--config '{...}'``, ``--trainer.callbacks='[...]'``), expands to at most 20,000
+    values (an alias bomb of a few hundred bytes expanded for ever) and holds integers Python
+    converts."""
     from jsonargparse import Path as ConfigPath
+    from jsonargparse._loaders_dumpers import get_yaml_default_loader
 
-    from tclightning.recipes.loader import bounded_yaml_text
+    from tclightning.recipes.loader import bounded_yaml_data, bounded_yaml_text
 
-    read_text = ConfigPath.read_text
+    read_text, loader = ConfigPath.read_text, get_yaml_default_loader()
+    own_single_data = loader.__dict__.get("get_single_data")  # None: PyYAML's, inherited
 
     def checked(path: ConfigPath) -> str:
         if path.is_url or path.is_fsspec or path.relative == "-":  # stdin is the caller's to give
@@ -76,10 +80,15 @@ def _files_read_are_bounded() -> Iterator[None]:
         return bounded_yaml_text(Path(path.absolute), "lightning: a file the configuration names")
 
     ConfigPath.read_text = checked  # type: ignore[method-assign]
+    loader.get_single_data = lambda self: bounded_yaml_data(self, "lightning: a configuration value")
     try:
         yield
     finally:
         ConfigPath.read_text = read_text  # type: ignore[method-assign]
+        if own_single_data is None:
+            del loader.get_single_data
+        else:
+            loader.get_single_data = own_single_data
 
 
 def lightning_cli(argv: Sequence[str]) -> int:
@@ -145,7 +154,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
     try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
-        with checkpoint_allow_list(), _files_read_are_bounded():  # a tclightning checkpoint's few data objects
+        with checkpoint_allow_list(), _configuration_bounded():  # a tclightning checkpoint's few data objects
             # (the RNG states), for Lightning too
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)

@@ -239,6 +239,25 @@ def _read_text(path: Path, what: str = "recipe") -> str:
         ) from None
 
 
+def bounded_yaml_data(loader: yaml.BaseLoader, source: str) -> Any:
+    """What ``loader`` (another parser's PyYAML loader, jsonargparse's) reads, bounded as a recipe
+    is before anything is expanded: at most :data:`MAX_YAML_NODES` values with its aliases
+    expanded, :data:`MAX_YAML_DEPTH` levels, integers Python converts. One-line
+    :class:`RecipeError` naming ``source`` otherwise (PyYAML's ``get_single_data``, checked)."""
+    try:
+        node = loader.get_single_node()
+    except RecursionError:
+        raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source) from None
+    if node is None:
+        return None
+    _check_size(node, source)
+    try:
+        return loader.construct_document(node)
+    except ValueError as err:  # an integer of more digits than Python converts (4300)
+        raise RecipeError(f"not a value a configuration holds: {(str(err).splitlines() or ['ValueError'])[0]}",
+                          file=source) from None
+
+
 def bounded_yaml_text(path: Path, what: str) -> str:
     """The text of a YAML file another parser reads (jsonargparse, for ``lightning fit``), bounded
     as a recipe file is, before that parser expands anything: a regular file of at most
