@@ -381,7 +381,7 @@ def clear_abandoned_staging(target: Path) -> None:
         return
     marker = f".{target.name}.export-"
     # as mkdtemp names it; never the staging folder of an export into `a.export-77-z` beside `a`
-    staging_name = re.compile(re.escape(marker) + r"(\d+)-[a-z0-9_]+")
+    staging_name = re.compile(re.escape(marker) + r"([0-9]+)-[a-z0-9_]+")
     for folder in parent.glob(f"{glob_escape(marker)}*"):
         named = staging_name.fullmatch(folder.name)
         if not (named and folder.is_dir() and not folder.is_symlink() and not _running(int(named[1]))):

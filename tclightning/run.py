@@ -187,7 +187,7 @@ def readable_checkpoint(requested: Path, bound: int | None = None) -> tuple[Path
     With a ``bound``, a checkpoint past it belongs to a history a resume from an earlier step has
     replaced (its rows are gone, and continuing it would leave a gap in ``metrics.csv``): a
     ``last.ckpt`` there falls back like an unreadable one, any other file is refused."""
-    from tclightning.callbacks.checkpointing import CheckpointRefused
+    from tclightning.callbacks.checkpointing import STEP_FILE, CheckpointRefused
 
     try:
         step = checkpoint_step(requested)
@@ -205,12 +205,8 @@ def readable_checkpoint(requested: Path, bound: int | None = None) -> tuple[Path
             "from an earlier step replaced that history"), "past the last row of metrics.csv"
         if requested.name != "last.ckpt":
             raise TclightningError(f"{failure}; resume from a checkpoint at step {bound + 1} or earlier")
-    steps = []
-    for path in requested.parent.glob("step-*.ckpt"):
-        try:
-            steps.append((int(path.stem.split("-", 1)[1]), path))
-        except ValueError:
-            continue
+    steps = [(int(path.name[5:-5]), path) for path in requested.parent.glob("step-*.ckpt")
+             if STEP_FILE.fullmatch(path.name)]
     for step_in_name, path in sorted(steps, reverse=True):
         if bound is not None and step_in_name > bound + 1:
             continue

@@ -286,10 +286,12 @@ def test_a_resume_keeps_a_record_it_cannot_read_beside_the_new_one(run_dir: Path
 
 
 def test_step_files_are_pruned_oldest_step_first_past_a_million_steps(tmp_path: Path) -> None:
-    """By name, ``step-1000000.ckpt`` sorted before ``step-999999.ckpt``: the newest file was pruned."""
+    """By name, ``step-1000000.ckpt`` sorted before ``step-999999.ckpt``: the newest file was pruned;
+    a name of other digits than ASCII's (which ``\\d`` matched) is a user's."""
     from tclightning.callbacks.checkpointing import own_step_files
 
-    for name in ("step-999998.ckpt", "step-1000000.ckpt", "step-999999.ckpt", "step-1000001.ckpt", "step-0999999.ckpt"):
+    for name in ("step-999998.ckpt", "step-1000000.ckpt", "step-999999.ckpt", "step-1000001.ckpt", "step-0999999.ckpt",
+                 "step-\uff10\uff10\uff10\uff10\uff10\uff11.ckpt"):  # a user's, in fullwidth digits int() reads
         (tmp_path / name).write_bytes(b"")
     assert [p.name for p in own_step_files(tmp_path, 1_000_000)] == ["step-999998.ckpt", "step-999999.ckpt",
                                                                      "step-1000000.ckpt"]

@@ -58,7 +58,7 @@ class CheckpointRefused(TclightningError):
     crafted, so it is never loaded and never silently replaced by another file."""
 
 
-STEP_FILE = re.compile(r"step-(\d{6}|[1-9]\d{6,})\.ckpt")
+STEP_FILE = re.compile(r"step-([0-9]{6}|[1-9][0-9]{6,})\.ckpt")
 """The name of a periodic checkpoint this callback writes, ``step-{S:06d}.ckpt`` (and the only
 files it prunes: a ``step-0000001.ckpt`` is never one of them)."""
 
