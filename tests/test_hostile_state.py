@@ -285,6 +285,31 @@ def test_a_resume_keeps_a_record_it_cannot_read_beside_the_new_one(run_dir: Path
         in capsys.readouterr().err
 
 
+def test_a_checkpoint_load_in_one_thread_keeps_its_allow_list_when_another_thread_s_ends(run_dir: Path) -> None:
+    """torch's allow-list is one per process: a load ending in one thread took the globals away from
+    another thread's load, and that genuine checkpoint was refused as crafted."""
+    import threading
+
+    from tclightning.callbacks.checkpointing import checkpoint_allow_list, checkpoint_globals, load_checkpoint
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_thread_s_load() -> None:
+        with checkpoint_allow_list():
+            entered.set()
+            leave.wait(60)
+
+    other = threading.Thread(target=other_thread_s_load)
+    other.start()
+    assert entered.wait(60)
+    with checkpoint_allow_list():
+        leave.set()
+        other.join(60)  # the other block has ended while this one is open
+        assert all(g in torch.serialization.get_safe_globals() for g in checkpoint_globals())
+        load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert not any(g in torch.serialization.get_safe_globals() for g in checkpoint_globals())
+
+
 def test_step_files_are_pruned_oldest_step_first_past_a_million_steps(tmp_path: Path) -> None:
     """By name, ``step-1000000.ckpt`` sorted before ``step-999999.ckpt``: the newest file was pruned;
     a name of other digits than ASCII's (which ``\\d`` matched) is a user's."""

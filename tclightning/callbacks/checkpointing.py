@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,14 +44,34 @@ def checkpoint_globals() -> list[Any]:
     return [np.ndarray, np.dtype, uint32, _reconstruct, Rollouts]
 
 
+class _AllowList:
+    """torch's allow-list is one per process: the blocks open in any thread share one addition,
+    made by the first and taken away by the last (a block ending in one thread took the globals
+    away from another thread's load, and a genuine checkpoint was refused as crafted)."""
+
+    lock = threading.Lock()
+    open_blocks = 0
+    held = contextlib.ExitStack()
+
+
 @contextmanager
 def checkpoint_allow_list() -> Iterator[None]:
     """Allow exactly :func:`checkpoint_globals` for ``torch.load(..., weights_only=True)`` inside
     the block: wrap Lightning's own load (``trainer.fit(ckpt_path=..., weights_only=True)``).
-    Nests: an inner block takes away only what it added, never what an outer one allows."""
-    allowed = torch.serialization.get_safe_globals()
-    with torch.serialization.safe_globals([g for g in checkpoint_globals() if g not in allowed]):
+    Nests, in one thread or across threads: what an outer block or the caller allows stays."""
+    with _AllowList.lock:
+        if _AllowList.open_blocks == 0:
+            allowed = torch.serialization.get_safe_globals()
+            _AllowList.held.enter_context(torch.serialization.safe_globals(
+                [g for g in checkpoint_globals() if g not in allowed]))
+        _AllowList.open_blocks += 1
+    try:
         yield
+    finally:
+        with _AllowList.lock:
+            _AllowList.open_blocks -= 1
+            if _AllowList.open_blocks == 0:
+                _AllowList.held.close()
 
 
 class CheckpointRefused(TclightningError):
