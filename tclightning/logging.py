@@ -439,42 +439,49 @@ file there is someone else's."""
 def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
     """The folder on this machine a W&B or MLflow logger built with ``arguments`` writes into, or
     None (another logger, a server, a database): W&B's ``save_dir`` (a local folder, whatever it
-    spells); MLflow's tracking URI (its argument, else ``MLFLOW_TRACKING_URI``, else its
-    ``save_dir``) read as MLflow reads it: a plain path, or a ``file:`` URI (``file://localhost/``,
-    percent-encoded)."""
-    from urllib.parse import unquote, urlparse
-
+    spells; none: ``WANDB_DIR``, else the working folder, as ``wandb.init`` takes them); MLflow's
+    tracking URI (its argument, else ``MLFLOW_TRACKING_URI``, else its ``save_dir``), read by
+    MLflow's own ``is_local_uri`` and ``local_file_uri_to_path`` (``file://127.0.0.1/``, ``%70``)."""
     if name == "wandb":
-        save_dir = arguments.get("save_dir") or arguments.get("dir")
-        return Path(str(save_dir)).expanduser() if save_dir else None
+        return Path(str(arguments.get("save_dir") or arguments.get("dir") or os.environ.get("WANDB_DIR")
+                        or os.getcwd())).expanduser()
     if name != "mlflow":
         return None
+    from mlflow.utils.file_utils import local_file_uri_to_path
+    from mlflow.utils.uri import is_local_uri
+
     uri = str(arguments.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
               or f"file:{arguments.get('save_dir') or './mlruns'}")
-    parsed = urlparse(uri)
-    if not parsed.scheme:
-        return Path(uri).expanduser()
-    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
-        return Path(unquote(parsed.path))
-    return None
+    try:
+        return Path(local_file_uri_to_path(uri)).expanduser() if is_local_uri(uri) else None
+    except Exception:  # noqa: BLE001 - a URI MLflow refuses itself (a remote host's file:), when it is built
+        return None
 
 
 def _lies_in_run_folders(path: Path, run: Path) -> bool:
     """Whether ``path`` (made or yet to be made) lies in one of the run's :data:`RUN_FOLDERS`: by
-    its real path, or by a folder above it that is one of them under another name (a bind mount)."""
+    its real path, or through a folder above it that is the run directory or one of its folders
+    under another name (a bind mount), whether that folder is made yet or not."""
     real = Path(os.path.realpath(path))
     if any(real.is_relative_to(run / folder) for folder in RUN_FOLDERS):
         return True
-    own = set()
-    for folder in RUN_FOLDERS:
-        with contextlib.suppress(OSError):
-            found = os.stat(run / folder)
-            own.add((found.st_dev, found.st_ino))
+
+    def identity(folder: Path) -> tuple[int, int] | None:
+        try:
+            found = os.stat(folder)
+        except OSError:
+            return None
+        return found.st_dev, found.st_ino
+
+    run_identity = identity(run)
+    own = {identity(run / folder) for folder in RUN_FOLDERS} - {None}
     for above in (real, *real.parents):
-        with contextlib.suppress(OSError):
-            found = os.stat(above)
-            if (found.st_dev, found.st_ino) in own:
-                return True
+        found = identity(above)
+        if found is None:
+            continue
+        below = real.relative_to(above).parts
+        if found in own or (found == run_identity and below and below[0] in RUN_FOLDERS):
+            return True
     return False
 
 

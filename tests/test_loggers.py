@@ -98,7 +98,8 @@ def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
-@pytest.mark.parametrize("spelling", ["plain-path", "file-localhost", "percent-encoded", "environment"])
+@pytest.mark.parametrize("spelling", ["plain-path", "file-localhost", "file-127.0.0.1", "file-LOCALHOST-with-a-port",
+                                      "percent-encoded", "environment"])
 def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_written(tmp_path, monkeypatch, spelling):
     """Other spellings of the run's checkpoints/ passed the check, and the store was opened (and
     written into the run) before it: a refused resume left an mlruns folder in the run."""
@@ -107,6 +108,7 @@ def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_writte
     before = sorted(p.name for p in (run / "checkpoints").iterdir())
     store = run / "checkpoints" / "mlruns"
     uri = {"plain-path": str(store), "file-localhost": f"file://localhost{store}",
+           "file-127.0.0.1": f"file://127.0.0.1{store}", "file-LOCALHOST-with-a-port": f"file://LOCALHOST:5000{store}",
            "percent-encoded": f"file:{str(store).replace('checkpoints', 'check%70oints')}",
            "environment": f"file:{store}"}[spelling]
     if spelling == "environment":
@@ -118,27 +120,36 @@ def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_writte
 
 
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
-@pytest.mark.parametrize("spelling", ["a-folder-named-like-a-url", "a-bind-mount"])
+@pytest.mark.parametrize("spelling", ["a-folder-named-like-a-url", "a-bind-mount", "none-and-WANDB_DIR",
+                                      "a-bind-mount-of-the-run-s-parent"])
 def test_a_wandb_folder_that_is_the_run_s_own_by_another_name_is_refused(tmp_path, monkeypatch, spelling):
     """W&B takes ``save_dir`` as a local folder whatever it spells: one holding ``://`` was not
     checked, and a bind mount of the run's checkpoints/ is that folder under another name."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = tmp_path / "run"
     (run / "checkpoints" / "x:").mkdir(parents=True)
+    save_dir: str | None = None
     if spelling == "a-folder-named-like-a-url":
         save_dir = f"{run}/checkpoints/x://y"
+    elif spelling == "none-and-WANDB_DIR":  # wandb.init takes WANDB_DIR then
+        monkeypatch.setenv("WANDB_DIR", str(run / "checkpoints"))
     else:
         from tests.test_hostile_state import _bind_mount
 
-        _bind_mount(run / "checkpoints", tmp_path / "elsewhere")
-        save_dir = str(tmp_path / "elsewhere" / "wandb-files")
+        alias = tmp_path.parent / f"{tmp_path.name}-alias"
+        if spelling == "a-bind-mount":
+            _bind_mount(run / "checkpoints", alias)
+            save_dir = str(alias / "wandb-files")
+        else:  # the run's trajectory/ through the alias, a folder not made yet
+            _bind_mount(tmp_path, alias)
+            save_dir = str(alias / "run" / "trajectory" / "wandb-files")
     try:
         entry = {"class_path": "wandb", "init_args": {"save_dir": save_dir}}
         with pytest.raises(RecipeError, match="lies in the run's"):
             build_loggers([entry], run, "tiny")
     finally:
-        if spelling == "a-bind-mount":
-            subprocess.run(["umount", str(tmp_path / "elsewhere")], check=False)
+        if spelling.startswith("a-bind-mount"):
+            subprocess.run(["umount", str(alias)], check=False)
 
 
 def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
