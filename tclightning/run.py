@@ -757,11 +757,11 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     try:  # from here on, whatever stops the run (a Ctrl-C while a slow console prints) tidies its directory
         if plan.new_dir and not follower:  # a new run's folder (a resume in place took its lock before its checks)
             held.callback(os.close, hold_lock(run_dir, "run"))
+        if not follower:
+            print(f"run directory: {plan.run_dir}", flush=True)
         trainer = build_trainer(recipe, plan, user_callbacks, logs=not follower)  # its loggers refused: no record rewritten
         for notice in plan.notices:  # once the loggers are built: a refusal is the one line said
             print(f"note: {notice}", file=sys.stderr, flush=True)
-        if not follower:
-            print(f"run directory: {plan.run_dir}", flush=True)
         if not follower:
             before = RecordSnapshot.take(plan.run_dir) if plan.resume_step is not None and not created else None
             record = plan.run_dir / "recipe.yaml"

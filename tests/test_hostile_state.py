@@ -640,6 +640,22 @@ def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
     assert len(err) == 1 and "loop is a link that leads nowhere" in err[0], err
 
 
+def test_a_folder_where_a_report_goes_is_refused_before_any_report_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--overwrite`` into a folder holding a folder named ``trajectory.md``: the line said nothing
+    was written, after ``trajectory.json`` was."""
+    run = tmp_path / "run" / "trajectory"
+    run.mkdir(parents=True)
+    for i in range(3):
+        torch.save({"step": i, "point": torch.arange(8.0) * i + i * i}, run / f"point-{i:08d}.pt")
+    (tmp_path / "out" / "trajectory.md").mkdir(parents=True)
+    capsys.readouterr()
+    assert main(["analyze", "trajectory", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a folder trajectory.md" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["trajectory.md"]
+
+
 def test_analyze_trajectory_shows_terminal_escapes_in_a_point_s_fields_never_sends_them(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A point's ``unit`` or ``method`` is any short text: an escape in it would retitle or clear the

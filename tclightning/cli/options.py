@@ -36,6 +36,10 @@ def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, nam
     if not named and path.is_symlink():  # the default folder, not one the user named: never followed
         raise TclightningError(f"{command}: {path} is a symbolic link; name the folder to write to with --out")
     there = [name for name in writes if os.path.lexists(path / name)]
+    folder = next((name for name in there if (path / name).is_dir() and not (path / name).is_symlink()), None)
+    if folder is not None:  # never replaced, so nothing is written beside it either
+        raise TclightningError(f"{command}: --out {path} holds a folder {folder}, where this command writes a file; "
+                               "nothing was written: move it, or choose a new folder")
     if named and there and not overwrite:
         raise TclightningError(f"{command}: --out {path} already holds {there[0]}"
                                f"{f' (and {len(there) - 1} more)' if len(there) > 1 else ''}, which this command "
