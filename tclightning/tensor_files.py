@@ -50,6 +50,11 @@ def thin_tensor(obj: Any) -> str | None:
     return None
 
 
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The floating dtypes tclightning's state is kept in (and torch checks for NaN on any device): a
+float8 or float4 tensor in a checkpoint, a point or a replay is none of its own."""
+
+
 class BrokenTensorFile(Exception):
     """A file ``torch.save`` did not write whole: no zip archive (cut short, garbage, the legacy
     format) or a record that cannot be read."""
@@ -125,9 +130,11 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
     which the checks read: the two find the end record, the zip64 end record and the directory in
     different ways (a search from the end, the locator's offset, the stated offset; or the record
     right before, the directory right before), so only the layout ``torch.save`` writes is read
-    alike. The end record ends the file (no comment), a zip64 locator names the zip64 end record
-    right before it, and the directory ends where they start (zipfile's "concat" is 0). Then torch's
-    own reader must list the same records at the same bytes."""
+    alike. The archive starts the file (torch takes a file whose first bytes are not a record's for
+    a pickle of its pre-1.6 format, read from byte 0), the end record ends it (no comment), a
+    zip64 locator names the zip64 end record right before it, and the directory ends where they
+    start (zipfile's "concat" is 0). Then torch's own reader must list the same records at the
+    same bytes."""
     import struct
 
     def refuse(why: str) -> RefusedTensorFile:
@@ -135,6 +142,9 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
                                  "the one checked)")
 
     with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
+        handle.seek(0)  # torch reads a file as an archive only if one starts it (else as a pickle, from byte 0)
+        if handle.read(4) != b"PK\x03\x04" or min((info.header_offset for info in archive.infolist()), default=0):
+            raise refuse("it holds data before its archive")
         handle.seek(max(0, size - 98))  # a zip64 end record (56 bytes), its locator (20), the end record (22)
         tail = handle.read()
         if tail[-22:-18] != b"PK\x05\x06" or tail[-2:] != b"\0\0":

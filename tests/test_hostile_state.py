@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import io
 import os
 import signal
 import shutil
@@ -638,6 +639,33 @@ def test_an_output_folder_through_a_link_loop_is_one_line_before_any_work(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "loop is a link that leads nowhere" in err[0], err
+
+
+@pytest.mark.parametrize("where", ["a-checkpoint-weight", "a-trajectory-point", "an-anchor-replay"])
+def test_state_in_a_float_type_torch_cannot_check_for_nan_is_refused_in_one_line(where: str, tmp_path: Path) -> None:
+    """float8 and float4 tensors load (torch.save writes them) but CPU torch has no isfinite for
+    them: each check that looked for NaN raised NotImplementedError, a traceback."""
+    from tclightning.models.loading import check_weights
+    from tclightning.probes.trajectory import load_trajectory
+
+    odd = torch.zeros(8, dtype=torch.float8_e4m3fn)
+    if where == "a-checkpoint-weight":
+        with pytest.raises(TclightningError, match="weight 'w' is a torch.float8_e4m3fn tensor"):
+            check_weights({"w": torch.zeros(8)}, {"w": odd}, "checkpoint x")
+    elif where == "a-trajectory-point":
+        for i in range(3):
+            torch.save({"step": i, "point": odd}, tmp_path / f"point-{i:08d}.pt")
+        with pytest.raises(TclightningError, match="not a point"):
+            load_trajectory(tmp_path)
+    else:
+        def odd_logp(job: dict) -> None:
+            rollouts = job["payload"]["rollouts"]
+            rollouts.logp_sampler = rollouts.logp_sampler.to(torch.float8_e4m3fn)
+
+        anchor, params, computed = _restored_job(odd_logp)
+        with pytest.raises(TclightningError, match="its replay is not"):
+            anchor.tick(1, first=False, parameters=lambda: params, payload=lambda: None,
+                        gradient=lambda job: computed.append(job) or ([torch.zeros_like(p) for p in params], 0.0))
 
 
 def test_a_folder_where_a_report_goes_is_refused_before_any_report_is_written(
@@ -1283,7 +1311,8 @@ def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path)
         check_torch_file(handle)
 
 
-@pytest.mark.parametrize("layout", ["data-before-the-archive", "zip64-locator-elsewhere", "directory-elsewhere",
+@pytest.mark.parametrize("layout", ["data-before-the-archive", "a-pickle-before-the-archive", "zip64-locator-elsewhere",
+                                    "directory-elsewhere",
                                     "a-comment", "end-record-signature-in-a-field", "records-by-another-name",
                                     "two-pickles"])
 def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Path, layout: str) -> None:
@@ -1304,6 +1333,11 @@ def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Pat
     assert data[end:end + 4] == b"PK\x05\x06" and data[locator:locator + 4] == b"PK\x06\x07"  # as torch.save writes
     if layout == "data-before-the-archive":
         path.write_bytes(b"\0" * 64 + data)
+    elif layout == "a-pickle-before-the-archive":  # every offset past it: torch reads the file as a pre-1.6
+        path.write_bytes(b"\x80\x02}q\x00.")  # pickle from byte 0, never as the archive checked
+        with zipfile.ZipFile(path, "a", zipfile.ZIP_STORED) as archive, zipfile.ZipFile(io.BytesIO(data)) as saved:
+            for info in saved.infolist():
+                archive.writestr(info.filename, saved.read(info))
     elif layout == "zip64-locator-elsewhere":
         path.write_bytes(data[:locator + 8] + struct.pack("<Q", 0) + data[locator + 16:])
     elif layout == "directory-elsewhere":  # both the zip64 and the plain end record say 22 bytes further

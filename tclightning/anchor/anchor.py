@@ -43,6 +43,7 @@ from tclightning.anchor.config import AnchorConfig
 from tclightning.anchor.mergers import Merger, SignedEMAMerger, cosine, make_merger, sign_agreement
 from tclightning.anchor.placement import SignRelay
 from tclightning.errors import TclightningError
+from tclightning.tensor_files import FLOAT_DTYPES
 
 Reduce = Callable[[Tensor], Tensor]
 """Sums a tensor over the ranks that each hold part of the parameters (across processes)."""
@@ -351,7 +352,7 @@ def _rows_agree(rollouts: Any, payload: dict[str, Any]) -> bool:
     ids, masks = (rollouts.prompt_ids, rollouts.completion_ids), (rollouts.prompt_mask, rollouts.completion_mask)
     if any(t.is_floating_point() or t.is_complex() or bool((t < 0).any()) for t in ids) \
             or not all(bool(((t == 0) | (t == 1)).all()) for t in masks) \
-            or not bool(torch.isfinite(rollouts.logp_sampler).all()):
+            or rollouts.logp_sampler.dtype not in FLOAT_DTYPES or not bool(torch.isfinite(rollouts.logp_sampler).all()):
         return False
     count = rollouts.completion_ids.shape[0]
     advantages, rows = payload.get("advantages"), payload.get("rows")

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tclightning.tensor_files import FLOAT_DTYPES
+
 Payload = Tensor | tuple[Tensor, ...]
 """What crosses a cut: one tensor (prf values, svd/lowrank coefficients, identity) or a tuple."""
 
@@ -78,7 +80,8 @@ def saved_tensor(state: dict[str, Any], key: str, shape: tuple[int | None, ...],
         return None
     ok = (isinstance(value, Tensor) and value.dim() == len(shape)
           and all(want is None or got == want for got, want in zip(value.shape, shape))
-          and (value.is_floating_point() if floating else not value.is_floating_point() and value.dtype != torch.bool))
+          and (value.dtype in FLOAT_DTYPES if floating
+               else not value.is_floating_point() and value.dtype != torch.bool))
     if ok and floating and not bool(torch.isfinite(value).all()):
         ok = False
     if not ok:

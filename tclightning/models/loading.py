@@ -27,7 +27,7 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
-from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file
+from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file
 
 
 T = TypeVar("T")
@@ -70,7 +70,8 @@ def check_weights(expected: Mapping[str, Any], given: Mapping[str, Any], source:
         want = expected.get(key)
         if want is None or not isinstance(value, torch.Tensor):
             continue
-        if value.shape != want.shape or value.is_floating_point() != want.is_floating_point():
+        if value.shape != want.shape or value.is_floating_point() != want.is_floating_point() \
+                or (value.is_floating_point() and value.dtype not in FLOAT_DTYPES):
             raise TclightningError(f"{source}: weight '{key}' is a {value.dtype} tensor of shape {tuple(value.shape)}; "
                                    f"the model holds a {want.dtype} one of shape {tuple(want.shape)}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):

@@ -41,7 +41,7 @@ from torch import Tensor
 from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, regular_file, replace_text, save_figure
-from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file, thin_tensor
+from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, thin_tensor
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -109,7 +109,7 @@ def _point(path: Path) -> dict[str, Any]:
         raise TclightningError(f"trajectory point {path}: {thin}, which torch.save never writes")
     step = record.get("step") if isinstance(record, dict) else None
     if type(step) is not int or step < 0 or not isinstance(point, Tensor) or point.dim() != 1 \
-            or not point.is_floating_point() or point.numel() < 2 or not bool(torch.isfinite(point).all()):
+            or point.dtype not in FLOAT_DTYPES or point.numel() < 2 or not bool(torch.isfinite(point).all()):
         raise TclightningError(f"trajectory point {path}: not a point (a whole step >= 0 and a 1-D finite float "
                                "point of at least 2 values, as TrajectoryRecorder writes)")
     return {**record, "point": point.detach()}  # a Parameter, or a tensor that requires grad, is its values here
