@@ -20,13 +20,17 @@ from typing import Any, TextIO
 from tclightning.limits import interrupt
 
 
+_INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""The signals that stop a command: Ctrl-C, SIGTERM, and SIGHUP (the terminal closed)."""
+
+
 def ignore_interrupts_at_teardown() -> None:
-    """Ctrl-C and SIGTERM are ignored once Python tears the interpreter down, after every exit
-    hook: its signal handlers are then reset to the default, so either would kill the finished
-    command without a word (exit -2, -15) instead of leaving its exit code. Call it first, so that
-    it runs last (``atexit`` runs its hooks in reverse)."""
-    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
-    atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C, SIGTERM and SIGHUP are ignored once Python tears the interpreter down, after every
+    exit hook: its signal handlers are then reset to the default, so each would kill the finished
+    command without a word (exit -2, -15, -1) instead of leaving its exit code. Call it first, so
+    that it runs last (``atexit`` runs its hooks in reverse)."""
+    for signum in _INTERRUPTS:
+        atexit.register(signal.signal, signum, signal.SIG_IGN)
 
 
 def sigterm_interrupts() -> None:
@@ -49,9 +53,10 @@ def hangup_is_sigterm(signum: int, frame: Any) -> None:
 
 
 def exit_at_late_interrupt() -> None:
-    """From now on, Ctrl-C or SIGTERM ends the process at once with one line and exit 130: for the moment
-    after a command has finished, when Python's own shutdown (flushing loggers, joining threads,
-    atexit hooks) would otherwise print a traceback or die by the signal without a word."""
+    """From now on, Ctrl-C, SIGTERM or SIGHUP (unless ignored: ``nohup``) ends the process at once
+    with one line and exit 130: for the moment after a command has finished, when Python's own
+    shutdown (flushing loggers, joining threads, atexit hooks) would otherwise print a traceback or
+    die by the signal without a word."""
 
     def interrupted(signum: int, frame: Any) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -59,8 +64,10 @@ def exit_at_late_interrupt() -> None:
             sys.stderr.flush()
         os._exit(130)
 
-    signal.signal(signal.SIGINT, interrupted)
-    signal.signal(signal.SIGTERM, interrupted)
+    for signum in _INTERRUPTS:
+        ignored_hangup = signum == getattr(signal, "SIGHUP", None) and signal.getsignal(signum) is signal.SIG_IGN
+        if not ignored_hangup:  # nohup's choice stands
+            signal.signal(signum, interrupted)
 
 
 def shown(text: str) -> str:

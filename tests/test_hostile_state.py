@@ -182,7 +182,7 @@ def test_a_health_monitor_refuses_a_saved_state_out_of_range(key: str, value: ob
     assert monitor.rollbacks == 0
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130(signum: str) -> None:
     script = ("import os, signal, time\n"
               "from tclightning.console import exit_at_late_interrupt\n"
@@ -194,7 +194,7 @@ def test_ctrl_c_after_a_command_finished_is_one_line_and_exit_130(signum: str) -
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished"
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_ctrl_c_while_the_interpreter_is_torn_down_leaves_the_exit_code(signum: str) -> None:
     """Python resets its signal handlers to the default before it tears the modules down: a Ctrl-C
     or SIGTERM there (a finished run's objects being freed) killed the command without a word."""
