@@ -143,8 +143,11 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
 
     with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
         handle.seek(0)  # torch reads a file as an archive only if one starts it (else as a pickle, from byte 0)
-        if handle.read(4) != b"PK\x03\x04" or min((info.header_offset for info in archive.infolist()), default=0):
+        if min((info.header_offset for info in archive.infolist()), default=0):
             raise refuse("it holds data before its archive")
+        if handle.read(4) != b"PK\x03\x04":  # where its first record should start
+            raise BrokenTensorFile("its archive is damaged (its first record's header is not where its directory "
+                                   "says)")
         handle.seek(max(0, size - 98))  # a zip64 end record (56 bytes), its locator (20), the end record (22)
         tail = handle.read()
         if tail[-22:-18] != b"PK\x05\x06" or tail[-2:] != b"\0\0":

@@ -9,6 +9,7 @@ from typing import Any
 
 from tclightning.bench.launch import run_ranks
 from tclightning.pipeline.boundary import TRAFFIC_METRICS, total_bytes
+from tclightning.sampling.base import TENSOR_FIELDS
 from tests.test_distributed import ADVANTAGES, ANCHOR_CASE, DIM, STEP, VOCAB, backend_request, config_for, \
     rollouts, run_update, tiny_llama
 
@@ -39,7 +40,10 @@ def test_two_stage_processes_count_every_class_of_traffic() -> None:
     # the tied embedding's gradient, [vocabulary, d] float32, sent by each of the two ranks each tick
     assert wire["wire/tied_bytes"] == TICKS * 2 * VOCAB * DIM * 4
     # the rollouts' pickle, once to the one other rank; counted once, then not again
-    assert wire["wire/rollout_bytes"] == len(pickle.dumps(rollouts().to("cpu")))
+    # a tensor pickles its storage in torch's legacy format, keyed by its address in decimal: the
+    # same rollouts pickled in another process differ by a digit a key (two keys a tensor)
+    keys = 2 * len(TENSOR_FIELDS)
+    assert abs(wire["wire/rollout_bytes"] - len(pickle.dumps(rollouts().to("cpu")))) <= keys
     assert outcomes[0].value["again"]["wire/rollout_bytes"] == 0
     assert wire["wire/sync_bytes"] > 0 and wire["wire/bytes_fwd"] > 0
     assert total_bytes(wire) == sum(wire.get(name, 0.0) for name in TRAFFIC_METRICS)
