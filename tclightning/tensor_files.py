@@ -79,6 +79,9 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
     archive ``torch.save`` writes."""
     start = source.tell() if not isinstance(source, (str, os.PathLike)) else None
+    if start:  # torch.load reads from where the file is, the checks from its start: never two readings
+        raise RefusedTensorFile(f"the open file is at byte {start}, not at its start, where torch.load would read "
+                                "something else than the file checked: give it at its start")
     try:
         try:
             archive = zipfile.ZipFile(source)

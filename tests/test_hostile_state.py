@@ -1366,3 +1366,16 @@ def test_a_torch_file_laid_out_as_torch_save_never_does_is_refused(tmp_path: Pat
     said = "2 pickles" if layout == "two-pickles" else "another archive than the one checked"
     with pytest.raises(RefusedTensorFile, match=said):
         check_torch_file(path)
+
+
+def test_an_open_checkpoint_not_at_its_start_is_refused(run_dir: Path) -> None:
+    """torch.load reads an open file from where it is, the check from its start: a file moved past
+    its start had torch unpickle bytes the check never read."""
+    from tclightning.callbacks.checkpointing import load_checkpoint
+
+    with (run_dir / "checkpoints" / "last.ckpt").open("rb") as handle:
+        handle.seek(1)
+        with pytest.raises(TclightningError, match="not at its start"):
+            load_checkpoint(handle)
+        handle.seek(0)
+        assert load_checkpoint(handle)["tclightning"]["rl_step"] == 2
