@@ -108,7 +108,7 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             if sum(info.compress_size for info in infos) > size:  # records sharing their bytes
                 raise RefusedTensorFile("its records hold more bytes than the file (records that overlap: a small file "
                                         "read as gigabytes), which torch.save never writes")
-            _require_one_reading(source, archive, size)
+            _require_one_reading(source, archive, infos, size)
             (name,) = pickles
             folder = name.rpartition("/")[0]
             sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
@@ -128,7 +128,8 @@ LARGEST_HASHED_INT = 2**61 - 2
 """Ints up to this size hash to themselves (CPython reduces them modulo 2^61 - 1): keys beyond it
 can be made to collide, and a dict of colliding keys takes quadratic time to fill."""
 
-def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile.ZipFile, size: int) -> None:
+def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo],
+                         size: int) -> None:
     """Refuse an archive that torch's reader (miniz) could read otherwise than Python's zipfile,
     which the checks read: the two find the end record, the zip64 end record and the directory in
     different ways (a search from the end, the locator's offset, the stated offset; or the record
@@ -146,7 +147,7 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
 
     with (open(source, "rb") if isinstance(source, (str, os.PathLike)) else contextlib.nullcontext(source)) as handle:
         handle.seek(0)  # torch reads a file as an archive only if one starts it (else as a pickle, from byte 0)
-        if min((info.header_offset for info in archive.infolist()), default=0):
+        if min((info.header_offset for info in infos), default=0):
             raise refuse("it holds data before its archive")
         if handle.read(4) != b"PK\x03\x04":  # where its first record should start
             raise BrokenTensorFile("its archive is damaged (its first record's header is not where its directory "
@@ -165,7 +166,6 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
             directory_size, directory_at = struct.unpack("<QQ", tail[40:56])
         if directory_at + directory_size != directory_ends or directory_at != archive.start_dir:
             raise refuse("its directory is not where its end record says")
-        infos = archive.infolist()
         folder = infos[0].filename.partition("/")[0] if infos else ""
         offsets = {}
         for info in infos:  # where each record's bytes start: after its local header, name and extra field
