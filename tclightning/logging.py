@@ -485,6 +485,45 @@ def _lies_in_run_folders(path: Path, run: Path) -> bool:
     return False
 
 
+STORE_ANSWER_S = 15.0
+"""How long a logger's remote store (``s3://``, ``http://``, ``ftp://``) gets to say whether its
+folder exists, before the run refuses it: a store that never answers was waited on without end."""
+
+
+def store_silence(url: str, timeout_s: float | None = None) -> str | None:
+    """None when the fsspec store at ``url`` answers whether ``url`` exists within ``timeout_s``;
+    otherwise ``"no answer within N s"``. Asked from a daemon thread, which a store that never
+    answers leaves waiting (the process does not wait for it at exit)."""
+    from fsspec.core import url_to_fs
+
+    timeout_s = STORE_ANSWER_S if timeout_s is None else timeout_s
+    answered = threading.Event()
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):  # a store that refuses answers: the logger says why itself
+            filesystem, path = url_to_fs(url)
+            filesystem.exists(path)
+        answered.set()
+
+    threading.Thread(target=ask, name="tclightning-store-answer", daemon=True).start()
+    return None if answered.wait(timeout_s) else f"no answer within {timeout_s:g} s"
+
+
+def remote_root(logger: Any) -> str | None:
+    """The folder a CSV or TensorBoard logger writes under when it lies on a remote fsspec store
+    (``s3://``, ``http://``), else None. Read from its ``root_dir``: its ``log_dir`` would already
+    ask the store for the next version."""
+    from fsspec.core import url_to_fs
+    from fsspec.implementations.local import LocalFileSystem
+
+    if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
+        return None
+    root = str(logger.root_dir)
+    if "://" not in root or isinstance(url_to_fs(root)[0], LocalFileSystem):
+        return None
+    return root
+
+
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
     """A CSV or TensorBoard logger writes its files into its ``log_dir`` and replaces a
     ``metrics.csv`` there: one pointed (by a fixed ``version``) at a folder outside the run that
@@ -497,19 +536,21 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     run = Path(os.path.realpath(run_dir))
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):  # W&B, MLflow: checked before they were built
         return
+    from fsspec.core import url_to_fs
+
+    if "::" in str(logger.root_dir):  # a chain (simplecache::file://...) writes through to where it ends: unchecked
+        raise RecipeError(f"{logger.root_dir}: a chained fsspec URL is not checked for files of yours it would write "
+                          "over; give the logger a plain folder or a remote store", file=source, key=key)
+    remote = remote_root(logger)
+    if remote is not None:  # a remote store holds none of this machine's files, but may never answer
+        silence = store_silence(remote)
+        if silence is not None:
+            raise RecipeError(f"{remote}: the logger's store gave {silence}", file=source, key=key)
+        return
     # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
     # mine, and so are `file://mine` and `local://mine` (Lightning's loggers write through fsspec)
-    from fsspec.core import url_to_fs
-    from fsspec.implementations.local import LocalFileSystem
-
     where = str(logger.log_dir)
-    if "::" in where:  # a chain (simplecache::file://...) writes through to where it ends: unchecked
-        raise RecipeError(f"{where}: a chained fsspec URL is not checked for files of yours it would write over; "
-                          "give the logger a plain folder or a remote store", file=source, key=key)
-    filesystem, path = url_to_fs(str(Path(where).expanduser()) if "://" not in where else where)
-    if not isinstance(filesystem, LocalFileSystem):  # a remote store holds none of this machine's files
-        return
-    log_dir = Path(os.path.realpath(path))
+    log_dir = Path(os.path.realpath(url_to_fs(where if "://" in where else str(Path(where).expanduser()))[1]))
     if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
         raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "
                           "logger would write over: leave its version unset (a new version folder each run), or "

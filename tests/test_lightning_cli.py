@@ -347,3 +347,64 @@ def test_yaml_text_lightning_fit_parses_is_bounded_as_a_recipe_is(argv, said, tm
     assert lightning_cli.main(["fit", "--config", "my_config.yaml", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
+
+
+@pytest.fixture
+def silent_server():
+    """A URL on a local server that accepts a connection and never answers."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/config.yaml"
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("form", ["--config URL", "-cURL", "--config=simplecache::URL"])
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_remote_config_is_refused_in_one_line(form, silent_server, tmp_path, monkeypatch, capsys):
+    """Lightning turns on jsonargparse's fsspec reading: a config URL on a server that never
+    answers was waited on for ever."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = form.replace("URL", silent_server).split(" ")
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and silent_server in err[0] and "only a local file is read" in err[0], err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("where", ["option-value", "in-a-config-callbacks", "in-a-config-model"])
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_url_a_value_names_is_not_fetched(where, silent_server, tmp_path, monkeypatch):
+    """A URL given as a value, or named inside a config file, is a value jsonargparse refuses,
+    not a file it waits on; Lightning's own reading mode is back afterwards."""
+    from jsonargparse._optionals import _get_config_read_mode
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    (tmp_path / "names_url.yaml").write_text(
+        f"model: {silent_server}\n" if where == "in-a-config-model" else f"trainer: {{callbacks: {silent_server}}}\n")
+    argv = [f"--trainer.callbacks={silent_server}"] if where == "option-value" else ["--config", "names_url.yaml"]
+    with pytest.raises(SystemExit) as stopped:  # jsonargparse's usage error, as for any value it cannot take
+        lightning_cli.main(["fit", "--config", "my_config.yaml", *argv])
+    assert stopped.value.code == 2 and "s" in _get_config_read_mode()
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_logger_whose_remote_store_never_answers_stops_lightning_fit_in_one_line(silent_server, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A TensorBoard logger writing to a server that never answers was waited on without end."""
+    import tclightning.logging
+
+    monkeypatch.setattr(tclightning.logging, "STORE_ANSWER_S", 1.0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.logger=TensorBoardLogger",
+                               f"--trainer.logger.save_dir={silent_server}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "store gave no answer within 1 s" in err[-1] and silent_server in err[-1], err

@@ -83,6 +83,27 @@ def test_a_logger_pointed_at_a_folder_of_yours_is_refused_before_it_writes(tmp_p
     assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
 
 
+@pytest.mark.parametrize("logger", ["CSVLogger", "TensorBoardLogger"])
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_logger_whose_remote_store_never_answers_is_refused(logger, tmp_path, monkeypatch):
+    """Lightning's loggers write through fsspec: a ``save_dir`` on a server that accepts and never
+    answers was waited on without end before training; one that answers is used."""
+    import socket
+
+    import tclightning.logging
+
+    monkeypatch.setattr(tclightning.logging, "STORE_ANSWER_S", 1.0)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/logs"
+        entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": {"save_dir": url}}
+        with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*store gave no answer within 1 s"):
+            build_loggers([entry], tmp_path / "run", "tiny")
+    entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": {"save_dir": "memory://logs"}}
+    assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
+
+
 @pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed (pip install 'tclightning[loggers]')")
 @pytest.mark.parametrize("folder", ["tb", "checkpoints"])
 def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatch, folder):

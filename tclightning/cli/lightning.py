@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,6 +25,9 @@ CLI_COMMANDS = ("fit", "validate", "test", "predict")
 """``LightningCLI``'s subcommands: everything after one of them goes to ``LightningCLI`` as is."""
 LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
 """``--ckpt_path`` values Lightning resolves itself, to the checkpoints of this run's own callbacks."""
+
+REMOTE_PATH = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://\S*|\S*::\S*")
+"""A URL or an fsspec chain (``simplecache::s3://...``), as opposed to a local path or YAML text."""
 
 FIT_EPILOG = """\
 examples (LightningCLI, for your own LightningModule):
@@ -65,30 +69,62 @@ def _configuration_bounded() -> Iterator[None]:
     UTF-8 (a FIFO or a device would be waited on forever); every YAML text it loads, a file's or a
     value's (``--config '{...}'``, ``--trainer.callbacks='[...]'``), expands to at most 20,000
     values (an alias bomb of a few hundred bytes expanded for ever) and holds integers Python
-    converts."""
+    converts. Only local files are read: Lightning turns on jsonargparse's fsspec reading, which
+    waits for ever on a server that never answers (``--config http://...``, or a URL a config names)."""
     from jsonargparse import Path as ConfigPath
+    from jsonargparse import set_parsing_settings
     from jsonargparse._loaders_dumpers import get_yaml_default_loader
+    from jsonargparse._optionals import _get_config_read_mode
 
     from tclightning.recipes.loader import bounded_yaml_data, bounded_yaml_text
 
     read_text, loader = ConfigPath.read_text, get_yaml_default_loader()
     own_single_data = loader.__dict__.get("get_single_data")  # None: PyYAML's, inherited
+    read_mode = _get_config_read_mode()
 
     def checked(path: ConfigPath) -> str:
-        if path.is_url or path.is_fsspec or path.relative == "-":  # stdin is the caller's to give
+        if path.relative == "-":  # stdin is the caller's to give
             return read_text(path)
         return bounded_yaml_text(Path(path.absolute), "lightning: a file the configuration names")
 
     ConfigPath.read_text = checked  # type: ignore[method-assign]
     loader.get_single_data = lambda self: bounded_yaml_data(self, "lightning: a configuration value")
+    set_parsing_settings(config_read_mode_urls_enabled=False, config_read_mode_fsspec_enabled=False)
     try:
         yield
     finally:
+        set_parsing_settings(config_read_mode_urls_enabled="u" in read_mode,
+                             config_read_mode_fsspec_enabled="s" in read_mode)
         ConfigPath.read_text = read_text  # type: ignore[method-assign]
         if own_single_data is None:
             del loader.get_single_data
         else:
             loader.get_single_data = own_single_data
+
+
+def _refuse_a_silent_logger_store(loggers: Sequence[Any]) -> None:
+    """A CSV or TensorBoard logger whose remote store (``save_dir: http://...``) does not answer is
+    refused before the fit: Lightning would wait on it without end."""
+    from tclightning.logging import remote_root, store_silence
+
+    for logger in loggers:
+        root = remote_root(logger)
+        silence = None if root is None else store_silence(root)
+        if silence is not None:
+            raise TclightningError(f"--trainer.logger: {root}: the logger's store gave {silence} (nothing was trained)")
+
+
+def _remote_configs(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` / ``-c`` values in ``argv`` that name a URL or an fsspec chain."""
+    values = []
+    for i, arg in enumerate(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
+            values.append(argv[i + 1])
+        elif arg.startswith("--config="):
+            values.append(arg.partition("=")[2])
+        elif arg.startswith("-c") and not arg.startswith("--"):
+            values.append(arg[2:].removeprefix("="))
+    return [value for value in values if REMOTE_PATH.fullmatch(value) and not value.startswith("file://")]
 
 
 def lightning_cli(argv: Sequence[str]) -> int:
@@ -100,6 +136,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
         raise TclightningError(
             f"lightning {argv[0]} runs LightningCLI, which needs jsonargparse: pip install 'lightning[pytorch-extra]'"
         )
+    remote = _remote_configs(argv)
+    if remote:
+        raise TclightningError(f"--config {remote[0]}: only a local file is read (a remote configuration is "
+                               "waited on with no time limit); copy it here first (nothing was built)")
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
@@ -117,6 +157,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
 
             trainer = super().instantiate_trainer(**kwargs)
+            _refuse_a_silent_logger_store(trainer.loggers)
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
                 trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
             return trainer
