@@ -400,7 +400,7 @@ def export_files(folder: Path) -> frozenset[str]:
     try:
         with open_regular(folder / PROVENANCE_FILE, "export record") as handle:  # never a FIFO's wait
             listed = json.loads(handle.read(1 << 20)).get("files")
-    except (TclightningError, OSError, ValueError, AttributeError):
+    except (TclightningError, OSError, ValueError, AttributeError, RecursionError):
         return frozenset()
     if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
         return frozenset()

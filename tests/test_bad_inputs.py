@@ -362,6 +362,15 @@ CASES: dict[str, Case] = {
                                ("number", b"NaN", "not float"), ("deep", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
                                ("lone-surrogate", b'{"question": "\\ud800", "answer": "#### 1"}', "lone surrogate"),
                                ("not-utf8", b'{"question": "\xff", "answer": "#### 1"}', "not UTF-8 text (byte 0xff)")]},
+    **{f"task-json-{kind}": Case(
+        ("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k", "task.path={tmp}/rows.json"),
+        ("rows.json", said), {"rows.json": content})
+       for kind, content, said in [
+           # datasets' ujson overflowed the C stack: the process died of SIGSEGV without a word
+           ("deep-array", b'[{"question": ' + b"[" * 20_000 + b"]" * 20_000 + b', "answer": "#### 1"}]', "nested too deeply"),
+           ("array-of-numbers", b"[1, 2]", "items are not all objects"),
+           ("not-utf8", b'[{"question": "\xff", "answer": "#### 1"}]', "not UTF-8 text (byte 0xff at offset 15)"),
+           ("deep-line", b'{"question": "q", "answer": "#### 1"}\n' + b"[" * 20_000 + b"]" * 20_000, "rows.json:2")]},
     "defaults-override": override("defaults=[smollm2]"),
     "callback-init-args-override": Case(
         ("run", "--recipe", "{tmp}/mine.yaml",

@@ -459,6 +459,10 @@ def test_overwrite_keeps_a_file_the_user_added_to_an_earlier_export(run_dir: Pat
     with pytest.raises(TclightningError, match="lists no files the export wrote"):
         export_policy(run_dir, out, step=2, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == before
+    (out / PROVENANCE_FILE).write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    with pytest.raises(TclightningError, match="lists no files the export wrote"):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before
 
 
 def test_an_export_into_the_checkpoints_folder_is_refused(run_dir: Path, tmp_path: Path) -> None:

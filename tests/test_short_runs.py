@@ -122,6 +122,7 @@ DAMAGE = {
     "stats-missing": lambda e: (e / "stats.json").unlink(),
     "stats-not-json": lambda e: (e / "stats.json").write_text("{\"warmup/steps\": 2,"),
     "stats-missing-fields": lambda e: (e / "stats.json").write_text('{"warmup/seconds": 0.5}'),
+    "stats-deeply-nested": lambda e: (e / "stats.json").write_text("[" * 100_000 + "]" * 100_000),  # RecursionError
     "stats-fifo": lambda e: _fifo(e / "stats.json"),
     "stats-huge": lambda e: os.truncate(e / "stats.json", 2**33),  # sparse: 8 GiB that use no disk
     "entry-is-a-file": _entry_is_a_file,

@@ -438,3 +438,18 @@ def test_a_run_says_how_many_rows_of_its_data_it_left_out(tmp_path: Path, monkey
                  "trainer.steps=1", "trainer.val_every=0", "logging.root=runs", "--quiet"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert any("360 of the rows read had no usable question or answer" in line for line in notes), notes
+
+
+def test_a_json_task_file_reads_as_datasets_reads_it(tmp_path: Path) -> None:
+    """A ``.json`` file, one array of rows or JSON lines, gives the rows ``datasets`` gives (the
+    project reads it with Python's own parser, which refuses deep nesting in one line)."""
+    from tclightning.tasks.data import load_with_datasets, read_rows
+
+    rows = [{"question": f"q{i} ünï", "answer": f"#### {i}"} for i in range(5)]
+    (tmp_path / "array.json").write_text("\ufeff  " + json.dumps(rows, indent=2, ensure_ascii=False))
+    (tmp_path / "lines.json").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for name in ("array.json", "lines.json"):
+        assert read_rows(tmp_path / name) == rows
+    (tmp_path / "plain.json").write_text(json.dumps(rows))
+    for name in ("plain.json", "lines.json"):
+        assert load_with_datasets("json", split="train", data_files=str(tmp_path / name)) == rows

@@ -274,7 +274,7 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
             stats = json.loads(handle.read(STATS_MAX_BYTES + 1).decode())
     except TclightningError:
         raise UnreadableEntry(f"{STATS}: is no longer a regular file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise UnreadableEntry(f"{STATS}: {one_line(err)}") from None
     if not isinstance(stats, dict):
         raise UnreadableEntry(f"{STATS}: not a JSON object")

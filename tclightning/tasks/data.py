@@ -72,7 +72,9 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     :data:`TASK_FILE_MAX_BYTES` or a ``.jsonl`` row over :data:`ROW_MAX_BYTES` is refused (reading
     one would wait or fill memory), as is a name ``datasets`` would take for a glob pattern."""
     regular_file(path, "task data", TASK_FILE_MAX_BYTES)
-    if path.suffix == ".jsonl":
+    if path.suffix == ".json" and _first_byte(path) == b"[":
+        return _json_array_rows(path)
+    if path.suffix in (".jsonl", ".json"):  # datasets reads any other .json as JSON lines too
         return _jsonl_rows(path)
     builder = _DATASETS_BUILDERS.get(path.suffix)
     if builder is None:
@@ -84,6 +86,49 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise TclightningError(f"task data {path}: its name holds '::', which datasets would read as a chain of "
                                "filesystems naming another file; rename it")
     return load_with_datasets(builder, split="train", data_files=str(path))
+
+
+def _first_byte(path: Path) -> bytes:
+    """The first byte of ``path`` that is not white space or a byte order mark (b"" for none)."""
+    with path.open("rb") as handle:
+        chunk = handle.read(1 << 16).removeprefix(b"\xef\xbb\xbf")
+        while chunk:
+            if stripped := chunk.lstrip():
+                return stripped[:1]
+            chunk = handle.read(1 << 16)
+    return b""
+
+
+def _json_array_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a ``.json`` file that is one JSON array of objects, read by Python's own parser:
+    datasets' (ujson) overflows the C stack on deep nesting, ending the process without a word."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise TclightningError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                               f"{exc.start})") from None
+    rows = _parsed_json(text, str(path))
+    if not all(isinstance(row, dict) for row in rows):
+        raise TclightningError(f"{path}: a JSON array whose items are not all objects (one object a row)")
+    return rows
+
+
+def _parsed_json(text: str, where: str) -> Any:
+    """``text`` parsed as JSON, text and fields given once; one line naming ``where`` otherwise."""
+    try:
+        value = json.loads(text, object_pairs_hook=_fields_once)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate is no text
+    except json.JSONDecodeError as exc:
+        raise TclightningError(f"{where}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise TclightningError(f"{where}: nested too deeply to be a row") from None
+    except _FieldTwice as exc:
+        raise TclightningError(f"{where}: {exc}; which one is meant is a guess") from None
+    except UnicodeEncodeError:
+        raise TclightningError(f"{where}: holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
+    except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
+        raise TclightningError(f"{where}: not a row ({exc})") from None
+    return value
 
 
 class _FieldTwice(ValueError):
@@ -120,20 +165,7 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
                 raise TclightningError(f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x})") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line, object_pairs_hook=_fields_once)
-                json.dumps(row, ensure_ascii=False).encode("utf-8")  # an escaped lone surrogate is no text
-            except json.JSONDecodeError as exc:
-                raise TclightningError(f"{path}:{line_no}: not valid JSON ({exc})") from None
-            except RecursionError:
-                raise TclightningError(f"{path}:{line_no}: nested too deeply to be a row") from None
-            except _FieldTwice as exc:
-                raise TclightningError(f"{path}:{line_no}: {exc}; which one is meant is a guess") from None
-            except UnicodeEncodeError:
-                raise TclightningError(f"{path}:{line_no}: holds a lone surrogate (\\ud800-\\udfff), "
-                                       "which is not text") from None
-            except ValueError as exc:  # an integer past Python's 4300-digit conversion limit
-                raise TclightningError(f"{path}:{line_no}: not a row ({exc})") from None
+            row = _parsed_json(line, f"{path}:{line_no}")
             if not isinstance(row, dict):
                 raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
                                        f"{type(row).__name__ if row is not None else 'null'}")
