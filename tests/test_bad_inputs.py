@@ -95,7 +95,12 @@ CASES: dict[str, Case] = {
     # YAML 1.1 numbers a reader would not see: 010 is 8, 1:30 is 90
     "override-octal-number": override("trainer.steps=010", names=("trainer.steps=010", "octal number 8")),
     "file-base-60-number": recipe(BASE + "trainer: {steps: 1:30}\n", "base-60 number"),
-    "override-integer-past-4300-digits": override("trainer.seed=1" + "0" * 5000, names=("trainer.seed=1", "4300")),
+    "override-integer-past-4300-digits": override("trainer.seed=1" + "0" * 5000, names=("trainer.seed=1", "a number of 5001 characters")),
+    # hex converts at any length, then has more decimal digits than Python prints (a range message)
+    "override-hex-integer-of-5000-digits": override("trainer.steps=0x" + "f" * 5000,
+                                                   names=("trainer.steps=0x", "a number of 5002 characters")),
+    "override-float-key-integer-past-any-float": override("grpo.lr=1" + "0" * 400,
+                                                         names=("grpo.lr=1", "integer of 1329 bits, past any float")),
     # a metric a rule reads that is not a number, a row of fewer cells, a step in other digits, a
     # file longer than a replay takes, a header of 200k columns (quadratic to check once)
     "analyze-health-text-in-a-metric": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv:2", "reward/mean 'hello'"),

@@ -335,8 +335,11 @@ _FLOW_BOMB = "[&a0 [x,x,x,x,x,x,x,x,x,x], " + ", ".join(
     (["--config", "trainer: {callbacks: " + _FLOW_BOMB + "}"], "more than 20000 values"),
     ([f"--trainer.callbacks={_FLOW_BOMB}"], "more than 20000 values"),
     ([f"--trainer={{callbacks: {_FLOW_BOMB}}}"], "more than 20000 values"),
-    (["--config", "trainer: {max_steps: " + "9" * 5000 + "}"], "not a value a configuration holds"),
-], ids=["config-text", "option-value", "section-value", "integer-of-5000-digits"])
+    (["--config", "trainer: {max_steps: " + "9" * 5000 + "}"], "a number of 5000 characters"),
+    (["--config", "trainer: {max_steps: 0x" + "f" * 5000 + "}"], "a number of 5002 characters"),
+    (["--config", "trainer: {max_steps: 1" + ":59" * 2000 + "}"], "a number of 6001 characters"),
+], ids=["config-text", "option-value", "section-value", "integer-of-5000-digits", "hex-integer",
+        "base-60-integer"])
 @pytest.mark.timeout(120)  # a regression expands the bomb for ever: fail instead
 def test_yaml_text_lightning_fit_parses_is_bounded_as_a_recipe_is(argv, said, tmp_path, monkeypatch, capsys):
     """jsonargparse parses a --config that names no file, and every option value, as YAML: the

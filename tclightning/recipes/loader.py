@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-from omegaconf.nodes import BooleanNode, StringNode
+from omegaconf.nodes import BooleanNode, FloatNode, StringNode
 
 from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
@@ -253,7 +253,7 @@ def bounded_yaml_data(loader: yaml.BaseLoader, source: str) -> Any:
     _check_size(node, source)
     try:
         return loader.construct_document(node)
-    except ValueError as err:  # an integer of more digits than Python converts (4300)
+    except ValueError as err:  # a value PyYAML cannot construct (a date that does not exist, if dates are read)
         raise RecipeError(f"not a value a configuration holds: {(str(err).splitlines() or ['ValueError'])[0]}",
                           file=source) from None
 
@@ -301,7 +301,7 @@ def _parse_yaml(text: str, source: str, override: str | None = None) -> Any:
         raise RecipeError(f"{what}: {' '.join(str(problem).split())}", file=source, override=override) from None
     except RecursionError:
         raise RecipeError(f"nested deeper than {MAX_YAML_DEPTH} levels", file=source, override=override) from None
-    except ValueError as err:  # an integer of more digits than Python converts (4300)
+    except ValueError as err:  # a date that does not exist (2001-02-30)
         raise RecipeError(f"not a value a recipe holds: {(str(err).splitlines() or ['ValueError'])[0]}", file=source,
                           override=override) from None
 
@@ -318,9 +318,16 @@ def read_record(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+MAX_NUMBER_CHARS = 1000
+"""The longest number a YAML document may write (a hex integer of 4,000 digits converts, and then
+has more decimal digits than Python prints)."""
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 def _check_size(root: yaml.Node, source: str, override: str | None = None) -> None:
     """Refuse a node graph that expands (aliases followed) past the node or depth bound, counted
-    without expanding it: each distinct node's expanded size is computed once."""
+    without expanding it: each distinct node's expanded size is computed once. A number longer
+    than :data:`MAX_NUMBER_CHARS` is refused too."""
     sizes: dict[int, int] = {}
     open_nodes: set[int] = set()  # on the current path: met again, the document refers to itself
     stack: list[tuple[yaml.Node, int, bool]] = [(root, 1, False)]
@@ -339,6 +346,9 @@ def _check_size(root: yaml.Node, source: str, override: str | None = None) -> No
             continue
         if id(node) in sizes:
             continue
+        if isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+            raise RecipeError(f"a number of {len(node.value)} characters (at most {MAX_NUMBER_CHARS})", file=source,
+                              override=override)
         if id(node) in open_nodes:
             raise RecipeError("an alias refers to a value that holds it (a recipe cannot contain itself)", file=source,
                               override=override)
@@ -438,6 +448,10 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         if value is not None and not isinstance(value, bool) and isinstance(_schema_node(base, key), BooleanNode):
             # OmegaConf would read "on", "yes", "1" or 1 as true: a switch (trust_remote_code!) is set by true or false
             raise RecipeError(f"expected true or false, got {value!r}", file=source, key=key, override=override)
+        if (isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1024
+                and isinstance(_schema_node(base, key), FloatNode)):  # OmegaConf's float() would overflow
+            raise RecipeError(f"expected a finite number, got an integer of {value.bit_length()} bits, past any float",
+                              file=source, key=key, override=override)
     try:
         return OmegaConf.merge(base, data)
     except OmegaConfBaseException as err:
