@@ -716,7 +716,7 @@ def test_analyze_trajectory_reads_a_point_saved_with_its_gradient_flag_as_its_va
 
 @pytest.mark.parametrize("bad", ["garbage", "not-a-dict", "nan", "scalar", "stride-0", "compressed", "pickle-bomb",
                                  "point-holds-itself", "unit-holds-itself", "seed-nan", "one-step-twice", "out-is-a-file",
-                                 "out-under-proc", "linked-default"])
+                                 "out-under-proc", "linked-default", "huge-values"])
 def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path: Path, bad: str,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """A stride-0 point of 1.6 KB expanded to 2^30 values before any check (a compressed record
@@ -729,6 +729,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
             point[0] = float("nan")
         if bad == "stride-0" and i == 2:
             point = torch.zeros(1).expand(1 << 24)
+        if bad == "huge-values" and i == 2:  # finite, but squared to inf: the eigensolver raised LinAlgError
+            point = torch.full((8,), 1e308, dtype=torch.float64)
         record = {"step": i, "point": point if bad != "scalar" else torch.tensor(float(i))}
         looped: list = [1.0]
         looped.append(looped)  # walked without end (a report's json.dumps too)
@@ -759,7 +761,8 @@ def test_analyze_trajectory_refuses_bad_points_and_outputs_in_one_line(tmp_path:
     assert main(["analyze", "trajectory", str(tmp_path / "run"), *(["--out", str(out)] if out else [])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    said = {"stride-0": "stored bytes", "compressed": "is compressed", "pickle-bomb": "ages to hash"}.get(bad)
+    said = {"stride-0": "stored bytes", "compressed": "is compressed", "pickle-bomb": "ages to hash",
+            "huge-values": "a value past 1e+100"}.get(bad)
     assert said is None or said in err[0], err
     assert (tmp_path / "afile").read_text() == "mine" and not any((tmp_path / "elsewhere").glob("*")) \
         if bad == "linked-default" else (tmp_path / "afile").read_text() == "mine"

@@ -84,6 +84,11 @@ POINT_FIELDS = ("unit", "method", "dim", "seed", "num_params")
 """What a trajectory point records beside its step and point (each a plain value)."""
 
 
+MAX_COORDINATE = 1e100
+"""The largest magnitude a point's value may have: squared and summed over any model's size it stays
+finite in float64 (a weight is a few units at most)."""
+
+
 def _point(path: Path) -> dict[str, Any]:
     """One trajectory point, read as data only: a record with a whole ``step`` and a 1-D finite
     float ``point``; one line naming the file otherwise (a FIFO named point-*.pt is never opened)."""
@@ -112,6 +117,9 @@ def _point(path: Path) -> dict[str, Any]:
             or point.dtype not in FLOAT_DTYPES or point.numel() < 2 or not bool(torch.isfinite(point).all()):
         raise TclightningError(f"trajectory point {path}: not a point (a whole step >= 0 and a 1-D finite float "
                                "point of at least 2 values, as TrajectoryRecorder writes)")
+    if float(point.abs().max()) > MAX_COORDINATE:  # its squared distances would overflow to inf
+        raise TclightningError(f"trajectory point {path}: a value past {MAX_COORDINATE:g} in magnitude, which no "
+                               "model's weights hold (the analysis squares them)")
     return {**record, "point": point.detach()}  # a Parameter, or a tensor that requires grad, is its values here
 
 
