@@ -389,7 +389,7 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
             defaults = {"project": project, "name": run_dir.name, "save_dir": str(run_dir)}
         elif name == "mlflow":
             defaults = {"experiment_name": project, "run_name": run_dir.name}
-            uri = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+            uri = _mlflow_tracking_uri(init_args)
             if not uri:
                 defaults["save_dir"] = str(run_dir.parent / "mlruns")
             if not uri or uri.startswith("file:") or "://" not in uri:
@@ -436,6 +436,14 @@ RUN_FOLDER_FILES: dict[str, tuple[str, ...]] = {
 file there is someone else's."""
 
 
+def _mlflow_tracking_uri(init_args: Mapping[str, Any]) -> str:
+    """The tracking URI an ``MLFlowLogger`` built with ``init_args`` uses ("" for its ``save_dir``):
+    the argument when given, even as null, else its default, ``MLFLOW_TRACKING_URI``."""
+    if "tracking_uri" in init_args:
+        return str(init_args["tracking_uri"] or "")
+    return os.environ.get("MLFLOW_TRACKING_URI", "")
+
+
 def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
     """The folder on this machine a W&B or MLflow logger built with ``arguments`` writes into, or
     None (another logger, a server, a database): W&B's ``save_dir`` (a local folder, whatever it
@@ -450,8 +458,7 @@ def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
     from mlflow.utils.file_utils import local_file_uri_to_path
     from mlflow.utils.uri import is_local_uri
 
-    uri = str(arguments.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
-              or f"file:{arguments.get('save_dir') or './mlruns'}")
+    uri = _mlflow_tracking_uri(arguments) or f"file:{arguments.get('save_dir', './mlruns')}"
     try:
         return Path(local_file_uri_to_path(uri)).expanduser() if is_local_uri(uri) else None
     except Exception:  # noqa: BLE001 - a URI MLflow refuses itself (a remote host's file:), when it is built

@@ -120,7 +120,7 @@ def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatc
 
 @pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
 @pytest.mark.parametrize("spelling", ["plain-path", "file-localhost", "file-127.0.0.1", "file-LOCALHOST-with-a-port",
-                                      "percent-encoded", "environment"])
+                                      "percent-encoded", "environment", "null-uri-and-a-save-dir"])
 def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_written(tmp_path, monkeypatch, spelling):
     """Other spellings of the run's checkpoints/ passed the check, and the store was opened (and
     written into the run) before it: a refused resume left an mlruns folder in the run."""
@@ -131,10 +131,14 @@ def test_an_mlflow_store_in_the_run_s_own_folders_is_refused_before_it_is_writte
     uri = {"plain-path": str(store), "file-localhost": f"file://localhost{store}",
            "file-127.0.0.1": f"file://127.0.0.1{store}", "file-LOCALHOST-with-a-port": f"file://LOCALHOST:5000{store}",
            "percent-encoded": f"file:{str(store).replace('checkpoints', 'check%70oints')}",
-           "environment": f"file:{store}"}[spelling]
+           "environment": f"file:{store}", "null-uri-and-a-save-dir": None}[spelling]
     if spelling == "environment":
         monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    entry = {"class_path": "mlflow", "init_args": {} if spelling == "environment" else {"tracking_uri": uri}}
+    init_args = {"environment": {}, "null-uri-and-a-save-dir": {"tracking_uri": None, "save_dir": str(store)}}.get(
+        spelling, {"tracking_uri": uri})
+    if spelling == "null-uri-and-a-save-dir":  # MLflow then uses file:<save_dir>, whatever the variable says
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'elsewhere'}")
+    entry = {"class_path": "mlflow", "init_args": init_args}
     with pytest.raises(RecipeError, match="lies in the run's"):
         build_loggers([entry], run, "tiny")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
