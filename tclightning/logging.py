@@ -398,7 +398,8 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         arguments = {**defaults, **init_args}
         store = _local_store(name, arguments)
-        if store is not None and _lies_in_run_folders(store, Path(os.path.realpath(run_dir))):  # before it is made
+        if store is not None and (_lies_in_run_folders(store, Path(os.path.realpath(run_dir)))  # before it is made
+                                  or _another_run_s_folder(store) is not None):
             raise RecipeError(f"{store} lies in the run's {'/'.join(RUN_FOLDERS)} folders, which the run writes and a "
                               "resume reads (links and folders of another logger there stop it): give the logger "
                               "the run folder itself (its default) or a folder of its own", file=source,
@@ -463,6 +464,16 @@ def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
         return Path(local_file_uri_to_path(uri)).expanduser() if is_local_uri(uri) else None
     except Exception:  # noqa: BLE001 - a URI MLflow refuses itself (a remote host's file:), when it is built
         return None
+
+
+def _another_run_s_folder(path: Path) -> Path | None:
+    """The run directory (any tclightning run: it holds the run marker) whose tb/, checkpoints/ or
+    trajectory/ ``path`` lies in, by its real path; else None."""
+    from tclightning.run import RUN_MARKER
+
+    real = Path(os.path.realpath(path))
+    return next((above.parent for above in (real, *real.parents)
+                 if above.name in RUN_FOLDERS and (above.parent / RUN_MARKER).is_file()), None)
 
 
 def _lies_in_run_folders(path: Path, run: Path) -> bool:

@@ -116,6 +116,12 @@ def test_a_wandb_logger_in_the_run_s_own_folders_is_refused(tmp_path, monkeypatc
     with pytest.raises(RecipeError, match=f"{folder} lies in the run's"):
         build_loggers([entry], run, "tiny")
     assert len(build_loggers(["wandb"], run, "tiny")) == 1
+    # another run's folders too: its next resume would meet W&B's files there
+    from tclightning.run import RUN_MARKER
+
+    (run / RUN_MARKER).write_text("")
+    with pytest.raises(RecipeError, match=f"{folder} lies in the run's"):
+        build_loggers([entry], tmp_path / "another-run", "tiny")
 
 
 @pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'tclightning[loggers]')")
