@@ -411,3 +411,40 @@ def test_a_logger_whose_remote_store_never_answers_stops_lightning_fit_in_one_li
                                f"--trainer.logger.save_dir={silent_server}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "store gave no answer within 1 s" in err[-1] and silent_server in err[-1], err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_ckpt_path_is_read_for_its_hyper_parameters_once_checked_never_again_by_path(tmp_path, monkeypatch, capsys):
+    """LightningCLI loaded the ``--ckpt_path`` file again by its path for the model's arguments,
+    after tclightning had checked it: a crafted file renamed over it in between was unpickled
+    unchecked (a quadratic ``_codecs.encode`` call ran without end). The arguments come from the
+    checked read, merged as LightningCLI merges them."""
+    import lightning.pytorch as pl
+    import lightning.pytorch.cli as lightning_cli_module
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    class TorchWithoutLoad:  # LightningCLI's torch, whose load by path must not be called
+        def __getattr__(self, name: str):
+            if name == "load":
+                raise AssertionError("LightningCLI read the checkpoint again by its path, unchecked")
+            return getattr(torch, name)
+
+    monkeypatch.chdir(tmp_path)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), BoringDataModule())
+    trainer.save_checkpoint("boring.ckpt")
+    checkpoint = torch.load("boring.ckpt", weights_only=True)
+    checkpoint["hparams_name"] = "kwargs"  # what Lightning records for any module that saves its arguments
+    torch.save(checkpoint, "named.ckpt")
+    checkpoint["hyper_parameters"] = {"scale": 3.0}
+    torch.save(checkpoint, "scaled.ckpt")
+    monkeypatch.setattr(lightning_cli_module, "torch", TorchWithoutLoad())
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG.replace("max_steps: 2", "max_steps: 3"))
+    for name in ("boring.ckpt", "named.ckpt"):  # LightningCLI reads only hyper_parameters: hparams_name is no risk
+        assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", name]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:  # jsonargparse's usage error, as LightningCLI's own merge gives
+        lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "scaled.ckpt"])
+    assert stopped.value.code == 2 and "Parsing of ckpt_path hyperparameters failed!" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
             return trainer
 
         def _parse_ckpt_path(self) -> None:
-            from tclightning.callbacks.checkpointing import legacy_hparams, load_checkpoint, names_a_class
+            from tclightning.callbacks.checkpointing import load_checkpoint, names_a_class
             from tclightning.models.loading import check_checkpoint_model
 
             subcommand = self.config.get("subcommand")
@@ -180,17 +180,29 @@ def lightning_cli(argv: Sequence[str]) -> int:
                 if not Path(ckpt_path).is_file():  # a FIFO, a device or a folder: torch.load would wait or fail
                     raise TclightningError(f"--ckpt_path {ckpt_path}: no regular file is there (nothing was built)")
                 checkpoint = load_checkpoint(ckpt_path)
-                named = names_a_class(checkpoint.get("hyper_parameters") or {})
-                if named is not None or legacy_hparams(checkpoint) is not None:
+                named = names_a_class(checkpoint.get("hyper_parameters") or {})  # all LightningCLI merges
+                if named is not None:
                     raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint asks the parser to build or read "
-                                           f"something by name ({named or 'in legacy hyper-parameter keys'}), which "
-                                           "would import any module or read any file; give the model with --model "
-                                           "yourself (nothing was built)")
+                                           f"something by name ({named}), which would import any module or read any "
+                                           "file; give the model with --model yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
                 # loads the file of that name in torch's download cache unchecked: hand it the file checked
                 self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)
-            super()._parse_ckpt_path()
+                self._merge_hparams(subcommand, checkpoint.get("hyper_parameters") or {})
+
+        def _merge_hparams(self, subcommand: str, hparams: dict[str, Any]) -> None:
+            """LightningCLI's own merge of the checkpoint's hyper-parameters into the model's
+            arguments, from the checkpoint read and checked above: Lightning's would load the path
+            again, unchecked, and a file renamed over it in between would be what it unpickles.
+            (A ``_class_path`` or ``_instantiator`` key, which it would handle, was refused.)"""
+            if not hparams:
+                return
+            try:
+                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+            except SystemExit:
+                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+                raise
 
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
