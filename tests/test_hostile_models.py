@@ -522,3 +522,32 @@ def test_a_sharded_index_nested_past_the_json_reader_s_depth_is_one_line(tmp_pat
     (folder / "pytorch_model.bin.index.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(TclightningError, match="cannot be loaded as a model"):
         load_model(ModelConfig(source="hf", name=str(folder)))
+
+
+@pytest.mark.timeout(60)  # torch.load would hash a tuple 2^60 times
+def test_a_pickled_weights_file_renamed_over_the_checked_one_is_never_what_is_unpickled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder was checked by path, and transformers loaded ``pytorch_model.bin`` by path again:
+    a crafted file renamed over it in between was unpickled unchecked. Each pickled file is checked
+    from the open file transformers' load reads, and a genuine one loads as before."""
+    from safetensors.torch import load_file
+
+    import tclightning.models.loading as loading
+
+    folder = _model_folder(tmp_path / "model")
+    weights = load_file(folder / "model.safetensors")
+    torch.save(weights, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    model, _ = load_model(ModelConfig(source="hf", name=str(folder)))
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in weights.items())
+
+    check_hub_model = loading.check_hub_model
+
+    def swapped_after_the_check(cfg: ModelConfig) -> None:  # runs between the folder's check and the load
+        crafted = with_pickle(tmp_path / "crafted.bin", "dict-key-of-shared-tuples")
+        os.replace(crafted, folder / "pytorch_model.bin")
+        check_hub_model(cfg)
+
+    monkeypatch.setattr(loading, "check_hub_model", swapped_after_the_check)
+    with pytest.raises(TclightningError, match="ages to hash"):
+        load_model(ModelConfig(source="hf", name=str(folder)))

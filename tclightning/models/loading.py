@@ -8,7 +8,7 @@ import importlib.machinery
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import torch
 from transformers import (
@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from tclightning.errors import TclightningError
-from tclightning.files import refused_by_storage, regular_file, tree
+from tclightning.files import open_regular, refused_by_storage, regular_file, tree
 from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
@@ -250,16 +250,43 @@ def _indexed_weights(folder: Path) -> Iterator[Path]:
                         if isinstance(name, str) and not name.endswith(".safetensors"))
 
 
-def _check_pickled_weights(path: Path) -> None:
+def _check_pickled_weights(path: Path, handle: IO[bytes] | None = None) -> None:
     """A pickled weights file holds tensors as ``torch.save`` writes them, and nothing else, before
-    transformers unpickles it (:func:`~tclightning.tensor_files.check_torch_file`)."""
+    transformers unpickles it (:func:`~tclightning.tensor_files.check_torch_file`); read from
+    ``handle`` when given (the file as opened, left where it was)."""
     try:
-        check_torch_file(path)
+        check_torch_file(path if handle is None else handle)
     except BrokenTensorFile as err:
         raise TclightningError(f"the model folder's weights {path}: {err}; a file in torch's pre-1.6 format cannot be "
                                "checked before it is read: save it again with torch.save or as safetensors") from None
     except RefusedTensorFile as err:
         raise TclightningError(f"the model folder's weights {path}: refused: {err}; nothing was loaded") from None
+
+
+@contextlib.contextmanager
+def _pickled_weights_read_as_checked() -> Iterator[None]:
+    """Within the block, every pickled weights file transformers loads is opened once, checked from
+    that open file and unpickled from it. The folder was checked before, by path: a file renamed
+    over one of them since would otherwise be what transformers unpickles (``torch.load`` by path
+    with ``weights_only``, which runs a crafted call such as a quadratic ``_codecs.encode``)."""
+    import transformers.modeling_utils as modeling
+
+    original = modeling.load_state_dict
+
+    def checked(checkpoint_file: Any, map_location: Any = "cpu", weights_only: bool = True,
+                disable_mmap: bool | None = None) -> dict[str, torch.Tensor]:
+        path = Path(checkpoint_file)
+        if path.suffix == ".safetensors":  # no pickle: nothing runs, whatever the file holds
+            return original(checkpoint_file, map_location, weights_only, disable_mmap)
+        with open_regular(path, "the model folder's weights") as handle:
+            _check_pickled_weights(path, handle)
+            return torch.load(handle, map_location=map_location, weights_only=True)
+
+    modeling.load_state_dict = checked
+    try:
+        yield
+    finally:
+        modeling.load_state_dict = original
 
 
 def _model_folder_files(folder: Path) -> Iterator[Path]:
@@ -350,7 +377,9 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
         with _loader_errors(f"model.name {cfg.name}", on_disk is not None):
             tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            with _pickled_weights_read_as_checked():
+                model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype,
+                                                             trust_remote_code=cfg.trust_remote_code)
     elif cfg.source == "gguf":
         if not cfg.gguf_file:
             raise TclightningError("model.gguf_file: required for source 'gguf'")
