@@ -416,6 +416,10 @@ def remove_export(folder: Path, own: frozenset[str] | None = None) -> None:
         entries = list(folder.iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return
+    # the record, then the markers, go last: a removal killed part-way leaves a folder the next
+    # export still knows as an abandoned one of its own (a marker) and whose files it can still name
+    last = {PROVENANCE_FILE: 1, REPLACED_MARKER: 2, STAGING_MARKER: 2}
+    entries.sort(key=lambda entry: last.get(entry.name, 0))
     for entry in entries:
         if (own is None or entry.name in own) and (entry.is_symlink() or not entry.is_dir()):
             with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.errors import TclightningError, one_line
 from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
+from tclightning.network import remote_setup
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -371,11 +372,9 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
     arguments is a :class:`~tclightning.errors.RecipeError` naming ``logging.loggers[i].init_args``.
     """
     from tclightning.errors import RecipeError
-    from tclightning.recipes.loader import resolve_logger_class
-    from tclightning.recipes.schema import LOGGERS
+    from tclightning.recipes.loader import logger_kind, resolve_logger_class
 
     run_dir = Path(run_dir)
-    by_path = {path: name for name, (path, _) in LOGGERS.items()}
     loggers = []
     for i, entry in enumerate(entries):
         path = entry if isinstance(entry, str) else entry["class_path"]
@@ -383,13 +382,13 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
             continue
         init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
         cls = resolve_logger_class(path, source, f"logging.loggers[{i}]")
-        name = path if path in LOGGERS else by_path.get(path)
+        name = logger_kind(cls)
         defaults: dict[str, Any] = {}
         if name == "wandb":
             defaults = {"project": project, "name": run_dir.name, "save_dir": str(run_dir)}
         elif name == "mlflow":
             defaults = {"experiment_name": project, "run_name": run_dir.name}
-            uri = _mlflow_tracking_uri(init_args)
+            uri = mlflow_tracking_uri(init_args)
             if not uri:
                 defaults["save_dir"] = str(run_dir.parent / "mlruns")
             if not uri or uri.startswith("file:") or "://" not in uri:
@@ -404,26 +403,49 @@ def build_loggers(entries: Iterable[Any], run_dir: str | Path, project: str, sou
                               "resume reads (links and folders of another logger there stop it): give the logger "
                               "the run folder itself (its default) or a folder of its own", file=source,
                               key=f"logging.loggers[{i}].init_args")
-        try:
-            logger = cls(**arguments)
-        except (TypeError, ValueError) as err:
-            reason = (str(err).splitlines() or [type(err).__name__])[0]
-            raise RecipeError(reason, file=source, key=f"logging.loggers[{i}].init_args") from None
-        except Exception as err:  # noqa: BLE001 - MLflow's own (a store URI it cannot use): one line
-            if name != "mlflow":
+        key = f"logging.loggers[{i}].init_args"
+        try:  # a store or server that stalls (an ftp:// store connects in the constructor) is bounded
+            loggers.append(remote_setup(f"logging.loggers[{i}]: its store or server",
+                                        lambda: _built_logger(cls, name, arguments, run_dir, source, key)))
+        except TclightningError as err:
+            if isinstance(err, RecipeError):
                 raise
-            raise RecipeError(f"MLflow cannot use its tracking store: {type(err).__name__}: {one_line(err)}",
-                              file=source, key=f"logging.loggers[{i}].init_args") from None
-        _refuse_a_folder_of_yours(logger, run_dir, source, f"logging.loggers[{i}].init_args")
-        if name == "mlflow":
-            try:  # opens the store now (a damaged one is one line here, not a traceback once training starts)
-                logger.experiment  # noqa: B018
-            except Exception as err:  # noqa: BLE001 - whatever MLflow raises reading a store it cannot use
-                raise RecipeError(f"MLflow cannot open its tracking store: {type(err).__name__}: {one_line(err)}",
-                                  file=source, key=f"logging.loggers[{i}].init_args") from None
-        loggers.append(logger)
+            raise RecipeError(str(err), file=source, key=key) from None
     return loggers
 
+
+def _built_logger(cls: type, name: str | None, arguments: dict[str, Any], run_dir: Path, source: str,
+                  key: str) -> Any:
+    """``cls(**arguments)``, checked before anything is written: its folder (:func:`_refuse_a_folder_of_yours`)
+    and an MLflow store opened now. One :class:`RecipeError` naming ``key`` otherwise."""
+    from tclightning.errors import RecipeError
+
+    try:
+        logger = cls(**arguments)
+    except (TypeError, ValueError) as err:
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        raise RecipeError(reason, file=source, key=key) from None
+    except TimeoutError:
+        raise
+    except Exception as err:  # noqa: BLE001 - a store it cannot open (no package for it, a host that refuses,
+        # a protocol fsspec does not know), MLflow's store URI it cannot use: the logger's own refusal, one line
+        what = "MLflow cannot use its tracking store" if name == "mlflow" else "the logger cannot open its store"
+        raise RecipeError(f"{what}: {type(err).__name__}: {one_line(err)}", file=source, key=key) from None
+    _refuse_a_folder_of_yours(logger, run_dir, source, key)
+    if name == "mlflow":
+        try:  # opens the store now (a damaged one is one line here, not a traceback once training starts)
+            logger.experiment  # noqa: B018
+        except TimeoutError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever MLflow raises reading a store it cannot use
+            raise RecipeError(f"MLflow cannot open its tracking store: {type(err).__name__}: {one_line(err)}",
+                              file=source, key=key) from None
+    return logger
+
+
+RUN_MARKER = ".tclightning-run"
+"""A file in every run directory tclightning creates. A resume writes only into a directory that
+holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 RUN_FOLDERS = ("checkpoints", "tb", "trajectory")
 """The folders of a run directory the run writes itself (beside its files: ``metrics.csv``, ...)."""
@@ -437,7 +459,7 @@ RUN_FOLDER_FILES: dict[str, tuple[str, ...]] = {
 file there is someone else's."""
 
 
-def _mlflow_tracking_uri(init_args: Mapping[str, Any]) -> str:
+def mlflow_tracking_uri(init_args: Mapping[str, Any]) -> str:
     """The tracking URI an ``MLFlowLogger`` built with ``init_args`` uses ("" for its ``save_dir``):
     the argument when given, even as null, else its default, ``MLFLOW_TRACKING_URI``."""
     if "tracking_uri" in init_args:
@@ -459,18 +481,24 @@ def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
     from mlflow.utils.file_utils import local_file_uri_to_path
     from mlflow.utils.uri import is_local_uri
 
-    uri = _mlflow_tracking_uri(arguments) or f"file:{arguments.get('save_dir', './mlruns')}"
+    uri = mlflow_tracking_uri(arguments) or f"file:{arguments.get('save_dir', './mlruns')}"
     try:
         return Path(local_file_uri_to_path(uri)).expanduser() if is_local_uri(uri) else None
     except Exception:  # noqa: BLE001 - a URI MLflow refuses itself (a remote host's file:), when it is built
         return None
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one folder (a bind mount of it included); False where one is missing."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def _another_run_s_folder(path: Path) -> Path | None:
     """The run directory (any tclightning run: it holds the run marker) whose tb/, checkpoints/ or
     trajectory/ ``path`` lies in, by its real path; else None."""
-    from tclightning.run import RUN_MARKER
-
     real = Path(os.path.realpath(path))
     return next((above.parent for above in (real, *real.parents)
                  if above.name in RUN_FOLDERS and (above.parent / RUN_MARKER).is_file()), None)
@@ -503,43 +531,55 @@ def _lies_in_run_folders(path: Path, run: Path) -> bool:
     return False
 
 
-STORE_ANSWER_S = 15.0
-"""How long a logger's remote store (``s3://``, ``http://``, ``ftp://``) gets to say whether its
-folder exists, before the run refuses it: a store that never answers was waited on without end."""
+def remote_store(path: str | None) -> bool:
+    """Whether ``path`` (a folder a logger or checkpoint writes into) lies on a remote fsspec store
+    (``s3://``, ``http://``, ``ftp://``), read from its protocol alone: nothing is connected."""
+    from fsspec.core import split_protocol
+    from fsspec.implementations.local import LocalFileSystem
+    from fsspec.registry import get_filesystem_class
 
-
-def store_silence(url: str, timeout_s: float | None = None) -> str | None:
-    """None when the fsspec store at ``url`` answers whether ``url`` exists within ``timeout_s``;
-    otherwise ``"no answer within N s"``. Asked from a daemon thread, which a store that never
-    answers leaves waiting (the process does not wait for it at exit)."""
-    from fsspec.core import url_to_fs
-
-    timeout_s = STORE_ANSWER_S if timeout_s is None else timeout_s
-    answered = threading.Event()
-
-    def ask() -> None:
-        with contextlib.suppress(Exception):  # a store that refuses answers: the logger says why itself
-            filesystem, path = url_to_fs(url)
-            filesystem.exists(path)
-        answered.set()
-
-    threading.Thread(target=ask, name="tclightning-store-answer", daemon=True).start()
-    return None if answered.wait(timeout_s) else f"no answer within {timeout_s:g} s"
+    protocol, _ = split_protocol(str(path or ""))
+    if protocol is None:
+        return False
+    try:
+        return not issubclass(get_filesystem_class(protocol), LocalFileSystem)
+    except (ImportError, ValueError):  # a store without its package, or none fsspec knows: not this machine's
+        return True
 
 
 def remote_root(logger: Any) -> str | None:
-    """The folder a CSV or TensorBoard logger writes under when it lies on a remote fsspec store
-    (``s3://``, ``http://``), else None. Read from its ``root_dir``: its ``log_dir`` would already
-    ask the store for the next version."""
-    from fsspec.core import url_to_fs
-    from fsspec.implementations.local import LocalFileSystem
-
+    """The folder a CSV or TensorBoard logger writes under when it lies on a remote fsspec store,
+    else None. Read from its ``root_dir``: its ``log_dir`` would already ask the store for the
+    next version."""
     if not isinstance(logger, (CSVLogger, TensorBoardLogger)):
         return None
     root = str(logger.root_dir)
-    if "://" not in root or isinstance(url_to_fs(root)[0], LocalFileSystem):
-        return None
-    return root
+    return root if remote_store(root) else None
+
+
+def ask_remote_stores(trainer: Any) -> None:
+    """Ask each remote store ``trainer`` will write into, once, under
+    :func:`~tclightning.network.remote_setup`'s time limit: its ``default_root_dir``, each CSV or
+    TensorBoard logger's folder (listed for its next version), an MLflow or W&B logger's server
+    (its experiment opened), each ``ModelCheckpoint``'s ``dirpath``. A store or server that never
+    answers is one ``TclightningError`` naming it, before the fit (Lightning would wait on it
+    without end); one that stalls later meets each request's own time limit."""
+    from fsspec.core import url_to_fs
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tclightning.recipes.loader import logger_kind
+
+    folders = [("trainer.default_root_dir", trainer.default_root_dir)]
+    folders += [("the checkpoint callback's dirpath", callback.dirpath) for callback in trainer.callbacks
+                if isinstance(callback, ModelCheckpoint)]
+    for what, folder in folders:
+        if remote_store(folder):
+            remote_setup(f"{what} {folder}", lambda folder=str(folder): url_to_fs(folder)[0].isdir(folder))
+    for logger in trainer.loggers:
+        if remote_root(logger) is not None:
+            remote_setup(f"the logger's store {logger.root_dir}", lambda logger=logger: logger.log_dir)
+        elif logger_kind(type(logger)) in ("mlflow", "wandb"):
+            remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
 
 
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:
@@ -559,17 +599,18 @@ def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str)
     if "::" in str(logger.root_dir):  # a chain (simplecache::file://...) writes through to where it ends: unchecked
         raise RecipeError(f"{logger.root_dir}: a chained fsspec URL is not checked for files of yours it would write "
                           "over; give the logger a plain folder or a remote store", file=source, key=key)
-    remote = remote_root(logger)
-    if remote is not None:  # a remote store holds none of this machine's files, but may never answer
-        silence = store_silence(remote)
-        if silence is not None:
-            raise RecipeError(f"{remote}: the logger's store gave {silence}", file=source, key=key)
+    if remote_root(logger) is not None:  # a remote store holds none of this machine's files
+        logger.log_dir  # noqa: B018 - lists the store for the next version now, under the caller's time limit
         return
     # Where the files will land: `..` after a folder the logger is yet to make (`mine/new/..`) is
     # mine, and so are `file://mine` and `local://mine` (Lightning's loggers write through fsspec)
     where = str(logger.log_dir)
-    log_dir = Path(os.path.realpath(url_to_fs(where if "://" in where else str(Path(where).expanduser()))[1]))
-    if log_dir == run or any(log_dir.is_relative_to(run / folder) for folder in RUN_FOLDERS):
+    try:
+        log_dir = Path(os.path.realpath(url_to_fs(where if "://" in where else str(Path(where).expanduser()))[1]))
+    except (ValueError, ImportError, OSError) as err:  # a name or version that spells a protocol fsspec refuses
+        raise RecipeError(f"{where}: not a folder the logger can write ({type(err).__name__}: {one_line(err)})",
+                          file=source, key=key) from None
+    if log_dir == run or _same_folder(log_dir, run) or _lies_in_run_folders(log_dir, run):  # bind mounts too
         raise RecipeError(f"{log_dir} is the run's own folder (its metrics.csv, events and checkpoints), which this "
                           "logger would write over: leave its version unset (a new version folder each run), or "
                           "give it a folder of its own", file=source, key=key)

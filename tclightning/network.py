@@ -1,16 +1,35 @@
-"""Whether a server a run depends on (the Hugging Face Hub, a W&B server) answers at all, asked
-once before the run starts: the libraries that talk to them retry a silent host for minutes."""
+"""Bounded waits on the servers and stores a run talks to (the Hugging Face Hub, a W&B or MLflow
+server, a logger's remote store): whether one answers at all, asked before the run starts (the
+libraries that talk to them retry a silent host for minutes); a time limit on the setup work
+done with one (:func:`remote_setup`); and a time limit on each request afterwards
+(:func:`bound_remote_requests`), so a server that answers and then stalls ends the command."""
 
 from __future__ import annotations
 
 import os
 import urllib.error
 import urllib.request
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
+
+from tclightning.errors import TclightningError
+from tclightning.limits import within
+
+T = TypeVar("T")
 
 ANSWER_TIMEOUT_S = 5.0
 """How long a server gets to answer one request (a hub answers in well under a second)."""
+
+REMOTE_SETUP_S = 60.0
+"""How long the setup done with one remote store or server may take (a logger's store listed for
+its next version, an MLflow experiment looked up, a hub dataset's files resolved) before the
+command refuses it: a server that answers once and then stalls was waited on without end."""
+
+REQUEST_TIMEOUT_S = 30
+"""How long one request to a remote store or server may wait to connect or for the next bytes of
+its answer, where the library's own default waits five minutes or for ever (fsspec's http(s)
+stores; MLflow, which also retries seven times). A limit you set yourself is kept."""
 
 HUB_URL = "https://huggingface.co"
 WANDB_URL = "https://api.wandb.ai"
@@ -77,3 +96,50 @@ def hub_answer(path: str, timeout_s: float | None = None) -> NoAnswer | None:
     from huggingface_hub.utils import get_session
 
     return no_answer(f"{hub_url().rstrip('/')}/{path}", timeout_s, get_session())
+
+
+def remote_setup(what: str, work: Callable[[], T], timeout_s: float | None = None) -> T:
+    """``work()``, which talks to a remote store or server, given :data:`REMOTE_SETUP_S` (main
+    thread: elsewhere it runs unbounded); ``TclightningError`` naming ``what`` past it, or when the
+    library's own time limit ends it first (``TimeoutError``)."""
+    timeout_s = REMOTE_SETUP_S if timeout_s is None else timeout_s
+    try:
+        return within(work, timeout_s)
+    except TimeoutError:
+        raise TclightningError(f"{what} gave no answer within {timeout_s:g} s; nothing was trained") from None
+
+
+def bound_remote_requests() -> None:
+    """Give each request to a remote store or server :data:`REQUEST_TIMEOUT_S`, where the library's
+    own default waits minutes or for ever: fsspec's http(s) stores (a logger's ``save_dir``, a
+    checkpoint ``dirpath``) and MLflow's tracking server (one retry). Settings you made yourself
+    (fsspec's configuration, ``MLFLOW_HTTP_REQUEST_*``) are kept. Called once by each command."""
+    import fsspec.config
+
+    try:
+        import aiohttp
+    except ImportError:  # fsspec's http store needs it: without it there is no http store to bound
+        aiohttp = None
+    if aiohttp is not None:
+        limit = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
+        for protocol in ("http", "https"):
+            client = fsspec.config.conf.setdefault(protocol, {}).setdefault("client_kwargs", {})
+            client.setdefault("timeout", limit)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+
+
+def remote_failure(err: BaseException) -> str | None:
+    """One line for ``err`` when it is a remote store or server that stopped answering or failed
+    mid-command (a request past its time limit, a connection lost, MLflow's server refusing), else
+    None. Libraries are looked up where already imported, never imported here."""
+    import sys
+
+    requests_exceptions = sys.modules.get("requests.exceptions")
+    mlflow_exceptions = sys.modules.get("mlflow.exceptions")
+    remote = (TimeoutError, *(() if requests_exceptions is None else (requests_exceptions.RequestException,)),
+              *(() if mlflow_exceptions is None else (mlflow_exceptions.MlflowException,)))
+    if not isinstance(err, remote):
+        return None
+    detail = " ".join(str(err).split())[:200] or type(err).__name__
+    return f"a remote store or server stopped answering or failed ({type(err).__name__}: {detail})"

@@ -24,7 +24,8 @@ from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (copy_file, hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
                               replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
-from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS
+from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores, mlflow_tracking_uri
+from tclightning.network import bound_remote_requests
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
     find_recipe,
@@ -43,9 +44,6 @@ the others; set it yourself on every node for torchrun / SLURM launches). Rank 0
 holds an earlier run (:func:`require_run_dir_for_rank_0`)."""
 
 
-RUN_MARKER = ".tclightning-run"
-"""A file in every run directory tclightning creates. A resume writes only into a directory that
-holds one; a checkpoint anywhere else continues in a new run directory under ``logging.root``."""
 
 
 RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER,
@@ -479,15 +477,16 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
     its server to answer now: each retries a silent or closed one for minutes (MLflow waited
     without end on one that accepts and never answers), with the run folder made and nothing trained."""
     from tclightning.network import WANDB_URL, host_of, no_answer
-    from tclightning.recipes.schema import LOGGERS
+    from tclightning.recipes.loader import logger_kind, resolve_logger_class
 
-    for entry in recipe.logging.loggers:
+    for i, entry in enumerate(recipe.logging.loggers):
         class_path = entry if isinstance(entry, str) else entry.get("class_path")
         init_args = {} if isinstance(entry, str) else dict(entry.get("init_args") or {})
-        if class_path in ("mlflow", LOGGERS["mlflow"][0]):  # a local file store unless an http(s) server is named
-            url = str(init_args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "")
+        kind = logger_kind(resolve_logger_class(class_path, "recipe", f"logging.loggers[{i}]"))
+        if kind == "mlflow":  # a local file store unless an http(s) server is named
+            url = mlflow_tracking_uri(init_args)
             server, advice = "MLflow", "start it, or leave tracking_uri unset to log to a local file store"
-        elif class_path in ("wandb", LOGGERS["wandb"][0]) and not wandb_offline(init_args):
+        elif kind == "wandb" and not wandb_offline(init_args):
             settings = init_args.get("settings")  # wandb.init(settings=...) names the server before the environment
             url = str((settings.get("base_url") if isinstance(settings, Mapping) else None)
                       or os.environ.get("WANDB_BASE_URL") or WANDB_URL)
@@ -675,6 +674,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
     check_hub_model(recipe.model)  # an uncached hub name offline: one line now, not a minute of retries
     require_logger_servers(recipe)
+    bound_remote_requests()  # a server that answers now and stalls later: each request has a time limit
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
         require_pipeline_strategy_for_its_keys(recipe)
         require_writable_root(recipe)
@@ -760,6 +760,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         if not follower:
             print(f"run directory: {plan.run_dir}", flush=True)
         trainer = build_trainer(recipe, plan, user_callbacks, logs=not follower)  # its loggers refused: no record rewritten
+        ask_remote_stores(trainer)  # a callback's remote dirpath that never answers: before anything is written
         for notice in plan.notices:  # once the loggers are built: a refusal is the one line said
             print(f"note: {notice}", file=sys.stderr, flush=True)
         if not follower:

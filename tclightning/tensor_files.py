@@ -65,6 +65,13 @@ class RefusedTensorFile(Exception):
     crafted, so it is never loaded."""
 
 
+def _seekable(handle: Any) -> bool:
+    try:
+        return bool(handle.seekable())
+    except (AttributeError, OSError, ValueError):  # no seekable(), or a closed file
+        return False
+
+
 def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collection[type] = (),
                      numpy_arrays: bool = False) -> None:
     """Read ``source`` (a path, or an open file, read from and left where it was) as
@@ -78,6 +85,9 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     given a dict of fields (dataclasses such as ``Rollouts``); ``numpy_arrays`` allows the arrays and
     dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
     archive ``torch.save`` writes."""
+    if not isinstance(source, (str, os.PathLike)) and not _seekable(source):
+        raise RefusedTensorFile("the open file cannot be read twice (a pipe or a socket): the check and torch.load "
+                                "each read it from its start; give a file")
     start = source.tell() if not isinstance(source, (str, os.PathLike)) else None
     if start:  # torch.load reads from where the file is, the checks from its start: never two readings
         raise RefusedTensorFile(f"the open file is at byte {start}, not at its start, where torch.load would read "

@@ -602,3 +602,35 @@ def test_a_run_put_into_the_old_export_while_it_is_replaced_is_kept(run_dir: Pat
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
     (kept,) = tmp_path.glob(".policy.export-*/runs/metrics.csv")
     assert kept.read_text() == "step\n0\n" and sorted(p.name for p in kept.parent.parent.iterdir()) == ["runs"]
+
+
+def test_a_removal_killed_part_way_leaves_its_marker_and_record_to_the_last(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kill -9 in the removal of an old export left its files without a marker (unlinked in the
+    folder's order), which no later export cleared: the markers and the record now go last."""
+    from tclightning.export import remove_export
+
+    class Killed(BaseException):
+        pass
+
+    names = ["config.json", "model.safetensors", "tokenizer.json", PROVENANCE_FILE, REPLACED_MARKER, "zz.txt"]
+    unlink = Path.unlink
+    for killed_at in range(len(names)):
+        folder = tmp_path / f"old-{killed_at}"
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_text(name)
+        calls = [0]
+
+        def unlink_until_killed(path: Path, missing_ok: bool = False) -> None:
+            if calls[0] == killed_at:
+                raise Killed
+            calls[0] += 1
+            unlink(path, missing_ok)
+
+        monkeypatch.setattr(Path, "unlink", unlink_until_killed)
+        with pytest.raises(Killed):
+            remove_export(folder)
+        monkeypatch.setattr(Path, "unlink", unlink)
+        left = {p.name for p in folder.iterdir()}
+        assert REPLACED_MARKER in left and (PROVENANCE_FILE in left or left == {REPLACED_MARKER}), (killed_at, left)

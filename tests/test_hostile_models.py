@@ -316,6 +316,29 @@ class _HeadOnly(_NotFound):
         threading.Event().wait(30)
 
 
+class _AnswersOnce(_NotFound):
+    """Answers the first request at once and keeps every later one waiting (as long as the test runs):
+    a server that passes a check asked before the work, then stalls."""
+
+    answered = threading.Lock()
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.answered.acquire(blocking=False):
+            super().do_GET()
+        else:
+            threading.Event().wait(30)
+
+    do_HEAD = do_GET
+
+
+@pytest.fixture
+def once_server() -> Iterator[str]:
+    class Handler(_AnswersOnce):
+        answered = threading.Lock()
+
+    yield from _serve(Handler)
+
+
 @pytest.fixture
 def answering_server() -> Iterator[str]:
     yield from _serve(_NotFound)
@@ -403,11 +426,14 @@ def test_a_malformed_server_url_is_named_in_one_line(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("server", ["silent_server", "closed_port"])
-def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, request: pytest.FixtureRequest,
+@pytest.mark.parametrize("class_path", ["mlflow", "lightning.pytorch.loggers.mlflow.MLFlowLogger"])
+def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, class_path: str,
+                                                                  request: pytest.FixtureRequest,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """One that accepts and never answers was waited on without end (a closed one, retried for minutes)."""
+    """One that accepts and never answers was waited on without end (a closed one, retried for
+    minutes); the class decides, whichever path names it (its module's path was not asked)."""
     recipe = to_dataclass(load_recipe("tiny"))
-    recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": request.getfixturevalue(server)}}]
+    recipe.logging.loggers = [{"class_path": class_path, "init_args": {"tracking_uri": request.getfixturevalue(server)}}]
     with pytest.raises(TclightningError, match="the MLflow server 127.0.0.1 does not answer"):
         require_logger_servers(recipe)
     recipe.logging.loggers = ["mlflow"]  # a local file store: no server asked
@@ -528,8 +554,8 @@ def test_a_sharded_index_nested_past_the_json_reader_s_depth_is_one_line(tmp_pat
 def test_a_pickled_weights_file_renamed_over_the_checked_one_is_never_what_is_unpickled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The folder was checked by path, and transformers loaded ``pytorch_model.bin`` by path again:
-    a crafted file renamed over it in between was unpickled unchecked. Each pickled file is checked
-    from the open file transformers' load reads, and a genuine one loads as before."""
+    a crafted file renamed over it in between was unpickled unchecked. transformers reads the files
+    as they were opened for the checks; a crafted one there is refused, naming your folder's file."""
     from safetensors.torch import load_file
 
     import tclightning.models.loading as loading
@@ -549,5 +575,76 @@ def test_a_pickled_weights_file_renamed_over_the_checked_one_is_never_what_is_un
         check_hub_model(cfg)
 
     monkeypatch.setattr(loading, "check_hub_model", swapped_after_the_check)
-    with pytest.raises(TclightningError, match="ages to hash"):
+    model, _ = load_model(ModelConfig(source="hf", name=str(folder)))  # the file checked, pinned, is the one read
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in weights.items())
+    assert model.config._name_or_path == str(folder)
+    monkeypatch.setattr(loading, "check_hub_model", check_hub_model)
+    with pytest.raises(TclightningError, match=f"{folder}/pytorch_model.bin.*ages to hash"):  # your folder named
         load_model(ModelConfig(source="hf", name=str(folder)))
+
+
+@pytest.mark.timeout(120)  # a regression opens the FIFO and waits: fail instead
+@pytest.mark.parametrize("swapped", ["tokenizer.json", "config.json", "model.safetensors"])
+def test_a_fifo_renamed_over_a_model_file_after_the_checks_is_never_opened(
+        swapped: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers opened the folder's files by name after the checks: a FIFO renamed over one in
+    between was waited on for ever. It reads the files as they were opened for the checks."""
+    import tclightning.models.loading as loading
+
+    folder = _model_folder(tmp_path / "model")
+    check_hub_model = loading.check_hub_model
+
+    def swapped_after_the_check(cfg: ModelConfig) -> None:
+        os.mkfifo(tmp_path / "fifo")
+        os.replace(tmp_path / "fifo", folder / swapped)
+        check_hub_model(cfg)
+
+    monkeypatch.setattr(loading, "check_hub_model", swapped_after_the_check)
+    model, tokenizer = load_model(ModelConfig(source="hf", name=str(folder)))
+    assert tokenizer("1+1").input_ids and model.config._name_or_path == str(folder)
+
+
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+@pytest.mark.parametrize("service", ["mlflow-server", "hub-dataset"])
+def test_a_server_that_answers_once_and_then_stalls_is_refused_within_the_setup_limit(
+        service: str, once_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's check before the work got its answer; the work's own requests then waited for many
+    minutes (MLflow: two minutes a request, seven retries; datasets: request after request)."""
+    from tclightning.logging import build_loggers
+
+    monkeypatch.setattr(network, "REMOTE_SETUP_S", 1.0)
+    if service == "mlflow-server":
+        recipe = to_dataclass(load_recipe("tiny"))
+        recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": once_server}}]
+        require_logger_servers(recipe)  # answered: the check passes
+        with pytest.raises(TclightningError, match=r"logging\.loggers\[0\].*gave no answer within 1 s"):
+            build_loggers(recipe.logging.loggers, tmp_path / "run", "tiny")
+    else:
+        monkeypatch.setenv("HF_ENDPOINT", once_server)
+        source = DataSource.from_config(TaskConfig(name="gsm8k", hf_name="nobody/no-such-dataset"), "gsm8k")
+        with pytest.raises(TclightningError,
+                           match="Hugging Face dataset nobody/no-such-dataset's splits gave no answer within 1 s"):
+            source.splits()
+
+
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_each_request_to_a_remote_store_has_a_time_limit(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's http store waited five minutes a request (aiohttp's default), and MLflow two minutes
+    and seven retries: a store that stalls mid-run ends the command, in one line. A limit set
+    beforehand (fsspec's configuration, MLflow's variables) is kept."""
+    import fsspec
+    import fsspec.config
+
+    monkeypatch.setattr(fsspec.config, "conf", {"https": {"client_kwargs": {"trust_env": True}}})
+    monkeypatch.setattr(network, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    network.bound_remote_requests()
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "1" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
+    assert fsspec.config.conf["https"]["client_kwargs"]["trust_env"] is True
+    store = fsspec.filesystem("http", skip_instance_cache=True)
+    with pytest.raises(TimeoutError) as stalled:
+        store.cat_file(f"{silent_server}/logs/metrics.csv")
+    reason = network.remote_failure(stalled.value)
+    assert reason is not None and reason.startswith("a remote store or server stopped answering")
+    assert network.remote_failure(ValueError("a bug")) is None

@@ -1382,3 +1382,8 @@ def test_an_open_checkpoint_not_at_its_start_is_refused(run_dir: Path) -> None:
             load_checkpoint(handle)
         handle.seek(0)
         assert load_checkpoint(handle)["tclightning"]["rl_step"] == 2
+    read_end, write_end = os.pipe()  # read once only: the check and torch.load each need its start
+    os.write(write_end, (run_dir / "checkpoints" / "last.ckpt").read_bytes()[:4096])
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe, pytest.raises(TclightningError, match="cannot be read twice"):
+        load_checkpoint(pipe)

@@ -402,15 +402,15 @@ def test_a_url_a_value_names_is_not_fetched(where, silent_server, tmp_path, monk
 def test_a_logger_whose_remote_store_never_answers_stops_lightning_fit_in_one_line(silent_server, tmp_path,
                                                                                    monkeypatch, capsys):
     """A TensorBoard logger writing to a server that never answers was waited on without end."""
-    import tclightning.logging
+    import tclightning.network
 
-    monkeypatch.setattr(tclightning.logging, "STORE_ANSWER_S", 1.0)
+    monkeypatch.setattr(tclightning.network, "REMOTE_SETUP_S", 1.0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
     assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.logger=TensorBoardLogger",
                                f"--trainer.logger.save_dir={silent_server}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err and "store gave no answer within 1 s" in err[-1] and silent_server in err[-1], err
+    assert err and "gave no answer within 1 s" in err[-1] and silent_server in err[-1], err
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
@@ -448,3 +448,38 @@ def test_a_ckpt_path_is_read_for_its_hyper_parameters_once_checked_never_again_b
     with pytest.raises(SystemExit) as stopped:  # jsonargparse's usage error, as LightningCLI's own merge gives
         lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "scaled.ckpt"])
     assert stopped.value.code == 2 and "Parsing of ckpt_path hyperparameters failed!" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("remote", ["default-root-dir", "mlflow-server"])
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_remote_folder_or_server_the_fit_needs_that_never_answers_is_one_line(remote, silent_server, tmp_path,
+                                                                                monkeypatch, capsys):
+    """Lightning writes its config beside ``default_root_dir`` at setup, and MLflow asks its server
+    for the experiment: each waited on a server that never answers without end."""
+    import tclightning.network
+
+    monkeypatch.setattr(tclightning.network, "REMOTE_SETUP_S", 1.0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = (["--trainer.logger=false", f"--trainer.default_root_dir={silent_server}"] if remote == "default-root-dir"
+            else ["--trainer.logger=MLFlowLogger", f"--trainer.logger.tracking_uri={silent_server}"])
+    if remote == "mlflow-server":
+        pytest.importorskip("mlflow")
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "gave no answer within 1 s" in err[-1], err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed: the store opens")
+def test_a_class_of_the_configuration_that_cannot_be_built_is_one_line(tmp_path, monkeypatch, capsys):
+    """jsonargparse's instantiation error (a logger whose store needs a package) was a 20-line
+    traceback; its class and its own error are the line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.logger=CSVLogger",
+                               "--trainer.logger.save_dir=s3://bucket/logs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: the configuration's lightning.pytorch.loggers.CSVLogger could not be built: "
+                       "Install s3fs to access S3 (nothing was trained)"), err

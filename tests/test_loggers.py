@@ -90,15 +90,15 @@ def test_a_logger_whose_remote_store_never_answers_is_refused(logger, tmp_path, 
     answers was waited on without end before training; one that answers is used."""
     import socket
 
-    import tclightning.logging
+    import tclightning.network
 
-    monkeypatch.setattr(tclightning.logging, "STORE_ANSWER_S", 1.0)
+    monkeypatch.setattr(tclightning.network, "REMOTE_SETUP_S", 1.0)
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
         url = f"http://127.0.0.1:{server.getsockname()[1]}/logs"
         entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": {"save_dir": url}}
-        with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*store gave no answer within 1 s"):
+        with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*gave no answer within 1 s"):
             build_loggers([entry], tmp_path / "run", "tiny")
     entry = {"class_path": f"lightning.pytorch.loggers.{logger}", "init_args": {"save_dir": "memory://logs"}}
     assert len(build_loggers([entry], tmp_path / "run", "tiny")) == 1
@@ -181,6 +181,26 @@ def test_a_wandb_folder_that_is_the_run_s_own_by_another_name_is_refused(tmp_pat
     finally:
         if spelling.startswith("a-bind-mount"):
             subprocess.run(["umount", str(alias)], check=False)
+
+
+@pytest.mark.parametrize("logger", ["CSVLogger", "TensorBoardLogger"])
+def test_a_logger_pointed_at_the_run_s_folder_through_a_bind_mount_is_refused(tmp_path, logger):
+    """Compared by real path only, a CSV or TensorBoard logger wrote into the run's trajectory/
+    through a bind mount of the run (W&B's and MLflow's folders were already compared by identity)."""
+    from tests.test_hostile_state import _bind_mount
+
+    run = tmp_path / "run"
+    (run / "trajectory").mkdir(parents=True)
+    alias = tmp_path.parent / f"{tmp_path.name}-alias"
+    _bind_mount(run, alias)
+    try:
+        for name in ("trajectory", ""):
+            entry = {"class_path": f"lightning.pytorch.loggers.{logger}",
+                     "init_args": {"save_dir": str(alias), "name": name, "version": ""}}
+            with pytest.raises(RecipeError, match="the run's own folder"):
+                build_loggers([entry], run, "tiny")
+    finally:
+        subprocess.run(["umount", str(alias)], check=False)
 
 
 def test_a_logger_pointed_at_the_run_s_own_folders_is_refused(tmp_path):
@@ -372,3 +392,33 @@ def test_a_netrc_that_is_a_fifo_is_no_key_and_is_never_opened(tmp_path, monkeypa
         asker.join(60)  # a stat and no open: at once on any machine; the FIFO's open would never return
         assert not asker.is_alive(), f"waited on the FIFO at {env}"
     assert answers == [False, False]
+
+
+@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+def test_a_checkpoint_callback_whose_remote_dirpath_never_answers_is_refused(run_root, monkeypatch, capsys):
+    """A recipe's ModelCheckpoint writing to a server that never answers was waited on without end
+    (Lightning asks its dirpath at setup); it is one line, and the run folder goes with nothing in it."""
+    import socket
+
+    import tclightning.network
+    from tclightning.cli.main import main
+
+    monkeypatch.setattr(tclightning.network, "REMOTE_SETUP_S", 1.0)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/checkpoints"
+        callback = f"callbacks=[{{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {{dirpath: '{url}'}}}}]"
+        assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=1", callback, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and f"dirpath {url} gave no answer within 1 s" in err[-1], err
+    assert not any((run_root / "tiny").glob("*/checkpoints/*"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed: the store opens")
+def test_a_logger_store_fsspec_cannot_open_is_one_line(tmp_path):
+    """A store whose package is missing was an ImportError traceback from the logger's constructor."""
+    entry = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "s3://bucket/tb"}}
+    with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*cannot open its store: ImportError: "
+                                          "Install s3fs"):
+        build_loggers([entry], tmp_path / "run", "tiny")

@@ -102,18 +102,6 @@ def _configuration_bounded() -> Iterator[None]:
             loader.get_single_data = own_single_data
 
 
-def _refuse_a_silent_logger_store(loggers: Sequence[Any]) -> None:
-    """A CSV or TensorBoard logger whose remote store (``save_dir: http://...``) does not answer is
-    refused before the fit: Lightning would wait on it without end."""
-    from tclightning.logging import remote_root, store_silence
-
-    for logger in loggers:
-        root = remote_root(logger)
-        silence = None if root is None else store_silence(root)
-        if silence is not None:
-            raise TclightningError(f"--trainer.logger: {root}: the logger's store gave {silence} (nothing was trained)")
-
-
 def _remote_configs(argv: Sequence[str]) -> list[str]:
     """The ``--config`` / ``-c`` values in ``argv`` that name a URL or an fsspec chain."""
     values = []
@@ -143,6 +131,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from tclightning.network import bound_remote_requests, remote_failure
+
+    bound_remote_requests()  # a store or server that stalls mid-fit: each request has a time limit
+
     from tclightning.callbacks.checkpointing import checkpoint_allow_list
 
     class CheckedCheckpointCLI(LightningCLI):
@@ -156,8 +148,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
 
+            from tclightning.logging import ask_remote_stores
+
             trainer = super().instantiate_trainer(**kwargs)
-            _refuse_a_silent_logger_store(trainer.loggers)
+            ask_remote_stores(trainer)
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
                 trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
             return trainer
@@ -217,10 +211,29 @@ def lightning_cli(argv: Sequence[str]) -> int:
         raise TclightningError(" ".join(str(err).split())[:300]) from None
     except ValueError as err:  # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
         text = " ".join(str(err).split())
-        if "ckpt_path=" not in text:
+        if "ckpt_path=" in text:
+            raise TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)") from None
+        built = _class_not_built(str(err))
+        if built is None:
             raise
-        raise TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)") from None
+        raise TclightningError(f"the configuration's {built} (nothing was trained)") from None
+    except Exception as err:  # a remote store or server that failed mid-fit: one line; anything else as it is
+        reason = remote_failure(err)
+        if reason is None:
+            raise
+        raise TclightningError(reason) from err
     return 0
+
+
+def _class_not_built(text: str) -> str | None:
+    """``"<class path> could not be built: <its error>"`` from jsonargparse's message for a class of
+    the configuration whose constructor failed (a logger whose store needs a package), else None."""
+    lines = [line.strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
+        if line.startswith(("- Problem with given class_path", "Problem with given class_path")) and i + 1 < len(lines):
+            class_path = line.split("class_path", 1)[1].strip(" ':")
+            return f"{class_path} could not be built: {lines[i + 1][:200]}"
+    return None
 
 
 def _hangup_is_sigterm() -> None:

@@ -18,6 +18,7 @@ from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_te
                                  refused_output, shown, sigterm_interrupts)
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
+from tclightning.network import remote_failure
 from tclightning.processes import follow_launcher, keep_children_off_the_working_folder
 
 
@@ -43,7 +44,13 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except Exception as err:  # a remote store or server that failed mid-run: one line; anything else as it is
+            reason = None if args.debug else remote_failure(err)
+            if reason is None:
+                raise
+            raise TclightningError(reason) from err
     except TclightningError as err:
         if args.debug:
             raise

@@ -6,6 +6,7 @@ import contextlib
 import json
 import importlib.machinery
 import re
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -289,6 +290,37 @@ def _pickled_weights_read_as_checked() -> Iterator[None]:
         modeling.load_state_dict = original
 
 
+@contextlib.contextmanager
+def _pinned(folder: Path, names: Iterator[Path] | None = None) -> Iterator[Path]:
+    """A private view of the model ``folder`` (of ``names`` in it; default: all its files) for
+    transformers to read: a folder only this process can change, holding for each file a link to
+    the file as this process opened it (``/proc/self/fd/N``, opened once, a regular file). The view
+    is checked and read: a file renamed over one of the folder's meanwhile (a FIFO, a crafted
+    pickle, another GGUF) is never what transformers reads. Without ``/proc``, the folder itself."""
+    if not Path("/proc/self/fd").is_dir():
+        yield folder
+        return
+    with contextlib.ExitStack() as opened:
+        view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-model-")))
+        for entry in _model_folder_files(folder) if names is None else names:
+            handle = opened.enter_context(open_regular(entry, "the model folder's file"))
+            link = view / entry.relative_to(folder)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f"/proc/self/fd/{handle.fileno()}")
+        yield view
+
+
+@contextlib.contextmanager
+def _named_as(view: Path, folder: Path) -> Iterator[None]:
+    """A refusal naming a file of the ``view`` names it in ``folder``, where you find it."""
+    try:
+        yield
+    except TclightningError as err:
+        if str(view) not in str(err):
+            raise
+        raise type(err)(str(err).replace(str(view), str(folder))) from None
+
+
 def _model_folder_files(folder: Path) -> Iterator[Path]:
     """Every entry below ``folder`` that is not a folder, links to folders listed too (each real
     folder once, so a link loop ends)."""
@@ -371,25 +403,33 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         if not cfg.name:
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
-        on_disk = local if local.is_dir() else cached_hub_folder(cfg.name)  # a downloaded hub model is files too
-        if on_disk is not None:
-            check_model_folder(on_disk, cfg.trust_remote_code)
-        check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
-        with _loader_errors(f"model.name {cfg.name}", on_disk is not None):
-            tokenizer = AutoTokenizer.from_pretrained(cfg.name, trust_remote_code=cfg.trust_remote_code)
-            with _pickled_weights_read_as_checked():
-                model = AutoModelForCausalLM.from_pretrained(cfg.name, dtype=dtype,
-                                                             trust_remote_code=cfg.trust_remote_code)
+        with contextlib.ExitStack() as pinned:
+            # a local folder is read through its pinned view; a hub name from the cache transformers resolves
+            source = pinned.enter_context(_pinned(local)) if local.is_dir() else None
+            on_disk = source if source is not None else cached_hub_folder(cfg.name)  # a downloaded model is files too
+            if on_disk is not None:
+                with _named_as(on_disk, local):
+                    check_model_folder(on_disk, cfg.trust_remote_code)
+            check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
+            name = cfg.name if source is None else str(source)
+            with _loader_errors(f"model.name {cfg.name}", on_disk is not None), _named_as(on_disk or local, local):
+                tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+                with _pickled_weights_read_as_checked():
+                    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
+                                                                 trust_remote_code=cfg.trust_remote_code)
+        model.config._name_or_path = tokenizer.name_or_path = cfg.name  # the folder you named, not the view
     elif cfg.source == "gguf":
         if not cfg.gguf_file:
             raise TclightningError("model.gguf_file: required for source 'gguf'")
-        directory, name = resolve_gguf(cfg.gguf_file)
+        found, name = resolve_gguf(cfg.gguf_file)
         what = f"model.gguf_file {cfg.gguf_file}"
-        with _loader_errors(what, True):
+        with _pinned(Path(found), iter([Path(found) / name])) as view, _loader_errors(what, True):
+            directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
-            check_model_size(config, (Path(directory) / name).stat().st_size, what)
+            check_model_size(config, (view / name).stat().st_size, what)
             tokenizer = _gguf_metadata(lambda: AutoTokenizer.from_pretrained(directory, gguf_file=name), what)
             model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        model.config._name_or_path = tokenizer.name_or_path = str(Path(found) / name)
     else:
         raise TclightningError(f"model.source: unknown source '{cfg.source}', expected tiny | hf | gguf")
     prepare_tokenizer(tokenizer, model)

@@ -653,8 +653,7 @@ def validate(cfg: DictConfig, source: str, credited: dict[str, str] | None = Non
         override = _credit(("logging.loggers",), credited)
         try:
             class_path = entry if isinstance(entry, str) else entry.class_path
-            resolve_logger_class(class_path, source, key)
-            if class_path in ("wandb", LOGGERS["wandb"][0]):
+            if logger_kind(resolve_logger_class(class_path, source, key)) == "wandb":
                 init_args = {} if isinstance(entry, str) else OmegaConf.to_container(entry.init_args or {})
                 if not wandb_can_log(init_args):  # W&B would stop the run later, with a traceback
                     raise RecipeError("W&B has no API key here (set WANDB_API_KEY or run `wandb login`), and the "
@@ -758,6 +757,21 @@ def resolve_logger_class(class_path: str, source: str, key: str) -> type:
         raise RecipeError(f"'{class_path}' is not a Lightning logger (lightning.pytorch.loggers.Logger)",
                           file=source, key=key)
     return cls
+
+
+def logger_kind(cls: type) -> str | None:
+    """The :data:`~tclightning.recipes.schema.LOGGERS` short name of the logger class ``cls`` is or
+    derives from, or None: the checks of a W&B or MLflow logger go by its class, whichever path
+    names it (``lightning.pytorch.loggers.mlflow.MLFlowLogger`` is ``mlflow`` too)."""
+    import lightning.pytorch.loggers as lightning_loggers
+
+    from tclightning.recipes.schema import LOGGERS
+
+    for name, (path, _) in LOGGERS.items():
+        known = getattr(lightning_loggers, path.rpartition(".")[2], None)
+        if isinstance(known, type) and issubclass(cls, known):
+            return name
+    return None
 
 
 def _import_class(class_path: str, source: str, key: str, what: str) -> Any:

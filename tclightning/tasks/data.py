@@ -20,7 +20,7 @@ from typing import Any
 
 from tclightning.errors import TclightningError
 from tclightning.files import regular_file
-from tclightning.network import host_of, hub_answer, hub_offline, hub_url
+from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -45,16 +45,23 @@ def shared_data_dir() -> Path:
 def load_with_datasets(
     name: str, config: str | None = None, *, split: str, data_files: str | None = None
 ) -> list[dict[str, Any]]:
-    """Rows of one split via ``datasets.load_dataset`` (hub name, or a builder such as
+    """Rows of one split as ``datasets.load_dataset`` gives them (hub name, or a builder such as
     ``"parquet"`` with ``data_files``). Imported lazily: ``datasets`` costs a second to import."""
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, config, split=split, data_files=data_files)
+        # a hub dataset's files are resolved under a time limit (a hub that answered the run's first
+        # question and then stalls was waited on for minutes, request after request); its download is not
+        builder = remote_setup(f"the Hugging Face dataset {name}'s files" if data_files is None else data_files,
+                               lambda: datasets.load_dataset_builder(name, config, data_files=data_files))
+        builder.download_and_prepare()
+        ds = builder.as_dataset(split=split)
         # Rows are values, never files: a feature a file declares an Image (Audio, Video...), at any
         # depth (a list of them, a struct holding one), would be opened, fetched or decoded per row
         # by the dataset's formatter (a FIFO, a URL, an 8000x8000 PNG). to_list reads the table as it is.
         return ds.to_list()
+    except TclightningError:
+        raise
     except Exception as exc:  # turn any loader failure into one clear line
         where = data_files or f"{name}" + (f" ({config})" if config else "")
         raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
@@ -215,7 +222,10 @@ class DataSource:
             import datasets
 
             try:
-                return list(datasets.get_dataset_split_names(self.hf_name, self.hf_config))
+                return list(remote_setup(f"the Hugging Face dataset {self.hf_name}'s splits",
+                                         lambda: datasets.get_dataset_split_names(self.hf_name, self.hf_config)))
+            except TclightningError:
+                raise
             except Exception as exc:
                 raise TclightningError(f"cannot list splits of {self.hf_name}: {exc}") from exc
         return sorted(self._split_files())
