@@ -28,8 +28,9 @@ command refuses it: a server that answers once and then stalls was waited on wit
 
 REQUEST_TIMEOUT_S = 30
 """How long one request to a remote store or server may wait to connect or for the next bytes of
-its answer, where the library's own default waits five minutes or for ever (fsspec's http(s)
-stores; MLflow, which also retries seven times). A limit you set yourself is kept."""
+its answer (an fsspec http(s) request: four times this in all), where the library's own default
+waits five minutes or for ever (fsspec's http(s) stores; MLflow, which also retries seven times).
+A limit you set yourself is kept."""
 
 HUB_URL = "https://huggingface.co"
 WANDB_URL = "https://api.wandb.ai"
@@ -121,7 +122,9 @@ def bound_remote_requests() -> None:
     except ImportError:  # fsspec's http store needs it: without it there is no http store to bound
         aiohttp = None
     if aiohttp is not None:
-        limit = aiohttp.ClientTimeout(total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
+        # total too: a server that drips a byte every few seconds never trips the read limit
+        limit = aiohttp.ClientTimeout(total=4 * REQUEST_TIMEOUT_S, sock_connect=REQUEST_TIMEOUT_S,
+                                      sock_read=REQUEST_TIMEOUT_S)
         for protocol in ("http", "https"):
             client = fsspec.config.conf.setdefault(protocol, {}).setdefault("client_kwargs", {})
             client.setdefault("timeout", limit)
