@@ -44,8 +44,6 @@ the others; set it yourself on every node for torchrun / SLURM launches). Rank 0
 holds an earlier run (:func:`require_run_dir_for_rank_0`)."""
 
 
-
-
 RUN_FILES = (*RUN_FOLDERS, "recipe.yaml", "metrics.csv", "hparams.yaml", "summary.json", ".lock", RUN_MARKER,
              "tb/hparams.yaml")
 """What a resume in place writes in its run directory (each a file or folder of the run's own)."""

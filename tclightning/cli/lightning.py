@@ -131,11 +131,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from tclightning.callbacks.checkpointing import checkpoint_allow_list
     from tclightning.network import bound_remote_requests, remote_failure
 
     bound_remote_requests()  # a store or server that stalls mid-fit: each request has a time limit
-
-    from tclightning.callbacks.checkpointing import checkpoint_allow_list
 
     class CheckedCheckpointCLI(LightningCLI):
         """LightningCLI, whose ``--ckpt_path`` hyper-parameters (which it merges into the model's
@@ -147,7 +146,6 @@ def lightning_cli(argv: Sequence[str]) -> int:
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
-
             from tclightning.logging import ask_remote_stores
 
             trainer = super().instantiate_trainer(**kwargs)

@@ -765,8 +765,6 @@ def logger_kind(cls: type) -> str | None:
     names it (``lightning.pytorch.loggers.mlflow.MLFlowLogger`` is ``mlflow`` too)."""
     import lightning.pytorch.loggers as lightning_loggers
 
-    from tclightning.recipes.schema import LOGGERS
-
     for name, (path, _) in LOGGERS.items():
         known = getattr(lightning_loggers, path.rpartition(".")[2], None)
         if isinstance(known, type) and issubclass(cls, known):

@@ -27,7 +27,7 @@ from tclightning.tasks.config import TaskConfig
 Row = Mapping[str, Any]
 # Local formats, in the order preferred when a directory holds several files of one split.
 LOCAL_EXTENSIONS = (".jsonl", ".parquet", ".json", ".csv")
-_DATASETS_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
 
 
 def shared_data_dir() -> Path:
