@@ -15,7 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,20 +69,54 @@ def regular_file(path: str | os.PathLike, what: str, max_bytes: int | None = Non
     return path
 
 
-def open_regular(path: str | os.PathLike, what: str) -> IO[bytes]:
-    """``path`` (links followed) opened for reading only if the file opened is a regular one:
-    the check is on the descriptor, so a FIFO or a device swapped in after :func:`regular_file`
-    looked is refused, never waited on. ``TclightningError`` (one line) otherwise."""
+def open_regular(path: str | os.PathLike, what: str, max_bytes: int | None = None) -> IO[bytes]:
+    """``path`` (links followed) opened for reading only if the file opened is a regular one of at
+    most ``max_bytes``: the check is on the descriptor, so a FIFO or a device swapped in after
+    :func:`regular_file` looked is refused, never waited on. Read everything from the one file
+    returned (``seek(0)`` for a second pass): opened again by name, it may be another.
+    ``TclightningError`` (one line) otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise TclightningError(f"{what} {path}: {err.strerror or err}; nothing was read") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise TclightningError(f"{what} {path}: is no longer a regular file (something was put in its place); "
                                "nothing was read")
+    if max_bytes is not None and info.st_size > max_bytes:
+        os.close(fd)
+        raise TclightningError(f"{what} {path}: is {_size(info.st_size)}, more than the {_size(max_bytes)} such a "
+                               "file may be; nothing was read")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+@contextlib.contextmanager
+def pinned_files(folder: Path, files: Iterable[Path], what: str, max_bytes: int | None = None) -> Iterator[Path]:
+    """A private view of ``files`` (below ``folder``) for another reader that opens them by name:
+    a folder only this process can change, holding for each file a link to it as this process
+    opened it once (``/proc/self/fd/N``: :func:`open_regular`). Whatever is renamed over one of
+    them meanwhile (a FIFO, a crafted file), the reader reads the file checked. Without ``/proc``,
+    ``folder`` itself (each file still checked once)."""
+    with contextlib.ExitStack() as opened:
+        handles = [(file, opened.enter_context(open_regular(file, what, max_bytes))) for file in files]
+        if not Path("/proc/self/fd").is_dir():
+            yield folder
+            return
+        view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-view-")))
+        for file, handle in handles:
+            link = view / file.relative_to(folder)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f"/proc/self/fd/{handle.fileno()}")
+        yield view
+
+
+@contextlib.contextmanager
+def pinned_file(path: Path, what: str, max_bytes: int | None = None) -> Iterator[Path]:
+    """The path to read ``path`` by in a :func:`pinned_files` view."""
+    with pinned_files(path.parent, [path], what, max_bytes) as view:
+        yield view / path.name
 
 
 def _size(n: int) -> str:

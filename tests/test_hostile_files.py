@@ -3,6 +3,7 @@ should be is refused with one line at once, never waited on."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -801,3 +802,62 @@ def test_a_resume_whose_event_file_the_storage_refuses_puts_its_record_back(
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
     assert len(err) == 1 and "Operation not permitted" in err[0], err
     assert _snapshot(copy) == before
+
+
+def _fifo_over(path: Path) -> None:
+    """Rename a FIFO over ``path``: what someone who can write its folder does between two opens."""
+    fifo = path.with_name(path.name + ".fifo")
+    os.mkfifo(fifo)
+    os.replace(fifo, path)
+
+
+@pytest.mark.timeout(120)  # a regression opens the FIFO and waits for a writer: fail instead
+@pytest.mark.parametrize("reader", ["analyze-health-metrics", "task-json-array", "task-jsonl", "task-csv"])
+def test_a_fifo_renamed_over_an_input_between_its_reads_is_never_opened(reader: str, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An input was checked, read once, then opened again by name (the metrics' row count then its
+    rows; a .json's first byte then its text; datasets after the check): a FIFO renamed over it in
+    between was waited on for ever. Each is read from the one file opened and checked."""
+    import tclightning.health.io as health_io
+    import tclightning.tasks.data as data
+
+    rows = [{"question": "1+1", "answer": "#### 2"}, {"question": "2+2", "answer": "#### 4"}]
+    if reader == "analyze-health-metrics":
+        path = tmp_path / "metrics.csv"
+        path.write_text("step,reward/mean\n0,0.5\n1,0.75\n")
+        first_pass = health_io._require_rows_at_most
+
+        def then_swapped(*args):
+            first_pass(*args)
+            _fifo_over(path)
+
+        monkeypatch.setattr(health_io, "_require_rows_at_most", then_swapped)
+        assert [values["reward/mean"] for _, values in health_io.read_metrics_csv(path, max_rows=10)] == [0.5, 0.75]
+        return
+    suffix = {"task-json-array": ".json", "task-jsonl": ".jsonl", "task-csv": ".csv"}[reader]
+    path = tmp_path / f"rows{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        path.write_text("question,answer\n1+1,#### 2\n2+2,#### 4\n")
+    # swapped after the first read (.json's first byte), before datasets opens it (.csv), or between
+    # the check and the open (.jsonl: refused in one line, never waited on)
+    step = {".json": "_first_byte", ".csv": "load_with_datasets", ".jsonl": "regular_file"}[suffix]
+    original = getattr(data, step)
+
+    def then_swapped(*args, **kwargs):
+        if step != "load_with_datasets":
+            found = original(*args, **kwargs)
+            _fifo_over(path)
+            return found
+        _fifo_over(path)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(data, step, then_swapped)
+    if suffix == ".jsonl":
+        with pytest.raises(TclightningError, match="is no longer a regular file"):
+            data.read_rows(path)
+    else:
+        assert data.read_rows(path) == rows

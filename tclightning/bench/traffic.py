@@ -43,7 +43,7 @@ import torch
 
 from tclightning.codecs.base import WIRE_DTYPES
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import open_regular, regular_file
 from tclightning.sign_message import sign_message_bytes
 from tclightning.weight_sync import HEADER, LENGTH_BYTES
 
@@ -99,7 +99,9 @@ def read_model_config(name_or_path: str) -> dict[str, Any]:
     for candidate in (path, path / "config.json", SHIPPED / f"{name_or_path.replace('/', '--')}.json"):
         if candidate.is_file():
             try:  # a regular file of config size: never /proc/kmsg, a FIFO or a gigabyte of JSON
-                data = json.loads(regular_file(candidate, "model config", CONFIG_MAX_BYTES).read_text())
+                regular_file(candidate, "model config", CONFIG_MAX_BYTES)
+                with open_regular(candidate, "model config", CONFIG_MAX_BYTES) as handle:
+                    data = json.loads(handle.read().decode())
             except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, text or a 5000-digit integer
                 raise TclightningError(f"{candidate}: not a readable config.json ({type(err).__name__})") from None
             if not isinstance(data, dict) or "model_type" not in data:

@@ -59,7 +59,7 @@ from tclightning.callbacks.checkpointing import (
 )
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import open_regular, regular_file
 from tclightning.grpo.advantages import group_advantages, reward_sem, zero_variance_groups
 from tclightning.grpo.config import GRPOConfig
 from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
@@ -733,7 +733,8 @@ class GRPOModule(L.LightningModule):
         # torch reads a checkpoint's parts where they lie, so a huge file is never read whole.
         with contextlib.ExitStack() as opened:
             if named:
-                handle: IO = opened.enter_context(regular_file(Path(checkpoint_path), "checkpoint").open("rb"))
+                regular_file(Path(checkpoint_path), "checkpoint")  # what it is instead, named
+                handle: IO = opened.enter_context(open_regular(Path(checkpoint_path), "checkpoint"))
             elif checkpoint_path.seekable():
                 handle = checkpoint_path
             else:  # a pipe would be read whole into memory, and waited on until its writer closes it

@@ -4,13 +4,14 @@ health verdict (final state, first warning and first collapse with their rules, 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tclightning.files import regular_file, replace_text
+from tclightning.files import open_regular, regular_file, replace_text
 from tclightning.health.io import METRICS_MAX_BYTES
 
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
@@ -21,7 +22,8 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately). A row cut
     short before its ``step`` cell (a crash in the middle of an append) is left out."""
     merged: dict[int, dict[str, float]] = {}
-    with regular_file(path, "metrics", METRICS_MAX_BYTES).open(newline="") as handle:  # 8 GiB of rows: refused
+    regular_file(path, "metrics", METRICS_MAX_BYTES)  # 8 GiB of rows: refused; a FIFO named, never opened
+    with io.TextIOWrapper(open_regular(path, "metrics", METRICS_MAX_BYTES), newline="") as handle:
         for row in csv.DictReader(handle):
             if row["step"] is None:
                 continue

@@ -5,12 +5,14 @@
 from __future__ import annotations
 
 import csv
+import io
 import re
 from collections.abc import Collection, Mapping
+from typing import IO
 from pathlib import Path
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file, tree
+from tclightning.files import open_regular, regular_file, tree
 from tclightning.settings import MAX_STEPS
 
 Row = tuple[int, dict[str, float]]
@@ -47,10 +49,12 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
     it). A file of more than ``max_rows`` lines is refused before it is parsed.
     """
     path = regular_file(path, "metrics", METRICS_MAX_BYTES)  # a FIFO named metrics.csv would wait forever
-    if max_rows is not None:
-        _require_rows_at_most(path, max_rows)
     try:
-        return _read_metrics_csv(path, dict(names or {}), frozenset(numbers))
+        with open_regular(path, "metrics", METRICS_MAX_BYTES) as handle:  # both passes read this one file
+            if max_rows is not None:
+                _require_rows_at_most(path, handle, max_rows)
+                handle.seek(0)
+            return _read_metrics_csv(path, handle, dict(names or {}), frozenset(numbers))
     except UnicodeDecodeError as err:
         raise TclightningError(f"{path}: not a CSV text file (byte 0x{err.object[err.start]:02x} at offset "
                                f"{err.start} is not UTF-8)") from None
@@ -60,31 +64,30 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
         raise TclightningError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
-def _require_rows_at_most(path: Path, max_rows: int) -> None:
+def _require_rows_at_most(path: Path, fh: IO[bytes], max_rows: int) -> None:
     lines, columns, header_commas = 0, None, 0
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            # a row ends at \n, \r\n or a bare \r, as the csv reader reads them (a \r\n cut by the
-            # chunk counts twice: an upper bound)
-            breaks = chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
-            if columns is None:  # the header's width, over as many chunks as it spans (a quoted comma may
-                # count twice: an upper bound)
-                header_commas += re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",")
-                columns = header_commas + 1 if breaks else None
-            lines += breaks
-            if lines > max_rows + 1:  # the header is not a row
-                raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
-                                       "a step); give it the rows of the steps you want to look at")
-            if columns is not None and columns * lines > MAX_REPLAY_CELLS:
-                raise TclightningError(f"{path}: {columns} columns of more than {lines - 1} rows, more than the "
-                                       f"{MAX_REPLAY_CELLS:,} cells a replay parses; give it the columns (and rows) "
-                                       "you want to look at")
+    for chunk in iter(lambda: fh.read(1 << 20), b""):
+        # a row ends at \n, \r\n or a bare \r, as the csv reader reads them (a \r\n cut by the
+        # chunk counts twice: an upper bound)
+        breaks = chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
+        if columns is None:  # the header's width, over as many chunks as it spans (a quoted comma may
+            # count twice: an upper bound)
+            header_commas += re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",")
+            columns = header_commas + 1 if breaks else None
+        lines += breaks
+        if lines > max_rows + 1:  # the header is not a row
+            raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
+                                   "a step); give it the rows of the steps you want to look at")
+        if columns is not None and columns * lines > MAX_REPLAY_CELLS:
+            raise TclightningError(f"{path}: {columns} columns of more than {lines - 1} rows, more than the "
+                                   f"{MAX_REPLAY_CELLS:,} cells a replay parses; give it the columns (and rows) "
+                                   "you want to look at")
 
 
-def _read_metrics_csv(path: Path, names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
+def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
     # utf-8-sig: a byte-order mark before the header (Excel writes one) is not part of the first name
-    with path.open(newline="", encoding="utf-8-sig") as fh:
+    with io.TextIOWrapper(handle, newline="", encoding="utf-8-sig") as fh:
         reader = csv.DictReader(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")

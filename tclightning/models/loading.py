@@ -6,7 +6,6 @@ import contextlib
 import json
 import importlib.machinery
 import re
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TypeVar
@@ -23,7 +22,7 @@ from transformers import (
 )
 
 from tclightning.errors import TclightningError
-from tclightning.files import open_regular, refused_by_storage, regular_file, tree
+from tclightning.files import open_regular, pinned_files, refused_by_storage, regular_file, tree
 from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
@@ -188,7 +187,8 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
         directory, name = path.parent, path.name
     if not (directory / name).exists():
         raise TclightningError(f"model.gguf_file: no such file: {directory / name}")
-    with regular_file(directory / name, "model.gguf_file:").open("rb") as handle:  # never a FIFO or /proc/kmsg
+    regular_file(directory / name, "model.gguf_file:")  # never a FIFO or /proc/kmsg
+    with open_regular(directory / name, "model.gguf_file:") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":
         raise TclightningError(f"model.gguf_file: {spec} is not a GGUF file (it does not start with the GGUF magic "
@@ -291,26 +291,6 @@ def _pickled_weights_read_as_checked() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _pinned(folder: Path, names: Iterator[Path] | None = None) -> Iterator[Path]:
-    """A private view of the model ``folder`` (of ``names`` in it; default: all its files) for
-    transformers to read: a folder only this process can change, holding for each file a link to
-    the file as this process opened it (``/proc/self/fd/N``, opened once, a regular file). The view
-    is checked and read: a file renamed over one of the folder's meanwhile (a FIFO, a crafted
-    pickle, another GGUF) is never what transformers reads. Without ``/proc``, the folder itself."""
-    if not Path("/proc/self/fd").is_dir():
-        yield folder
-        return
-    with contextlib.ExitStack() as opened:
-        view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-model-")))
-        for entry in _model_folder_files(folder) if names is None else names:
-            handle = opened.enter_context(open_regular(entry, "the model folder's file"))
-            link = view / entry.relative_to(folder)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(f"/proc/self/fd/{handle.fileno()}")
-        yield view
-
-
-@contextlib.contextmanager
 def _named_as(view: Path, folder: Path) -> Iterator[None]:
     """A refusal naming a file of the ``view`` names it in ``folder``, where you find it."""
     try:
@@ -405,7 +385,8 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         local = Path(cfg.name).expanduser()
         with contextlib.ExitStack() as pinned:
             # a local folder is read through its pinned view; a hub name from the cache transformers resolves
-            source = pinned.enter_context(_pinned(local)) if local.is_dir() else None
+            source = (pinned.enter_context(pinned_files(local, _model_folder_files(local), "the model folder's file"))
+                      if local.is_dir() else None)
             on_disk = source if source is not None else cached_hub_folder(cfg.name)  # a downloaded model is files too
             if on_disk is not None:
                 with _named_as(on_disk, local):
@@ -423,7 +404,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         found, name = resolve_gguf(cfg.gguf_file)
         what = f"model.gguf_file {cfg.gguf_file}"
-        with _pinned(Path(found), iter([Path(found) / name])) as view, _loader_errors(what, True):
+        with pinned_files(Path(found), [Path(found) / name], what) as view, _loader_errors(what, True):
             directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
             check_model_size(config, (view / name).stat().st_size, what)

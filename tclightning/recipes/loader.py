@@ -32,7 +32,7 @@ from omegaconf.nodes import BooleanNode, FloatNode, StringNode
 
 from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
-from tclightning.files import regular_file
+from tclightning.files import open_regular, pinned_file, regular_file
 from tclightning.recipes.ranges import problems
 from tclightning.recipes.schema import LOGGERS, RETIRED_HINTS, RETIRED_KEYS, RecipeConfig, upgrade_sections
 from tclightning.settings import leaves, refuse_interpolation, without_keys
@@ -224,8 +224,10 @@ def _read_text(path: Path, what: str = "recipe") -> str:
     except TclightningError as err:  # the path is named once, by the RecipeError
         raise RecipeError(str(err).replace(f"{what} {path}: ", "", 1), file=str(path)) from None
     try:
-        with path.open("rb") as fh:
+        with open_regular(path, what) as fh:  # the file checked: a FIFO renamed over it is never opened
             raw = fh.read(MAX_YAML_BYTES + 1)
+    except TclightningError as err:
+        raise RecipeError(str(err).replace(f"{what} {path}: ", "", 1), file=str(path)) from None
     except OSError as err:
         raise RecipeError(f"cannot read: {err.strerror or err}", file=str(path)) from None
     if len(raw) > MAX_YAML_BYTES:
@@ -728,7 +730,8 @@ def wandb_can_log(init_args: Mapping[str, Any]) -> bool:
     path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
     try:  # a FIFO or a device there would be waited on without end: only a small regular file holds a key
         regular_file(path, "netrc", NETRC_MAX_BYTES)
-        return netrc.netrc(path).authenticators(host) is not None
+        with pinned_file(Path(path), "netrc", NETRC_MAX_BYTES) as pinned:  # the file checked, whatever is renamed
+            return netrc.netrc(str(pinned)).authenticators(host) is not None
     except (TclightningError, OSError, netrc.NetrcParseError):
         return False
 

@@ -12,14 +12,15 @@ import json
 import math
 import os
 import random
+import tempfile
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from tclightning.errors import TclightningError
-from tclightning.files import regular_file
+from tclightning.files import open_regular, pinned_file, regular_file
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
@@ -43,7 +44,7 @@ def shared_data_dir() -> Path:
 
 
 def load_with_datasets(
-    name: str, config: str | None = None, *, split: str, data_files: str | None = None
+    name: str, config: str | None = None, *, split: str, data_files: str | None = None, cache_dir: str | None = None
 ) -> list[dict[str, Any]]:
     """Rows of one split as ``datasets.load_dataset`` gives them (hub name, or a builder such as
     ``"parquet"`` with ``data_files``). Imported lazily: ``datasets`` costs a second to import."""
@@ -53,7 +54,8 @@ def load_with_datasets(
         # a hub dataset's files are resolved under a time limit (a hub that answered the run's first
         # question and then stalls was waited on for minutes, request after request); its download is not
         builder = remote_setup(f"the Hugging Face dataset {name}'s files" if data_files is None else data_files,
-                               lambda: datasets.load_dataset_builder(name, config, data_files=data_files))
+                               lambda: datasets.load_dataset_builder(name, config, data_files=data_files,
+                                                                     cache_dir=cache_dir))
         builder.download_and_prepare()
         ds = builder.as_dataset(split=split)
         # Rows are values, never files: a feature a file declares an Image (Audio, Video...), at any
@@ -77,12 +79,15 @@ ROW_MAX_BYTES = 16 * 2**20
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """All rows of one local file (.jsonl, .json, .parquet, .csv); a FIFO, a device, a file over
     :data:`TASK_FILE_MAX_BYTES` or a ``.jsonl`` row over :data:`ROW_MAX_BYTES` is refused (reading
-    one would wait or fill memory), as is a name ``datasets`` would take for a glob pattern."""
+    one would wait or fill memory), as is a name ``datasets`` would take for a glob pattern. The
+    file is opened once and read from that open file (``datasets`` through a private link to it):
+    a FIFO renamed over it meanwhile is never opened."""
     regular_file(path, "task data", TASK_FILE_MAX_BYTES)
-    if path.suffix == ".json" and _first_byte(path) == b"[":
-        return _json_array_rows(path)
-    if path.suffix in (".jsonl", ".json"):  # datasets reads any other .json as JSON lines too
-        return _jsonl_rows(path)
+    if path.suffix in (".jsonl", ".json"):
+        with open_regular(path, "task data", TASK_FILE_MAX_BYTES) as handle:
+            if path.suffix == ".json" and _first_byte(handle) == b"[":
+                return _json_array_rows(path, handle)
+            return _jsonl_rows(path, handle)  # datasets reads any other .json as JSON lines too
     builder = _DATASETS_BUILDERS.get(path.suffix)
     if builder is None:
         raise TclightningError(f"{path}: unsupported file type (use one of {LOCAL_EXTENSIONS})")
@@ -92,25 +97,30 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if "::" in str(path):  # fsspec chains filesystems on it: "a.json::/b" reads a.json, checked nowhere
         raise TclightningError(f"task data {path}: its name holds '::', which datasets would read as a chain of "
                                "filesystems naming another file; rename it")
-    return load_with_datasets(builder, split="train", data_files=str(path))
+    with pinned_file(path, "task data", TASK_FILE_MAX_BYTES) as pinned, \
+            tempfile.TemporaryDirectory(prefix="tclightning-rows-") as cache:  # a cache for this one read
+        return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache)
 
 
-def _first_byte(path: Path) -> bytes:
-    """The first byte of ``path`` that is not white space or a byte order mark (b"" for none)."""
-    with path.open("rb") as handle:
-        chunk = handle.read(1 << 16).removeprefix(b"\xef\xbb\xbf")
+def _first_byte(handle: IO[bytes]) -> bytes:
+    """The first byte of the open file that is not white space or a byte order mark (b"" for
+    none); the file is left at its start."""
+    chunk = handle.read(1 << 16).removeprefix(b"\xef\xbb\xbf")
+    try:
         while chunk:
             if stripped := chunk.lstrip():
                 return stripped[:1]
             chunk = handle.read(1 << 16)
-    return b""
+        return b""
+    finally:
+        handle.seek(0)
 
 
-def _json_array_rows(path: Path) -> list[dict[str, Any]]:
+def _json_array_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
     """The rows of a ``.json`` file that is one JSON array of objects, read by Python's own parser:
     datasets' (ujson) overflows the C stack on deep nesting, ending the process without a word."""
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = handle.read().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise TclightningError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
                                f"{exc.start})") from None
@@ -152,31 +162,30 @@ def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a ``.jsonl`` file: UTF-8 text, one JSON object a line; one line naming the line
-    of anything else."""
+def _jsonl_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
+    """The rows of a ``.jsonl`` file, open as ``handle``: UTF-8 text, one JSON object a line; one
+    line naming the line of anything else."""
     rows = []
     line_no = 0
-    with path.open("rb") as handle:
-        while True:
-            line_no += 1
-            raw = handle.readline(ROW_MAX_BYTES + 1)
-            if not raw:
-                return rows
-            if len(raw) > ROW_MAX_BYTES:
-                raise TclightningError(f"{path}:{line_no}: a row longer than {ROW_MAX_BYTES // 2**20} MiB "
-                                       "(is the file one JSON object a line?)")
-            try:
-                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as exc:
-                raise TclightningError(f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x})") from None
-            if not line.strip():
-                continue
-            row = _parsed_json(line, f"{path}:{line_no}")
-            if not isinstance(row, dict):
-                raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
-                                       f"{type(row).__name__ if row is not None else 'null'}")
-            rows.append(row)
+    while True:
+        line_no += 1
+        raw = handle.readline(ROW_MAX_BYTES + 1)
+        if not raw:
+            return rows
+        if len(raw) > ROW_MAX_BYTES:
+            raise TclightningError(f"{path}:{line_no}: a row longer than {ROW_MAX_BYTES // 2**20} MiB "
+                                   "(is the file one JSON object a line?)")
+        try:
+            line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise TclightningError(f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x})") from None
+        if not line.strip():
+            continue
+        row = _parsed_json(line, f"{path}:{line_no}")
+        if not isinstance(row, dict):
+            raise TclightningError(f"{path}:{line_no}: a row is a JSON object of fields, not "
+                                   f"{type(row).__name__ if row is not None else 'null'}")
+        rows.append(row)
 
 
 @dataclass(frozen=True)
