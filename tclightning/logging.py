@@ -543,8 +543,10 @@ def remote_store(path: str | None) -> bool:
         return False
     try:
         return not issubclass(get_filesystem_class(protocol), LocalFileSystem)
-    except (ImportError, ValueError):  # a store without its package, or none fsspec knows: not this machine's
+    except ImportError:  # a store without its package: not this machine's (its logger names the package)
         return True
+    except ValueError as err:  # `mine/file:///x`: Lightning's writes would fail on it at the first step
+        raise TclightningError(f"{path}: not a folder a logger or checkpoint can write ({one_line(err)})") from None
 
 
 def remote_root(logger: Any) -> str | None:
@@ -578,8 +580,53 @@ def ask_remote_stores(trainer: Any) -> None:
     for logger in trainer.loggers:
         if remote_root(logger) is not None:
             remote_setup(f"the logger's store {logger.root_dir}", lambda logger=logger: logger.log_dir)
+            _bound_calls(logger, LOGGER_CALLS, f"the logger's store {logger.root_dir}", REMOTE_CALL_S)
         elif logger_kind(type(logger)) in ("mlflow", "wandb"):
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
+            _bound_calls(logger, LOGGER_CALLS, f"the {type(logger).__name__}'s server", REMOTE_CALL_S)
+    if any(remote_store(folder) for _, folder in folders):  # a checkpoint callback (its default dirpath: the
+        # default_root_dir's) or LightningCLI's config writer writes there at its hooks
+        for callback in trainer.callbacks:
+            if isinstance(callback, ModelCheckpoint) or type(callback).__name__ == "SaveConfigCallback":
+                _bound_calls(callback, CALLBACK_CALLS, f"the remote folder {type(callback).__name__} writes",
+                             REMOTE_CHECKPOINT_S)
+
+
+REMOTE_CALL_S = 120.0
+"""How long one call of a logger that writes to a remote store or server may take, in all: each
+request has its own limit where the library sets one, but a server that answers a byte at a time,
+or a library with none (webhdfs, ftp), would hold a call for ever."""
+
+REMOTE_CHECKPOINT_S = 600.0
+"""The same for one hook of a checkpoint callback writing to a remote store (a checkpoint of a
+billion-parameter model and its optimizer state is gigabytes to upload)."""
+
+LOGGER_CALLS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
+"""The calls with which Lightning has a logger write to its store or server."""
+
+CALLBACK_CALLS = ("setup", "on_train_start", "on_train_batch_end", "on_train_epoch_end", "on_validation_end",
+                  "on_fit_end", "teardown")
+"""The hooks at which a checkpoint callback (or LightningCLI's config writer) writes its files."""
+
+
+def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) -> None:
+    """Give each of ``owner``'s methods ``names`` ``limit_s`` seconds (main thread), after which it is
+    one ``TclightningError`` naming ``what``."""
+    from tclightning.limits import within
+
+    for name in names:
+        method = getattr(owner, name, None)
+        if method is None or getattr(method, "remote_call_bounded", False):
+            continue
+
+        def bounded(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            try:
+                return within(lambda: _method(*args, **kwargs), limit_s)
+            except TimeoutError:
+                raise TclightningError(f"{what} gave no answer within {limit_s:g} s") from None
+
+        bounded.remote_call_bounded = True  # type: ignore[attr-defined]
+        setattr(owner, name, bounded)
 
 
 def _refuse_a_folder_of_yours(logger: Any, run_dir: Path, source: str, key: str) -> None:

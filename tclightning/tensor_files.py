@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 import pickletools
 import zipfile
@@ -65,7 +66,25 @@ class RefusedTensorFile(Exception):
     crafted, so it is never loaded."""
 
 
-def _seekable(handle: Any) -> bool:
+SNAPSHOT_MAX_BYTES = 2 * 2**30
+"""The largest torch file read whole into memory before it is checked and loaded (a run's
+checkpoint of a 135M-parameter model with its optimizer state is 1.6 GB)."""
+
+
+def snapshot(handle: IO[bytes]) -> IO[bytes]:
+    """The bytes of the open file ``handle`` (at its start), read once into memory when it holds at
+    most :data:`SNAPSHOT_MAX_BYTES`: the check and ``torch.load`` then read the same bytes, whatever
+    is written into the file meanwhile (a pickle rewritten in place after the check would run).
+    A larger file, or one not at its start (refused by :func:`check_torch_file`), as it is."""
+    try:
+        if handle.tell() != 0 or os.fstat(handle.fileno()).st_size > SNAPSHOT_MAX_BYTES:
+            return handle
+    except (AttributeError, OSError, ValueError):  # no descriptor (a BytesIO: in memory already)
+        return handle
+    return io.BytesIO(handle.read(SNAPSHOT_MAX_BYTES + 1))
+
+
+def seekable(handle: Any) -> bool:
     try:
         return bool(handle.seekable())
     except (AttributeError, OSError, ValueError):  # no seekable(), or a closed file
@@ -85,7 +104,7 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     given a dict of fields (dataclasses such as ``Rollouts``); ``numpy_arrays`` allows the arrays and
     dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
     archive ``torch.save`` writes."""
-    if not isinstance(source, (str, os.PathLike)) and not _seekable(source):
+    if not isinstance(source, (str, os.PathLike)) and not seekable(source):
         raise RefusedTensorFile("the open file cannot be read twice (a pipe or a socket): the check and torch.load "
                                 "each read it from its start; give a file")
     start = source.tell() if not isinstance(source, (str, os.PathLike)) else None

@@ -648,3 +648,27 @@ def test_each_request_to_a_remote_store_has_a_time_limit(silent_server: str, mon
     reason = network.remote_failure(stalled.value)
     assert reason is not None and reason.startswith("a remote store or server stopped answering")
     assert network.remote_failure(ValueError("a bug")) is None
+
+
+def test_a_gguf_file_rewritten_in_place_between_its_reads_is_never_what_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers parses a GGUF file's metadata three times (config, tokenizer, model), the last
+    with no time limit: bytes written into the file in between were parsed (a claimed array of a
+    billion entries takes hours). It reads a copy made once, after the file was opened and checked."""
+    import tclightning.models.loading as loading
+
+    path = _gguf(tmp_path / "ok.gguf")
+    metadata = loading._gguf_metadata
+    reads = [0]
+
+    def then_rewritten(read, what):
+        found = metadata(read, what)
+        reads[0] += 1
+        if reads[0] == 1:  # after the config's read: the same file, written over in place
+            with path.open("r+b") as same_file:
+                same_file.write(b"GGUF" + b"\xff" * 64)
+        return found
+
+    monkeypatch.setattr(loading, "_gguf_metadata", then_rewritten)
+    model, _ = load_model(ModelConfig(source="gguf", gguf_file=str(path)))
+    assert model.config.num_hidden_layers == 1 and model.config._name_or_path == str(path)

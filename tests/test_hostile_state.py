@@ -1387,3 +1387,27 @@ def test_an_open_checkpoint_not_at_its_start_is_refused(run_dir: Path) -> None:
     os.close(write_end)
     with os.fdopen(read_end, "rb") as pipe, pytest.raises(TclightningError, match="cannot be read twice"):
         load_checkpoint(pipe)
+
+
+def test_a_checkpoint_rewritten_in_place_after_its_check_is_never_what_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check read the open file, then torch.load read it again: bytes written into the same file
+    in between (a refused pickle) were unpickled. The bytes checked are the bytes loaded."""
+    import tclightning.callbacks.checkpointing as checkpointing
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "tclightning": {"rl_step": 1}}, path)
+    rewritten = tmp_path / "other.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "tclightning": {"rl_step": 666}}, rewritten)
+    check = checkpointing.check_torch_file
+
+    def then_rewritten(source, **kwargs):
+        check(source, **kwargs)
+        with path.open("r+b") as same_file:  # the same file, not a rename: an open handle sees it
+            same_file.write(rewritten.read_bytes())
+            same_file.truncate()
+
+    monkeypatch.setattr(checkpointing, "check_torch_file", then_rewritten)
+    for mmap in (False, True):
+        torch.save({"state_dict": {"w": torch.ones(2)}, "tclightning": {"rl_step": 1}}, path)
+        assert checkpointing.load_checkpoint(path, mmap=mmap)["tclightning"]["rl_step"] == 1

@@ -417,8 +417,42 @@ def test_a_checkpoint_callback_whose_remote_dirpath_never_answers_is_refused(run
 
 @pytest.mark.skipif(importlib.util.find_spec("s3fs") is not None, reason="s3fs is installed: the store opens")
 def test_a_logger_store_fsspec_cannot_open_is_one_line(tmp_path):
-    """A store whose package is missing was an ImportError traceback from the logger's constructor."""
+    """A store whose package is missing was an ImportError traceback from the logger's constructor,
+    and a folder whose name spells a protocol fsspec does not know a traceback at the first write."""
     entry = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "s3://bucket/tb"}}
     with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*cannot open its store: ImportError: "
                                           "Install s3fs"):
         build_loggers([entry], tmp_path / "run", "tiny")
+    entry = {"class_path": "lightning.pytorch.loggers.CSVLogger",
+             "init_args": {"save_dir": str(tmp_path / "mine"), "name": "file:///tmp/x"}}
+    with pytest.raises(RecipeError, match=r"logging\.loggers\[0\]\.init_args.*not a folder a logger or checkpoint can "
+                                          "write"):
+        build_loggers([entry], tmp_path / "run", "tiny")
+
+
+@pytest.mark.timeout(60)  # a regression sleeps out the stall: fail instead
+def test_each_call_of_a_logger_writing_to_a_remote_store_has_a_time_limit(tmp_path, monkeypatch):
+    """After the setup, a store that answers a byte at a time, or one whose library sets no request
+    limit (webhdfs, ftp), held a logger's call for ever: each call it makes has a limit in all."""
+    import time
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    import tclightning.logging as logging_module
+    from tclightning.errors import TclightningError
+    from tclightning.logging import ask_remote_stores
+
+    monkeypatch.setattr(logging_module, "REMOTE_CALL_S", 0.5)
+    logger = CSVLogger(save_dir="memory://bounded-logs")
+    trainer = pl.Trainer(logger=logger, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                         enable_model_summary=False)
+    ask_remote_stores(trainer)
+    assert logger.log_metrics.remote_call_bounded
+    ask_remote_stores(trainer)  # asked again (a recipe's loggers, then the trainer's): bounded once
+    stalled = logger.log_metrics.__defaults__  # noqa: F841 - the wrapper keeps the method it bounds
+    monkeypatch.setattr(logger.experiment, "log_metrics", lambda *args, **kwargs: time.sleep(30))
+    started = time.monotonic()
+    with pytest.raises(TclightningError, match="memory://bounded-logs.*gave no answer within 0.5 s"):
+        logger.log_metrics({"reward/mean": 1.0}, step=0)
+    assert time.monotonic() - started < 10

@@ -25,7 +25,8 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
-from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, thin_tensor
+from tclightning.tensor_files import (BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, seekable,
+                                      snapshot, thin_tensor)
 
 
 def checkpoint_globals() -> list[Any]:
@@ -122,11 +123,15 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
     """
     shown = name or path  # what the errors call it (an open file has no name of its own)
     if not isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
-        return _loaded(path, shown, map_location, mmap=False)
+        return _loaded(snapshot(path) if seekable(path) else path, shown, map_location, mmap=False)
     regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     with open_regular(path, "checkpoint") as handle:  # and one swapped in after that look is refused too
+        read = snapshot(handle)  # the bytes checked are the bytes loaded (a file of at most 2 GiB)
+        if read is not handle or not mmap:
+            return _loaded(read, shown, map_location, mmap=False)
         # mmap needs a name: the descriptor's own names the file checked, whatever is at ``path`` now
-        return _loaded(f"/proc/self/fd/{handle.fileno()}" if mmap else handle, shown, map_location, mmap=mmap)
+        return _loaded(f"/proc/self/fd/{handle.fileno()}", shown, map_location, mmap=True)
+
 
 
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"

@@ -27,7 +27,7 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
-from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file
+from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, snapshot
 
 
 T = TypeVar("T")
@@ -279,7 +279,8 @@ def _pickled_weights_read_as_checked() -> Iterator[None]:
         path = Path(checkpoint_file)
         if path.suffix == ".safetensors":  # no pickle: nothing runs, whatever the file holds
             return original(checkpoint_file, map_location, weights_only, disable_mmap)
-        with open_regular(path, "the model folder's weights") as handle:
+        with open_regular(path, "the model folder's weights") as opened:
+            handle = snapshot(opened)  # the bytes checked are the bytes unpickled, whatever is written meanwhile
             _check_pickled_weights(path, handle)
             return torch.load(handle, map_location=map_location, weights_only=True)
 
@@ -404,7 +405,9 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         found, name = resolve_gguf(cfg.gguf_file)
         what = f"model.gguf_file {cfg.gguf_file}"
-        with pinned_files(Path(found), [Path(found) / name], what) as view, _loader_errors(what, True):
+        # copied into memory: its metadata is parsed three times, and bytes written into the file
+        # between the parses (an array of a billion entries) would be parsed with no time limit
+        with pinned_files(Path(found), [Path(found) / name], what, copied=True) as view, _loader_errors(what, True):
             directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
             check_model_size(config, (view / name).stat().st_size, what)
