@@ -386,10 +386,11 @@ def clear_abandoned_staging(target: Path) -> None:
         named = staging_name.fullmatch(folder.name)
         if not (named and folder.is_dir() and not folder.is_symlink() and not _running(int(named[1]))):
             continue
-        if (folder / STAGING_MARKER).is_file():
+        if (folder / REPLACED_MARKER).is_file():  # an old export swapped out (a stray staging marker in it
+            # too, left by an export killed after its swap): only the files its record lists are its own
+            remove_export(folder, export_files(folder) | {REPLACED_MARKER, STAGING_MARKER})
+        elif (folder / STAGING_MARKER).is_file():
             remove_export(folder)
-        elif (folder / REPLACED_MARKER).is_file():
-            remove_export(folder, export_files(folder) | {REPLACED_MARKER})
         elif not any(folder.iterdir()):  # killed between making it and marking it: empty, nothing to lose
             folder.rmdir()
 

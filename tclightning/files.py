@@ -94,21 +94,22 @@ def open_regular(path: str | os.PathLike, what: str, max_bytes: int | None = Non
 
 @contextlib.contextmanager
 def pinned_files(folder: Path, files: Iterable[Path], what: str, max_bytes: int | None = None, *,
-                 copied: bool = False) -> Iterator[Path]:
+                 copied_up_to: int = 0) -> Iterator[Path]:
     """A private view of ``files`` (below ``folder``) for another reader that opens them by name:
     a folder only this process can change, holding for each file a link to it as this process
     opened it once (``/proc/self/fd/N``: :func:`open_regular`). Whatever is renamed over one of
-    them meanwhile (a FIFO, a crafted file), the reader reads the file checked. ``copied``: each
-    file is first copied into memory (a ``memfd``), so bytes written into the file itself after
-    the checks are not read either. Without ``/proc``, ``folder`` itself (each file still checked
-    once)."""
+    them meanwhile (a FIFO, a crafted file), the reader reads the file checked. A file of at most
+    ``copied_up_to`` bytes is first copied into memory (a ``memfd``), so bytes written into the
+    file itself after the checks are not read either. Without ``/proc``, ``folder`` itself (each
+    file still checked once)."""
     with contextlib.ExitStack() as opened:
         handles = [(file, opened.enter_context(open_regular(file, what, max_bytes))) for file in files]
         if not Path("/proc/self/fd").is_dir():
             yield folder
             return
-        if copied and hasattr(os, "memfd_create"):
-            handles = [(file, opened.enter_context(_memory_copy(handle, file.name))) for file, handle in handles]
+        if hasattr(os, "memfd_create"):
+            handles = [(file, opened.enter_context(_memory_copy(handle, file.name))
+                        if os.fstat(handle.fileno()).st_size <= copied_up_to else handle) for file, handle in handles]
         view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-view-")))
         for file, handle in handles:
             link = view / file.relative_to(folder)

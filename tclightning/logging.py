@@ -578,9 +578,15 @@ def ask_remote_stores(trainer: Any) -> None:
         if remote_store(folder):
             remote_setup(f"{what} {folder}", lambda folder=str(folder): url_to_fs(folder)[0].isdir(folder))
     for logger in trainer.loggers:
-        if remote_root(logger) is not None:
-            remote_setup(f"the logger's store {logger.root_dir}", lambda logger=logger: logger.log_dir)
-            _bound_calls(logger, LOGGER_CALLS, f"the logger's store {logger.root_dir}", REMOTE_CALL_S)
+        if remote_root(logger) is not None:  # its folder listed and made, its writer opened: now, bounded
+            what = f"the logger's store {logger.root_dir}"
+            try:
+                remote_setup(what, lambda logger=logger: (logger.log_dir, logger.experiment))
+            except TclightningError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a store that answers but takes no files (http): one line
+                raise TclightningError(f"{what} cannot be written: {type(err).__name__}: {one_line(err)}") from None
+            _bound_calls(logger, LOGGER_CALLS, what, REMOTE_CALL_S)
         elif logger_kind(type(logger)) in ("mlflow", "wandb"):
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
             _bound_calls(logger, LOGGER_CALLS, f"the {type(logger).__name__}'s server", REMOTE_CALL_S)

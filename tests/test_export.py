@@ -284,6 +284,13 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     swapped_out = tmp_path / ".policy.export-999999997-ghi"
     export_policy(run_dir, swapped_out, step=1)
     (swapped_out / REPLACED_MARKER).write_text("999999997\n")
+    # one that also holds a stray staging marker (an export killed after its own swap) and a file of
+    # yours: only the export's own files go, never the whole folder
+    swapped_out_twice = tmp_path / ".policy.export-999999995-mno"
+    export_policy(run_dir, swapped_out_twice, step=1)
+    (swapped_out_twice / REPLACED_MARKER).write_text("999999995\n")
+    (swapped_out_twice / STAGING_MARKER).write_text("999999995\n")
+    (swapped_out_twice / "notes.txt").write_text("mine")
     # folders of yours only named like one (no staging marker, no replaced marker): never removed,
     # an export of yours so named neither (a plain export to `policy` deleted it)
     mine = [tmp_path / ".policy.export-2024-notes", tmp_path / ".policy.export-99999999999999999999-x"]
@@ -303,8 +310,9 @@ def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: 
     assert json.loads((out / PROVENANCE_FILE).read_text())["rl_step"] == 2
     assert not abandoned.exists() and not killed_before_its_marker.exists() and not (out / STAGING_MARKER).exists()
     assert not swapped_out.exists() and not (out / REPLACED_MARKER).exists()
+    assert [p.name for p in swapped_out_twice.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".policy")) == sorted(
-        [*(f.name for f in mine), an_export_of_yours.name])
+        [*(f.name for f in mine), an_export_of_yours.name, swapped_out_twice.name])
     assert all((folder / "notes.txt").read_text() == "mine" for folder in mine)
     assert sorted(p.name for p in an_export_of_yours.iterdir()) == kept
     a, b = tmp_path / "a", tmp_path / "b"

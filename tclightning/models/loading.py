@@ -27,7 +27,8 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
-from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, snapshot
+from tclightning.tensor_files import (SNAPSHOT_MAX_BYTES, FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile,
+                                      check_torch_file, snapshot)
 
 
 T = TypeVar("T")
@@ -405,9 +406,10 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         found, name = resolve_gguf(cfg.gguf_file)
         what = f"model.gguf_file {cfg.gguf_file}"
-        # copied into memory: its metadata is parsed three times, and bytes written into the file
-        # between the parses (an array of a billion entries) would be parsed with no time limit
-        with pinned_files(Path(found), [Path(found) / name], what, copied=True) as view, _loader_errors(what, True):
+        # copied into memory (up to 2 GiB): its metadata is parsed three times, and bytes written into
+        # the file between the parses (an array of a billion entries) would be parsed with no time limit
+        with pinned_files(Path(found), [Path(found) / name], what, copied_up_to=SNAPSHOT_MAX_BYTES) as view, \
+                _loader_errors(what, True):
             directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
             check_model_size(config, (view / name).stat().st_size, what)
