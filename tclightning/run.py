@@ -238,7 +238,7 @@ def checkpoint_step(path: Path) -> int:
     from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
 
     try:
-        ckpt = load_checkpoint(path, mmap=True)
+        ckpt = load_checkpoint(path, map_location="meta")
     except TclightningError as err:
         raise type(err)(f"--resume: {err}") from None
     state = ckpt.get("tclightning")
@@ -301,7 +301,7 @@ def checkpoint_changes(ckpt: Path, cfg: DictConfig, resume_step: int) -> None:
     resume from a checkpoint outside its run directory, or from a run without its record."""
     from tclightning.callbacks.checkpointing import load_checkpoint
 
-    saved = load_checkpoint(ckpt, mmap=True).get("hyper_parameters")
+    saved = load_checkpoint(ckpt, map_location="meta").get("hyper_parameters")
     if not isinstance(saved, dict):
         return
     record = {section: saved[section] for section in ("model", "task", "sampler", "anchor") if section in saved}
@@ -625,7 +625,7 @@ def resume_module(recipe: RecipeConfig, ckpt_path: Path) -> Any:
     from tclightning.callbacks.progress import progress_callback
     from tclightning.grpo.module import BASE_KEY
 
-    record = (load_checkpoint(ckpt_path, mmap=True).get("tclightning") or {}).get(BASE_KEY)
+    record = (load_checkpoint(ckpt_path, map_location="meta").get("tclightning") or {}).get(BASE_KEY)
     if record is None:
         return None
     if recipe.model.lora_settings.r <= 0:

@@ -5,6 +5,7 @@ someone else is used: checkpoints, warm-up cache entries, trajectory points."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
@@ -66,22 +67,99 @@ class RefusedTensorFile(Exception):
     crafted, so it is never loaded."""
 
 
-SNAPSHOT_MAX_BYTES = 2 * 2**30
-"""The largest torch file read whole into memory before it is checked and loaded (a run's
-checkpoint of a 135M-parameter model with its optimizer state is 1.6 GB)."""
+MAX_KEPT_BYTES = 2**30
+"""The most bytes a :class:`FirstReads` view keeps: what the check reads of a torch file is its
+archive's directory, headers and pickle (a few MB for a 1.5B-parameter model's checkpoint), never
+its tensors' bytes."""
 
 
-def snapshot(handle: IO[bytes]) -> IO[bytes]:
-    """The bytes of the open file ``handle`` (at its start), read once into memory when it holds at
-    most :data:`SNAPSHOT_MAX_BYTES`: the check and ``torch.load`` then read the same bytes, whatever
-    is written into the file meanwhile (a pickle rewritten in place after the check would run).
-    A larger file, or one not at its start (refused by :func:`check_torch_file`), as it is."""
+class FirstReads(io.RawIOBase):
+    """A read-only view of an open file that keeps every byte read from it while it records, and
+    gives the kept byte on every later read of that byte. Check a torch file through it
+    (:func:`check_torch_file` stops the recording once the file passed), then ``torch.load`` it:
+    the directory, headers and pickle ``torch.load`` reads are those checked, whatever is written
+    into the file meanwhile (a pickle rewritten in place after its check would run), and only the
+    tensors' bytes, which the check never reads, come from the file then (data, never code), so
+    a checkpoint of any size costs no copy. The file's size is taken once, when the view is made."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        super().__init__()
+        self._handle = handle  # kept open as long as the view is
+        self._fd = handle.fileno()
+        self._size = os.fstat(self._fd).st_size
+        self._position = 0
+        self._starts: list[int] = []  # the kept runs, sorted and apart: _starts[i] is where _runs[i] starts
+        self._runs: list[bytearray] = []
+        self._kept = 0
+        self.recording = True
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        start, end = self._position, min(self._position + len(view), self._size)
+        at, index = start, max(bisect.bisect_right(self._starts, start) - 1, 0)
+        while at < end:
+            while index < len(self._starts) and self._starts[index] + len(self._runs[index]) <= at:
+                index += 1  # runs that end before: past them
+            if index < len(self._starts) and self._starts[index] <= at:  # kept: the byte as it was first read
+                run_start, run = self._starts[index], self._runs[index]
+                taken = min(end, run_start + len(run)) - at
+                view[at - start:at - start + taken] = run[at - run_start:at - run_start + taken]
+            else:  # up to the next kept run, from the file
+                upto = min(end, self._starts[index]) if index < len(self._starts) else end
+                taken = os.preadv(self._fd, [view[at - start:upto - start]], at)
+                if taken == 0:  # the file was cut short since: it ends here
+                    break
+                if self.recording:
+                    self._keep(at, view[at - start:at - start + taken], index)
+                    index = max(bisect.bisect_right(self._starts, at) - 1, 0)  # runs may have merged
+            at += taken
+        self._position = at
+        return at - start
+
+    def _keep(self, at: int, data: memoryview, index: int) -> None:
+        """Keep ``data``, read from the file at ``at``, just before the run ``index`` (or last)."""
+        self._kept += len(data)
+        if self._kept > MAX_KEPT_BYTES:
+            raise RefusedTensorFile(f"its archive's directory, headers and pickle hold more than {MAX_KEPT_BYTES} "
+                                    "bytes, which torch.save never writes")
+        if index > 0 and self._starts[index - 1] + len(self._runs[index - 1]) == at:  # reads go on where one ended
+            self._runs[index - 1] += data
+        else:
+            self._starts.insert(index, at)
+            self._runs.insert(index, bytearray(data))
+            index += 1
+        if index < len(self._starts) and self._starts[index - 1] + len(self._runs[index - 1]) == self._starts[index]:
+            self._runs[index - 1] += self._runs.pop(index)
+            self._starts.pop(index)
+
+
+def first_reads(handle: IO[bytes]) -> IO[bytes]:
+    """``handle``, an open file at its start, as a :class:`FirstReads` view to check and load it
+    through; a file with no descriptor (a ``BytesIO``: in memory already) or not at its start
+    (refused by :func:`check_torch_file`) as it is."""
     try:
-        if handle.tell() != 0 or os.fstat(handle.fileno()).st_size > SNAPSHOT_MAX_BYTES:
+        if handle.tell() != 0:
             return handle
-    except (AttributeError, OSError, ValueError):  # no descriptor (a BytesIO: in memory already)
+        handle.fileno()
+    except (AttributeError, OSError, ValueError):
         return handle
-    return io.BytesIO(handle.read(SNAPSHOT_MAX_BYTES + 1))
+    return FirstReads(handle)
 
 
 def seekable(handle: Any) -> bool:
@@ -103,7 +181,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     allocates, ``_codecs.encode(text, "punycode")`` is quadratic. ``classes`` may be built empty and
     given a dict of fields (dataclasses such as ``Rollouts``); ``numpy_arrays`` allows the arrays and
     dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
-    archive ``torch.save`` writes."""
+    archive ``torch.save`` writes. Check an open file through :func:`first_reads` and load the view
+    it returns: what was checked is then what ``torch.load`` reads."""
     if not isinstance(source, (str, os.PathLike)) and not seekable(source):
         raise RefusedTensorFile("the open file cannot be read twice (a pipe or a socket): the check and torch.load "
                                 "each read it from its start; give a file")
@@ -144,6 +223,14 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
                      if key.startswith(f"{folder}/data/")}
             with archive.open(records[name]) as pickled:
                 _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
+            for small in (records.get(f"{folder}/{record}") for record in TORCH_READS_BY_NAME):
+                if small is not None and small.file_size > MAX_SMALL_RECORD_BYTES:
+                    raise RefusedTensorFile(f"its record {small.filename[:80]!r} holds {small.file_size} bytes, where "
+                                            f"torch.save writes a few")
+                if small is not None:
+                    archive.read(small)  # read as checked too (its byte order decides how the tensors' bytes read)
+        if isinstance(source, FirstReads):  # torch.load reads what was checked, and only tensors' bytes afresh
+            source.recording = False
     except OSError as err:
         raise BrokenTensorFile(f"cannot read it: {err.strerror or err}") from err
     except (zipfile.BadZipFile, EOFError, RuntimeError, NotImplementedError) as err:  # a record cut or encrypted
@@ -151,6 +238,13 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     finally:
         if start is not None:
             source.seek(start)
+
+
+TORCH_READS_BY_NAME = ("byteorder", ".format_version", ".storage_alignment", "version", ".data/version",
+                       ".data/serialization_id")
+"""The few-byte records of a torch file ``torch.load`` reads besides its pickle and its tensors."""
+
+MAX_SMALL_RECORD_BYTES = 4096
 
 
 LARGEST_HASHED_INT = 2**61 - 2
@@ -198,8 +292,13 @@ def _require_one_reading(source: str | os.PathLike | IO[bytes], archive: zipfile
         folder = infos[0].filename.partition("/")[0] if infos else ""
         offsets = {}
         for info in infos:  # where each record's bytes start: after its local header, name and extra field
-            handle.seek(info.header_offset + 26)
-            name_length, extra_length = struct.unpack("<HH", handle.read(4))
+            handle.seek(info.header_offset)  # all of it read (a FirstReads view keeps what torch.load reads of it)
+            header = handle.read(30)
+            if len(header) < 30 or header[:4] != b"PK\x03\x04":
+                raise BrokenTensorFile(f"its archive is damaged (record {info.filename[:80]!r} has no header where its "
+                                       "directory says)")
+            name_length, extra_length = struct.unpack("<HH", header[26:])
+            handle.read(name_length + extra_length)
             offsets[info.filename] = (info.header_offset + 30 + name_length + extra_length, info.file_size)
         handle.seek(0)
         reader = torch._C.PyTorchFileReader(handle)

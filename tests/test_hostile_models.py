@@ -650,6 +650,35 @@ def test_each_request_to_a_remote_store_has_a_time_limit(silent_server: str, mon
     assert network.remote_failure(ValueError("a bug")) is None
 
 
+def test_every_parse_of_a_gguf_file_s_metadata_has_the_time_limit(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file over 2 GiB is read where it lies, so bytes written into it after the config's and
+    the tokenizer's reads are what the model's loading parses: that parse had no time limit (a
+    claimed array of a billion entries takes hours). A parse slower than the limit stands in."""
+    import time
+
+    import gguf
+
+    import tclightning.models.loading as loading
+
+    monkeypatch.setattr(loading, "GGUF_METADATA_TIME_S", 1.0)
+    monkeypatch.setattr(loading, "GGUF_COPIED_MAX_BYTES", 0)  # read where it lies, as a file over 2 GiB is
+    parse, parses = gguf.GGUFReader.__init__, [0]
+
+    def third_parse_slow(self, *args, **kwargs):
+        parses[0] += 1
+        if parses[0] == 3:  # the model's: after the config's and the tokenizer's
+            time.sleep(10)
+        parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", third_parse_slow)
+    path = _gguf(tmp_path / "ok.gguf")
+    started = time.monotonic()
+    with pytest.raises(TclightningError, match="ok.gguf: reading its metadata took more than 1 s"):
+        load_model(ModelConfig(source="gguf", gguf_file=str(path)))
+    assert parses[0] == 3 and time.monotonic() - started < 10
+
+
 def test_a_gguf_file_rewritten_in_place_between_its_reads_is_never_what_is_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers parses a GGUF file's metadata three times (config, tokenizer, model), the last

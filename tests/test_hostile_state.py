@@ -1392,7 +1392,7 @@ def test_an_open_checkpoint_not_at_its_start_is_refused(run_dir: Path) -> None:
 def test_a_checkpoint_rewritten_in_place_after_its_check_is_never_what_is_loaded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check read the open file, then torch.load read it again: bytes written into the same file
-    in between (a refused pickle) were unpickled. The bytes checked are the bytes loaded."""
+    in between (a refused pickle) were unpickled. The pickle checked is the pickle loaded."""
     import tclightning.callbacks.checkpointing as checkpointing
 
     path = tmp_path / "last.ckpt"
@@ -1408,6 +1408,70 @@ def test_a_checkpoint_rewritten_in_place_after_its_check_is_never_what_is_loaded
             same_file.truncate()
 
     monkeypatch.setattr(checkpointing, "check_torch_file", then_rewritten)
-    for mmap in (False, True):
+    for map_location in ("cpu", "meta"):
         torch.save({"state_dict": {"w": torch.ones(2)}, "tclightning": {"rl_step": 1}}, path)
-        assert checkpointing.load_checkpoint(path, mmap=mmap)["tclightning"]["rl_step"] == 1
+        assert checkpointing.load_checkpoint(path, map_location)["tclightning"]["rl_step"] == 1
+
+
+def test_a_first_reads_view_gives_each_byte_as_first_read_while_recording(tmp_path: Path) -> None:
+    """What the view read while recording it gives again, whatever the file holds since; the rest
+    (and everything read once recording stopped) comes from the file as it is."""
+    from tclightning.tensor_files import FirstReads
+
+    path = tmp_path / "file"
+    path.write_bytes(bytes(range(100)))
+    with path.open("rb") as handle:
+        view = FirstReads(handle)
+        view.seek(10)
+        assert view.read(5) == bytes(range(10, 15))
+        view.seek(20)
+        assert view.read(5) == bytes(range(20, 25))
+        path.write_bytes(b"\xff" * 100)  # written over, in the same file
+        view.seek(12)
+        assert view.read(10) == bytes([12, 13, 14, *[255] * 5, 20, 21])  # kept, then read (and kept), then kept
+        view.recording = False
+        view.seek(15)
+        assert view.read(3) == b"\xff" * 3  # kept while recording: the file's bytes then
+        path.write_bytes(bytes(100))
+        assert view.seek(0, os.SEEK_END) == 100
+        view.seek(8)
+        assert view.read(20) == bytes(2) + bytes([10, 11, 12, 13, 14]) + b"\xff" * 5 + bytes([20, 21, 22, 23, 24]) + bytes(3)
+        path.write_bytes(bytes(50))  # cut short: it ends there
+        view.seek(45)
+        assert view.read(20) == bytes(5)
+
+
+def _sparse_checkpoint(path: Path, elements: int, rl_step: int) -> None:
+    """A checkpoint of one float tensor of ``elements`` zeros that takes a few KB of disk: its
+    tensor's bytes are holes (a file of any size, cheaply)."""
+    holes = path.with_suffix(".holes")
+    with holes.open("wb") as file:
+        file.truncate(4 * elements)
+    zeros = torch.from_file(str(holes), shared=False, size=elements)  # mapped: nothing read
+    with torch.serialization.skip_data():  # the tensor's bytes are skipped over, left as holes
+        torch.save({"state_dict": {"w": zeros}, "tclightning": {"rl_step": rl_step}}, path)
+    holes.unlink()
+
+
+def test_a_checkpoint_over_2_gib_rewritten_in_place_after_its_check_is_never_what_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file too large to read into memory was checked, then read again by torch.load: a pickle
+    written into it in between (a refused call that runs for hours) was unpickled. torch.load reads
+    the pickle the check read, and from the file only the tensors' bytes (data)."""
+    import tclightning.callbacks.checkpointing as checkpointing
+
+    path, rewritten = tmp_path / "last.ckpt", tmp_path / "other.ckpt"
+    elements = 2**29 + 1024  # 2 GiB and 4 KiB of float32
+    _sparse_checkpoint(rewritten, elements, 666)  # the same layout, another pickle of the same length
+    check = checkpointing.check_torch_file
+
+    def then_rewritten(source, **kwargs):
+        check(source, **kwargs)
+        with rewritten.open("rb") as other, path.open("r+b") as same_file:  # the same file, written over
+            same_file.write(other.read(1 << 16))
+
+    monkeypatch.setattr(checkpointing, "check_torch_file", then_rewritten)
+    _sparse_checkpoint(path, elements, 1)
+    assert path.stat().st_size > 2 * 2**30 and path.stat().st_blocks * 512 < 2**20
+    loaded = checkpointing.load_checkpoint(path, map_location="meta")
+    assert loaded["tclightning"]["rl_step"] == 1 and loaded["state_dict"]["w"].shape == (elements,)

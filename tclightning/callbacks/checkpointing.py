@@ -25,8 +25,8 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
-from tclightning.tensor_files import (BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, seekable,
-                                      snapshot, thin_tensor)
+from tclightning.tensor_files import (BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, first_reads,
+                                      seekable, thin_tensor)
 
 
 def checkpoint_globals() -> list[Any]:
@@ -110,7 +110,7 @@ def checkpoint_error(path: str | os.PathLike, err: BaseException) -> Tclightning
     return TclightningError(f"checkpoint {path}: cannot read it (truncated or corrupted?): {detail}")
 
 
-def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cpu", *, mmap: bool = False,
+def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cpu", *,
                     name: str | None = None) -> dict[str, Any]:
     """Load a tclightning/Lightning checkpoint as data only (``weights_only=True`` with
     :func:`checkpoint_allow_list`): a file that would run code when unpickled is refused.
@@ -118,20 +118,15 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
     Raises ``TclightningError`` (one line: the path and why) for a missing, unreadable,
     truncated or corrupted file or one whose top level is not a dict, and its subclass
     ``CheckpointRefused`` for one holding anything outside the allow-list; ``name`` is what the
-    errors call the file (default: ``path``). ``mmap=True`` maps the tensors instead of reading them (cheap to peek
-    at, but the file must then not be rewritten in place while they are in use).
+    errors call the file (default: ``path``). ``map_location="meta"`` reads no tensor's bytes
+    (cheap to peek at a checkpoint of any size: its tensors come back on the meta device).
     """
     shown = name or path  # what the errors call it (an open file has no name of its own)
     if not isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
-        return _loaded(snapshot(path) if seekable(path) else path, shown, map_location, mmap=False)
+        return _loaded(first_reads(path) if seekable(path) else path, shown, map_location)
     regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     with open_regular(path, "checkpoint") as handle:  # and one swapped in after that look is refused too
-        read = snapshot(handle)  # the bytes checked are the bytes loaded (a file of at most 2 GiB)
-        if read is not handle or not mmap:
-            return _loaded(read, shown, map_location, mmap=False)
-        # mmap needs a name: the descriptor's own names the file checked, whatever is at ``path`` now
-        return _loaded(f"/proc/self/fd/{handle.fileno()}", shown, map_location, mmap=True)
-
+        return _loaded(first_reads(handle), shown, map_location)  # torch.load reads the bytes checked
 
 
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
@@ -147,7 +142,7 @@ def _lightning_2_or_later(version: Any) -> bool:
         return False
 
 
-def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: bool) -> dict[str, Any]:
+def _loaded(source: str | IO[bytes], shown: object, map_location: str) -> dict[str, Any]:
     from tclightning.sampling.base import Rollouts
 
     try:  # before torch.load runs a single call of its pickle
@@ -158,7 +153,7 @@ def _loaded(source: str | IO[bytes], shown: object, map_location: str, *, mmap: 
         raise TclightningError(f"checkpoint {shown}: cannot read it (truncated or corrupted?): {err}") from None
     try:
         with checkpoint_allow_list():
-            ckpt = torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+            ckpt = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
         raise checkpoint_error(shown, err) from None
     if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)

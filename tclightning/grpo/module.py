@@ -77,7 +77,7 @@ from tclightning.sampling.factory import build_sampler
 from tclightning.settings import MAX_STEPS, field_problems, positive, without_keys
 from tclightning.settings import seed as seed_rule
 from tclightning.tasks import Example, TaskConfig, build_task
-from tclightning.tensor_files import snapshot
+from tclightning.tensor_files import first_reads
 
 PROGRESS_KEYS = {"reward/mean": "reward", "response/length_mean": "len", "throughput/tokens_per_s": "tok/s"}
 
@@ -741,7 +741,7 @@ class GRPOModule(L.LightningModule):
             else:  # a pipe would be read whole into memory, and waited on until its writer closes it
                 raise TclightningError("load_from_checkpoint: the file given is not seekable (a pipe?); give a path "
                                        "or a seekable file")
-            handle = snapshot(handle)  # checked and loaded twice (here, then by Lightning): the same bytes
+            handle = first_reads(handle)  # checked, loaded here, then by Lightning: the pickle checked each time
             start = handle.tell()
             return cls._load_checked(handle, start, where, map_location, strict, weights_only, kwargs)
 

@@ -27,8 +27,7 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
-from tclightning.tensor_files import (SNAPSHOT_MAX_BYTES, FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile,
-                                      check_torch_file, snapshot)
+from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, first_reads
 
 
 T = TypeVar("T")
@@ -281,7 +280,7 @@ def _pickled_weights_read_as_checked() -> Iterator[None]:
         if path.suffix == ".safetensors":  # no pickle: nothing runs, whatever the file holds
             return original(checkpoint_file, map_location, weights_only, disable_mmap)
         with open_regular(path, "the model folder's weights") as opened:
-            handle = snapshot(opened)  # the bytes checked are the bytes unpickled, whatever is written meanwhile
+            handle = first_reads(opened)  # the pickle checked is the pickle unpickled, whatever is written meanwhile
             _check_pickled_weights(path, handle)
             return torch.load(handle, map_location=map_location, weights_only=True)
 
@@ -406,15 +405,17 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.gguf_file: required for source 'gguf'")
         found, name = resolve_gguf(cfg.gguf_file)
         what = f"model.gguf_file {cfg.gguf_file}"
-        # copied into memory (up to 2 GiB): its metadata is parsed three times, and bytes written into
-        # the file between the parses (an array of a billion entries) would be parsed with no time limit
-        with pinned_files(Path(found), [Path(found) / name], what, copied_up_to=SNAPSHOT_MAX_BYTES) as view, \
+        # its metadata is parsed three times: each parse has a time limit, the model is built from the
+        # config checked, and a file of up to 2 GiB is read from a copy in memory, so bytes written
+        # into it between the parses are never read
+        with pinned_files(Path(found), [Path(found) / name], what, copied_up_to=GGUF_COPIED_MAX_BYTES) as view, \
                 _loader_errors(what, True):
             directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
             check_model_size(config, (view / name).stat().st_size, what)
             tokenizer = _gguf_metadata(lambda: AutoTokenizer.from_pretrained(directory, gguf_file=name), what)
-            model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+            with _gguf_parses_bounded(what):
+                model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype)
         model.config._name_or_path = tokenizer.name_or_path = str(Path(found) / name)
     else:
         raise TclightningError(f"model.source: unknown source '{cfg.source}', expected tiny | hf | gguf")
@@ -427,12 +428,37 @@ GGUF_METADATA_TIME_S = 30.0
 per array entry, and a sparse file can claim an array of 10^9 empty strings."""
 
 
+GGUF_COPIED_MAX_BYTES = 2 * 2**30
+"""The largest GGUF file read from a copy in memory (SmolLM2-135M's is 145 MB); a larger one is
+read where it lies."""
+
+
 def _gguf_metadata(read: Callable[[], T], what: str) -> T:
     try:
         return within(read, GGUF_METADATA_TIME_S)
     except TimeoutError:
         raise TclightningError(f"{what}: reading its metadata took more than {GGUF_METADATA_TIME_S:g} s (an array of "
                                "millions of entries?); nothing was allocated") from None
+
+
+@contextlib.contextmanager
+def _gguf_parses_bounded(what: str) -> Iterator[None]:
+    """Within the block, each parse of a GGUF file's metadata (gguf's ``GGUFReader``, which
+    transformers' model loading makes) has :data:`GGUF_METADATA_TIME_S`, as the config's and the
+    tokenizer's have; dequantizing the weights it lists has no limit."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    class BoundedReader(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            _gguf_metadata(lambda: original.__init__(self, *args, **kwargs), what)
+
+    gguf.GGUFReader = BoundedReader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 @contextlib.contextmanager
