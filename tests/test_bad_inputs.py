@@ -153,6 +153,12 @@ CASES: dict[str, Case] = {
     # 255 namespaces were made before the 256th address failed, a traceback
     "bench-step-link-stages-huge": Case(("bench", "step-link", "--recipe", "tiny", "--stages", "300"), ("--stages",)),
     "bench-two-node-dir-under-proc": Case(("bench", "two-node", "--dir", "/proc/tcl-nowhere"), ("--dir", "cannot make")),
+    # /proc/self is a folder no file can be made in: the node's log was a traceback
+    "bench-two-node-dir-proc-self": Case(("bench", "two-node", "--dir", "/proc/self"), ("--dir", "cannot write in")),
+    "bench-step-link-dir-proc-self": Case(("bench", "step-link", "--recipe", "tiny", "--dir", "/proc/self"),
+                                          ("--dir", "cannot write in")),
+    "bench-step-link-dir-under-proc": Case(("bench", "step-link", "--recipe", "tiny", "--dir", "/proc/self/x"),
+                                           ("--dir", "cannot make")),
     "callbacks-an-empty-entry": recipe(BASE + "callbacks: [{}]\n", "class_path'", "needs a class_path"),
     "callbacks-a-mapping": recipe(BASE + "callbacks: {class_path: x}\n", "key 'callbacks'", "expected a list"),
     "betas-a-mapping": override("grpo.betas={a: 1}", names=("grpo.betas", "expected a list")),

@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tclightning.cli.options import MAX_THREADS, within
 
@@ -260,49 +261,51 @@ def add_step_link_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_step_link(args: argparse.Namespace) -> int:
     """Handler of ``bench step-link``: the whole-step table (or JSON)."""
-    from pathlib import Path
-
     from tclightning.bench.step_link import format_table, run_step_link_bench
-    from tclightning.errors import TclightningError
-    from tclightning.files import in_the_way
 
     within("bench step-link", "--timeout", args.timeout, 1, 7 * 86400)  # nan fails the comparison too
     for stages in args.stages:  # a node a stage, each a namespace with an address of one /24
         within("bench step-link", "--stages", stages, 2, 64)
-    blocking = None if args.dir is None else in_the_way(Path(args.dir))
-    if blocking is not None:
-        raise TclightningError(f"bench step-link: --dir {args.dir}: {blocking[0]} {blocking[1]}")
+    workdir = None if args.dir is None else work_folder("bench step-link", args.dir)
     result = run_step_link_bench(
         dense_recipe=args.recipe, compressed_recipe=args.compressed_recipe, stages=args.stages,
         bandwidths=args.bandwidth, configs=args.configs, steps=args.steps, overrides=args.overrides,
-        workdir=None if args.dir is None else Path(args.dir).resolve(), timeout_s=args.timeout,
+        workdir=workdir, timeout_s=args.timeout,
         echo=lambda line: print(line, file=sys.stderr if args.json else sys.stdout),
     )
     print(json.dumps(result) if args.json else format_table(result))
     return 0
 
 
+def work_folder(command: str, folder: str) -> Path:
+    """``--dir`` made (with its parents) and written to once, as an absolute path: a file or a
+    dangling link on the way, a read-only mount or ``/proc`` is one line before anything starts."""
+    from tclightning.errors import TclightningError
+    from tclightning.files import in_the_way, require_writable
+
+    blocking = in_the_way(Path(folder))
+    if blocking is not None:
+        raise TclightningError(f"{command}: --dir {folder}: {blocking[0]} {blocking[1]}")
+    where = Path(folder).resolve()
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise TclightningError(f"{command}: --dir {folder}: cannot make the folder ({err.strerror})") from None
+    require_writable(where, f"{command}: --dir {folder}", TclightningError)
+    return where
+
+
 def run_two_node_launch(args: argparse.Namespace) -> int:
     """Handler of ``bench two-node``: both nodes' commands, exit codes and the link's byte counters."""
-    from pathlib import Path
-
     from tclightning.bench.link import LINK_MBIT
     from tclightning.bench.nodes import first_error_line, run_nodes
     from tclightning.console import shown
     from tclightning.errors import TclightningError
-    from tclightning.files import in_the_way
 
     within("bench two-node", "--mbit", args.mbit, *LINK_MBIT)  # nan fails the comparison too
     within("bench two-node", "--timeout", args.timeout, 1, 7 * 86400)
     within("bench two-node", "--per-node", args.per_node, 1, 64)
-    blocking = in_the_way(Path(args.dir))
-    if blocking is not None:
-        raise TclightningError(f"bench two-node: --dir {args.dir}: {blocking[0]} {blocking[1]}")
-    where = Path(args.dir).resolve()
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # under /proc, a read-only mount
-        raise TclightningError(f"bench two-node: --dir {args.dir}: cannot make the folder ({err.strerror})") from None
+    where = work_folder("bench two-node", args.dir)
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
     result = run_nodes(run_args, per_node=args.per_node, mbit=args.mbit, run_dir=where / "run", cwd=where,
                           timeout_s=args.timeout)
