@@ -483,3 +483,9 @@ def test_a_class_of_the_configuration_that_cannot_be_built_is_one_line(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: the configuration's lightning.pytorch.loggers.CSVLogger could not be built: "
                        "Install s3fs to access S3 (nothing was trained)"), err
+    # a protocol fsspec does not know: jsonargparse words it as no subtype of the union matching
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.logger=CSVLogger",
+                               "--trainer.logger.save_dir=gopher://host/logs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: the configuration's lightning.pytorch.loggers.CSVLogger could not be built: "
+                       "Protocol not known: gopher (nothing was trained)"), err

@@ -231,6 +231,10 @@ def _class_not_built(text: str) -> str | None:
         if line.startswith(("- Problem with given class_path", "Problem with given class_path")) and i + 1 < len(lines):
             class_path = line.split("class_path", 1)[1].strip(" ':")
             return f"{class_path} could not be built: {lines[i + 1][:200]}"
+    given = re.search(r"Given value: Namespace\(class_path='([^']+)'", text)  # a union's first subtype failed
+    reasons = [line[2:] for line in lines if line.startswith("- ")]
+    if text.startswith("Does not validate against any of the Union subtypes") and given and reasons:
+        return f"{given.group(1)} could not be built: {reasons[0][:200]}"
     return None
 
 
