@@ -1222,6 +1222,7 @@ def _restored_job(edit) -> tuple:
     state = copy.deepcopy(saved.state_dict())
     edit(state["circuit"]["pending"][0])
     restored = Anchor(make_merger("signed_ema"), AnchorCircuit(AnchorSchedule(latency=1, cadence=1)))
+    restored.vocab_size = 10  # token ids 0..9
     restored.load_state_dict(state)
     computed: list = []
     return restored, params, computed
@@ -1235,10 +1236,11 @@ def _restored_job(edit) -> tuple:
     (lambda job: job["payload"].update(rows=torch.tensor([0, 7])), "replay is not"),
     (lambda job: job["payload"].update(rollouts=[1, 2]), "replay is not"),
     (lambda job: job["payload"]["rollouts"].completion_ids.fill_(-5), "replay is not"),  # an IndexError traceback
+    (lambda job: job["payload"]["rollouts"].prompt_ids.fill_(10), "replay is not"),  # past the vocabulary: the same
     (lambda job: job["payload"]["rollouts"].completion_mask.fill_(1e30), "replay is not"),  # anchor/bytes of 1e34
     (lambda job: job["payload"]["rollouts"].logp_sampler.fill_(float("nan")), "replay is not"),
 ], ids=["snapshot-shapes", "snapshot-count", "texts-an-int", "group-size-a-word", "rows-out-of-range", "no-rollouts",
-        "negative-token-ids", "mask-not-0-or-1", "logp-nan"])
+        "negative-token-ids", "token-ids-past-the-vocabulary", "mask-not-0-or-1", "logp-nan"])
 def test_an_anchor_job_restored_from_a_checkpoint_that_does_not_fit_is_one_line(edit, said: str) -> None:
     """A checkpoint's pending anchor job (snapshot, replay) was computed as restored: a RuntimeError
     or TypeError traceback at its delivery. Refused before anything of it is computed."""
@@ -1247,6 +1249,14 @@ def test_an_anchor_job_restored_from_a_checkpoint_that_does_not_fit_is_one_line(
         anchor.tick(1, first=False, parameters=lambda: params, payload=lambda: None,
                     gradient=lambda job: computed.append(job) or ([torch.zeros_like(p) for p in params], 0.0))
     assert not computed
+
+
+def test_a_module_s_anchor_bounds_replayed_token_ids_by_its_model_s_vocabulary() -> None:
+    """Token ids past the vocabulary in a checkpoint's replay were an IndexError traceback in the embedding."""
+    module = GRPOModule(model={"tiny": {"hidden_size": 32, "num_layers": 1, "intermediate_size": 64}},
+                        anchor={"merger": "signed_ema"})
+    assert module.anchor is not None
+    assert module.anchor.vocab_size == module.policy.get_input_embeddings().num_embeddings > 0
 
 
 @pytest.mark.parametrize("edit", [

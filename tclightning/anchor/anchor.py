@@ -90,6 +90,7 @@ class Anchor:
         self.measure_fast = False  # run the fast circuit on each job too, for anchor/fast_signal
         self.fast_signal: float | None = None  # the latest anchor's reading (all time)
         self.fast_readings: list[float] = []  # this step's readings
+        self.vocab_size: int | None = None  # the model's token count: a replay's token ids lie below it
 
     # ----------------------------------------------------------------------------- the circuit
     def begin_step(self) -> None:
@@ -131,7 +132,7 @@ class Anchor:
                                    "pass fast_gradient to Anchor.tick")
         needs_fast = required or (self.measure_fast and fast_gradient is not None)
         for job in self.circuit.due(tick):
-            refuse_unfit_job(job, parameters())  # a job restored from a checkpoint of another model
+            refuse_unfit_job(job, parameters(), self.vocab_size)  # restored from a checkpoint of another model
             started = time.perf_counter()
             grads, sent = gradient(job)
             fast = None
@@ -319,11 +320,11 @@ class Anchor:
         self._device = None  # the state is on CPU now; moved to the parameters' device at the next merge
 
 
-def refuse_unfit_job(job: AnchorJob, params: Sequence[Tensor]) -> None:
+def refuse_unfit_job(job: AnchorJob, params: Sequence[Tensor], vocab_size: int | None = None) -> None:
     """One line (``TclightningError``) for a job that cannot be computed here: its snapshot is not
     shaped like ``params`` (the weights the anchor snapshots), or its replay is not the rollouts,
-    advantages and rows a step records. Jobs come back from checkpoints, which a recipe's checks
-    never see."""
+    advantages and rows a step records (token ids below ``vocab_size``, when given). Jobs come
+    back from checkpoints, which a recipe's checks never see."""
     where = f"the checkpoint's anchor job of tick {job.tick}"
     snapshot = job.snapshot if isinstance(job.snapshot, list) else None
     if snapshot is None or len(snapshot) != len(params) or any(
@@ -336,21 +337,22 @@ def refuse_unfit_job(job: AnchorJob, params: Sequence[Tensor]) -> None:
     from tclightning.sampling.base import Rollouts
 
     rollouts = payload.get("rollouts") if isinstance(payload, dict) else None
-    if not isinstance(rollouts, Rollouts) or not _rows_agree(rollouts, payload):
+    if not isinstance(rollouts, Rollouts) or not _rows_agree(rollouts, payload, vocab_size):
         raise TclightningError(f"{where}: its replay is not the rollouts, advantages and rows a step records; resume "
                                "with the recipe that saved it")
 
 
-def _rows_agree(rollouts: Any, payload: dict[str, Any]) -> bool:
+def _rows_agree(rollouts: Any, payload: dict[str, Any], vocab_size: int | None) -> bool:
     """Whether a replay's tensors are what a step records: token grids of one row per sequence
-    (whole non-negative token ids, masks of 0 and 1, finite log-probabilities), one advantage per
-    sequence, row indices among them, one text each."""
+    (whole token ids in ``[0, vocab_size)``, masks of 0 and 1, finite log-probabilities), one
+    advantage per sequence, row indices among them, one text each."""
     grids = (rollouts.prompt_ids, rollouts.prompt_mask, rollouts.completion_ids, rollouts.completion_mask,
              rollouts.logp_sampler)
     if not all(isinstance(t, Tensor) and t.dim() == 2 for t in grids):
         return False
     ids, masks = (rollouts.prompt_ids, rollouts.completion_ids), (rollouts.prompt_mask, rollouts.completion_mask)
-    if any(t.is_floating_point() or t.is_complex() or bool((t < 0).any()) for t in ids) \
+    if any(t.is_floating_point() or t.is_complex() or bool((t < 0).any())
+           or (vocab_size is not None and bool((t >= vocab_size).any())) for t in ids) \
             or not all(bool(((t == 0) | (t == 1)).all()) for t in masks) \
             or rollouts.logp_sampler.dtype not in FLOAT_DTYPES or not bool(torch.isfinite(rollouts.logp_sampler).all()):
         return False

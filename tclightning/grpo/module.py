@@ -331,6 +331,8 @@ class GRPOModule(L.LightningModule):
         self._pending_cut_state: dict[str, Any] | None = None
         # The anchor (signed_ema only): circuit, replay, delivered M and merge state in one object.
         self.anchor = build_anchor(self.anchor_cfg)
+        if self.anchor is not None:  # a checkpoint's replay holding other token ids is refused, not embedded
+            self.anchor.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self._backend: Backend | None = None  # taken from the strategy once it is set up
         # The last RL step that was non-finite (skipped whole, or every tick skipped); cleared by
         # the next clean step (after a rollback, say). Two in a row end training.
