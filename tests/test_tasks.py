@@ -453,3 +453,15 @@ def test_a_json_task_file_reads_as_datasets_reads_it(tmp_path: Path) -> None:
     (tmp_path / "plain.json").write_text(json.dumps(rows))
     for name in ("plain.json", "lines.json"):
         assert load_with_datasets("json", split="train", data_files=str(tmp_path / name)) == rows
+
+
+def test_a_split_gone_between_its_listing_and_its_read_is_one_line(tmp_path: Path) -> None:
+    """A task folder's file removed after the splits were listed was a bare KeyError."""
+    from tclightning.tasks.data import DataSource
+
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    source = DataSource(path=tmp_path)
+    assert source.splits() == ["train"]
+    (tmp_path / "train.jsonl").unlink()
+    with pytest.raises(TclightningError, match="its split 'train' is gone"):
+        source.rows("train")

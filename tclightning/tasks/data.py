@@ -242,7 +242,11 @@ class DataSource:
     def rows(self, split: str) -> list[dict[str, Any]]:
         if self.hf_name:
             return load_with_datasets(self.hf_name, self.hf_config, split=split)
-        return read_rows(self._split_files()[split])
+        files = self._split_files()
+        if split not in files:  # listed by splits() a moment ago
+            raise TclightningError(f"task data {self.path}: its split '{split}' is gone (the folder changed while the "
+                                   "run read it)")
+        return read_rows(files[split])
 
     def __str__(self) -> str:
         return self.hf_name or str(self.path)
