@@ -162,6 +162,18 @@ def first_reads(handle: IO[bytes]) -> IO[bytes]:
     return FirstReads(handle)
 
 
+def load_checked(handle: IO[bytes], map_location: Any = "cpu", *, classes: Collection[type] = (),
+                 numpy_arrays: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of the open file ``handle`` once :func:`check_torch_file`
+    passed it (``classes``, ``numpy_arrays`` as there), both reading through one
+    :func:`first_reads` view: what ``torch.load`` unpickles is what was checked, whatever is
+    written into the file meanwhile. The check's :class:`RefusedTensorFile` or
+    :class:`BrokenTensorFile`, or what ``torch.load`` raises."""
+    handle = first_reads(handle)
+    check_torch_file(handle, classes=classes, numpy_arrays=numpy_arrays)
+    return torch.load(handle, map_location=map_location, weights_only=True)
+
+
 def seekable(handle: Any) -> bool:
     try:
         return bool(handle.seekable())
@@ -181,8 +193,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
     allocates, ``_codecs.encode(text, "punycode")`` is quadratic. ``classes`` may be built empty and
     given a dict of fields (dataclasses such as ``Rollouts``); ``numpy_arrays`` allows the arrays and
     dtypes numpy pickles (a NumPy RNG state). :class:`BrokenTensorFile` for a file that is no
-    archive ``torch.save`` writes. Check an open file through :func:`first_reads` and load the view
-    it returns: what was checked is then what ``torch.load`` reads."""
+    archive ``torch.save`` writes. :func:`load_checked` checks and loads an open file so that what
+    was checked is what ``torch.load`` reads."""
     if not isinstance(source, (str, os.PathLike)) and not seekable(source):
         raise RefusedTensorFile("the open file cannot be read twice (a pipe or a socket): the check and torch.load "
                                 "each read it from its start; give a file")

@@ -1404,12 +1404,13 @@ def test_a_checkpoint_rewritten_in_place_after_its_check_is_never_what_is_loaded
     """The check read the open file, then torch.load read it again: bytes written into the same file
     in between (a refused pickle) were unpickled. The pickle checked is the pickle loaded."""
     import tclightning.callbacks.checkpointing as checkpointing
+    import tclightning.tensor_files as tensor_files
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.ones(2)}, "tclightning": {"rl_step": 1}}, path)
     rewritten = tmp_path / "other.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}, "tclightning": {"rl_step": 666}}, rewritten)
-    check = checkpointing.check_torch_file
+    check = tensor_files.check_torch_file
 
     def then_rewritten(source, **kwargs):
         check(source, **kwargs)
@@ -1417,7 +1418,7 @@ def test_a_checkpoint_rewritten_in_place_after_its_check_is_never_what_is_loaded
             same_file.write(rewritten.read_bytes())
             same_file.truncate()
 
-    monkeypatch.setattr(checkpointing, "check_torch_file", then_rewritten)
+    monkeypatch.setattr(tensor_files, "check_torch_file", then_rewritten)
     for map_location in ("cpu", "meta"):
         torch.save({"state_dict": {"w": torch.ones(2)}, "tclightning": {"rl_step": 1}}, path)
         assert checkpointing.load_checkpoint(path, map_location)["tclightning"]["rl_step"] == 1
@@ -1451,6 +1452,59 @@ def test_a_first_reads_view_gives_each_byte_as_first_read_while_recording(tmp_pa
         assert view.read(20) == bytes(5)
 
 
+def _rewritten_after_its_check(monkeypatch: pytest.MonkeyPatch, path: Path, other: Path) -> None:
+    """Right before torch.load reads ``path`` (every check done), its owner writes ``other``'s
+    bytes into it in place (``other``: the same layout, another pickle)."""
+    load = torch.load
+
+    def rewritten_then_loaded(source, *args, **kwargs):
+        with path.open("r+b") as same_file:
+            same_file.write(other.read_bytes())
+            same_file.truncate()
+        return load(source, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", rewritten_then_loaded)
+
+
+def test_a_trajectory_point_rewritten_in_place_after_its_check_is_never_what_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check read the open point file, then torch.load read it again: a pickle written into it in
+    between was unpickled."""
+    from tclightning.probes.trajectory import _point
+
+    path, other = tmp_path / "point-000001.pt", tmp_path / "other.pt"
+    torch.save({"step": 1, "point": torch.ones(4)}, path)
+    torch.save({"step": 9, "point": torch.ones(4)}, other)
+    _rewritten_after_its_check(monkeypatch, path, other)
+    assert _point(path)["step"] == 1
+
+
+def test_a_warmup_cache_entry_rewritten_in_place_after_its_check_is_never_what_is_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check read the open weights file, then torch.load read it again: a pickle written into it
+    in between was unpickled."""
+    from tclightning.models import TinyModelConfig
+    from tclightning.models.loading import build_tiny_model
+    from tclightning.models.char_tokenizer import build_char_tokenizer
+    from tclightning.models.warmup import read_warmup_entry
+
+    model = build_tiny_model(TinyModelConfig(hidden_size=16, num_layers=1, intermediate_size=32),
+                             build_char_tokenizer())
+    state = model.state_dict()
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "complete").write_text("")
+    (entry / "stats.json").write_text(json.dumps({"warmup/steps": 2, "warmup/loss_first": 1.0,
+                                                  "warmup/loss_last": 0.5, "warmup/seconds": 1.0}))
+    torch.save(state, entry / "weights.pt")
+    name = next(iter(state))  # the same file with one name changed (same length): another model's
+    torch.save({(name[:-1] + ("x" if name[-1] != "x" else "y") if key == name else key): value
+                for key, value in state.items()}, tmp_path / "other.pt")
+    _rewritten_after_its_check(monkeypatch, entry / "weights.pt", tmp_path / "other.pt")
+    loaded, _ = read_warmup_entry(entry, model)
+    assert set(loaded) == set(state)
+
+
 def _sparse_checkpoint(path: Path, elements: int, rl_step: int) -> None:
     """A checkpoint of one float tensor of ``elements`` zeros that takes a few KB of disk: its
     tensor's bytes are holes (a file of any size, cheaply)."""
@@ -1469,18 +1523,19 @@ def test_a_checkpoint_over_2_gib_rewritten_in_place_after_its_check_is_never_wha
     written into it in between (a refused call that runs for hours) was unpickled. torch.load reads
     the pickle the check read, and from the file only the tensors' bytes (data)."""
     import tclightning.callbacks.checkpointing as checkpointing
+    import tclightning.tensor_files as tensor_files
 
     path, rewritten = tmp_path / "last.ckpt", tmp_path / "other.ckpt"
     elements = 2**29 + 1024  # 2 GiB and 4 KiB of float32
     _sparse_checkpoint(rewritten, elements, 666)  # the same layout, another pickle of the same length
-    check = checkpointing.check_torch_file
+    check = tensor_files.check_torch_file
 
     def then_rewritten(source, **kwargs):
         check(source, **kwargs)
         with rewritten.open("rb") as other, path.open("r+b") as same_file:  # the same file, written over
             same_file.write(other.read(1 << 16))
 
-    monkeypatch.setattr(checkpointing, "check_torch_file", then_rewritten)
+    monkeypatch.setattr(tensor_files, "check_torch_file", then_rewritten)
     _sparse_checkpoint(path, elements, 1)
     assert path.stat().st_size > 2 * 2**30 and path.stat().st_blocks * 512 < 2**20
     loaded = checkpointing.load_checkpoint(path, map_location="meta")

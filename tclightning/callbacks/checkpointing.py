@@ -25,8 +25,7 @@ from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
 from tclightning.limits import interrupt
-from tclightning.tensor_files import (BrokenTensorFile, RefusedTensorFile, check_torch_file, contents, first_reads,
-                                      seekable, thin_tensor)
+from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, contents, load_checked, thin_tensor
 
 
 def checkpoint_globals() -> list[Any]:
@@ -123,10 +122,10 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
     """
     shown = name or path  # what the errors call it (an open file has no name of its own)
     if not isinstance(path, (str, os.PathLike)):  # an open file (the caller's) is read where it stands
-        return _loaded(first_reads(path) if seekable(path) else path, shown, map_location)
+        return _loaded(path, shown, map_location)
     regular_file(path, "checkpoint")  # a FIFO or a device would make torch.load wait forever
     with open_regular(path, "checkpoint") as handle:  # and one swapped in after that look is refused too
-        return _loaded(first_reads(handle), shown, map_location)  # torch.load reads the bytes checked
+        return _loaded(handle, shown, map_location)
 
 
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
@@ -142,18 +141,16 @@ def _lightning_2_or_later(version: Any) -> bool:
         return False
 
 
-def _loaded(source: str | IO[bytes], shown: object, map_location: str) -> dict[str, Any]:
+def _loaded(source: IO[bytes], shown: object, map_location: str) -> dict[str, Any]:
     from tclightning.sampling.base import Rollouts
 
-    try:  # before torch.load runs a single call of its pickle
-        check_torch_file(source, classes=[Rollouts], numpy_arrays=True)
+    try:  # checked before torch.load runs a single call of its pickle
+        with checkpoint_allow_list():
+            ckpt = load_checked(source, map_location, classes=[Rollouts], numpy_arrays=True)
     except RefusedTensorFile as err:
         raise CheckpointRefused(f"checkpoint {shown}: refused: {err}; nothing was loaded") from None
     except BrokenTensorFile as err:
         raise TclightningError(f"checkpoint {shown}: cannot read it (truncated or corrupted?): {err}") from None
-    try:
-        with checkpoint_allow_list():
-            ckpt = torch.load(source, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - every unreadable file is the same user error
         raise checkpoint_error(shown, err) from None
     if not isinstance(ckpt, dict):  # it read whole: not damage, another kind of file (never replaced by an older one)

@@ -8,7 +8,7 @@ import importlib.machinery
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import (
@@ -27,7 +27,7 @@ from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url
-from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, first_reads
+from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, load_checked
 
 
 T = TypeVar("T")
@@ -251,12 +251,18 @@ def _indexed_weights(folder: Path) -> Iterator[Path]:
                         if isinstance(name, str) and not name.endswith(".safetensors"))
 
 
-def _check_pickled_weights(path: Path, handle: IO[bytes] | None = None) -> None:
+def _check_pickled_weights(path: Path) -> None:
     """A pickled weights file holds tensors as ``torch.save`` writes them, and nothing else, before
-    transformers unpickles it (:func:`~tclightning.tensor_files.check_torch_file`); read from
-    ``handle`` when given (the file as opened, left where it was)."""
+    transformers unpickles it (:func:`~tclightning.tensor_files.check_torch_file`)."""
+    with _pickled_weights_refused(path):
+        check_torch_file(path)
+
+
+@contextlib.contextmanager
+def _pickled_weights_refused(path: Path) -> Iterator[None]:
+    """The check's refusal of the pickled weights file ``path`` as one line naming it."""
     try:
-        check_torch_file(path if handle is None else handle)
+        yield
     except BrokenTensorFile as err:
         raise TclightningError(f"the model folder's weights {path}: {err}; a file in torch's pre-1.6 format cannot be "
                                "checked before it is read: save it again with torch.save or as safetensors") from None
@@ -279,10 +285,8 @@ def _pickled_weights_read_as_checked() -> Iterator[None]:
         path = Path(checkpoint_file)
         if path.suffix == ".safetensors":  # no pickle: nothing runs, whatever the file holds
             return original(checkpoint_file, map_location, weights_only, disable_mmap)
-        with open_regular(path, "the model folder's weights") as opened:
-            handle = first_reads(opened)  # the pickle checked is the pickle unpickled, whatever is written meanwhile
-            _check_pickled_weights(path, handle)
-            return torch.load(handle, map_location=map_location, weights_only=True)
+        with open_regular(path, "the model folder's weights") as opened, _pickled_weights_refused(path):
+            return load_checked(opened, map_location)  # the pickle checked is the pickle unpickled
 
     modeling.load_state_dict = checked
     try:

@@ -26,7 +26,7 @@ from tclightning.files import exchange, open_regular, regular_file, remove_tree,
 from tclightning.limits import interrupt
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
-from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+from tclightning.tensor_files import RefusedTensorFile, load_checked
 
 
 def _sigterm_interrupts(received: list[int]) -> Any:
@@ -288,9 +288,8 @@ def read_warmup_entry(entry: Path, model: PreTrainedModel) -> tuple[dict[str, to
     if not (math.isfinite(steps) and steps >= 1 and steps == int(steps)):
         raise UnreadableEntry(f"{STATS}: warmup/steps is {steps}, not a step count")
     try:
-        with open_regular(entry / WEIGHTS, WEIGHTS) as handle:
-            check_torch_file(handle)  # before torch.load runs a single call of its pickle
-            state = torch.load(handle, map_location="cpu", weights_only=True)
+        with open_regular(entry / WEIGHTS, WEIGHTS) as opened:
+            state = load_checked(opened)  # checked before torch.load runs a single call of its pickle
     except RefusedTensorFile as err:
         raise UnreadableEntry(f"{WEIGHTS}: {err}") from None
     except Exception:  # noqa: BLE001 - truncated, garbage, refused: all the same to a cache

@@ -41,7 +41,8 @@ from torch import Tensor
 from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, regular_file, replace_text, save_figure
-from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, thin_tensor
+from tclightning.tensor_files import (FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, load_checked,
+                                      thin_tensor)
 
 METRICS = (
     "evr1", "off_line_share", "off_line_share_path", "early_late_cos", "step_alignment",
@@ -94,9 +95,8 @@ def _point(path: Path) -> dict[str, Any]:
     float ``point``; one line naming the file otherwise (a FIFO named point-*.pt is never opened)."""
     regular_file(path, "trajectory point")  # a FIFO named point-*.pt is never opened
     try:
-        with open_regular(path, "trajectory point") as handle:  # checked as read: a file swapped in is refused
-            check_torch_file(handle)  # before torch.load runs a single call of its pickle
-            record = torch.load(handle, map_location="cpu", weights_only=True)
+        with open_regular(path, "trajectory point") as opened:  # checked as read: a file swapped in is refused
+            record = load_checked(opened)  # checked before torch.load runs a single call of its pickle
     except (RefusedTensorFile, BrokenTensorFile) as err:
         raise TclightningError(f"trajectory point {path}: {err}") from None
     except Exception as err:  # noqa: BLE001 - garbage, cut short, a pickle asking for code: the file, not a bug
