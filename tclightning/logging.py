@@ -12,7 +12,7 @@ import contextlib
 import re
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -566,7 +566,6 @@ def ask_remote_stores(trainer: Any) -> None:
     (its experiment opened), each ``ModelCheckpoint``'s ``dirpath``. A store or server that never
     answers is one ``TclightningError`` naming it, before the fit (Lightning would wait on it
     without end); one that stalls later meets each request's own time limit."""
-    from fsspec.core import url_to_fs
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tclightning.recipes.loader import logger_kind
@@ -576,16 +575,13 @@ def ask_remote_stores(trainer: Any) -> None:
                 if isinstance(callback, ModelCheckpoint)]
     for what, folder in folders:
         if remote_store(folder):
-            remote_setup(f"{what} {folder}", lambda folder=str(folder): url_to_fs(folder)[0].isdir(folder))
+            _set_up_remote(f"{what} {folder}", lambda folder=str(folder): _takes_a_file(folder))
     for logger in trainer.loggers:
-        if remote_root(logger) is not None:  # its folder listed and made, its writer opened: now, bounded
-            what = f"the logger's store {logger.root_dir}"
-            try:
-                remote_setup(what, lambda logger=logger: (logger.log_dir, logger.experiment))
-            except TclightningError:
-                raise
-            except Exception as err:  # noqa: BLE001 - a store that answers but takes no files (http): one line
-                raise TclightningError(f"{what} cannot be written: {type(err).__name__}: {one_line(err)}") from None
+        root = remote_root(logger)
+        if root is not None:  # a file written, its folder listed and made, its writer opened: now, bounded
+            what = f"the logger's store {root}"
+            _set_up_remote(what, lambda logger=logger, root=root: (_takes_a_file(root), logger.log_dir,
+                                                                   logger.experiment))
             _bound_calls(logger, LOGGER_CALLS, what, REMOTE_CALL_S)
         elif logger_kind(type(logger)) in ("mlflow", "wandb"):
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
@@ -596,6 +592,32 @@ def ask_remote_stores(trainer: Any) -> None:
             if isinstance(callback, ModelCheckpoint) or type(callback).__name__ == "SaveConfigCallback":
                 _bound_calls(callback, CALLBACK_CALLS, f"the remote folder {type(callback).__name__} writes",
                              REMOTE_CHECKPOINT_S)
+
+
+def _set_up_remote(what: str, work: Callable[[], Any]) -> None:
+    """``work`` under :func:`~tclightning.network.remote_setup`; what the store raises (one that
+    answers but takes no files: a plain http server) is one line naming ``what``."""
+    try:
+        remote_setup(what, work)
+    except TclightningError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the store's answer, whatever its library makes of it
+        raise TclightningError(f"{what} cannot be written: {type(err).__name__}: {one_line(err)}") from None
+
+
+def _takes_a_file(folder: str) -> None:
+    """Write a byte to a new file in the remote ``folder`` (made if missing) and remove it: a store
+    that answers but takes no files fails here, before the fit, not at the run's first write
+    (Lightning's hyper-parameters, a checkpoint after the first steps)."""
+    from fsspec.core import url_to_fs
+
+    store, path = url_to_fs(folder)
+    if not store.isdir(path):  # asked first: a store that never answers is named so
+        store.makedirs(path, exist_ok=True)
+    probe = f"{path.rstrip('/')}/.tclightning-write-check-{os.getpid()}"
+    with store.open(probe, "wb") as file:
+        file.write(b"\0")
+    store.rm(probe)
 
 
 REMOTE_CALL_S = 120.0

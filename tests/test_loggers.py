@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -456,3 +457,57 @@ def test_each_call_of_a_logger_writing_to_a_remote_store_has_a_time_limit(tmp_pa
     with pytest.raises(TclightningError, match="memory://bounded-logs.*gave no answer within 0.5 s"):
         logger.log_metrics({"reward/mean": 1.0}, step=0)
     assert time.monotonic() - started < 10
+
+
+@pytest.fixture
+def read_only_server(tmp_path) -> Iterator[str]:
+    """A plain http server over an empty folder: it answers every read and takes no files."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    (tmp_path / "served").mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path / "served")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize("writer", ["csv", "tensorboard", "checkpoint"])
+def test_a_remote_store_that_takes_no_files_is_one_line_before_the_fit(writer, read_only_server, tmp_path, capsys):
+    """A plain http server answers the logger's setup: a CSV logger's first write (its
+    hyper-parameters) was a traceback, a TensorBoard writer's thread printed one, and a checkpoint
+    callback would fail after the first steps. A file is written there, and removed, first."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from tclightning.errors import TclightningError
+    from tclightning.logging import ask_remote_stores
+
+    store = f"{read_only_server}/logs"
+    logger = {"csv": CSVLogger(save_dir=store), "tensorboard": TensorBoardLogger(save_dir=store)}.get(writer, False)
+    callbacks = [ModelCheckpoint(dirpath=store)] if writer == "checkpoint" else []
+    trainer = pl.Trainer(logger=logger, callbacks=callbacks, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(TclightningError, match=f"{store}.* cannot be written: NotImplementedError"):
+        ask_remote_stores(trainer)
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_remote_store_that_takes_files_keeps_none_of_the_check_s(tmp_path):
+    import fsspec
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tclightning.logging import ask_remote_stores
+
+    trainer = pl.Trainer(logger=CSVLogger(save_dir="memory://checked-logs"), default_root_dir=str(tmp_path),
+                         enable_progress_bar=False, enable_model_summary=False)
+    ask_remote_stores(trainer)
+    store = fsspec.filesystem("memory")
+    assert not [path for path in store.find("/checked-logs") if "write-check" in path]
