@@ -639,7 +639,8 @@ CALLBACK_CALLS = ("setup", "on_train_start", "on_train_batch_end", "on_train_epo
 
 def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) -> None:
     """Give each of ``owner``'s methods ``names`` ``limit_s`` seconds (main thread), after which it is
-    one ``TclightningError`` naming ``what``."""
+    one ``TclightningError`` naming ``what``; what the store raises in one (a store that took a file
+    and then keeps none: Lightning's "Missing folder") is one line naming ``what`` too."""
     from tclightning.limits import within
 
     for name in names:
@@ -652,6 +653,10 @@ def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) ->
                 return within(lambda: _method(*args, **kwargs), limit_s)
             except TimeoutError:
                 raise TclightningError(f"{what} gave no answer within {limit_s:g} s") from None
+            except TclightningError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the store's failure, whatever its library makes of it
+                raise TclightningError(f"{what} failed: {type(err).__name__}: {one_line(err)}") from err
 
         bounded.remote_call_bounded = True  # type: ignore[attr-defined]
         setattr(owner, name, bounded)

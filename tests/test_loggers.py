@@ -511,3 +511,25 @@ def test_a_remote_store_that_takes_files_keeps_none_of_the_check_s(tmp_path):
     ask_remote_stores(trainer)
     store = fsspec.filesystem("memory")
     assert not [path for path in store.find("/checked-logs") if "write-check" in path]
+
+
+def test_a_remote_store_that_fails_a_logger_s_call_is_one_line(tmp_path, monkeypatch):
+    """A store that took the check's file and then keeps none (an ftp server answering every command
+    with success): Lightning's "Missing folder" at the first hyper-parameters was a traceback."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tclightning.errors import TclightningError
+    from tclightning.logging import ask_remote_stores
+
+    logger = CSVLogger(save_dir="memory://forgetful-logs")
+    trainer = pl.Trainer(logger=logger, default_root_dir=str(tmp_path), enable_progress_bar=False,
+                         enable_model_summary=False)
+    ask_remote_stores(trainer)
+
+    def forgotten(params):
+        raise RuntimeError("Missing folder: memory://forgetful-logs/lightning_logs/version_0.")
+
+    monkeypatch.setattr(logger.experiment, "log_hparams", forgotten)
+    with pytest.raises(TclightningError, match="memory://forgetful-logs.* failed: RuntimeError: Missing folder"):
+        logger.log_hyperparams({"lr": 1e-3})
