@@ -186,12 +186,13 @@ class SameFolder:
 
 
 def own_file(path: Path, mode: str) -> IO[Any]:
-    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``rb``, ``ab`` or ``wb`` for bytes)
+    """``path`` opened as text (``mode`` ``r``, ``a`` or ``x``; ``rb``, ``ab``, ``wb`` or ``xb`` for bytes)
     only if it is still a regular file of the run's own: never through a link, never a FIFO or a
     device (which someone may have put in its place while the run went on). ``TclightningError``
     (one line) otherwise."""
     flags = {"r": os.O_RDONLY, "rb": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND, "ab": os.O_WRONLY | os.O_APPEND,
-             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
+             "wb": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+             "xb": os.O_WRONLY | os.O_CREAT | os.O_EXCL}[mode]
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:

@@ -10,6 +10,7 @@ import csv
 import os
 import contextlib
 import re
+import secrets
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -614,10 +615,10 @@ def _takes_a_file(folder: str) -> None:
     store, path = url_to_fs(folder)
     if not store.isdir(path):  # asked first: a store that never answers is named so
         store.makedirs(path, exist_ok=True)
-    probe = f"{path.rstrip('/')}/.tclightning-write-check-{os.getpid()}"
+    probe = f"{path.rstrip('/')}/.tclightning-write-check-{secrets.token_hex(8)}"  # a name no file of yours has
     with store.open(probe, "wb") as file:
         file.write(b"\0")
-    store.rm(probe)
+    store.rm_file(probe)  # that one file (``rm`` reads ``[ab]`` or ``*`` in a folder's name as a pattern)
 
 
 REMOTE_CALL_S = 120.0

@@ -533,3 +533,19 @@ def test_a_remote_store_that_fails_a_logger_s_call_is_one_line(tmp_path, monkeyp
     monkeypatch.setattr(logger.experiment, "log_hparams", forgotten)
     with pytest.raises(TclightningError, match="memory://forgetful-logs.* failed: RuntimeError: Missing folder"):
         logger.log_hyperparams({"lr": 1e-3})
+
+
+def test_a_remote_folder_s_write_check_removes_only_its_own_file(tmp_path):
+    """The check's file was named after the process (a file of yours of that name was written over
+    and removed) and removed by ``rm``, which read ``[ab]`` in a folder's name as a pattern: ``ua``'s
+    file went, the check's stayed."""
+    import fsspec
+
+    from tclightning.logging import _takes_a_file
+
+    store = fsspec.filesystem("memory")
+    for folder in ("/u[ab]", "/ua"):
+        store.pipe(f"{folder}/.tclightning-write-check-{os.getpid()}", b"yours")
+    _takes_a_file("memory://u[ab]")
+    assert sorted(store.find("/ua") + store.find("/u[ab]")) == sorted(
+        [f"/u[ab]/.tclightning-write-check-{os.getpid()}", f"/ua/.tclightning-write-check-{os.getpid()}"])

@@ -242,3 +242,27 @@ def test_a_two_node_bench_whose_nodes_fail_says_why_in_one_line(tmp_path: Path, 
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: bench two-node: ") and said in err[0], err
     assert '"returncodes": [' in captured.out
+
+
+@pytest.mark.parametrize("kept", ["node0.log", "node1.log", "node0.log-a-hard-link"])
+def test_a_two_node_bench_never_writes_over_a_node_log_already_there(tmp_path: Path, kept: str,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``node0.log`` and ``node1.log`` in ``--dir`` (yours, or an earlier run's; a hard link to a
+    file elsewhere) were emptied and written over without a word: refused before anything starts."""
+    from tclightning.cli.main import main
+
+    mine = tmp_path / "mine.txt"
+    mine.write_text("keep me\n")
+    where = tmp_path / "w"
+    where.mkdir()
+    name = kept.removesuffix("-a-hard-link")
+    if kept.endswith("hard-link"):
+        os.link(mine, where / name)
+    else:
+        (where / name).write_text("keep me\n")
+    capsys.readouterr()
+    assert main(["bench", "two-node", "--dir", str(where), "--", "--recipe", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{name}: already there" in err[0], err
+    assert (where / name).read_text() == mine.read_text() == "keep me\n"
+    assert sorted(p.name for p in where.iterdir()) == [name]

@@ -135,6 +135,11 @@ def run_nodes(
         # marker and lock checks a run makes of its own folder
         raise TclightningError(f"{run_dir}: already holds something (an earlier run?); the nodes' run goes into a "
                                "new or empty folder: give another --dir")
+    logs = [Path(cwd) / f"node{i}.log" for i in range(nodes)]
+    kept = next((log for log in logs if os.path.lexists(log)), None)
+    if kept is not None:  # a file of yours, or an earlier run's log: never written over
+        raise TclightningError(f"{kept}: already there (an earlier run's log?); each node's output goes into a new "
+                               "file: give another --dir")
     problem = netns_problem()
     if problem is not None:
         raise RuntimeError(f"a multi-node launch needs network namespaces: {problem}")
@@ -148,7 +153,6 @@ def run_nodes(
     _remove_orphaned_links()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: list[subprocess.Popen[bytes]] = []
-    logs = [Path(cwd) / f"node{i}.log" for i in range(nodes)]
     try:
         _sh("ip", "link", "add", bridge, "type", "bridge")
         _sh("ip", "link", "set", bridge, "up")
@@ -174,7 +178,7 @@ def run_nodes(
                         "OMP_NUM_THREADS": "1",
                         LAUNCHER_PID_ENV: "parent"}  # torchrun starts its workers in sessions of their own
             echo(f"node {node} ({space}): {shlex.join(commands[node])}")
-            with own_file(logs[node], "wb") as log:  # a file, not a pipe: a chatty node never blocks
+            with own_file(logs[node], "xb") as log:  # a new file, not a pipe: a chatty node never blocks
                 procs.append(subprocess.Popen(["ip", "netns", "exec", space, *commands[node]], cwd=cwd, env=node_env,
                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                               preexec_fn=functools.partial(die_with_parent, os.getpid())))
