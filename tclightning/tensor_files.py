@@ -522,19 +522,28 @@ class _PickleCheck:
 
     def _build(self, state: _Value, target: _Value) -> None:
         fields = state.items if state.kind == "tuple" else ()
-        flat = all(item.kind in ("str", "int", "bool", "none") for item in fields)
         if target.kind == "object" and (state.kind == "dict" or (len(fields) == 2 and fields[0].kind == "dict"
                                                                  and fields[1].kind == "none")):
             return  # a dataclass's fields
         if target.kind == "dict" and state.kind == "dict":  # a state dict's ``_metadata``
             return
-        if target.kind == "dtype" and fields and flat:  # a plain dtype: no fields, no subarray shape
+        if target.kind == "dtype" and _plain_dtype_state(fields):
             return
         if target.kind == "array" and len(fields) == 5 and fields[1].kind == "tuple" and len(fields[1].items) <= 32 \
                 and all(d.kind == "int" for d in fields[1].items) and fields[2].kind == "dtype" \
                 and fields[4].kind == "bytes":
             return
         raise RefusedTensorFile(f"its pickle sets the state of a {target.kind} in a form torch.save never writes")
+
+
+def _plain_dtype_state(fields: tuple[_Value, ...]) -> bool:
+    """Whether ``fields`` is the state numpy pickles for a plain numeric dtype: ``(3, byte order,
+    None, None, None, -1, -1, 0)``. Its last field holds numpy's flags, and the flags of an object
+    dtype would make numpy read an array's numbers as object pointers."""
+    kinds = [field.kind for field in fields]
+    return (kinds == ["int", "str", "none", "none", "none", "int", "int", "int"] and fields[0].number == 3
+            and fields[1].text in ("<", ">", "|", "=") and fields[5].number == fields[6].number == -1
+            and fields[7].number == 0)
 
 
 def _named(value: _Value) -> str:

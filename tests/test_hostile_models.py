@@ -583,6 +583,30 @@ def test_a_pickled_weights_file_renamed_over_the_checked_one_is_never_what_is_un
         load_model(ModelConfig(source="hf", name=str(folder)))
 
 
+def test_a_model_config_written_over_in_place_after_its_check_is_never_what_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder's config.json was checked (layers, size), then transformers read it again: one
+    written over in the same file in between built a model of 40,000 layers for minutes. The
+    folder's configs and tokenizer files are read from copies made when they were opened."""
+    import json
+
+    import tclightning.models.loading as loading
+
+    folder = _model_folder(tmp_path / "model")
+    honest = json.loads((folder / "config.json").read_text())
+    check_hub_model = loading.check_hub_model
+
+    def written_over_after_the_check(cfg: ModelConfig) -> None:
+        with (folder / "config.json").open("r+") as same_file:  # the same file, not a rename
+            json.dump({**honest, "num_hidden_layers": 40_000}, same_file)
+            same_file.truncate()
+        check_hub_model(cfg)
+
+    monkeypatch.setattr(loading, "check_hub_model", written_over_after_the_check)
+    model, _ = load_model(ModelConfig(source="hf", name=str(folder)))
+    assert model.config.num_hidden_layers == honest["num_hidden_layers"]
+
+
 @pytest.mark.timeout(120)  # a regression opens the FIFO and waits: fail instead
 @pytest.mark.parametrize("swapped", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_a_fifo_renamed_over_a_model_file_after_the_checks_is_never_opened(

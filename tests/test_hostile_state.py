@@ -1274,6 +1274,37 @@ def test_an_anchor_job_restored_whole_is_delivered() -> None:
     assert len(computed) == 1 and anchor.pop_delivery() is not None
 
 
+@pytest.mark.parametrize("flags", [0, 1, 5])
+def test_a_numpy_dtype_whose_state_claims_objects_is_refused(tmp_path: Path, flags: int) -> None:
+    """Any flat tuple passed as a dtype's state: flags of an object dtype on a uint32 array's dtype
+    (an RNG key) made numpy read its numbers as object pointers. Only a plain dtype's state passes."""
+    import io
+    import pickletools
+
+    import numpy as np
+
+    from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+
+    path = tmp_path / "rng.ckpt"
+    torch.save({"key": np.arange(4, dtype=np.uint32)}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = [(info.filename, bytearray(archive.read(info))) for info in archive.infolist()]
+    pickled = next(data for name, data in records if name.endswith("data.pkl"))
+    ops = list(pickletools.genops(io.BytesIO(bytes(pickled))))
+    start = next(i for i, (op, arg, _) in enumerate(ops) if op.name == "BININT1" and arg == 3)  # the state's version
+    last = next(i for i in range(start, len(ops)) if ops[i][0].name == "TUPLE") - 1  # its flags: a BININT1 0
+    assert ops[last][0].name == "BININT1" and ops[last][1] == 0
+    pickled[ops[last][2] + 1] = flags
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in records:
+            archive.writestr(name, bytes(data))
+    if flags == 0:
+        check_torch_file(path, numpy_arrays=True)
+        return
+    with pytest.raises(RefusedTensorFile, match="sets the state of a dtype"):
+        check_torch_file(path, numpy_arrays=True)
+
+
 def test_a_pickle_of_nothing_but_marks_is_refused_at_once(tmp_path: Path) -> None:
     """Each open mark holds a list: 20 MB of them took minutes and 1.7 GB to read through."""
     from tclightning.tensor_files import MAX_OPEN_MARKS, RefusedTensorFile, check_torch_file

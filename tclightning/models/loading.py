@@ -389,8 +389,11 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
         with contextlib.ExitStack() as pinned:
-            # a local folder is read through its pinned view; a hub name from the cache transformers resolves
-            source = (pinned.enter_context(pinned_files(local, _model_folder_files(local), "the model folder's file"))
+            # a local folder is read through its pinned view, its configs and tokenizer files (all files
+            # it reads whole) from copies in memory: what transformers reads is what was checked, even if
+            # written over in place; a hub name from the cache transformers resolves
+            source = (pinned.enter_context(pinned_files(local, _model_folder_files(local), "the model folder's file",
+                                                        copied_up_to=CONFIG_MAX_BYTES))
                       if local.is_dir() else None)
             on_disk = source if source is not None else cached_hub_folder(cfg.name)  # a downloaded model is files too
             if on_disk is not None:
