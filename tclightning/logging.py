@@ -562,24 +562,32 @@ def remote_root(logger: Any) -> str | None:
 
 def ask_remote_stores(trainer: Any) -> None:
     """Ask each remote store ``trainer`` will write into, once, under
-    :func:`~tclightning.network.remote_setup`'s time limit: its ``default_root_dir``, each CSV or
-    TensorBoard logger's folder (listed for its next version), an MLflow or W&B logger's server
-    (its experiment opened), each ``ModelCheckpoint``'s ``dirpath``. A store or server that never
-    answers is one ``TclightningError`` naming it, before the fit (Lightning would wait on it
-    without end); one that stalls later meets each request's own time limit."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    :func:`~tclightning.network.remote_setup`'s time limit: its ``default_root_dir``, each
+    callback's remote ``dirpath`` (``ModelCheckpoint``, ``OnExceptionCheckpoint``), its profiler's,
+    each CSV or TensorBoard logger's folder (listed for its next version), an MLflow or W&B logger's
+    server (its experiment opened). A store or server that never answers is one
+    ``TclightningError`` naming it, before the fit (Lightning would wait on it without end). Once
+    any store is remote, every writing call of the loggers on one, of the callbacks that write to
+    one or may (a checkpoint callback's default folder is the logger's, and LightningCLI's config
+    writer writes into it) and of the profiler has a time limit in all: one that stalls later, or
+    fails, is one line too."""
     from tclightning.recipes.loader import logger_kind
 
+    profiler = getattr(trainer, "profiler", None)
     folders = [("trainer.default_root_dir", trainer.default_root_dir)]
-    folders += [("the checkpoint callback's dirpath", callback.dirpath) for callback in trainer.callbacks
-                if isinstance(callback, ModelCheckpoint)]
+    folders += [(f"the {type(callback).__name__}'s dirpath", callback.dirpath) for callback in trainer.callbacks
+                if isinstance(getattr(callback, "dirpath", None), (str, os.PathLike))]
+    if isinstance(getattr(profiler, "dirpath", None), (str, os.PathLike)):
+        folders.append((f"the {type(profiler).__name__}'s dirpath", profiler.dirpath))
+    remote = False
     for what, folder in folders:
         if remote_store(folder):
+            remote = True
             _set_up_remote(f"{what} {folder}", lambda folder=str(folder): _takes_a_file(folder))
     for logger in trainer.loggers:
         root = remote_root(logger)
         if root is not None:  # a file written, its folder listed and made, its writer opened: now, bounded
+            remote = True
             what = f"the logger's store {root}"
             _set_up_remote(what, lambda logger=logger, root=root: (_takes_a_file(root), logger.log_dir,
                                                                    logger.experiment))
@@ -587,12 +595,16 @@ def ask_remote_stores(trainer: Any) -> None:
         elif logger_kind(type(logger)) in ("mlflow", "wandb"):
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
             _bound_calls(logger, LOGGER_CALLS, f"the {type(logger).__name__}'s server", REMOTE_CALL_S)
-    if any(remote_store(folder) for _, folder in folders):  # a checkpoint callback (its default dirpath: the
-        # default_root_dir's) or LightningCLI's config writer writes there at its hooks
+    if remote:
         for callback in trainer.callbacks:
-            if isinstance(callback, ModelCheckpoint) or type(callback).__name__ == "SaveConfigCallback":
-                _bound_calls(callback, CALLBACK_CALLS, f"the remote folder {type(callback).__name__} writes",
+            folder = getattr(callback, "dirpath", False)  # None: the logger's or default_root_dir's, at setup
+            if folder is None or (folder is not False and remote_store(folder)) \
+                    or type(callback).__name__ == "SaveConfigCallback":  # LightningCLI's: into the logger's folder
+                _bound_calls(callback, CALLBACK_CALLS, f"the remote store {type(callback).__name__} writes to",
                              REMOTE_CHECKPOINT_S)
+        if profiler is not None:
+            _bound_calls(profiler, PROFILER_CALLS, f"the remote store {type(profiler).__name__} writes to",
+                         REMOTE_CHECKPOINT_S)
 
 
 def _set_up_remote(what: str, work: Callable[[], Any]) -> None:
@@ -634,8 +646,11 @@ LOGGER_CALLS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize
 """The calls with which Lightning has a logger write to its store or server."""
 
 CALLBACK_CALLS = ("setup", "on_train_start", "on_train_batch_end", "on_train_epoch_end", "on_validation_end",
-                  "on_fit_end", "teardown")
+                  "on_fit_end", "on_exception", "teardown")
 """The hooks at which a checkpoint callback (or LightningCLI's config writer) writes its files."""
+
+PROFILER_CALLS = ("setup", "describe", "teardown")
+"""The calls at which a profiler with a ``dirpath`` writes its report."""
 
 
 def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) -> None:

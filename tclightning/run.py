@@ -450,16 +450,22 @@ LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "NODE_RANK", "GROUP_RANK"
 """Variables one of which a multi-node launcher (torchrun, SLURM, Lightning's NODE_RANK, MPI) sets."""
 
 
+def require_launcher(nodes: int, key: str) -> None:
+    """Refuse ``nodes > 1`` (the option ``key``) started by hand on one node: no launcher variable
+    (:data:`LAUNCHER_ENV`) is set, and the ranks would wait for peers that never come."""
+    if nodes > 1 and not any(os.environ.get(name) for name in LAUNCHER_ENV):
+        raise TclightningError(
+            f"{key}={nodes}: start it on every node with a launcher that tells each node its rank "
+            "(torchrun --nnodes ... --node_rank ..., SLURM srun, or NODE_RANK/MASTER_ADDR set): "
+            "none is set here, and the ranks would wait for peers that never come (docs/distributed.md)")
+
+
 def require_launcher_for_nodes(recipe: RecipeConfig) -> None:
     """Refuse ``trainer.num_nodes > 1`` started by hand on one node: with no launcher the ranks
     would wait for peers that never come (300 s, then a traceback); and, for any run of several
     processes, a ``MASTER_PORT`` that is no port or a ``NODE_RANK`` past the nodes."""
     nodes = recipe.trainer.num_nodes
-    if nodes > 1 and not any(os.environ.get(name) for name in LAUNCHER_ENV):
-        raise TclightningError(
-            f"trainer.num_nodes={nodes}: start it on every node with a launcher that tells each node its rank "
-            "(torchrun --nnodes ... --node_rank ..., SLURM srun, or NODE_RANK/MASTER_ADDR set): "
-            "none is set here, and the ranks would wait for peers that never come (docs/distributed.md)")
+    require_launcher(nodes, "trainer.num_nodes")
     if recipe.trainer.devices * nodes <= 1:
         return
     for name, low, high in (("MASTER_PORT", 1, 65535), ("NODE_RANK", 0, nodes - 1)):

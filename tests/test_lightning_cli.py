@@ -489,3 +489,26 @@ def test_a_class_of_the_configuration_that_cannot_be_built_is_one_line(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("error: the configuration's lightning.pytorch.loggers.CSVLogger could not be built: "
                        "Protocol not known: gopher (nothing was trained)"), err
+    for where in (["--trainer.default_root_dir=gopher://host/runs"],  # read by Lightning's own constructors
+                  ["--trainer.callbacks=ModelCheckpoint", "--trainer.callbacks.dirpath=gopher://host/ckpt"]):
+        assert lightning_cli.main(["fit", "--config", "my_config.yaml", *where]) == 2
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in err and last.startswith("error: ") and "gopher" in last, err
+        assert "fsspec does not know" in last or "Protocol not known" in last, err
+
+
+@pytest.mark.timeout(120)  # a regression waits for the second node: fail instead
+def test_lightning_fit_on_several_nodes_started_by_hand_is_one_line(tmp_path, monkeypatch, capsys):
+    """``--trainer.num_nodes=2`` with no launcher waited in torch's rendezvous for a node that never
+    comes, as ``tclightning run`` refuses at once."""
+    from tclightning.run import LAUNCHER_ENV
+
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.num_nodes=2",
+                               "--trainer.strategy=ddp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --trainer.num_nodes=2: start it on every node with a launcher"), err

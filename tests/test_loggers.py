@@ -549,3 +549,39 @@ def test_a_remote_folder_s_write_check_removes_only_its_own_file(tmp_path):
     _takes_a_file("memory://u[ab]")
     assert sorted(store.find("/ua") + store.find("/u[ab]")) == sorted(
         [f"/u[ab]/.tclightning-write-check-{os.getpid()}", f"/ua/.tclightning-write-check-{os.getpid()}"])
+
+
+@pytest.mark.timeout(60)  # a regression sleeps out the stall: fail instead
+def test_every_writer_into_a_remote_store_has_a_time_limit_once_any_store_is_remote(tmp_path, monkeypatch):
+    """With only the logger's folder remote, LightningCLI's config writer and Lightning's default
+    checkpoint callback (which write into it), an exception checkpoint's and a profiler's remote
+    folders were waited on without end (webhdfs sets no request limit)."""
+    import time
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    import fsspec
+    import tclightning.logging as logging_module
+    from tclightning.errors import TclightningError
+    from tclightning.logging import ask_remote_stores
+
+    monkeypatch.setattr(logging_module, "REMOTE_CHECKPOINT_S", 0.5)
+    on_exception, checkpoint = OnExceptionCheckpoint(dirpath="memory://on-exception"), ModelCheckpoint()
+    trainer = pl.Trainer(logger=CSVLogger(save_dir="memory://remote-logs"), callbacks=[on_exception, checkpoint],
+                         profiler=SimpleProfiler(dirpath="memory://profiles", filename="p"),
+                         default_root_dir=str(tmp_path), enable_progress_bar=False, enable_model_summary=False)
+    ask_remote_stores(trainer)
+    store = fsspec.filesystem("memory")
+    assert store.isdir("/on-exception") and store.isdir("/profiles")  # asked, and a file written there
+    for bounded in (checkpoint.setup, checkpoint.on_train_batch_end, on_exception.on_exception,
+                    trainer.profiler.describe):  # the checkpoint's folder: the logger's, at setup
+        assert bounded.remote_call_bounded
+    monkeypatch.setattr(checkpoint, "setup", lambda *args: time.sleep(30))
+    ask_remote_stores(trainer)  # bounded again, the stall within
+    started = time.monotonic()
+    with pytest.raises(TclightningError, match="ModelCheckpoint writes to gave no answer within 0.5 s"):
+        checkpoint.setup(trainer, None, "fit")
+    assert time.monotonic() - started < 10

@@ -147,8 +147,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
             from tclightning.logging import ask_remote_stores
+            from tclightning.run import require_launcher
 
             trainer = super().instantiate_trainer(**kwargs)
+            require_launcher(trainer.num_nodes, "--trainer.num_nodes")  # else the ranks wait for peers without end
             ask_remote_stores(trainer)
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
                 trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
@@ -212,8 +214,12 @@ def lightning_cli(argv: Sequence[str]) -> int:
         if "ckpt_path=" in text:
             raise TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)") from None
         built = _class_not_built(str(err))
-        if built is None:
+        unknown = re.search(r"Protocol not known: (\S+)", str(err))
+        if built is None and unknown is None:
             raise
+        if built is None:  # a folder fsspec reads as a URL of a protocol it does not know
+            raise TclightningError(f"a folder of the configuration names the storage protocol "
+                                   f"'{unknown.group(1)[:80]}', which fsspec does not know (nothing was trained)") from None
         raise TclightningError(f"the configuration's {built} (nothing was trained)") from None
     except Exception as err:  # a remote store or server that failed mid-fit: one line; anything else as it is
         reason = remote_failure(err)
