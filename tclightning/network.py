@@ -130,6 +130,35 @@ def bound_remote_requests() -> None:
             client.setdefault("timeout", limit)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    _bound_webhdfs_requests()
+
+
+def _bound_webhdfs_requests() -> None:
+    """fsspec's webhdfs store sends every request through a ``requests`` session without a timeout:
+    a server that stops answering held whatever asked it (LightningCLI resolving ``--ckpt_path
+    last``, a learning-rate finder removing its checkpoint) for ever. Its sessions get
+    :data:`REQUEST_TIMEOUT_S` to connect and for the next bytes, where a request names none."""
+    try:
+        import requests
+        from fsspec.implementations.webhdfs import WebHDFS
+    except ImportError:  # no requests: no webhdfs store to bound
+        return
+    if getattr(WebHDFS._connect, "requests_bounded", False):
+        return
+
+    class BoundedSession(requests.Session):
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", (REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_S))
+            return super().request(*args, **kwargs)
+
+    connect = WebHDFS._connect
+
+    def bounded_connect(self: Any) -> None:
+        connect(self)
+        self.session.__class__ = BoundedSession  # its settings (auth, certificates) kept
+
+    bounded_connect.requests_bounded = True  # type: ignore[attr-defined]
+    WebHDFS._connect = bounded_connect
 
 
 def remote_failure(err: BaseException) -> str | None:

@@ -652,6 +652,28 @@ def test_a_server_that_answers_once_and_then_stalls_is_refused_within_the_setup_
 
 
 @pytest.mark.timeout(120)  # a regression waits on the server: fail instead
+@pytest.mark.timeout(60)  # a regression waits on the server: fail instead
+def test_each_request_to_a_webhdfs_store_has_a_time_limit(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec's webhdfs store sets no timeout on its requests: a server that stops answering held
+    LightningCLI's ``--ckpt_path last`` (it lists the checkpoint folder before any hook) or a
+    learning-rate finder removing its checkpoint, for ever."""
+    import time
+
+    import requests
+    from fsspec.implementations.webhdfs import WebHDFS
+
+    monkeypatch.setattr(network, "REQUEST_TIMEOUT_S", 1)
+    network.bound_remote_requests()
+    network.bound_remote_requests()  # once is enough: bounded once
+    host, port = silent_server.removeprefix("http://").split(":")
+    store = WebHDFS(host, port=int(port), skip_instance_cache=True)
+    started = time.monotonic()
+    with pytest.raises(requests.exceptions.Timeout) as stalled:
+        store.ls("/checkpoints")
+    assert time.monotonic() - started < 30
+    assert network.remote_failure(stalled.value).startswith("a remote store or server stopped answering")
+
+
 def test_each_request_to_a_remote_store_has_a_time_limit(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """fsspec's http store waited five minutes a request (aiohttp's default), and MLflow two minutes
     and seven retries: a store that stalls mid-run ends the command, in one line. A limit set
