@@ -107,21 +107,30 @@ def pinned_files(folder: Path, files: Iterable[Path], what: str, max_bytes: int 
         if not Path("/proc/self/fd").is_dir():
             yield folder
             return
-        if hasattr(os, "memfd_create"):
-            handles = [(file, opened.enter_context(_memory_copy(handle, file.name))
-                        if os.fstat(handle.fileno()).st_size <= copied_up_to else handle) for file, handle in handles]
-        view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-view-")))
-        for file, handle in handles:
-            link = view / file.relative_to(folder)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(f"/proc/self/fd/{handle.fileno()}")
+        try:
+            if hasattr(os, "memfd_create"):
+                sizes = [os.fstat(handle.fileno()).st_size for _, handle in handles]
+                handles = [(file, opened.enter_context(_memory_copy(handle, file.name, size))
+                            if size <= copied_up_to else handle) for (file, handle), size in zip(handles, sizes)]
+            view = Path(opened.enter_context(tempfile.TemporaryDirectory(prefix="tclightning-view-")))
+            for file, handle in handles:
+                link = view / file.relative_to(folder)
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(f"/proc/self/fd/{handle.fileno()}")
+        except OSError as err:  # out of descriptors (a folder of thousands of files), of memory, of space
+            raise TclightningError(f"{what} {folder}: cannot hold its files open to read them ({err.strerror or err}); "
+                                   "nothing was read") from None
         yield view
 
 
-def _memory_copy(handle: IO[bytes], name: str) -> IO[bytes]:
-    """A copy of the open file ``handle`` in memory (an anonymous ``memfd``), at its start."""
+def _memory_copy(handle: IO[bytes], name: str, size: int) -> IO[bytes]:
+    """A copy of the first ``size`` bytes of the open file ``handle`` (the size it had when
+    checked: one grown since is not copied past it) in memory (an anonymous ``memfd``), at its start."""
     copy = os.fdopen(os.memfd_create(f"tclightning-{name}"[:240]), "w+b")
-    shutil.copyfileobj(handle, copy, 1 << 24)
+    left = size
+    while left > 0 and (chunk := handle.read(min(left, 1 << 24))):
+        copy.write(chunk)
+        left -= len(chunk)
     copy.seek(0)
     return copy
 

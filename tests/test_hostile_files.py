@@ -861,3 +861,53 @@ def test_a_fifo_renamed_over_an_input_between_its_reads_is_never_opened(reader: 
             data.read_rows(path)
     else:
         assert data.read_rows(path) == rows
+
+
+def test_a_file_copied_into_memory_is_copied_only_up_to_the_size_checked(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model folder's small file grown (sparse, to gigabytes) while it was copied into memory was
+    copied whole: time and memory without bound."""
+    import tclightning.files as files
+
+    (tmp_path / "config.json").write_bytes(b"{}" * 8)
+    opened = files.open_regular
+
+    class GrowsOnRead:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def fileno(self) -> int:
+            return self.handle.fileno()
+
+        def read(self, size: int = -1) -> bytes:
+            data = self.handle.read(size)
+            os.truncate(tmp_path / "config.json", 2**30)  # its owner grows it as soon as it is read
+            return data
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.close()
+
+    monkeypatch.setattr(files, "open_regular", lambda *args, **kwargs: GrowsOnRead(opened(*args, **kwargs)))
+    with files.pinned_files(tmp_path, [tmp_path / "config.json"], "the model folder's file", copied_up_to=2**20) as view:
+        assert (view / "config.json").read_bytes() == b"{}" * 8
+
+
+def test_a_folder_too_many_to_hold_open_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors for the copies (a folder of 11,000 files) was an OSError traceback."""
+    import errno
+
+    import tclightning.files as files
+    from tclightning.errors import TclightningError
+
+    (tmp_path / "config.json").write_text("{}")
+
+    def no_more(name: str) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(os, "memfd_create", no_more)
+    with pytest.raises(TclightningError, match="cannot hold its files open to read them \\(Too many open files\\)"):
+        with files.pinned_files(tmp_path, [tmp_path / "config.json"], "the model folder's file", copied_up_to=2**20):
+            pass

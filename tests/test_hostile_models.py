@@ -607,6 +607,51 @@ def test_a_model_config_written_over_in_place_after_its_check_is_never_what_is_r
     assert model.config.num_hidden_layers == honest["num_hidden_layers"]
 
 
+def test_a_hub_model_s_config_written_over_in_place_after_its_check_is_never_what_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A downloaded hub model's folder was checked by path, and transformers read its config.json
+    again: one written over in between built 40,000 layers. It is read as a local folder is."""
+    import json
+    import shutil
+
+    import tclightning.models.loading as loading
+
+    snapshot = tmp_path / "hub" / "models--someone--small" / "snapshots" / "abc"
+    snapshot.parent.mkdir(parents=True)
+    shutil.copytree(_model_folder(tmp_path / "model"), snapshot)
+    (tmp_path / "hub" / "models--someone--small" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--small" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    honest = json.loads((snapshot / "config.json").read_text())
+    check_hub_model = loading.check_hub_model
+
+    def written_over_after_the_check(cfg: ModelConfig) -> None:
+        with (snapshot / "config.json").open("r+") as same_file:
+            json.dump({**honest, "num_hidden_layers": 40_000}, same_file)
+            same_file.truncate()
+        check_hub_model(cfg)
+
+    monkeypatch.setattr(loading, "check_hub_model", written_over_after_the_check)
+    model, _ = load_model(ModelConfig(source="hf", name="someone/small"))
+    assert model.config.num_hidden_layers == honest["num_hidden_layers"]
+    assert model.config._name_or_path == "someone/small"
+
+
+def test_a_model_folder_holding_an_adapter_is_refused(tmp_path: Path) -> None:
+    """transformers loads the base an adapter folder names (any folder, any hub name) with none of
+    the folder's checks: a base of 40,000 layers built for minutes."""
+    import json
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA",
+                                                            "base_model_name_or_path": str(tmp_path / "base")}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(TclightningError, match="holds a PEFT adapter .*give the base model as model.name"):
+        load_model(ModelConfig(source="hf", name=str(folder)))
+
+
 @pytest.mark.timeout(120)  # a regression opens the FIFO and waits: fail instead
 @pytest.mark.parametrize("swapped", ["tokenizer.json", "config.json", "model.safetensors"])
 def test_a_fifo_renamed_over_a_model_file_after_the_checks_is_never_opened(

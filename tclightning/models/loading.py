@@ -210,6 +210,14 @@ MAX_LAYERS = 1024
 is built, even on the meta device, so a config asking for 10^5 thin layers would take minutes."""
 
 
+def _holds_weights(folder: Path) -> bool:
+    """Whether ``folder`` holds a weights file (a hub model's downloaded folder may hold only its config)."""
+    return any(p.suffix in WEIGHT_SUFFIXES for p in tree(folder))
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
 def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     """Every file of a local model folder, sub-folders included (``additional_chat_templates/``, a
     sharded checkpoint's), is a regular file: transformers reads them by name, and a FIFO or a link
@@ -217,11 +225,15 @@ def check_model_folder(folder: Path, trust_remote_code: bool = False) -> None:
     :data:`CONFIG_MAX_BYTES`. Every pickled weights file transformers would unpickle holds only what
     ``torch.save`` writes for tensors (:func:`_check_pickled_weights`). Then :func:`check_model_size`.
     ``TclightningError`` (one line naming the file) otherwise."""
+    if (folder / "adapter_config.json").exists():  # transformers would load the base it names, unchecked
+        raise TclightningError(f"the model folder {folder}: holds a PEFT adapter (adapter_config.json), not a model: "
+                               "transformers would load the base model it names from wherever that is, unchecked; "
+                               "give the base model as model.name (load the adapter with peft.PeftModel, or export "
+                               "it merged)")
     for entry in _model_folder_files(folder):
         regular_file(entry, "the model folder's file", CONFIG_MAX_BYTES if entry.suffix in READ_WHOLE_SUFFIXES else None)
     # sub-folders too: a sharded checkpoint's index may name weight files anywhere below it
-    weights = sum(p.stat().st_size for p in tree(folder)
-                  if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") and p.is_file())
+    weights = sum(p.stat().st_size for p in tree(folder) if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     for entry in {*(e for e in tree(folder) if e.suffix in PICKLED_WEIGHTS), *_indexed_weights(folder)}:
         if entry.is_file():
             _check_pickled_weights(entry)
@@ -389,13 +401,16 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
         with contextlib.ExitStack() as pinned:
-            # a local folder is read through its pinned view, its configs and tokenizer files (all files
-            # it reads whole) from copies in memory: what transformers reads is what was checked, even if
-            # written over in place; a hub name from the cache transformers resolves
-            source = (pinned.enter_context(pinned_files(local, _model_folder_files(local), "the model folder's file",
+            # a local folder, or a hub model's downloaded folder, is read through its pinned view, its
+            # configs and tokenizer files (all files it reads whole) from copies in memory: what
+            # transformers reads is what was checked, even if written over in place; a hub model whose
+            # weights are not downloaded yet from the name (transformers downloads them)
+            cached = None if local.is_dir() else cached_hub_folder(cfg.name)
+            folder = local if local.is_dir() else cached if cached is not None and _holds_weights(cached) else None
+            source = (pinned.enter_context(pinned_files(folder, _model_folder_files(folder), "the model folder's file",
                                                         copied_up_to=CONFIG_MAX_BYTES))
-                      if local.is_dir() else None)
-            on_disk = source if source is not None else cached_hub_folder(cfg.name)  # a downloaded model is files too
+                      if folder is not None else None)
+            on_disk = source if source is not None else cached  # a downloaded model is files too
             if on_disk is not None:
                 with _named_as(on_disk, local):
                     check_model_folder(on_disk, cfg.trust_remote_code)
