@@ -7,6 +7,7 @@ done with one (:func:`remote_setup`); and a time limit on each request afterward
 from __future__ import annotations
 
 import os
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -31,6 +32,10 @@ REQUEST_TIMEOUT_S = 30
 its answer (an fsspec http(s) request: four times this in all), where the library's own default
 waits five minutes or for ever (fsspec's http(s) stores; MLflow, which also retries seven times).
 A limit you set yourself is kept."""
+
+REQUEST_TOTAL_S = 4 * REQUEST_TIMEOUT_S
+"""How long one whole request to a remote store may take: a server that drips a byte every few
+seconds never trips the limit on each read."""
 
 HUB_URL = "https://huggingface.co"
 WANDB_URL = "https://api.wandb.ai"
@@ -68,8 +73,22 @@ def no_answer(url: str, timeout_s: float | None = None, client: Any = None) -> N
     :data:`ANSWER_TIMEOUT_S`) with any HTTP status (a 404 or a 401 is an answer: only its status
     line and headers are read); otherwise why not. ``client`` is the library's own HTTP client
     (huggingface_hub's session for the hub, an httpx-style ``stream``), so its proxies are the
-    ones asked; by default ``urllib`` with the environment's proxies, ``ALL_PROXY`` included."""
+    ones asked; by default ``urllib`` with the environment's proxies, ``ALL_PROXY`` included.
+
+    The limit is on the whole answer: the clients' own limits are per read, and a server dripping
+    an endless header a byte every few seconds never trips them. The request runs in a thread
+    this call stops waiting for; one past the limit is left to end with the process."""
     timeout_s = ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
+    verdict: list[NoAnswer | None] = []
+    asking = threading.Thread(target=lambda: verdict.append(_ask(url, timeout_s, client)), daemon=True,
+                              name=f"tclightning-answer-check {host_of(url)}")
+    asking.start()
+    asking.join(timeout_s)
+    return verdict[0] if verdict else NoAnswer(f"no answer within {timeout_s:g} s", True)
+
+
+def _ask(url: str, timeout_s: float, client: Any) -> NoAnswer | None:
+    """One ``GET`` of ``url`` for :func:`no_answer`, with the clients' own per-read limit."""
     try:
         if client is not None:
             with client.stream("GET", url, timeout=timeout_s):
@@ -122,8 +141,7 @@ def bound_remote_requests() -> None:
     except ImportError:  # fsspec's http store needs it: without it there is no http store to bound
         aiohttp = None
     if aiohttp is not None:
-        # total too: a server that drips a byte every few seconds never trips the read limit
-        limit = aiohttp.ClientTimeout(total=4 * REQUEST_TIMEOUT_S, sock_connect=REQUEST_TIMEOUT_S,
+        limit = aiohttp.ClientTimeout(total=REQUEST_TOTAL_S, sock_connect=REQUEST_TIMEOUT_S,
                                       sock_read=REQUEST_TIMEOUT_S)
         for protocol in ("http", "https"):
             client = fsspec.config.conf.setdefault(protocol, {}).setdefault("client_kwargs", {})
@@ -137,7 +155,8 @@ def _bound_webhdfs_requests() -> None:
     """fsspec's webhdfs store sends every request through a ``requests`` session without a timeout:
     a server that stops answering held whatever asked it (LightningCLI resolving ``--ckpt_path
     last``, a learning-rate finder removing its checkpoint) for ever. Its sessions get
-    :data:`REQUEST_TIMEOUT_S` to connect and for the next bytes, where a request names none."""
+    :data:`REQUEST_TIMEOUT_S` to connect and for the next bytes, where a request names none, and
+    :data:`REQUEST_TOTAL_S` for the whole request (main thread: elsewhere the limit per read only)."""
     try:
         import requests
         from fsspec.implementations.webhdfs import WebHDFS
@@ -149,7 +168,7 @@ def _bound_webhdfs_requests() -> None:
     class BoundedSession(requests.Session):
         def request(self, *args: Any, **kwargs: Any) -> Any:
             kwargs.setdefault("timeout", (REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_S))
-            return super().request(*args, **kwargs)
+            return within(lambda: super(BoundedSession, self).request(*args, **kwargs), REQUEST_TOTAL_S)
 
     connect = WebHDFS._connect
 

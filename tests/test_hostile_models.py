@@ -4,12 +4,14 @@ Hugging Face Hub, W&B) that keeps silent is refused before anything is written."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -331,6 +333,25 @@ class _AnswersOnce(_NotFound):
     do_HEAD = do_GET
 
 
+class _DripsAHeader(_NotFound):
+    """Sends a status line, then one byte of an endless header every 0.1 s (for 20 s): each read
+    is answered well within any per-read limit."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Drip: ")
+        deadline = time.monotonic() + 20
+        with contextlib.suppress(OSError):
+            while time.monotonic() < deadline:
+                self.wfile.write(b"a")
+                self.wfile.flush()
+                time.sleep(0.1)
+
+
+@pytest.fixture
+def dripping_server() -> Iterator[str]:
+    yield from _serve(_DripsAHeader)
+
+
 @pytest.fixture
 def once_server() -> Iterator[str]:
     class Handler(_AnswersOnce):
@@ -363,6 +384,16 @@ def test_no_answer_tells_a_silent_host_from_a_closed_port_and_an_answer(
     refused = network.no_answer(closed_port)
     assert refused is not None and not refused.timed_out
     assert network.no_answer(answering_server) is None  # a 404 is an answer
+
+
+@pytest.mark.timeout(60)
+def test_no_answer_limits_the_whole_answer_not_each_read(dripping_server: str) -> None:
+    """A server dripping an endless header a byte at a time answers every read in time: the check
+    asked before a run waited for ever."""
+    started = time.monotonic()
+    verdict = network.no_answer(dripping_server)
+    assert verdict is not None and verdict.timed_out
+    assert time.monotonic() - started < 5  # the limit is 0.5 s; the server drips for 20
 
 
 @pytest.mark.parametrize("how", ["silent", "answers-head-only", "through-a-silent-all-proxy"])
@@ -567,18 +598,19 @@ def test_a_pickled_weights_file_renamed_over_the_checked_one_is_never_what_is_un
     model, _ = load_model(ModelConfig(source="hf", name=str(folder)))
     assert all(torch.equal(model.state_dict()[name], value) for name, value in weights.items())
 
-    check_hub_model = loading.check_hub_model
+    check_folder = loading.check_model_folder
 
-    def swapped_after_the_check(cfg: ModelConfig) -> None:  # runs between the folder's check and the load
+    # runs between the folder's check and the load
+    def swapped_after_the_check(view: Path, trust_remote_code: bool = False) -> None:
+        check_folder(view, trust_remote_code)
         crafted = with_pickle(tmp_path / "crafted.bin", "dict-key-of-shared-tuples")
         os.replace(crafted, folder / "pytorch_model.bin")
-        check_hub_model(cfg)
 
-    monkeypatch.setattr(loading, "check_hub_model", swapped_after_the_check)
+    monkeypatch.setattr(loading, "check_model_folder", swapped_after_the_check)
     model, _ = load_model(ModelConfig(source="hf", name=str(folder)))  # the file checked, pinned, is the one read
     assert all(torch.equal(model.state_dict()[name], value) for name, value in weights.items())
     assert model.config._name_or_path == str(folder)
-    monkeypatch.setattr(loading, "check_hub_model", check_hub_model)
+    monkeypatch.setattr(loading, "check_model_folder", check_folder)
     with pytest.raises(TclightningError, match=f"{folder}/pytorch_model.bin.*ages to hash"):  # your folder named
         load_model(ModelConfig(source="hf", name=str(folder)))
 
@@ -594,15 +626,15 @@ def test_a_model_config_written_over_in_place_after_its_check_is_never_what_is_r
 
     folder = _model_folder(tmp_path / "model")
     honest = json.loads((folder / "config.json").read_text())
-    check_hub_model = loading.check_hub_model
+    check_folder = loading.check_model_folder
 
-    def written_over_after_the_check(cfg: ModelConfig) -> None:
+    def written_over_after_the_check(view: Path, trust_remote_code: bool = False) -> None:
+        check_folder(view, trust_remote_code)
         with (folder / "config.json").open("r+") as same_file:  # the same file, not a rename
             json.dump({**honest, "num_hidden_layers": 40_000}, same_file)
             same_file.truncate()
-        check_hub_model(cfg)
 
-    monkeypatch.setattr(loading, "check_hub_model", written_over_after_the_check)
+    monkeypatch.setattr(loading, "check_model_folder", written_over_after_the_check)
     model, _ = load_model(ModelConfig(source="hf", name=str(folder)))
     assert model.config.num_hidden_layers == honest["num_hidden_layers"]
 
@@ -624,18 +656,74 @@ def test_a_hub_model_s_config_written_over_in_place_after_its_check_is_never_wha
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     honest = json.loads((snapshot / "config.json").read_text())
-    check_hub_model = loading.check_hub_model
+    check_folder = loading.check_model_folder
 
-    def written_over_after_the_check(cfg: ModelConfig) -> None:
+    def written_over_after_the_check(view: Path, trust_remote_code: bool = False) -> None:
+        check_folder(view, trust_remote_code)
         with (snapshot / "config.json").open("r+") as same_file:
             json.dump({**honest, "num_hidden_layers": 40_000}, same_file)
             same_file.truncate()
-        check_hub_model(cfg)
 
-    monkeypatch.setattr(loading, "check_hub_model", written_over_after_the_check)
+    monkeypatch.setattr(loading, "check_model_folder", written_over_after_the_check)
     model, _ = load_model(ModelConfig(source="hf", name="someone/small"))
     assert model.config.num_hidden_layers == honest["num_hidden_layers"]
     assert model.config._name_or_path == "someone/small"
+
+
+def _cached_hub_snapshot(hub: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty snapshot folder of hub model ``name`` in a Hugging Face cache at ``hub``."""
+    repo = hub / f"models--{name.replace('/', '--')}"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    return repo / "snapshots" / "abc"
+
+
+def test_a_hub_model_cached_without_its_weights_is_refused_offline_before_any_file_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub model's folder whose weights never came (a download interrupted) was read by name,
+    unpinned: its tokenizer files read after their check, one grown in place to gigabytes since
+    was read whole. Offline it is refused; online its weights are downloaded first."""
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "someone/partial", monkeypatch)
+    folder = _model_folder(tmp_path / "model")
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        (snapshot / name).write_bytes((folder / name).read_bytes())
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TclightningError, match="'someone/partial': in the Hugging Face cache without its weights "
+                                               r"\(a download that was interrupted\?\) and HF_HUB_OFFLINE is set"):
+        load_model(ModelConfig(source="hf", name="someone/partial"))
+
+
+def test_a_hub_model_s_missing_weights_are_downloaded_and_checked_before_it_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers downloaded the weights missing from a hub model's cached folder and built the
+    model: the config's size check never saw them, and a config describing a billion parameters
+    was allocated. The download is one set of weights and the files transformers reads; then the
+    folder is checked as a local one."""
+    import huggingface_hub
+
+    import tclightning.models.loading as loading
+
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "someone/big", monkeypatch)
+    lying = _config_beside_small_weights(tmp_path / "lying", {**LLAMA, "intermediate_size": 4_000_000,
+                                                              "num_hidden_layers": 100})
+    (snapshot / "config.json").write_bytes((lying / "config.json").read_bytes())  # only the config was cached
+    repository = ["config.json", "model.safetensors", "pytorch_model.bin", "onnx/model.onnx", "onnx/config.json",
+                  "README.md", "additional_chat_templates/tool.jinja", "modeling_big.py"]
+    asked: list[list[str]] = []
+
+    def download(name: str, allow_patterns: list[str]) -> str:
+        asked.append(sorted(allow_patterns))
+        (snapshot / "model.safetensors").write_bytes((lying / "model.safetensors").read_bytes())
+        return str(snapshot)
+
+    monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)  # the hub answers
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, name: repository)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with pytest.raises(TclightningError, match="far more than its weight files hold"):
+        load_model(ModelConfig(source="hf", name="someone/big"))
+    assert asked == [["additional_chat_templates/tool.jinja", "config.json", "model.safetensors"]]
 
 
 def test_a_model_folder_holding_an_adapter_is_refused(tmp_path: Path) -> None:
@@ -661,14 +749,14 @@ def test_a_fifo_renamed_over_a_model_file_after_the_checks_is_never_opened(
     import tclightning.models.loading as loading
 
     folder = _model_folder(tmp_path / "model")
-    check_hub_model = loading.check_hub_model
+    check_folder = loading.check_model_folder
 
-    def swapped_after_the_check(cfg: ModelConfig) -> None:
+    def swapped_after_the_check(view: Path, trust_remote_code: bool = False) -> None:
+        check_folder(view, trust_remote_code)
         os.mkfifo(tmp_path / "fifo")
         os.replace(tmp_path / "fifo", folder / swapped)
-        check_hub_model(cfg)
 
-    monkeypatch.setattr(loading, "check_hub_model", swapped_after_the_check)
+    monkeypatch.setattr(loading, "check_model_folder", swapped_after_the_check)
     model, tokenizer = load_model(ModelConfig(source="hf", name=str(folder)))
     assert tokenizer("1+1").input_ids and model.config._name_or_path == str(folder)
 
@@ -696,26 +784,29 @@ def test_a_server_that_answers_once_and_then_stalls_is_refused_within_the_setup_
             source.splits()
 
 
-@pytest.mark.timeout(120)  # a regression waits on the server: fail instead
 @pytest.mark.timeout(60)  # a regression waits on the server: fail instead
-def test_each_request_to_a_webhdfs_store_has_a_time_limit(silent_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("server", ["silent_server", "dripping_server"])
+def test_each_request_to_a_webhdfs_store_has_a_time_limit(server: str, request: pytest.FixtureRequest,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """fsspec's webhdfs store sets no timeout on its requests: a server that stops answering held
     LightningCLI's ``--ckpt_path last`` (it lists the checkpoint folder before any hook) or a
-    learning-rate finder removing its checkpoint, for ever."""
+    learning-rate finder removing its checkpoint, for ever; one that drips a byte at a time
+    answers every read in time, so the whole request has a limit too."""
     import time
 
     import requests
     from fsspec.implementations.webhdfs import WebHDFS
 
     monkeypatch.setattr(network, "REQUEST_TIMEOUT_S", 1)
+    monkeypatch.setattr(network, "REQUEST_TOTAL_S", 2)
     network.bound_remote_requests()
     network.bound_remote_requests()  # once is enough: bounded once
-    host, port = silent_server.removeprefix("http://").split(":")
+    host, port = request.getfixturevalue(server).removeprefix("http://").split(":")
     store = WebHDFS(host, port=int(port), skip_instance_cache=True)
     started = time.monotonic()
-    with pytest.raises(requests.exceptions.Timeout) as stalled:
+    with pytest.raises((requests.exceptions.Timeout, TimeoutError)) as stalled:
         store.ls("/checkpoints")
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 10  # the dripping server drips for 20 s
     assert network.remote_failure(stalled.value).startswith("a remote store or server stopped answering")
 
 

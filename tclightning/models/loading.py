@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import importlib.machinery
 import re
@@ -26,7 +27,7 @@ from tclightning.files import open_regular, pinned_files, refused_by_storage, re
 from tclightning.limits import within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
-from tclightning.network import host_of, hub_answer, hub_offline, hub_url
+from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
 from tclightning.tensor_files import FLOAT_DTYPES, BrokenTensorFile, RefusedTensorFile, check_torch_file, load_checked
 
 
@@ -254,13 +255,17 @@ def _indexed_weights(folder: Path) -> Iterator[Path]:
     """The files a sharded checkpoint's index (``*.index.json``, its ``weight_map``) names that are
     not safetensors: transformers unpickles them whatever their suffix (``shard.dat``)."""
     for index in folder.glob("*.index.json"):
-        try:  # a config-sized file (checked above); one transformers cannot read is its to name
-            weight_map = json.loads(index.read_bytes()).get("weight_map")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            continue
-        if isinstance(weight_map, dict):
-            yield from (folder / name for name in set(weight_map.values())
-                        if isinstance(name, str) and not name.endswith(".safetensors"))
+        yield from (folder / name for name in _weight_map(index) if not name.endswith(".safetensors"))
+
+
+def _weight_map(index: Path) -> set[str]:
+    """The files a sharded checkpoint's index names (a config-sized file, checked before); none
+    when transformers could not read it either (its to name)."""
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return set()
+    return {name for name in weight_map.values() if isinstance(name, str)} if isinstance(weight_map, dict) else set()
 
 
 def _check_pickled_weights(path: Path) -> None:
@@ -360,20 +365,68 @@ def check_model_size(config: PretrainedConfig, stored_bytes: int, what: str, tru
 
 
 def check_hub_model(cfg: ModelConfig, timeout_s: float | None = None) -> None:
-    """A Hugging Face hub name (not a local folder) must be in the local cache or the Hugging Face
-    Hub must answer within ``timeout_s`` (default :data:`~tclightning.network.ANSWER_TIMEOUT_S`):
-    otherwise the run is refused at once, in one line, instead of a traceback after a minute of
-    download retries (or a wait without end on a silent host)."""
-    if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists() or cached_hub_folder(cfg.name):
+    """A Hugging Face hub name (not a local folder) must be in the local cache with its weights, or
+    the Hugging Face Hub must answer within ``timeout_s`` (default
+    :data:`~tclightning.network.ANSWER_TIMEOUT_S`): otherwise the run is refused at once, in one
+    line, instead of a traceback after a minute of download retries (or a wait without end on a
+    silent host)."""
+    if cfg.source != "hf" or not cfg.name or Path(cfg.name).expanduser().exists():
         return
+    cached = cached_hub_folder(cfg.name)
+    if cached is not None and _holds_weights(cached):
+        return
+    missing = ("not in the Hugging Face cache" if cached is None
+               else "in the Hugging Face cache without its weights (a download that was interrupted?)")
     advice = f"download it while online (hf download {cfg.name}) or give a local model folder"
     if hub_offline():
-        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and HF_HUB_OFFLINE is set; "
-                               f"{advice}")
+        raise TclightningError(f"model.name {cfg.name!r}: {missing} and HF_HUB_OFFLINE is set; {advice}")
     silent = hub_answer(f"api/models/{cfg.name}", timeout_s)
     if silent is not None:
-        raise TclightningError(f"model.name {cfg.name!r}: not in the Hugging Face cache and {host_of(hub_url())} "
-                               f"does not answer ({silent.reason}); {advice}")
+        raise TclightningError(f"model.name {cfg.name!r}: {missing} and {host_of(hub_url())} does not answer "
+                               f"({silent.reason}); {advice}")
+
+
+HUB_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+"""A hub model's weights in transformers' order of preference: the first its repository holds is
+the set downloaded (a sharded one's index and the shards it names)."""
+
+
+def hub_model_folder(cfg: ModelConfig) -> Path:
+    """The snapshot folder, in the Hugging Face cache, of hub model ``cfg.name`` with its weights:
+    downloaded now when the cache lacks them (:func:`check_hub_model` first). Its files are then
+    checked and read as a local folder's are: transformers never reads the cache by name, where a
+    file could change after its check."""
+    cached = cached_hub_folder(cfg.name)
+    if cached is not None and _holds_weights(cached):
+        return cached
+    check_hub_model(cfg)
+    return download_hub_model(cfg.name, cfg.trust_remote_code)
+
+
+def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
+    """Download into the Hugging Face cache the files of hub model ``name`` that transformers reads
+    (its top-level configs, tokenizer files and chat templates, ``additional_chat_templates/``, its
+    code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`); its snapshot folder. The
+    list of its files has :data:`~tclightning.network.REMOTE_SETUP_S`; a hub that refuses or fails
+    is one ``TclightningError``."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    what = f"model.name {name}"
+    read_whole = READ_WHOLE_SUFFIXES + ((".py",) if trust_remote_code else ())
+    with _loader_errors(what, False):
+        files = set(remote_setup(f"{what}: the Hugging Face Hub's list of its files",
+                                 lambda: HfApi().list_repo_files(name)))
+        weights = next((f for f in HUB_WEIGHT_FILES if f in files), None)
+        wanted = {f for f in files if ("/" not in f and Path(f).suffix in read_whole)
+                  or f.startswith("additional_chat_templates/")} - set(HUB_WEIGHT_FILES)
+        if weights is not None:
+            wanted.add(weights)
+            if weights.endswith(".index.json"):
+                index = Path(hf_hub_download(name, weights))
+                regular_file(index, f"{what}: its weights index", CONFIG_MAX_BYTES)
+                wanted |= files & _weight_map(index)  # only files the repository holds
+        return Path(snapshot_download(name, allow_patterns=[glob.escape(f) for f in wanted]))
 
 
 def cached_hub_folder(name: str) -> Path | None:
@@ -400,26 +453,17 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         if not cfg.name:
             raise TclightningError("model.name: required for source 'hf' (a hub name or a local directory)")
         local = Path(cfg.name).expanduser()
-        with contextlib.ExitStack() as pinned:
-            # a local folder, or a hub model's downloaded folder, is read through its pinned view, its
-            # configs and tokenizer files (all files it reads whole) from copies in memory: what
-            # transformers reads is what was checked, even if written over in place; a hub model whose
-            # weights are not downloaded yet from the name (transformers downloads them)
-            cached = None if local.is_dir() else cached_hub_folder(cfg.name)
-            folder = local if local.is_dir() else cached if cached is not None and _holds_weights(cached) else None
-            source = (pinned.enter_context(pinned_files(folder, _model_folder_files(folder), "the model folder's file",
-                                                        copied_up_to=CONFIG_MAX_BYTES))
-                      if folder is not None else None)
-            on_disk = source if source is not None else cached  # a downloaded model is files too
-            if on_disk is not None:
-                with _named_as(on_disk, local):
-                    check_model_folder(on_disk, cfg.trust_remote_code)
-            check_hub_model(cfg)  # an uncached hub name offline: one line, not a minute of download retries
-            name = cfg.name if source is None else str(source)
-            with _loader_errors(f"model.name {cfg.name}", on_disk is not None), _named_as(on_disk or local, local):
-                tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+        folder = local if local.is_dir() else hub_model_folder(cfg)
+        # read through the folder's pinned view, its configs and tokenizer files (all files it reads
+        # whole) from copies in memory: what transformers reads is what was checked, even if written
+        # over in place
+        with pinned_files(folder, _model_folder_files(folder), "the model folder's file",
+                          copied_up_to=CONFIG_MAX_BYTES) as view, _named_as(view, folder):
+            check_model_folder(view, cfg.trust_remote_code)
+            with _loader_errors(f"model.name {cfg.name}", True):
+                tokenizer = AutoTokenizer.from_pretrained(str(view), trust_remote_code=cfg.trust_remote_code)
                 with _pickled_weights_read_as_checked():
-                    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype,
+                    model = AutoModelForCausalLM.from_pretrained(str(view), dtype=dtype,
                                                                  trust_remote_code=cfg.trust_remote_code)
         model.config._name_or_path = tokenizer.name_or_path = cfg.name  # the folder you named, not the view
     elif cfg.source == "gguf":
@@ -487,8 +531,8 @@ def _gguf_parses_bounded(what: str) -> Iterator[None]:
 def _loader_errors(what: str, local: bool) -> Iterator[None]:
     """transformers' refusal of a local model (a config it cannot parse, a weights file that is not
     one, custom code without ``trust_remote_code``) as one line naming ``what``; ``--debug`` shows
-    the traceback. A hub name's download that fails (transformers' ``OSError``: the network, a hub
-    that answers as none) is one line too; its other errors pass as they are."""
+    the traceback. A hub model's download that fails (huggingface_hub's ``OSError``: the network, a
+    hub that answers as none) is one line too; its other errors pass as they are."""
     try:
         yield
     except TclightningError:
