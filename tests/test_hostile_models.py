@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -531,7 +532,7 @@ def test_a_pickled_weights_file_that_asks_for_code_is_refused_without_torch_s_un
     from tclightning.models.loading import _loader_errors
 
     torch.save({"weight": torch.zeros(1), "payload": _Payload()}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(TclightningError) as refused, _loader_errors(f"model folder {tmp_path}", local=True):
+    with pytest.raises(TclightningError) as refused, _loader_errors(f"model folder {tmp_path}"):
         torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
     line = str(refused.value)
     assert "weights_only" not in line and "could run code" in line and "system" in line, line
@@ -709,21 +710,49 @@ def test_a_hub_model_s_missing_weights_are_downloaded_and_checked_before_it_is_b
     lying = _config_beside_small_weights(tmp_path / "lying", {**LLAMA, "intermediate_size": 4_000_000,
                                                               "num_hidden_layers": 100})
     (snapshot / "config.json").write_bytes((lying / "config.json").read_bytes())  # only the config was cached
+    (lying / "additional_chat_templates").mkdir()
+    (lying / "additional_chat_templates" / "tool.jinja").write_text("")
     repository = ["config.json", "model.safetensors", "pytorch_model.bin", "onnx/model.onnx", "onnx/config.json",
-                  "README.md", "additional_chat_templates/tool.jinja", "modeling_big.py"]
-    asked: list[list[str]] = []
+                  "README.md", "additional_chat_templates/tool.jinja", "modeling_big.py", "../outside.json",
+                  "additional_chat_templates/../../outside.jinja"]
+    downloaded: list[str] = []
 
-    def download(name: str, allow_patterns: list[str]) -> str:
-        asked.append(sorted(allow_patterns))
-        (snapshot / "model.safetensors").write_bytes((lying / "model.safetensors").read_bytes())
-        return str(snapshot)
+    def download(name: str, filename: str, revision: str | None) -> str:
+        assert revision == (None if filename == "model.safetensors" else "abc")  # the first's commit: all of one
+        downloaded.append(filename)
+        (snapshot / filename).parent.mkdir(exist_ok=True)
+        (snapshot / filename).write_bytes((lying / filename).read_bytes())
+        return str(snapshot / filename)
 
+    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename=name, size=10) for name in repository])
     monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)  # the hub answers
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, name: repository)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, name, files_metadata: listed)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     with pytest.raises(TclightningError, match="far more than its weight files hold"):
         load_model(ModelConfig(source="hf", name="someone/big"))
-    assert asked == [["additional_chat_templates/tool.jinja", "config.json", "model.safetensors"]]
+    assert downloaded == ["model.safetensors", "additional_chat_templates/tool.jinja", "config.json"]
+
+
+@pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
+def test_a_hub_model_download_has_a_time_limit_by_its_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request of a download has a limit per read only: a hub dripping a byte every few
+    seconds held the run for ever. Each file has 60 s plus its size at 1 MiB/s."""
+    import time
+
+    import huggingface_hub
+
+    import tclightning.models.loading as loading
+
+    _cached_hub_snapshot(tmp_path / "hub", "someone/slow", monkeypatch)
+    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename="model.safetensors", size=2**20)])
+    monkeypatch.setattr(network, "REMOTE_SETUP_S", 1.0)
+    monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, name, files_metadata: listed)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *args, **kwargs: time.sleep(30))
+    started = time.monotonic()
+    with pytest.raises(TclightningError, match="downloading model.safetensors gave no answer within 2 s"):
+        load_model(ModelConfig(source="hf", name="someone/slow"))
+    assert time.monotonic() - started < 10
 
 
 def test_a_model_folder_holding_an_adapter_is_refused(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import importlib.machinery
 import re
@@ -22,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from tclightning import network
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_files, refused_by_storage, regular_file, tree
 from tclightning.limits import within
@@ -251,6 +251,18 @@ PICKLED_WEIGHTS = (".bin", ".pt", ".pth")
 """Weight files transformers reads with ``torch.load(weights_only=True)``, which calls what the pickle asks."""
 
 
+def _repo_file(name: str, suffixes: tuple[str, ...] | None = None) -> bool:
+    """Whether ``name``, from a hub repository's list of files, is a top-level file (of one of
+    ``suffixes``, when given) or a chat template in ``additional_chat_templates/``: never a path
+    out of the model's folder, whatever a hub lists."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or "\\" in part for part in parts):
+        return False
+    if len(parts) == 2:
+        return parts[0] == "additional_chat_templates" and name.endswith(".jinja")
+    return len(parts) == 1 and (suffixes is None or Path(name).suffix in suffixes)
+
+
 def _indexed_weights(folder: Path) -> Iterator[Path]:
     """The files a sharded checkpoint's index (``*.index.json``, its ``weight_map``) names that are
     not safetensors: transformers unpickles them whatever their suffix (``shard.dat``)."""
@@ -404,29 +416,48 @@ def hub_model_folder(cfg: ModelConfig) -> Path:
     return download_hub_model(cfg.name, cfg.trust_remote_code)
 
 
+HUB_DOWNLOAD_MIN_BYTES_S = 2**20
+"""The slowest a hub model's file may download on average (1 MiB/s; each file also has 60 s of
+:data:`~tclightning.network.REMOTE_SETUP_S` to start): a hub that drips a byte every few seconds
+trips no limit on each read. On a slower link, download it first (``hf download NAME``)."""
+
+
 def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
     """Download into the Hugging Face cache the files of hub model ``name`` that transformers reads
     (its top-level configs, tokenizer files and chat templates, ``additional_chat_templates/``, its
-    code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`); its snapshot folder. The
-    list of its files has :data:`~tclightning.network.REMOTE_SETUP_S`; a hub that refuses or fails
-    is one ``TclightningError``."""
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`), all of the main branch's
+    commit; its snapshot folder. Asking for the list of files has
+    :data:`~tclightning.network.REMOTE_SETUP_S` and each file that plus its size at
+    :data:`HUB_DOWNLOAD_MIN_BYTES_S`; a hub that refuses or fails is one ``TclightningError``."""
+    from huggingface_hub import HfApi, hf_hub_download
 
     what = f"model.name {name}"
     read_whole = READ_WHOLE_SUFFIXES + ((".py",) if trust_remote_code else ())
-    with _loader_errors(what, False):
-        files = set(remote_setup(f"{what}: the Hugging Face Hub's list of its files",
-                                 lambda: HfApi().list_repo_files(name)))
-        weights = next((f for f in HUB_WEIGHT_FILES if f in files), None)
-        wanted = {f for f in files if ("/" not in f and Path(f).suffix in read_whole)
-                  or f.startswith("additional_chat_templates/")} - set(HUB_WEIGHT_FILES)
-        if weights is not None:
-            wanted.add(weights)
-            if weights.endswith(".index.json"):
-                index = Path(hf_hub_download(name, weights))
-                regular_file(index, f"{what}: its weights index", CONFIG_MAX_BYTES)
-                wanted |= files & _weight_map(index)  # only files the repository holds
-        return Path(snapshot_download(name, allow_patterns=[glob.escape(f) for f in wanted]))
+    with _loader_errors(what, downloading=True):
+        info = remote_setup(f"{what}: the Hugging Face Hub's list of its files",
+                            lambda: HfApi().model_info(name, files_metadata=True))
+        sizes = {file.rfilename: file.size if isinstance(file.size, int) and file.size > 0 else 0
+                 for file in info.siblings or ()}
+
+        def download(filename: str, revision: str | None = None) -> Path:
+            limit = network.REMOTE_SETUP_S + sizes[filename] / HUB_DOWNLOAD_MIN_BYTES_S
+            return Path(remote_setup(f"{what}: downloading {filename}",
+                                     lambda: hf_hub_download(name, filename, revision=revision), limit))
+
+        weights = next((f for f in HUB_WEIGHT_FILES if f in sizes), None)
+        wanted = sorted({f for f in sizes if _repo_file(f, read_whole)} - set(HUB_WEIGHT_FILES))
+        if weights is None:
+            raise TclightningError(f"{what}: the Hugging Face Hub lists no weights for it "
+                                   f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
+        # the main branch's commit, remembered in the cache (refs/main) for the next run, offline too;
+        # every other file of that same commit's folder
+        folder = download(weights).parent
+        if weights.endswith(".index.json"):
+            regular_file(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES)
+            wanted += sorted(f for f in sizes.keys() & _weight_map(folder / weights) if _repo_file(f))
+        for filename in wanted:
+            download(filename, revision=folder.name)
+        return folder
 
 
 def cached_hub_folder(name: str) -> Path | None:
@@ -460,7 +491,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         with pinned_files(folder, _model_folder_files(folder), "the model folder's file",
                           copied_up_to=CONFIG_MAX_BYTES) as view, _named_as(view, folder):
             check_model_folder(view, cfg.trust_remote_code)
-            with _loader_errors(f"model.name {cfg.name}", True):
+            with _loader_errors(f"model.name {cfg.name}"):
                 tokenizer = AutoTokenizer.from_pretrained(str(view), trust_remote_code=cfg.trust_remote_code)
                 with _pickled_weights_read_as_checked():
                     model = AutoModelForCausalLM.from_pretrained(str(view), dtype=dtype,
@@ -475,7 +506,7 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTra
         # config checked, and a file of up to 2 GiB is read from a copy in memory, so bytes written
         # into it between the parses are never read
         with pinned_files(Path(found), [Path(found) / name], what, copied_up_to=GGUF_COPIED_MAX_BYTES) as view, \
-                _loader_errors(what, True):
+                _loader_errors(what):
             directory = str(view)  # the file as opened once: never another renamed over it in between
             config = _gguf_metadata(lambda: AutoConfig.from_pretrained(directory, gguf_file=name), what)
             check_model_size(config, (view / name).stat().st_size, what)
@@ -528,17 +559,17 @@ def _gguf_parses_bounded(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _loader_errors(what: str, local: bool) -> Iterator[None]:
-    """transformers' refusal of a local model (a config it cannot parse, a weights file that is not
-    one, custom code without ``trust_remote_code``) as one line naming ``what``; ``--debug`` shows
-    the traceback. A hub model's download that fails (huggingface_hub's ``OSError``: the network, a
-    hub that answers as none) is one line too; its other errors pass as they are."""
+def _loader_errors(what: str, downloading: bool = False) -> Iterator[None]:
+    """transformers' refusal of a model's files (a config it cannot parse, a weights file that is not
+    one, custom code without ``trust_remote_code``), or a failed download of them (the network, a
+    hub that answers as none or lists names no hub gives), as one line naming ``what``; ``--debug``
+    shows the traceback."""
     try:
         yield
     except TclightningError:
         raise
-    except Exception as err:  # noqa: BLE001 - a local file's content is the user's input, not a bug (--debug shows it)
-        if refused_by_storage(err) or not (local or isinstance(err, OSError)):
+    except Exception as err:  # noqa: BLE001 - a model's files are the user's input, not a bug (--debug shows it)
+        if refused_by_storage(err):
             raise
         reason = " ".join(str(err).split())
         if "Weights only load failed" in reason:  # torch's advice (weights_only=False) is what must never be done
@@ -546,7 +577,7 @@ def _loader_errors(what: str, local: bool) -> Iterator[None]:
             reason = ("a pickled weights file that torch's safe loader refuses"
                       + (f": it asks to load {unsafe.group(1)} (loading it could run code)" if unsafe else ""))
         reason = reason[:240] or type(err).__name__
-        verb = "loaded as a model" if local else "downloaded from the Hugging Face Hub"
+        verb = "downloaded from the Hugging Face Hub" if downloading else "loaded as a model"
         raise TclightningError(f"{what}: cannot be {verb} ({type(err).__name__}: {reason})") from err
 
 
