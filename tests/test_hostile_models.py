@@ -733,6 +733,66 @@ def test_a_hub_model_s_missing_weights_are_downloaded_and_checked_before_it_is_b
     assert downloaded == ["model.safetensors", "additional_chat_templates/tool.jinja", "config.json"]
 
 
+def test_a_sharded_hub_model_downloads_the_shards_its_index_names(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index is read once, from the file checked (a cache writer growing it after a check by
+    name had it read whole), and only the shards it names come."""
+    import huggingface_hub
+
+    import tclightning.models.loading as loading
+
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "someone/sharded", monkeypatch)
+    folder = _model_folder(tmp_path / "model")
+    (folder / "model.safetensors").rename(folder / "model-1.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(folder / "model-1.safetensors", "pt") as shard:
+        weight_map = dict.fromkeys(shard.keys(), "model-1.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    repository = ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json",
+                  "model-1.safetensors", "model-0.safetensors", "../outside.bin"]
+    downloaded: list[str] = []
+
+    def download(name: str, filename: str, revision: str | None) -> str:
+        downloaded.append(filename)
+        (snapshot / filename).write_bytes((folder / filename).read_bytes())
+        return str(snapshot / filename)
+
+    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename=name, size=10) for name in repository])
+    monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, name, files_metadata: listed)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    model, _ = load_model(ModelConfig(source="hf", name="someone/sharded"))
+    assert downloaded == ["model.safetensors.index.json", "config.json", "tokenizer.json", "tokenizer_config.json",
+                          "model-1.safetensors"]
+    assert model.config._name_or_path == "someone/sharded"
+
+
+@pytest.mark.timeout(60)  # a regression reads gigabytes: fail instead
+@pytest.mark.parametrize("ref", ["grown", "fifo"])
+def test_the_hugging_face_cache_s_commit_record_is_read_once_and_bounded(ref: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub's cache lookup reads ``refs/main`` whole, by name, before anything checks it:
+    one grown to gigabytes took the memory of three times its size."""
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "someone/refs", monkeypatch)
+    _model_folder(tmp_path / "model")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (snapshot / name).write_bytes((tmp_path / "model" / name).read_bytes())
+    main = snapshot.parent.parent / "refs" / "main"
+    if ref == "grown":
+        os.truncate(main, 2**31)  # sparse: no disk used
+        said = "is 2 GiB, more than the .* such a file may be"
+    else:
+        main.unlink()
+        os.mkfifo(main)
+        said = "is a named pipe"
+    with pytest.raises(TclightningError, match=f"record of the model's commit .*({said})"):
+        load_model(ModelConfig(source="hf", name="someone/refs"))
+    main.unlink()
+    main.write_text("abc")
+    assert load_model(ModelConfig(source="hf", name="someone/refs"))[0].config._name_or_path == "someone/refs"
+
+
 @pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
 def test_a_hub_model_download_has_a_time_limit_by_its_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request of a download has a limit per read only: a hub dripping a byte every few

@@ -267,15 +267,19 @@ def _indexed_weights(folder: Path) -> Iterator[Path]:
     """The files a sharded checkpoint's index (``*.index.json``, its ``weight_map``) names that are
     not safetensors: transformers unpickles them whatever their suffix (``shard.dat``)."""
     for index in folder.glob("*.index.json"):
-        yield from (folder / name for name in _weight_map(index) if not name.endswith(".safetensors"))
+        try:  # a config-sized file, checked before (read from its copy in memory)
+            data = index.read_bytes()
+        except OSError:
+            continue
+        yield from (folder / name for name in _weight_map(data) if not name.endswith(".safetensors"))
 
 
-def _weight_map(index: Path) -> set[str]:
-    """The files a sharded checkpoint's index names (a config-sized file, checked before); none
-    when transformers could not read it either (its to name)."""
+def _weight_map(index: bytes) -> set[str]:
+    """The files a sharded checkpoint's ``index`` (its bytes) names; none when transformers could
+    not read it either (its to name)."""
     try:
-        weight_map = json.loads(index.read_bytes()).get("weight_map")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        weight_map = json.loads(index).get("weight_map")
+    except (ValueError, AttributeError, RecursionError):
         return set()
     return {name for name in weight_map.values() if isinstance(name, str)} if isinstance(weight_map, dict) else set()
 
@@ -453,25 +457,43 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
         # every other file of that same commit's folder
         folder = download(weights).parent
         if weights.endswith(".index.json"):
-            regular_file(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES)
-            wanted += sorted(f for f in sizes.keys() & _weight_map(folder / weights) if _repo_file(f))
+            with open_regular(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES) as index:
+                shards = _weight_map(index.read(CONFIG_MAX_BYTES))  # the bytes checked, read once
+            wanted += sorted(f for f in sizes.keys() & shards if _repo_file(f))
         for filename in wanted:
             download(filename, revision=folder.name)
         return folder
 
 
+HUB_REF_MAX_BYTES = 256
+"""The largest ``refs/<branch>`` file of the Hugging Face cache read (it holds a commit hash)."""
+
+
 def cached_hub_folder(name: str) -> Path | None:
     """The local snapshot folder of hub model ``name`` when its ``config.json`` is in the Hugging
     Face cache (its weights may still be missing), else None; a name that is no hub name is one
-    ``TclightningError``."""
-    from huggingface_hub import try_to_load_from_cache
+    ``TclightningError``. The cache is looked up as huggingface_hub does, with its ``refs/main``
+    read once, from the file checked (a regular file of at most :data:`HUB_REF_MAX_BYTES`)."""
+    from huggingface_hub import constants
     from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub.utils import validate_repo_id
 
     try:
-        found = try_to_load_from_cache(name, "config.json")
+        validate_repo_id(name)
     except HFValidationError as err:
         raise TclightningError(f"model.name {name!r}: neither a local folder nor a hub name ({err})") from None
-    return Path(found).parent if isinstance(found, str) else None
+    repo = Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=name, repo_type="model")
+    ref, what = repo / "refs" / "main", "the Hugging Face cache's record of the model's commit"
+    if not (ref.exists() or ref.is_symlink()):
+        return None
+    regular_file(ref, what, HUB_REF_MAX_BYTES)  # a FIFO there is named, never waited on
+    with open_regular(ref, what, HUB_REF_MAX_BYTES) as handle:
+        commit = handle.read(HUB_REF_MAX_BYTES).decode("utf-8", "replace").strip()
+    if not commit or "/" in commit or commit in (".", ".."):
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if (snapshot / "config.json").is_file() else None
 
 
 def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
