@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (exchange, in_the_way, open_regular, own_file, refused_by_storage, require_writable,
-                              storage_reason)
+from tclightning.files import (HeldFolder, current_umask, exchange, in_the_way, open_regular, own_file,
+                              refused_by_storage, require_writable, storage_reason)
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -284,7 +284,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     clear_abandoned_staging(target)
     checkpoint = load_checkpoint(found.checkpoint)
     model, tokenizer = policy_from_checkpoint(checkpoint, found.checkpoint)
-    from tclightning.models.lora import has_adapters, merged, save_adapter
+    from tclightning.models.lora import has_adapters, merged
 
     if adapter_only and not has_adapters(model):
         raise TclightningError(f"export: --adapter-only: {found.checkpoint} holds no LoRA adapters (model.lora.r=0)")
@@ -292,24 +292,44 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         model = without_gguf_marker(merged(model, _lora_config(checkpoint)))
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(target, os.getpid()), dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
-    (staging / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
-    old_export_files: frozenset[str] | None = None  # the old export's own files, once it is under the staging name
+    # written through its descriptor: a link put at the staging name meanwhile is never written
+    # through, nor anything removed through it; renamed into place only while the name is still it
+    try:
+        held = HeldFolder(staging)
+    except OSError as err:  # a link or another file put at its name already
+        raise TclightningError(f"export: its folder {staging} was replaced as soon as made ({err.strerror or err}); "
+                               f"nothing was written to {target}") from None
+    with held as new:
+        _write_staged_export(new, staging, target, model, tokenizer, checkpoint, found, overwrite, adapter_only)
+    return target
+
+
+def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: Any, tokenizer: Any,
+                         checkpoint: Mapping[str, Any], found: ExportSource, overwrite: bool, adapter_only: bool) -> None:
+    """Write the export into the staging folder ``new`` (made at ``staging``) and move it into place
+    at ``target``: see :func:`export_policy`."""
+    from tclightning.models.lora import save_adapter
+
+    umask = current_umask()
+    os.chmod(new.path, 0o777 & ~umask)  # mkdtemp's folder is private; the export is an ordinary folder
+    (new.path / STAGING_MARKER).write_text(f"{os.getpid()}\n")  # what a later export may remove as abandoned
+    old: HeldFolder | None = None  # the old export, held before it is swapped out to the staging name
     try:
         if adapter_only:
-            save_adapter(model, _lora_config(checkpoint), staging)
+            save_adapter(model, _lora_config(checkpoint), new.path)
         else:
-            model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        portable_tokenizer_config(staging, tokenizer.padding_side, tokenizer.pad_token)
-        for written in staging.iterdir():  # some writers leave their files private (0600)
+            model.save_pretrained(new.path)
+        tokenizer.save_pretrained(new.path)
+        portable_tokenizer_config(new.path, tokenizer.padding_side, tokenizer.pad_token)
+        for written in new.path.iterdir():  # some writers leave their files private (0600)
             os.chmod(written, 0o666 & ~umask)
         provenance = {"checkpoint": str(found.checkpoint.resolve()), "rl_step": found.rl_step,
                       "model": checkpoint["hyper_parameters"]["model"],
-                      "files": sorted(p.name for p in staging.iterdir() if p.name != STAGING_MARKER)}
-        (staging / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+                      "files": sorted(p.name for p in new.path.iterdir() if p.name != STAGING_MARKER)}
+        (new.path / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        if not new.is_at(staging):
+            raise TclightningError(f"export: its folder {staging} was replaced while written (moved, or a link or "
+                                   f"another folder put in its place); nothing was written to {target}")
         # The staging marker stays until the swap: a kill before it leaves a staging folder the
         # next export removes; one after it, a stray marker in the new export that the next
         # --overwrite counts as the export's own.
@@ -322,9 +342,14 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
             with own_file(replaced, "x") as marker:
                 marker.write(f"{os.getpid()}\n")
             try:
+                old = HeldFolder(target)
+            except OSError as err:
+                raise TclightningError(f"export: {target} was replaced meanwhile ({err.strerror or err}); nothing "
+                                       "was replaced") from None
+            try:
                 exchange(staging, target)
             except BaseException as err:
-                if (staging / REPLACED_MARKER).is_file():  # swapped, the interrupt inside the call
+                if new.is_at(target):  # swapped, the interrupt inside the call
                     raise
                 with contextlib.suppress(OSError):  # a refusal, or Ctrl-C/SIGTERM before the swap: as it was
                     replaced.unlink()
@@ -332,8 +357,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                     raise
                 raise TclightningError(f"export: cannot replace {target}: {err.strerror or err} (a mount point, or "
                                        "on another filesystem?); nothing was replaced") from None
-            old_export_files = export_files(staging) | {REPLACED_MARKER, STAGING_MARKER}
-            remove_export(staging, old_export_files)
+            _remove_old_export(old, staging)
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
@@ -343,19 +367,28 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
         with contextlib.suppress(OSError):
-            (target / STAGING_MARKER).unlink()  # a whole export from here on
+            (new.path / STAGING_MARKER).unlink()  # a whole export from here on
     except BaseException as err:
-        if old_export_files is not None or (staging / REPLACED_MARKER).is_file():  # swapped (the interrupt
-            # perhaps inside the swap call): the old export is here; its own files go, one put in it meanwhile stays
-            remove_export(staging, old_export_files or export_files(staging) | {REPLACED_MARKER, STAGING_MARKER})
-        else:
-            remove_export(staging)  # the new export, not yet (or never) in place: gone if it is in place
+        if old is not None and old.is_at(staging):  # swapped (the interrupt perhaps inside the swap call): the
+            _remove_old_export(old, staging)       # old export's own files go, one put in it meanwhile stays
+        elif new.is_at(staging):  # the new export, not yet (or never) in place; one in place is kept
+            remove_export(new.path)
+            new.remove_at(staging)
         if refused_by_storage(err):
             kept = f"; the export already in {target} is kept" if target.exists() else ""
             raise StorageError(f"export: the storage refused a write in {target.parent} ({storage_reason(err)}); "
                                f"nothing was written{kept}") from None
         raise
-    return target
+    finally:
+        if old is not None:
+            old.__exit__()
+
+
+def _remove_old_export(old: HeldFolder, staging: Path) -> None:
+    """Remove the old export, swapped out to the ``staging`` name: its own files, through its
+    descriptor, and then its folder where that name still leads to it."""
+    remove_export(old.path, export_files(old.path) | {REPLACED_MARKER, STAGING_MARKER})
+    old.remove_at(staging)
 
 
 STAGING_MARKER = ".tclightning-export-staging"

@@ -190,8 +190,58 @@ class SameFolder:
         if self._key is None:
             self._key = self._identity()  # not made yet when first seen: the first folder there is it
         elif self._identity() != self._key:
-            raise TclightningError(f"{self.folder} was replaced during the run (removed, moved, or a link or "
-                                   "another folder put in its place); nothing more was written there")
+            raise self._replaced()
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[int]:
+        """The folder as a descriptor (opened never through a link), for work by ``dir_fd`` that no
+        name swapped meanwhile can redirect; ``TclightningError`` unless it is the one first seen
+        (any folder, when none was there then), ``OSError`` when it cannot be opened."""
+        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            if self._key is not None and (info.st_dev, info.st_ino) != self._key:
+                raise self._replaced()
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _replaced(self) -> TclightningError:
+        return TclightningError(f"{self.folder} was replaced during the run (removed, moved, or a link or another "
+                                "folder put in its place); nothing more was written there")
+
+
+class HeldFolder:
+    """A folder held open by a descriptor (opened never through a link), for a writer that must
+    write into the folder it made and nowhere else: its files, reached through :attr:`path`
+    (``/proc/self/fd/N``), land in it whatever is renamed or linked in place of its name meanwhile,
+    and :meth:`is_at` tells whether a name still leads to it. A context manager closing it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        info = os.fstat(self.fd)
+        self._key = (info.st_dev, info.st_ino)
+        self.path = Path(f"/proc/self/fd/{self.fd}") if Path("/proc/self/fd").is_dir() else Path(folder)
+
+    def is_at(self, name: Path) -> bool:
+        """Whether ``name`` is this folder itself (not a link to it)."""
+        try:
+            info = os.lstat(name)
+        except OSError:
+            return False
+        return stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == self._key
+
+    def remove_at(self, name: Path) -> None:
+        """Remove the folder, empty by now, where ``name`` is still this folder."""
+        if self.is_at(name):
+            with contextlib.suppress(OSError):
+                os.rmdir(name)
+
+    def __enter__(self) -> HeldFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
 
 
 def own_file(path: Path, mode: str) -> IO[Any]:

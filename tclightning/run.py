@@ -10,6 +10,7 @@ import contextlib
 import fnmatch
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -21,8 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (copy_file, hold_lock, refused_by_storage, regular_file, remove_tree, replace_file,
-                              replace_text, require_writable, storage_reason, tree, unused_name)
+from tclightning.files import (SameFolder, copy_file, hold_lock, refused_by_storage, regular_file, remove_tree,
+                              replace_file, replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores, mlflow_tracking_uri
 from tclightning.network import bound_remote_requests
@@ -943,7 +944,8 @@ class RecordSnapshot:
     TensorBoard files) as it was before a resume in place wrote to it, so that a resume refused
     while restoring its checkpoint leaves the run as it found it."""
 
-    run_dir: Path
+    run_dir: SameFolder
+    tb: SameFolder
     files: dict[str, bytes | None]
     tb_files: frozenset[str]
 
@@ -953,23 +955,43 @@ class RecordSnapshot:
     def take(cls, run_dir: Path) -> RecordSnapshot:
         files = {name: (run_dir / name).read_bytes() if (run_dir / name).is_file() else None for name in cls.RECORDS}
         tb = run_dir / "tb"
-        return cls(run_dir, files, frozenset(p.name for p in tb.iterdir()) if tb.is_dir() else frozenset())
+        return cls(SameFolder(run_dir), SameFolder(tb), files,
+                   frozenset(p.name for p in tb.iterdir()) if tb.is_dir() else frozenset())
 
     def put_back(self, extra: Path | None = None) -> None:
         """Each record file as it was (replaced whole, and only where it changed); the files the
-        resume added (TensorBoard events, ``extra``) removed."""
+        resume added (TensorBoard events, ``extra``) removed. Nowhere but in the folders snapshotted:
+        where a link or another folder was put in place of the run's folder or its ``tb/`` since,
+        what is there is someone else's and is left as it is."""
+        try:
+            self.run_dir.check()
+        except TclightningError:
+            return
         for name, data in self.files.items():
-            path = self.run_dir / name
-            if data is None:
-                path.unlink(missing_ok=True)
-            elif not path.is_file() or path.read_bytes() != data:
-                replace_file(path, lambda handle, data=data: handle.write(data), binary=True)
-        tb = self.run_dir / "tb"
-        for added in (p for p in tb.iterdir() if p.name not in self.tb_files) if tb.is_dir() else ():
-            if added.is_file() and not added.is_symlink():
-                added.unlink()
+            if not name.startswith("tb/"):
+                _put_back_file(self.run_dir.folder / name, data)
+        with contextlib.ExitStack() as opened:
+            try:
+                tb = opened.enter_context(self.tb.opened())
+            except (TclightningError, OSError):  # gone, or a link or another folder in its place: not the run's
+                tb = None
+            for added in set(os.listdir(tb)) - self.tb_files if tb is not None else ():
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISREG(os.stat(added, dir_fd=tb, follow_symlinks=False).st_mode):
+                        os.unlink(added, dir_fd=tb)
+            for name, data in self.files.items() if tb is not None else ():
+                if name.startswith("tb/"):  # through the descriptor: into the folder checked, whatever its name
+                    _put_back_file(Path(f"/proc/self/fd/{tb}", name.removeprefix("tb/")), data)
         if extra is not None:
             extra.unlink(missing_ok=True)
+
+
+def _put_back_file(path: Path, data: bytes | None) -> None:
+    """``path`` as it was: ``data``, or no file."""
+    if data is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_bytes() != data:
+        replace_file(path, lambda handle: handle.write(data), binary=True)
 
 
 def _finish_loggers(trainer: Any) -> None:

@@ -15,7 +15,7 @@ import pytest
 from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.cli.main import main
 from tclightning.errors import TclightningError
-from tclightning.run import run
+from tclightning.run import RecordSnapshot, run
 from tests.conftest import FAST, two_step_run
 
 pytestmark = pytest.mark.timeout(120)  # a regression here hangs: fail instead
@@ -330,6 +330,39 @@ def test_a_checkpoint_whose_state_does_not_fit_is_one_line(run_dir: Path, tmp_pa
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("note:")]
     assert len(err) == 1 and "could not be restored" in err[0] and "Traceback" not in err[0], err
     assert (copy / "checkpoints" / "last.ckpt").is_file() and (copy / "checkpoints" / "step-000002.ckpt").is_file()
+
+
+@pytest.mark.parametrize("swap", ["none", "link", "another-folder"])
+def test_a_refused_resume_puts_its_record_back_only_into_the_folders_it_snapshotted(swap: str, tmp_path: Path) -> None:
+    """A resume refused while restoring puts the run's record back and removes the TensorBoard files
+    it added: through a link put in place of ``tb/`` meanwhile, that removed every file of the
+    folder linked to and wrote ``hparams.yaml`` there."""
+    run_dir = tmp_path / "run"
+    (run_dir / "tb").mkdir(parents=True)
+    (run_dir / "metrics.csv").write_text("step\n1\n")
+    (run_dir / "tb" / "hparams.yaml").write_text("a: 1\n")
+    (run_dir / "tb" / "events.out.tfevents.1").write_bytes(b"old")
+    before = RecordSnapshot.take(run_dir)
+    (run_dir / "metrics.csv").write_text("step\n1\n2\n")  # what the resume wrote
+    (run_dir / "tb" / "hparams.yaml").write_text("a: 2\n")
+    (run_dir / "tb" / "events.out.tfevents.2").write_bytes(b"new")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "u1.txt").write_text("mine")
+    (user / "hparams.yaml").write_text("mine")
+    if swap != "none":
+        (run_dir / "tb").rename(tmp_path / "tb-away")
+        if swap == "link":
+            (run_dir / "tb").symlink_to(user)
+        else:
+            user = user.rename(run_dir / "tb")
+    before.put_back()
+    assert (run_dir / "metrics.csv").read_text() == "step\n1\n"
+    if swap == "none":
+        assert sorted(p.name for p in (run_dir / "tb").iterdir()) == ["events.out.tfevents.1", "hparams.yaml"]
+        assert (run_dir / "tb" / "hparams.yaml").read_text() == "a: 1\n"
+    else:
+        assert {p.name: p.read_text() for p in user.iterdir()} == {"u1.txt": "mine", "hparams.yaml": "mine"}
 
 
 def test_task_data_that_is_a_fifo_is_refused_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
