@@ -305,7 +305,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
 
 
 def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: Any, tokenizer: Any,
-                         checkpoint: Mapping[str, Any], found: ExportSource, overwrite: bool, adapter_only: bool) -> None:
+                         checkpoint: Mapping[str, Any], found: ExportSource, overwrite: bool,
+                         adapter_only: bool) -> None:
     """Write the export into the staging folder ``new`` (made at ``staging``) and move it into place
     at ``target``: see :func:`export_policy`."""
     from tclightning.models.lora import save_adapter

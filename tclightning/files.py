@@ -169,14 +169,31 @@ def unused_name(path: Path) -> Path:
     return candidate
 
 
+_OWN_FOLDERS: dict[Path, tuple[int, int]] = {}
+"""The folders this process writes its records into (:func:`own_folder`), by absolute path: their
+device and inode when it took them."""
+
+
+def own_folder(folder: Path) -> None:
+    """Take ``folder`` (just made, or checked) as this process's to write into, as it is now: every
+    :class:`SameFolder` of it then tells its writers whether it is still that folder, not whichever
+    was there when each first looked (a link put in place of a new run's folder at once was taken
+    for it). ``TclightningError`` where it is a link or no folder already."""
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise SameFolder(folder)._replaced()
+    _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
+
+
 class SameFolder:
-    """A folder as it was when first seen (its device and inode, not a link), so that a writer can
-    tell, before each write by name, that no one has put another folder or a link in its place
-    (writes would then land in another run)."""
+    """A folder as this process took it (:func:`own_folder`), or else as it was when first seen
+    (its device and inode, not a link: a folder of yours reached through a link is taken as it
+    is), so that a writer can tell, before each write by name, that no one has put another folder
+    or a link in its place (writes would then land in another run, or in someone's folder)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        self._key = self._identity()
+        self._key = _OWN_FOLDERS.get(self.folder.absolute()) or self._identity()
 
     def _identity(self) -> tuple[int, int] | None:
         try:

@@ -104,3 +104,29 @@ def within(fn: Callable[[], T], timeout_s: float) -> T:
     """``fn()`` under :func:`run_with_alarm` where an alarm works (the main thread), else as it
     is: the bound for work that only a crafted input makes slow."""
     return run_with_alarm(fn, timeout_s) if can_use_alarm() else fn()
+
+
+def waited_on(fn: Callable[[], T], timeout_s: float) -> T:
+    """``fn()``, which waits on a remote peer, given ``timeout_s`` in any thread: under the alarm in
+    the main thread (:func:`run_with_alarm`), elsewhere in a daemon thread that this one stops
+    waiting for past the limit (a signal reaches no other thread; the request left is ended with the
+    process). ``TimeoutError`` past the limit; what ``fn`` raises otherwise."""
+    if can_use_alarm():
+        return run_with_alarm(fn, timeout_s)
+    outcome: list[tuple[bool, Any]] = []
+
+    def work() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread as it is
+            outcome.append((False, err))
+
+    worker = threading.Thread(target=work, daemon=True, name=f"tclightning-waited-on-{threading.current_thread().name}")
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"timed out after {timeout_s} s")
+    done, value = outcome[0]
+    if not done:
+        raise value
+    return value

@@ -255,14 +255,13 @@ class AtomicExperimentWriter(ExperimentWriter):
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         self.hparams.update(params)
+        self._check_folder()
         write_hparams(Path(self.log_dir) / self.NAME_HPARAMS_FILE, self.hparams)
 
     def save(self) -> None:
         if not self.metrics:
             return
-        if getattr(self, "_folder", None) is None:
-            self._folder = SameFolder(Path(self.log_dir))
-        self._folder.check()  # the run folder itself replaced: its rows would land in another run
+        self._check_folder()
         path = Path(self.metrics_file_path)
         exists = os.path.lexists(path)
         new_keys = self._record_new_keys()
@@ -280,6 +279,12 @@ class AtomicExperimentWriter(ExperimentWriter):
                     writer.writeheader()
                 writer.writerows(self.metrics)
         self.metrics, self.cut_from = [], None
+
+    def _check_folder(self) -> None:
+        """The run folder itself replaced: its records would land in another run, or someone's folder."""
+        if getattr(self, "_folder", None) is None:
+            self._folder = SameFolder(Path(self.log_dir))
+        self._folder.check()
 
     def _own(self, path: Path, mode: str) -> IO[str]:
         """``own_file(path, mode)``, and the same file (device and inode) as the last time: another
@@ -468,6 +473,24 @@ def mlflow_tracking_uri(init_args: Mapping[str, Any]) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI", "")
 
 
+def mlflow_logs_in_background(synchronous: Any, tracking_uri: str) -> str | None:
+    """Why an MLflow logger built with ``synchronous`` and ``tracking_uri`` may not log to its
+    server from MLflow's background threads, or None: its asynchronous logging (``synchronous:
+    false``, or unset with ``MLFLOW_ENABLE_ASYNC_LOGGING`` on) runs where no time limit reaches,
+    and a server that stalls held the command's exit for ever. A local store is never asked."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    if synchronous is None:
+        in_background = os.environ.get("MLFLOW_ENABLE_ASYNC_LOGGING", "").strip().lower() in ("true", "1")
+    else:
+        in_background = synchronous is False
+    if not in_background:
+        return None
+    return ("logs to its server from MLflow's background threads (synchronous: false, or "
+            "MLFLOW_ENABLE_ASYNC_LOGGING), which no time limit reaches: a server that stalls would hold the "
+            "command's exit for ever; log synchronously (synchronous: true)")
+
+
 def _local_store(name: str | None, arguments: dict[str, Any]) -> Path | None:
     """The folder on this machine a W&B or MLflow logger built with ``arguments`` writes into, or
     None (another logger, a server, a database): W&B's ``save_dir`` (a local folder, whatever it
@@ -593,6 +616,12 @@ def ask_remote_stores(trainer: Any) -> None:
                                                                    logger.experiment))
             _bound_calls(logger, LOGGER_CALLS, what, REMOTE_CALL_S)
         elif logger_kind(type(logger)) in ("mlflow", "wandb"):
+            # Lightning's MLFlowLogger keeps both only as these attributes
+            background = (mlflow_logs_in_background(getattr(logger, "_log_batch_kwargs", {}).get("synchronous"),
+                                                    str(getattr(logger, "_tracking_uri", "") or ""))
+                          if logger_kind(type(logger)) == "mlflow" else None)
+            if background is not None:
+                raise TclightningError(f"the {type(logger).__name__} {background}")
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
             _bound_calls(logger, LOGGER_CALLS, f"the {type(logger).__name__}'s server", REMOTE_CALL_S)
     if remote:

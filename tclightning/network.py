@@ -7,7 +7,6 @@ done with one (:func:`remote_setup`); and a time limit on each request afterward
 from __future__ import annotations
 
 import os
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 from tclightning.errors import TclightningError
-from tclightning.limits import within
+from tclightning.limits import waited_on, within
 
 T = TypeVar("T")
 
@@ -76,15 +75,13 @@ def no_answer(url: str, timeout_s: float | None = None, client: Any = None) -> N
     ones asked; by default ``urllib`` with the environment's proxies, ``ALL_PROXY`` included.
 
     The limit is on the whole answer: the clients' own limits are per read, and a server dripping
-    an endless header a byte every few seconds never trips them. The request runs in a thread
-    this call stops waiting for; one past the limit is left to end with the process."""
+    an endless header a byte every few seconds never trips them
+    (:func:`~tclightning.limits.waited_on`)."""
     timeout_s = ANSWER_TIMEOUT_S if timeout_s is None else timeout_s
-    verdict: list[NoAnswer | None] = []
-    asking = threading.Thread(target=lambda: verdict.append(_ask(url, timeout_s, client)), daemon=True,
-                              name=f"tclightning-answer-check {host_of(url)}")
-    asking.start()
-    asking.join(timeout_s)
-    return verdict[0] if verdict else NoAnswer(f"no answer within {timeout_s:g} s", True)
+    try:
+        return waited_on(lambda: _ask(url, timeout_s, client), timeout_s)
+    except TimeoutError:
+        return NoAnswer(f"no answer within {timeout_s:g} s", True)
 
 
 def _ask(url: str, timeout_s: float, client: Any) -> NoAnswer | None:
@@ -156,7 +153,8 @@ def _bound_webhdfs_requests() -> None:
     a server that stops answering held whatever asked it (LightningCLI resolving ``--ckpt_path
     last``, a learning-rate finder removing its checkpoint) for ever. Its sessions get
     :data:`REQUEST_TIMEOUT_S` to connect and for the next bytes, where a request names none, and
-    :data:`REQUEST_TOTAL_S` for the whole request (main thread: elsewhere the limit per read only)."""
+    :data:`REQUEST_TOTAL_S` for the whole request, in any thread (Lightning's ``AsyncCheckpointIO``
+    saves from its own)."""
     try:
         import requests
         from fsspec.implementations.webhdfs import WebHDFS
@@ -168,7 +166,7 @@ def _bound_webhdfs_requests() -> None:
     class BoundedSession(requests.Session):
         def request(self, *args: Any, **kwargs: Any) -> Any:
             kwargs.setdefault("timeout", (REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_S))
-            return within(lambda: super(BoundedSession, self).request(*args, **kwargs), REQUEST_TOTAL_S)
+            return waited_on(lambda: super(BoundedSession, self).request(*args, **kwargs), REQUEST_TOTAL_S)
 
     connect = WebHDFS._connect
 

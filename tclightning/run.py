@@ -22,10 +22,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (SameFolder, copy_file, hold_lock, refused_by_storage, regular_file, remove_tree,
-                              replace_file, replace_text, require_writable, storage_reason, tree, unused_name)
+from tclightning.files import (SameFolder, copy_file, hold_lock, own_folder, refused_by_storage, regular_file,
+                              remove_tree, replace_file, replace_text, require_writable, storage_reason, tree,
+                              unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
-from tclightning.logging import RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores, mlflow_tracking_uri
+from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
+                                 mlflow_logs_in_background, mlflow_tracking_uri)
 from tclightning.network import bound_remote_requests
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
@@ -364,6 +366,7 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
         run_dir = claim_run_dir(run_dir)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
+    own_folder(run_dir)  # its writers check it is still this folder, never a link put in its place
     marker = run_dir / RUN_MARKER
     if not marker.exists():
         try:
@@ -490,6 +493,9 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
         kind = logger_kind(resolve_logger_class(class_path, "recipe", f"logging.loggers[{i}]"))
         if kind == "mlflow":  # a local file store unless an http(s) server is named
             url = mlflow_tracking_uri(init_args)
+            background = mlflow_logs_in_background(init_args.get("synchronous"), url)
+            if background is not None:
+                raise TclightningError(f"logging.loggers[{i}]: the MLflow logger {background}")
             server, advice = "MLflow", "start it, or leave tracking_uri unset to log to a local file store"
         elif kind == "wandb" and not wandb_offline(init_args):
             settings = init_args.get("settings")  # wandb.init(settings=...) names the server before the environment
@@ -773,6 +779,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             record = plan.run_dir / "recipe.yaml"
             if kept_record is not None:  # the earlier steps' record stays beside the new one; each file is
                 copy_file(record, kept_record)  # replaced whole
+            SameFolder(plan.run_dir).check()
             replace_text(record, to_yaml(cfg))
         launched_here = multiprocess and RUN_DIR_ENV not in os.environ
         if launched_here:  # the ranks Lightning starts inherit this environment: one run directory

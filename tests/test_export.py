@@ -12,6 +12,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -268,6 +269,42 @@ def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) 
     with pytest.raises(TclightningError, match="is not an export|holds the checkpoint it would export"):
         export_policy(run_dir, run_dir / inside, overwrite=True)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize("then", ["write-fails", "write-succeeds", "overwrite"])
+def test_a_link_put_in_place_of_the_staging_folder_is_never_written_or_removed_through(
+        then: str, run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export reached its staging folder by name after making it: a link to someone's folder put
+    at that name had the export written into that folder (their config.json replaced, ``out`` made
+    a link to it) or, when a write then failed, every file of it removed."""
+    import errno
+
+    import tclightning.export as export
+
+    out = tmp_path / "policy"
+    if then == "overwrite":
+        export_policy(run_dir, out, step=1)
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("config.json", "notes.txt"):
+        (user / name).write_text("mine")
+    portable = export.portable_tokenizer_config
+
+    def swapped_meanwhile(folder: Path, *args: Any) -> None:
+        staging = next(tmp_path.glob(".policy.export-*"))
+        staging.rename(tmp_path / "moved-away")
+        staging.symlink_to(user)
+        portable(folder, *args)
+        if then == "write-fails":
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "portable_tokenizer_config", swapped_meanwhile)
+    before = sorted(p.name for p in out.iterdir()) if out.exists() else None
+    with pytest.raises(TclightningError, match="storage refused a write" if then == "write-fails" else
+                       "was replaced while written"):
+        export_policy(run_dir, out, step=1, overwrite=then == "overwrite")
+    assert {p.name: p.read_text() for p in user.iterdir()} == {"config.json": "mine", "notes.txt": "mine"}
+    assert not out.is_symlink() and (sorted(p.name for p in out.iterdir()) if out.exists() else None) == before
 
 
 def test_overwrite_swaps_in_one_step_and_a_killed_export_is_cleaned_up(run_dir: Path, tmp_path: Path) -> None:

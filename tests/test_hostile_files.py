@@ -365,6 +365,51 @@ def test_a_refused_resume_puts_its_record_back_only_into_the_folders_it_snapshot
         assert {p.name: p.read_text() for p in user.iterdir()} == {"u1.txt": "mine", "hparams.yaml": "mine"}
 
 
+@pytest.mark.parametrize("when", ["as-made", "after-the-first-step"])
+def test_a_link_put_in_place_of_a_new_run_folder_is_never_written_through(
+        when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link to someone's folder put at a new run folder's name the moment it was made was taken
+    for the run's folder by every writer, which looked first after it: their metrics.csv and
+    recipe.yaml were replaced."""
+    import tclightning.run as run_module
+
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("metrics.csv", "recipe.yaml", "summary.json", "hparams.yaml"):
+        (user / name).write_text("mine")
+    made: list[Path] = []
+
+    def swapped(run_dir: Path) -> None:
+        run_dir.rename(tmp_path / "moved-away")
+        run_dir.symlink_to(user)
+
+    claim = run_module.claim_run_dir
+
+    def claimed_then_swapped(planned: Path) -> Path:
+        made.append(claim(planned))
+        if when == "as-made":
+            swapped(made[0])
+        return made[0]
+
+    monkeypatch.setattr(run_module, "claim_run_dir", claimed_then_swapped)
+    if when == "after-the-first-step":
+        from tclightning.callbacks.checkpointing import StepCheckpoint
+
+        save = StepCheckpoint.on_train_batch_end
+
+        def swap_once(self, *args, **kwargs):
+            if not (tmp_path / "moved-away").exists():
+                swapped(made[0])
+            return save(self, *args, **kwargs)
+
+        monkeypatch.setattr(StepCheckpoint, "on_train_batch_end", swap_once)
+    code = main(["run", "--recipe", "tiny", *FAST, "trainer.steps=2", f"logging.root={tmp_path}/runs"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(err) == 1 and "was replaced during the run" in err[0], err
+    assert {p.name: p.read_text() for p in user.iterdir()} == dict.fromkeys(
+        ("metrics.csv", "recipe.yaml", "summary.json", "hparams.yaml"), "mine")
+
+
 def test_task_data_that_is_a_fifo_is_refused_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "gsm8k").mkdir()
     os.mkfifo(tmp_path / "gsm8k" / "train.jsonl")

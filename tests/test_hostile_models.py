@@ -473,6 +473,36 @@ def test_an_mlflow_logger_whose_server_does_not_answer_is_refused(server: str, c
     require_logger_servers(recipe)
 
 
+def test_an_mlflow_logger_logging_to_its_server_in_the_background_is_refused(
+        answering_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's asynchronous logging runs in its own threads, which no time limit reaches: a server
+    that drips its answers held the command's exit for ever (``tclightning run`` and ``lightning fit``)."""
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    from tclightning.logging import ask_remote_stores
+
+    monkeypatch.delenv("MLFLOW_ENABLE_ASYNC_LOGGING", raising=False)
+    recipe = to_dataclass(load_recipe("tiny"))
+    logger = {"class_path": "mlflow", "init_args": {"tracking_uri": answering_server, "synchronous": False}}
+    recipe.logging.loggers = [logger]
+    with pytest.raises(TclightningError, match=r"logging.loggers\[0\]: the MLflow logger logs to its server from "
+                                               "MLflow's background threads"):
+        require_logger_servers(recipe)
+    fit = SimpleNamespace(loggers=[MLFlowLogger(tracking_uri=answering_server, synchronous=False)], callbacks=[],
+                          default_root_dir=str(tmp_path), profiler=None)
+    with pytest.raises(TclightningError, match="the MLFlowLogger logs to its server from MLflow's background"):
+        ask_remote_stores(fit)
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "true")  # unset synchronous: the environment decides
+    recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": answering_server}}]
+    with pytest.raises(TclightningError, match="background threads"):
+        require_logger_servers(recipe)
+    recipe.logging.loggers = [{**logger, "init_args": {**logger["init_args"], "synchronous": True}}]
+    require_logger_servers(recipe)  # synchronous: each call has its limit
+    recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": f"file:{tmp_path}/mlruns",
+                                                                     "synchronous": False}}]
+    require_logger_servers(recipe)  # a local store: no server to stall
+
+
 def test_weights_in_a_sub_folder_and_a_cached_hub_model_get_the_size_bound(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     sharded = _config_beside_small_weights(tmp_path / "sharded", {**LLAMA, "intermediate_size": 4_000_000,
@@ -731,6 +761,12 @@ def test_a_hub_model_s_missing_weights_are_downloaded_and_checked_before_it_is_b
     with pytest.raises(TclightningError, match="far more than its weight files hold"):
         load_model(ModelConfig(source="hf", name="someone/big"))
     assert downloaded == ["model.safetensors", "additional_chat_templates/tool.jinja", "config.json"]
+    listed.siblings.append(SimpleNamespace(rfilename="tokenizer.json", size=2**40))  # refused once here: never fetched
+    (snapshot / "model.safetensors").unlink()
+    downloaded.clear()
+    with pytest.raises(TclightningError, match="its tokenizer.json is 1099511627776 bytes, more than a file"):
+        load_model(ModelConfig(source="hf", name="someone/big"))
+    assert downloaded == []
 
 
 def test_a_sharded_hub_model_downloads_the_shards_its_index_names(tmp_path: Path,
@@ -875,13 +911,16 @@ def test_a_server_that_answers_once_and_then_stalls_is_refused_within_the_setup_
 
 @pytest.mark.timeout(60)  # a regression waits on the server: fail instead
 @pytest.mark.parametrize("server", ["silent_server", "dripping_server"])
-def test_each_request_to_a_webhdfs_store_has_a_time_limit(server: str, request: pytest.FixtureRequest,
+@pytest.mark.parametrize("thread", ["main", "worker"])
+def test_each_request_to_a_webhdfs_store_has_a_time_limit(server: str, thread: str, request: pytest.FixtureRequest,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """fsspec's webhdfs store sets no timeout on its requests: a server that stops answering held
     LightningCLI's ``--ckpt_path last`` (it lists the checkpoint folder before any hook) or a
     learning-rate finder removing its checkpoint, for ever; one that drips a byte at a time
-    answers every read in time, so the whole request has a limit too."""
+    answers every read in time, so the whole request has a limit too, in any thread (Lightning's
+    ``AsyncCheckpointIO`` saves from its own, and its teardown waited on it for ever)."""
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import requests
     from fsspec.implementations.webhdfs import WebHDFS
@@ -894,7 +933,11 @@ def test_each_request_to_a_webhdfs_store_has_a_time_limit(server: str, request: 
     store = WebHDFS(host, port=int(port), skip_instance_cache=True)
     started = time.monotonic()
     with pytest.raises((requests.exceptions.Timeout, TimeoutError)) as stalled:
-        store.ls("/checkpoints")
+        if thread == "main":
+            store.ls("/checkpoints")
+        else:
+            with ThreadPoolExecutor(1) as worker:
+                worker.submit(store.ls, "/checkpoints").result()
     assert time.monotonic() - started < 10  # the dripping server drips for 20 s
     assert network.remote_failure(stalled.value).startswith("a remote store or server stopped answering")
 

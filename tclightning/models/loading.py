@@ -450,6 +450,10 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
 
         weights = next((f for f in HUB_WEIGHT_FILES if f in sizes), None)
         wanted = sorted({f for f in sizes if _repo_file(f, read_whole)} - set(HUB_WEIGHT_FILES))
+        too_big = next((f for f in wanted if sizes[f] > CONFIG_MAX_BYTES), None)
+        if too_big is not None:  # it would be refused once downloaded: never downloaded
+            raise TclightningError(f"{what}: its {too_big} is {sizes[too_big]} bytes, more than a file transformers "
+                                   f"reads whole may be ({CONFIG_MAX_BYTES} bytes); nothing was downloaded")
         if weights is None:
             raise TclightningError(f"{what}: the Hugging Face Hub lists no weights for it "
                                    f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
