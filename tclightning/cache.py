@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tclightning.files import remove_tree
+from tclightning.files import HeldFolder, remove_tree
 
 CACHE_ENV = "TCLIGHTNING_CACHE"
 NO_CACHE_ENV = "TCLIGHTNING_NO_CACHE"
@@ -103,12 +103,17 @@ class DirectoryCache:
             return err.strerror or str(err)
         why = None
         try:
-            write(tmp)
-            (tmp / self.COMPLETE).write_text("ok\n")
-            if not self.path(key).exists():
-                os.replace(tmp, self.path(key))
+            # written through its descriptor, and moved into place only while its name still leads
+            # to it: a link put at that name meanwhile is never written through nor made the entry
+            with HeldFolder(tmp) as staged:
+                write(staged.path)
+                (staged.path / self.COMPLETE).write_text("ok\n")
+                if not staged.is_at(tmp):
+                    why = "its folder was replaced while written"
+                elif not self.path(key).exists():
+                    os.replace(tmp, self.path(key))
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
         finally:
-            remove_tree(tmp)
+            remove_tree(tmp)  # never through a link
         return None if self.get(key) is not None else why or "the entry did not appear"

@@ -179,8 +179,11 @@ def own_folder(folder: Path) -> None:
     :class:`SameFolder` of it then tells its writers whether it is still that folder, not whichever
     was there when each first looked (a link put in place of a new run's folder at once was taken
     for it). ``TclightningError`` where it is a link or no folder already."""
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode):
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        info = None
+    if info is None or not stat.S_ISDIR(info.st_mode):  # gone, or a link put in its place
         raise SameFolder(folder)._replaced()
     _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
 

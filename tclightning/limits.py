@@ -109,10 +109,18 @@ def within(fn: Callable[[], T], timeout_s: float) -> T:
 def waited_on(fn: Callable[[], T], timeout_s: float) -> T:
     """``fn()``, which waits on a remote peer, given ``timeout_s`` in any thread: under the alarm in
     the main thread (:func:`run_with_alarm`), elsewhere in a daemon thread that this one stops
-    waiting for past the limit (a signal reaches no other thread; the request left is ended with the
-    process). ``TimeoutError`` past the limit; what ``fn`` raises otherwise."""
+    waiting for past the limit (:func:`watched`). ``TimeoutError`` past the limit; what ``fn``
+    raises otherwise."""
     if can_use_alarm():
         return run_with_alarm(fn, timeout_s)
+    return watched(fn, lambda elapsed_s: timeout_s - elapsed_s)
+
+
+def watched(fn: Callable[[], T], keep_waiting: Callable[[float], float]) -> T:
+    """``fn()`` in a daemon thread, waited for while ``keep_waiting(seconds since it started)``
+    gives how long to wait before asking again (more than 0): ``TimeoutError`` once it gives 0 or
+    less, the thread left to end with the process (a signal reaches no other thread, and a blocking
+    read cannot be stopped from outside). What ``fn`` returns or raises otherwise."""
     outcome: list[tuple[bool, Any]] = []
 
     def work() -> None:
@@ -121,11 +129,14 @@ def waited_on(fn: Callable[[], T], timeout_s: float) -> T:
         except BaseException as err:  # noqa: BLE001 - handed to the waiting thread as it is
             outcome.append((False, err))
 
-    worker = threading.Thread(target=work, daemon=True, name=f"tclightning-waited-on-{threading.current_thread().name}")
+    worker = threading.Thread(target=work, daemon=True, name=f"tclightning-watched-{threading.current_thread().name}")
+    started = time.monotonic()
     worker.start()
-    worker.join(timeout_s)
-    if not outcome:
-        raise TimeoutError(f"timed out after {timeout_s} s")
+    while not outcome:
+        wait_s = keep_waiting(time.monotonic() - started)
+        if wait_s <= 0:
+            raise TimeoutError(f"timed out after {time.monotonic() - started:.0f} s")
+        worker.join(wait_s)
     done, value = outcome[0]
     if not done:
         raise value

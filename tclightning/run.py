@@ -22,9 +22,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (SameFolder, copy_file, hold_lock, own_folder, refused_by_storage, regular_file,
-                              remove_tree, replace_file, replace_text, require_writable, storage_reason, tree,
-                              unused_name)
+from tclightning.files import (HeldFolder, SameFolder, copy_file, hold_lock, own_folder, refused_by_storage,
+                              regular_file, remove_tree, replace_file, replace_text, require_writable, storage_reason,
+                              tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
                                  mlflow_logs_in_background, mlflow_tracking_uri)
@@ -366,16 +366,26 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
         run_dir = claim_run_dir(run_dir)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-    own_folder(run_dir)  # its writers check it is still this folder, never a link put in its place
-    marker = run_dir / RUN_MARKER
-    if not marker.exists():
-        try:
-            marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
-        except OSError:
-            if new:  # the directory this run just claimed holds nothing else
-                marker.unlink(missing_ok=True)
-                run_dir.rmdir()
-            raise
+    # it and its checkpoints/ are taken as they are now: their writers check they still are, so a
+    # link put in place of either (at once, or later) stops the run instead of carrying its writes
+    own_folder(run_dir)
+    try:
+        held = HeldFolder(run_dir)
+    except OSError:
+        SameFolder(run_dir).check()  # a link put in its place since: one line
+        raise
+    with held:
+        marker = held.path / RUN_MARKER
+        if not marker.exists():
+            try:
+                marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
+            except OSError:
+                if new:  # the directory this run just claimed holds nothing else
+                    marker.unlink(missing_ok=True)
+                    held.remove_at(run_dir)
+                raise
+        (held.path / "checkpoints").mkdir(exist_ok=True)
+        own_folder(run_dir / "checkpoints")
     return run_dir
 
 

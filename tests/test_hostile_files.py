@@ -365,6 +365,37 @@ def test_a_refused_resume_puts_its_record_back_only_into_the_folders_it_snapshot
         assert {p.name: p.read_text() for p in user.iterdir()} == {"u1.txt": "mine", "hparams.yaml": "mine"}
 
 
+@pytest.mark.parametrize("when", ["as-the-run-folder-is-made", "before-the-first-checkpoint"])
+def test_a_link_put_in_place_of_a_new_run_s_checkpoints_folder_is_never_written_through(
+        when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link to someone's folder put at ``checkpoints/`` in a new run's folder before its first
+    checkpoint was taken for the checkpoint folder: their ``last.ckpt`` written over and their
+    ``step-*.ckpt`` pruned."""
+    import tclightning.run as run_module
+
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("last.ckpt", "step-000001.ckpt", "notes.txt"):
+        (user / name).write_text("mine")
+    claim, mark = run_module.claim_run_dir, run_module.mark_run_dir
+
+    def planted(run_dir: Path) -> None:
+        if (run_dir / "checkpoints").is_dir():
+            (run_dir / "checkpoints").rmdir()
+        (run_dir / "checkpoints").symlink_to(user)
+
+    if when == "as-the-run-folder-is-made":
+        monkeypatch.setattr(run_module, "claim_run_dir", lambda planned: (made := claim(planned), planted(made))[0])
+    else:
+        monkeypatch.setattr(run_module, "mark_run_dir", lambda *args, **kwargs: (made := mark(*args, **kwargs),
+                                                                                 planted(made))[0])
+    code = main(["run", "--recipe", "tiny", *FAST, "trainer.steps=2", f"logging.root={tmp_path}/runs"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(err) == 1 and "checkpoints was replaced during the run" in err[0], err
+    assert {p.name: p.read_text() for p in user.iterdir()} == dict.fromkeys(
+        ("last.ckpt", "step-000001.ckpt", "notes.txt"), "mine")
+
+
 @pytest.mark.parametrize("when", ["as-made", "after-the-first-step"])
 def test_a_link_put_in_place_of_a_new_run_folder_is_never_written_through(
         when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -383,3 +383,37 @@ def test_the_no_cache_variable_reads_off_as_off(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setenv("TCLIGHTNING_NO_CACHE", value)
     assert cache_disabled_by_env() is disabled
+
+
+@pytest.mark.parametrize("how", ["new-entry", "replacing-an-unreadable-one"])
+def test_a_link_put_in_place_of_a_cache_entry_being_written_is_never_written_through(how: str, tmp_path: Path) -> None:
+    """A cache entry is written into a folder made beside it and renamed into place: reached by name
+    after it was made, a link to someone's folder put at that name had their files written over and
+    became the entry."""
+    from tclightning.models.warmup import _replace_entry
+
+    user = tmp_path / "user"
+    user.mkdir()
+    for name in ("weights.pt", "stats.json", "notes.txt"):
+        (user / name).write_text("mine")
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+
+    def write(folder: Path) -> None:
+        staged = next(cache.directory.glob(".k.*"))  # what another process sees, and swaps
+        staged.rename(tmp_path / "moved-away")
+        staged.symlink_to(user)
+        (folder / "weights.pt").write_text("the warm-up's")
+        (folder / "stats.json").write_text("{}")
+
+    if how == "new-entry":
+        why = cache.put("k", write)
+    else:
+        entry = cache.path("k")
+        entry.mkdir()
+        (entry / "weights.pt").write_text("unreadable")
+        why = _replace_entry(cache, "k", os.lstat(entry), write)
+    assert why is not None and "replaced while written" in why
+    assert {p.name: p.read_text() for p in user.iterdir()} == dict.fromkeys(("weights.pt", "stats.json", "notes.txt"),
+                                                                             "mine")
+    assert not cache.path("k").is_symlink()

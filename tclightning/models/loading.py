@@ -24,7 +24,7 @@ from transformers import (
 from tclightning import network
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_files, refused_by_storage, regular_file, tree
-from tclightning.limits import within
+from tclightning.limits import watched, within
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
@@ -421,9 +421,36 @@ def hub_model_folder(cfg: ModelConfig) -> Path:
 
 
 HUB_DOWNLOAD_MIN_BYTES_S = 2**20
-"""The slowest a hub model's file may download on average (1 MiB/s; each file also has 60 s of
-:data:`~tclightning.network.REMOTE_SETUP_S` to start): a hub that drips a byte every few seconds
-trips no limit on each read. On a slower link, download it first (``hf download NAME``)."""
+"""The slowest a hub model's file may download, on average, once its first 60 s
+(:data:`~tclightning.network.REMOTE_SETUP_S`) are past: 1 MiB/s of bytes received. A hub that
+drips a byte every few seconds trips no limit on each read, and a deadline from the size it lists
+would be its own to choose. On a slower link, download the model first (``hf download NAME``)."""
+
+
+def _hub_file(name: str, filename: str, revision: str | None, what: str) -> Path:
+    """``hf_hub_download`` of one file, stopped (one line) when it falls below
+    :data:`HUB_DOWNLOAD_MIN_BYTES_S`: the bytes are counted as its progress bar sees them."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import tqdm as hub_tqdm
+
+    received = [0]
+
+    class Counted(hub_tqdm):  # type: ignore[misc, valid-type]
+        def update(self, n: float | None = 1) -> bool | None:
+            received[0] += n or 0
+            return super().update(n)
+
+    def keep_waiting(elapsed_s: float) -> float:
+        late_s = elapsed_s - network.REMOTE_SETUP_S
+        return 1.0 if late_s <= 0 or received[0] >= late_s * HUB_DOWNLOAD_MIN_BYTES_S else 0.0
+
+    try:
+        return Path(watched(lambda: hf_hub_download(name, filename, revision=revision, tqdm_class=Counted),
+                            keep_waiting))
+    except TimeoutError:
+        raise TclightningError(f"{what}: downloading {filename} fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
+                               f"({received[0]} bytes came); on a slower link, download the model first "
+                               f"(hf download {name})") from None
 
 
 def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
@@ -431,9 +458,9 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
     (its top-level configs, tokenizer files and chat templates, ``additional_chat_templates/``, its
     code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`), all of the main branch's
     commit; its snapshot folder. Asking for the list of files has
-    :data:`~tclightning.network.REMOTE_SETUP_S` and each file that plus its size at
+    :data:`~tclightning.network.REMOTE_SETUP_S`, and each file must keep up
     :data:`HUB_DOWNLOAD_MIN_BYTES_S`; a hub that refuses or fails is one ``TclightningError``."""
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi
 
     what = f"model.name {name}"
     read_whole = READ_WHOLE_SUFFIXES + ((".py",) if trust_remote_code else ())
@@ -442,11 +469,6 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
                             lambda: HfApi().model_info(name, files_metadata=True))
         sizes = {file.rfilename: file.size if isinstance(file.size, int) and file.size > 0 else 0
                  for file in info.siblings or ()}
-
-        def download(filename: str, revision: str | None = None) -> Path:
-            limit = network.REMOTE_SETUP_S + sizes[filename] / HUB_DOWNLOAD_MIN_BYTES_S
-            return Path(remote_setup(f"{what}: downloading {filename}",
-                                     lambda: hf_hub_download(name, filename, revision=revision), limit))
 
         weights = next((f for f in HUB_WEIGHT_FILES if f in sizes), None)
         wanted = sorted({f for f in sizes if _repo_file(f, read_whole)} - set(HUB_WEIGHT_FILES))
@@ -459,13 +481,13 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
                                    f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
         # the main branch's commit, remembered in the cache (refs/main) for the next run, offline too;
         # every other file of that same commit's folder
-        folder = download(weights).parent
+        folder = _hub_file(name, weights, None, what).parent
         if weights.endswith(".index.json"):
             with open_regular(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES) as index:
                 shards = _weight_map(index.read(CONFIG_MAX_BYTES))  # the bytes checked, read once
             wanted += sorted(f for f in sizes.keys() & shards if _repo_file(f))
         for filename in wanted:
-            download(filename, revision=folder.name)
+            _hub_file(name, filename, folder.name, what)
         return folder
 
 

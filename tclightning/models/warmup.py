@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from tclightning.cache import DirectoryCache, cache_disabled_by_env, digest
 from tclightning.errors import TclightningError, one_line
-from tclightning.files import exchange, open_regular, regular_file, remove_tree, save_tensors
+from tclightning.files import HeldFolder, exchange, open_regular, regular_file, remove_tree, save_tensors
 from tclightning.limits import interrupt
 from tclightning.models.config import WarmupConfig
 from tclightning.sampling.base import PromptFormatter
@@ -321,17 +321,20 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
         return err.strerror or str(err)
     why = None
     try:
-        write(tmp)
-        (tmp / DirectoryCache.COMPLETE).write_text("ok\n")
-        try:
-            now = os.lstat(target)
-        except FileNotFoundError:
-            now = None
-        if now is None:
-            os.replace(tmp, target)  # gone meanwhile: a plain rename
-        elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
-                                                                                  seen.st_mtime_ns):
-            exchange(tmp, target)  # tmp now holds the unreadable entry
+        with HeldFolder(tmp) as staged:  # written through its descriptor, as DirectoryCache.put does
+            write(staged.path)
+            (staged.path / DirectoryCache.COMPLETE).write_text("ok\n")
+            try:
+                now = os.lstat(target)
+            except FileNotFoundError:
+                now = None
+            if not staged.is_at(tmp):
+                why = "its folder was replaced while written"
+            elif now is None:
+                os.replace(tmp, target)  # gone meanwhile: a plain rename
+            elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
+                                                                                      seen.st_mtime_ns):
+                exchange(tmp, target)  # tmp now holds the unreadable entry
     except OSError as err:
         why = err.strerror or str(err)
     finally:
