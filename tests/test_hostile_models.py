@@ -830,33 +830,43 @@ def test_the_hugging_face_cache_s_commit_record_is_read_once_and_bounded(ref: st
 
 
 @pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
-@pytest.mark.parametrize("listed_bytes", [2**20, 10**14])
-def test_a_hub_model_download_must_keep_up_a_rate(listed_bytes: int, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("drip", ["one-file-listed-small", "one-file-listed-huge", "many-small-files"])
+def test_a_hub_model_download_must_keep_up_a_rate(drip: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each request of a download has a limit per read only: a hub dripping a byte every few
-    seconds held the run for ever, and a deadline from the size it lists is the hub's to choose.
-    After its first 60 s a file must have come at 1 MiB/s, counted on the bytes received."""
+    seconds held the run for ever; a deadline from the size it lists is the hub's to choose, and
+    one per file lets it list many small files, each dripped within its own. After its first 60 s
+    the download must have come at 1 MiB/s, counted on the bytes received over all its files."""
     import time
 
     import huggingface_hub
 
     import tclightning.models.loading as loading
 
-    _cached_hub_snapshot(tmp_path / "hub", "someone/slow", monkeypatch)
-    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename="model.safetensors", size=listed_bytes)])
+    snapshot = _cached_hub_snapshot(tmp_path / "hub", "someone/slow", monkeypatch)
+    weights_bytes = 10**14 if drip == "one-file-listed-huge" else 2**20
+    extra = [f"extra-{i}.json" for i in range(40)] if drip == "many-small-files" else []
+    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename=name, size=weights_bytes if
+                                                                  name == "model.safetensors" else 8)
+                                                  for name in ["model.safetensors", *extra]])
 
-    def dripping(*args: object, tqdm_class: type, **kwargs: object) -> None:
-        progress = tqdm_class(total=listed_bytes, disable=True)
-        for _ in range(300):  # a byte every 0.1 s: far below the rate
+    def dripping(name: str, filename: str, *, tqdm_class: type, **kwargs: object) -> str:
+        progress = tqdm_class(total=8, disable=True)
+        for _ in range(8 if filename in extra else 300):  # a byte every 0.1 s: far below the rate
             progress.update(1)
             time.sleep(0.1)
+        (snapshot / filename).write_bytes(b"{}")
+        return str(snapshot / filename)
 
     monkeypatch.setattr(network, "REMOTE_SETUP_S", 1.0)
     monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, name, files_metadata: listed)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", dripping)
+    if extra:  # the weights come at once
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda name, filename, **kwargs: (
+            dripping(name, filename, **kwargs) if filename in extra else
+            ((snapshot / filename).write_bytes(b"w"), str(snapshot / filename))[1]))
     started = time.monotonic()
-    with pytest.raises(TclightningError, match="downloading model.safetensors fell below 1 MiB/s"):
+    with pytest.raises(TclightningError, match=r"its download fell below 1 MiB/s \(\d+ bytes in \d+ s, at "):
         load_model(ModelConfig(source="hf", name="someone/slow"))
     assert time.monotonic() - started < 10
 

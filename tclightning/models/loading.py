@@ -6,6 +6,7 @@ import contextlib
 import json
 import importlib.machinery
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -421,36 +422,49 @@ def hub_model_folder(cfg: ModelConfig) -> Path:
 
 
 HUB_DOWNLOAD_MIN_BYTES_S = 2**20
-"""The slowest a hub model's file may download, on average, once its first 60 s
+"""The slowest a hub model's download (all its files) may be, on average, once its first 60 s
 (:data:`~tclightning.network.REMOTE_SETUP_S`) are past: 1 MiB/s of bytes received. A hub that
 drips a byte every few seconds trips no limit on each read, and a deadline from the size it lists
 would be its own to choose. On a slower link, download the model first (``hf download NAME``)."""
 
 
-def _hub_file(name: str, filename: str, revision: str | None, what: str) -> Path:
-    """``hf_hub_download`` of one file, stopped (one line) when it falls below
-    :data:`HUB_DOWNLOAD_MIN_BYTES_S`: the bytes are counted as its progress bar sees them."""
+class _DownloadPace:
+    """The bytes a hub model's download has received, counted as its progress bars see them, and
+    whether it keeps :data:`HUB_DOWNLOAD_MIN_BYTES_S` over all its files together (each file on
+    its own would let a hub listing many small files drip each within its own grace)."""
+
+    def __init__(self) -> None:
+        from huggingface_hub.utils import tqdm as hub_tqdm
+
+        self.received = 0
+        self.started = time.monotonic()
+        pace = self
+
+        class Counted(hub_tqdm):  # type: ignore[misc, valid-type]
+            def update(self, n: float | None = 1) -> bool | None:
+                pace.received += int(n or 0)
+                return super().update(n)
+
+        self.progress_bar = Counted
+
+    def keep_waiting(self, _: float) -> float:
+        """For :func:`~tclightning.limits.watched`: 1 s more while the download keeps the pace."""
+        late_s = time.monotonic() - self.started - network.REMOTE_SETUP_S
+        return 1.0 if late_s <= 0 or self.received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S else 0.0
+
+
+def _hub_file(name: str, filename: str, revision: str | None, pace: _DownloadPace, what: str) -> Path:
+    """``hf_hub_download`` of one file of the download ``pace`` counts, stopped (one line) when the
+    download falls below :data:`HUB_DOWNLOAD_MIN_BYTES_S`."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import tqdm as hub_tqdm
-
-    received = [0]
-
-    class Counted(hub_tqdm):  # type: ignore[misc, valid-type]
-        def update(self, n: float | None = 1) -> bool | None:
-            received[0] += n or 0
-            return super().update(n)
-
-    def keep_waiting(elapsed_s: float) -> float:
-        late_s = elapsed_s - network.REMOTE_SETUP_S
-        return 1.0 if late_s <= 0 or received[0] >= late_s * HUB_DOWNLOAD_MIN_BYTES_S else 0.0
 
     try:
-        return Path(watched(lambda: hf_hub_download(name, filename, revision=revision, tqdm_class=Counted),
-                            keep_waiting))
+        return Path(watched(lambda: hf_hub_download(name, filename, revision=revision, tqdm_class=pace.progress_bar),
+                            pace.keep_waiting))
     except TimeoutError:
-        raise TclightningError(f"{what}: downloading {filename} fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
-                               f"({received[0]} bytes came); on a slower link, download the model first "
-                               f"(hf download {name})") from None
+        raise TclightningError(f"{what}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
+                               f"({pace.received} bytes in {time.monotonic() - pace.started:.0f} s, at {filename}); "
+                               f"on a slower link, download the model first (hf download {name})") from None
 
 
 def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
@@ -458,7 +472,7 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
     (its top-level configs, tokenizer files and chat templates, ``additional_chat_templates/``, its
     code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`), all of the main branch's
     commit; its snapshot folder. Asking for the list of files has
-    :data:`~tclightning.network.REMOTE_SETUP_S`, and each file must keep up
+    :data:`~tclightning.network.REMOTE_SETUP_S`, and the download must keep up
     :data:`HUB_DOWNLOAD_MIN_BYTES_S`; a hub that refuses or fails is one ``TclightningError``."""
     from huggingface_hub import HfApi
 
@@ -481,13 +495,14 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
                                    f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
         # the main branch's commit, remembered in the cache (refs/main) for the next run, offline too;
         # every other file of that same commit's folder
-        folder = _hub_file(name, weights, None, what).parent
+        pace = _DownloadPace()
+        folder = _hub_file(name, weights, None, pace, what).parent
         if weights.endswith(".index.json"):
             with open_regular(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES) as index:
                 shards = _weight_map(index.read(CONFIG_MAX_BYTES))  # the bytes checked, read once
             wanted += sorted(f for f in sizes.keys() & shards if _repo_file(f))
         for filename in wanted:
-            _hub_file(name, filename, folder.name, what)
+            _hub_file(name, filename, folder.name, pace, what)
         return folder
 
 
