@@ -239,8 +239,12 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
                 if small is not None and small.file_size > MAX_SMALL_RECORD_BYTES:
                     raise RefusedTensorFile(f"its record {small.filename[:80]!r} holds {small.file_size} bytes, where "
                                             f"torch.save writes a few")
-                if small is not None:
-                    archive.read(small)  # read as checked too (its byte order decides how the tensors' bytes read)
+                if small is not None:  # read as checked too (its byte order decides how the tensors' bytes read)
+                    data = archive.read(small)
+                    if small.filename.endswith("/byteorder") and data not in (b"little", b"little\n"):
+                        raise RefusedTensorFile(f"its byteorder record says {data[:16]!r}, where a machine that runs "
+                                                "tclightning writes 'little' (torch swaps the bytes of every tensor "
+                                                "of another order, and crashes doing so on the meta device)")
         if isinstance(source, FirstReads):  # torch.load reads what was checked, and only tensors' bytes afresh
             source.recording = False
     except OSError as err:

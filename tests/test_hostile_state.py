@@ -1355,6 +1355,21 @@ def test_a_torch_file_whose_records_share_their_bytes_is_refused(tmp_path: Path)
         check_torch_file(handle)
 
 
+def test_a_torch_file_of_another_byte_order_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch swaps the bytes of every tensor of a file whose byteorder record is not this machine's,
+    and on the meta device (a resume's and an export's first look at a checkpoint) it crashed the
+    process doing so: a segmentation fault, no line."""
+    from tclightning.tensor_files import RefusedTensorFile, check_torch_file
+
+    torch.save({"w": torch.zeros(4)}, tmp_path / "little.pt")
+    check_torch_file(tmp_path / "little.pt")
+    monkeypatch.setattr(sys, "byteorder", "big")  # as torch.save writes it on a big-endian machine
+    torch.save({"w": torch.zeros(4)}, tmp_path / "big.pt")
+    monkeypatch.undo()
+    with pytest.raises(RefusedTensorFile, match="its byteorder record says b'big'"):
+        check_torch_file(tmp_path / "big.pt")
+
+
 @pytest.mark.parametrize("layout", ["data-before-the-archive", "a-pickle-before-the-archive", "zip64-locator-elsewhere",
                                     "directory-elsewhere",
                                     "a-comment", "end-record-signature-in-a-field", "records-by-another-name",
