@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.errors import TclightningError, one_line
 from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
-from tclightning.network import remote_setup
+from tclightning.network import is_http, remote_setup
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
 # chart holds one unit (a share in [0, 1] never shares axes with bytes or nats), and held-out
@@ -478,12 +478,12 @@ def mlflow_logs_in_background(synchronous: Any, tracking_uri: str) -> str | None
     server from MLflow's background threads, or None: its asynchronous logging (``synchronous:
     false``, or unset with ``MLFLOW_ENABLE_ASYNC_LOGGING`` on) runs where no time limit reaches,
     and a server that stalls held the command's exit for ever. A local store is never asked."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    if not is_http(tracking_uri):
         return None
     if synchronous is None:
         in_background = os.environ.get("MLFLOW_ENABLE_ASYNC_LOGGING", "").strip().lower() in ("true", "1")
-    else:
-        in_background = synchronous is False
+    else:  # MLflow logs in the background for any false value (0, "")
+        in_background = not synchronous
     if not in_background:
         return None
     return ("logs to its server from MLflow's background threads (synchronous: false, or "

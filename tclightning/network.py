@@ -59,6 +59,11 @@ def hub_offline() -> bool:
                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+def is_http(url: str) -> bool:
+    """Whether ``url`` is an http(s) URL as the clients read it (any case, blanks around it)."""
+    return url.strip().lower().startswith(("http://", "https://"))
+
+
 def host_of(url: str) -> str:
     """The host ``url`` names, or ``url`` itself when it names none or is malformed (``http://[::1``)."""
     try:

@@ -494,7 +494,7 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
     """A W&B logger that logs online, or an MLflow logger with an http(s) tracking server, needs
     its server to answer now: each retries a silent or closed one for minutes (MLflow waited
     without end on one that accepts and never answers), with the run folder made and nothing trained."""
-    from tclightning.network import WANDB_URL, host_of, no_answer
+    from tclightning.network import WANDB_URL, host_of, is_http, no_answer
     from tclightning.recipes.loader import logger_kind, resolve_logger_class
 
     for i, entry in enumerate(recipe.logging.loggers):
@@ -514,7 +514,7 @@ def require_logger_servers(recipe: RecipeConfig) -> None:
             server, advice = "W&B", "set WANDB_MODE=offline to log locally and `wandb sync` later"
         else:
             continue
-        silent = no_answer(url) if url.startswith(("http://", "https://")) else None
+        silent = no_answer(url.strip()) if is_http(url) else None
         if silent is not None:
             raise TclightningError(f"logging.loggers: the {server} server {host_of(url)} does not answer "
                                    f"({silent.reason}); {advice}")

@@ -496,6 +496,13 @@ def test_an_mlflow_logger_logging_to_its_server_in_the_background_is_refused(
     recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": answering_server}}]
     with pytest.raises(TclightningError, match="background threads"):
         require_logger_servers(recipe)
+    monkeypatch.delenv("MLFLOW_ENABLE_ASYNC_LOGGING")
+    for synchronous, uri in ((0, answering_server), ("", answering_server),
+                             (False, answering_server.upper()), (False, f" {answering_server}")):
+        recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": uri,
+                                                                         "synchronous": synchronous}}]
+        with pytest.raises(TclightningError, match="background threads"):  # as MLflow reads them
+            require_logger_servers(recipe)
     recipe.logging.loggers = [{**logger, "init_args": {**logger["init_args"], "synchronous": True}}]
     require_logger_servers(recipe)  # synchronous: each call has its limit
     recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": f"file:{tmp_path}/mlruns",
