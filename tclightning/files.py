@@ -143,7 +143,7 @@ def pinned_file(path: Path, what: str, max_bytes: int | None = None) -> Iterator
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n} bytes"
 
 
 def tree(folder: Path) -> Iterator[Path]:
