@@ -493,9 +493,9 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
         if weights is None:
             raise TclightningError(f"{what}: the Hugging Face Hub lists no weights for it "
                                    f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
+        pace = _DownloadPace()
         # the main branch's commit, remembered in the cache (refs/main) for the next run, offline too;
         # every other file of that same commit's folder
-        pace = _DownloadPace()
         folder = _hub_file(name, weights, None, pace, what).parent
         if weights.endswith(".index.json"):
             with open_regular(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES) as index:
