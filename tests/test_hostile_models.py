@@ -836,6 +836,38 @@ def test_the_hugging_face_cache_s_commit_record_is_read_once_and_bounded(ref: st
     assert load_model(ModelConfig(source="hf", name="someone/refs"))[0].config._name_or_path == "someone/refs"
 
 
+@pytest.mark.timeout(60)  # a regression fills the disk: fail instead
+def test_a_hub_model_file_is_downloaded_up_to_its_listed_size_no_further(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub sending a file as an endless compressed stream kept the pace on the bytes written
+    (2 MB sent, 440 MiB on disk) for ever: each file stops at the size the hub lists for it, and a
+    file listed without one is refused."""
+    import huggingface_hub
+
+    import tclightning.models.loading as loading
+
+    _cached_hub_snapshot(tmp_path / "hub", "someone/endless", monkeypatch)
+    listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename="model.safetensors", size=10)])
+    written = [0]
+
+    def endless(*args: object, tqdm_class: type, **kwargs: object) -> None:
+        progress = tqdm_class(total=None, disable=True)
+        while written[0] < 10**9:
+            progress.update(100)
+            written[0] += 100
+
+    monkeypatch.setattr(loading, "hub_answer", lambda path, timeout_s=None: None)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, name, files_metadata: listed)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", endless)
+    with pytest.raises(TclightningError, match="its model.safetensors came larger than the 10 bytes the Hugging Face "
+                                               r"Hub lists for it \(100 bytes\)"):
+        load_model(ModelConfig(source="hf", name="someone/endless"))
+    assert written[0] == 0  # stopped at its first bytes past the size
+    listed.siblings[0].size = None
+    with pytest.raises(TclightningError, match="lists no size for its model.safetensors; nothing was downloaded"):
+        load_model(ModelConfig(source="hf", name="someone/endless"))
+
+
 @pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
 @pytest.mark.parametrize("drip", ["one-file-listed-small", "one-file-listed-huge", "many-small-files"])
 def test_a_hub_model_download_must_keep_up_a_rate(drip: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

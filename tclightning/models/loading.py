@@ -438,14 +438,23 @@ class _DownloadPace:
 
         self.received = 0
         self.started = time.monotonic()
+        self.file_bytes = 0  # received of the file now downloading, and the most it may be
+        self.file_limit = 0
         pace = self
 
         class Counted(hub_tqdm):  # type: ignore[misc, valid-type]
             def update(self, n: float | None = 1) -> bool | None:
                 pace.received += int(n or 0)
+                pace.file_bytes += int(n or 0)
+                if pace.file_bytes > pace.file_limit:  # an endless (compressed) stream: never written on
+                    raise _LargerThanListed(pace.file_bytes)
                 return super().update(n)
 
         self.progress_bar = Counted
+
+    def next_file(self, listed_bytes: int) -> None:
+        """Count a new file, of at most ``listed_bytes``."""
+        self.file_bytes, self.file_limit = 0, listed_bytes
 
     def keep_waiting(self, _: float) -> float:
         """For :func:`~tclightning.limits.watched`: 1 s more while the download keeps the pace."""
@@ -453,14 +462,24 @@ class _DownloadPace:
         return 1.0 if late_s <= 0 or self.received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S else 0.0
 
 
-def _hub_file(name: str, filename: str, revision: str | None, pace: _DownloadPace, what: str) -> Path:
+class _LargerThanListed(Exception):
+    """A hub file came larger than its listed size."""
+
+
+def _hub_file(name: str, filename: str, listed_bytes: int, revision: str | None, pace: _DownloadPace,
+              what: str) -> Path:
     """``hf_hub_download`` of one file of the download ``pace`` counts, stopped (one line) when the
-    download falls below :data:`HUB_DOWNLOAD_MIN_BYTES_S`."""
+    download falls below :data:`HUB_DOWNLOAD_MIN_BYTES_S` or the file comes larger than the
+    ``listed_bytes`` the Hugging Face Hub lists (bytes counted as written: a compressed stream expands)."""
     from huggingface_hub import hf_hub_download
 
+    pace.next_file(listed_bytes)
     try:
         return Path(watched(lambda: hf_hub_download(name, filename, revision=revision, tqdm_class=pace.progress_bar),
                             pace.keep_waiting))
+    except _LargerThanListed as err:
+        raise TclightningError(f"{what}: its {filename} came larger than the {listed_bytes} bytes the Hugging Face "
+                               f"Hub lists for it ({err.args[0]} bytes); nothing more was downloaded") from None
     except TimeoutError:
         raise TclightningError(f"{what}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
                                f"({pace.received} bytes in {time.monotonic() - pace.started:.0f} s, at {filename}); "
@@ -493,16 +512,20 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
         if weights is None:
             raise TclightningError(f"{what}: the Hugging Face Hub lists no weights for it "
                                    f"({', '.join(HUB_WEIGHT_FILES)}); nothing was downloaded")
+        unsized = next((f for f in [weights, *wanted] if not sizes[f]), None)
+        if unsized is not None:  # each file is downloaded up to its listed size, no further
+            raise TclightningError(f"{what}: the Hugging Face Hub lists no size for its {unsized}; nothing was "
+                                   "downloaded")
         pace = _DownloadPace()
         # the main branch's commit, remembered in the cache (refs/main) for the next run, offline too;
         # every other file of that same commit's folder
-        folder = _hub_file(name, weights, None, pace, what).parent
+        folder = _hub_file(name, weights, sizes[weights], None, pace, what).parent
         if weights.endswith(".index.json"):
             with open_regular(folder / weights, f"{what}: its weights index", CONFIG_MAX_BYTES) as index:
                 shards = _weight_map(index.read(CONFIG_MAX_BYTES))  # the bytes checked, read once
             wanted += sorted(f for f in sizes.keys() & shards if _repo_file(f))
         for filename in wanted:
-            _hub_file(name, filename, folder.name, pace, what)
+            _hub_file(name, filename, sizes[filename], folder.name, pace, what)
         return folder
 
 

@@ -123,10 +123,11 @@ class Sampler(Protocol):
     ) -> Rollouts: ...
 
 
-TEMPLATE_TIME_S = 1.0
+TEMPLATE_TIME_S = 5.0
 """Time a chat template gets for one batch of prompts, plus ``TEMPLATE_TIME_PER_PROMPT_S`` a prompt
-(a real template renders a prompt in about 0.05 ms; a template is code from the model
-folder, and two nested loops there would otherwise stall every run)."""
+(a real template renders a prompt in about 0.05 ms, yet a loaded machine can stall a process for
+a second; a template is code from the model folder, and two nested loops there would otherwise
+stall every run)."""
 TEMPLATE_TIME_PER_PROMPT_S = 0.002
 TEMPLATE_MAX_CHARS = 2**16
 """Characters a chat template may add to a prompt's own text (a long system preamble is ~10k)."""
