@@ -103,17 +103,20 @@ class DirectoryCache:
             return err.strerror or str(err)
         why = None
         try:
-            # written through its descriptor, and moved into place only while its name still leads
-            # to it: a link put at that name meanwhile is never written through nor made the entry
-            with HeldFolder(tmp) as staged:
-                write(staged.path)
-                (staged.path / self.COMPLETE).write_text("ok\n")
-                if not staged.is_at(tmp):
-                    why = "its folder was replaced while written"
-                elif not self.path(key).exists():
-                    os.replace(tmp, self.path(key))
+            # written through its descriptor, moved into place only while its name still leads to it,
+            # and removed only so: a link or a folder put at that name meanwhile is never written
+            # through, made the entry or removed
+            with HeldFolder(tmp, empty=True) as staged:
+                try:
+                    write(staged.path)
+                    (staged.path / self.COMPLETE).write_text("ok\n")
+                    if not staged.is_at(tmp):
+                        why = "its folder was replaced while written"
+                    elif not self.path(key).exists():
+                        os.replace(tmp, self.path(key))
+                finally:
+                    if staged.is_at(tmp):
+                        remove_tree(tmp)
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
-        finally:
-            remove_tree(tmp)  # never through a link
         return None if self.get(key) is not None else why or "the entry did not appear"

@@ -235,10 +235,15 @@ class HeldFolder:
     """A folder held open by a descriptor (opened never through a link), for a writer that must
     write into the folder it made and nowhere else: its files, reached through :attr:`path`
     (``/proc/self/fd/N``), land in it whatever is renamed or linked in place of its name meanwhile,
-    and :meth:`is_at` tells whether a name still leads to it. A context manager closing it."""
+    and :meth:`is_at` tells whether a name still leads to it. ``empty``: the folder was just made,
+    so one holding anything is someone's put in its place (``FileExistsError``). A context manager
+    closing it."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, empty: bool = False) -> None:
         self.fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        if empty and os.listdir(self.fd):  # just made: a folder with files was put in its place
+            os.close(self.fd)
+            raise FileExistsError(errno.ENOTEMPTY, "another folder was put in place of the one just made", str(folder))
         info = os.fstat(self.fd)
         self._key = (info.st_dev, info.st_ino)
         self.path = Path(f"/proc/self/fd/{self.fd}") if Path("/proc/self/fd").is_dir() else Path(folder)

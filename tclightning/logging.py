@@ -477,8 +477,11 @@ def mlflow_logs_in_background(synchronous: Any, tracking_uri: str) -> str | None
     """Why an MLflow logger built with ``synchronous`` and ``tracking_uri`` may not log to its
     server from MLflow's background threads, or None: its asynchronous logging (``synchronous:
     false``, or unset with ``MLFLOW_ENABLE_ASYNC_LOGGING`` on) runs where no time limit reaches,
-    and a server that stalls held the command's exit for ever. A local store is never asked."""
-    if not is_http(tracking_uri):
+    and a server that stalls held the command's exit for ever. Any store MLflow does not take for a
+    local file store is a server (http(s), ``databricks``, a database)."""
+    from mlflow.utils.uri import is_local_uri
+
+    if is_local_uri(tracking_uri.strip()) and not is_http(tracking_uri):  # a file store: no server to stall
         return None
     if synchronous is None:
         in_background = os.environ.get("MLFLOW_ENABLE_ASYNC_LOGGING", "").strip().lower() in ("true", "1")

@@ -497,8 +497,8 @@ def test_an_mlflow_logger_logging_to_its_server_in_the_background_is_refused(
     with pytest.raises(TclightningError, match="background threads"):
         require_logger_servers(recipe)
     monkeypatch.delenv("MLFLOW_ENABLE_ASYNC_LOGGING")
-    for synchronous, uri in ((0, answering_server), ("", answering_server),
-                             (False, answering_server.upper()), (False, f" {answering_server}")):
+    for synchronous, uri in ((0, answering_server), ("", answering_server), (False, answering_server.upper()),
+                             (False, f" {answering_server}"), (False, "databricks")):
         recipe.logging.loggers = [{"class_path": "mlflow", "init_args": {"tracking_uri": uri,
                                                                          "synchronous": synchronous}}]
         with pytest.raises(TclightningError, match="background threads"):  # as MLflow reads them

@@ -417,3 +417,35 @@ def test_a_link_put_in_place_of_a_cache_entry_being_written_is_never_written_thr
     assert {p.name: p.read_text() for p in user.iterdir()} == dict.fromkeys(("weights.pt", "stats.json", "notes.txt"),
                                                                              "mine")
     assert not cache.path("k").is_symlink()
+
+
+@pytest.mark.parametrize("when", ["while-written", "before-it-is-held"])
+def test_a_folder_put_in_place_of_a_cache_entry_being_written_is_never_removed_nor_written_into(
+        when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder of someone's renamed to the entry's temporary name while it was written was removed
+    whole by the clean-up; one renamed there before the folder was held was written into and made
+    the entry."""
+    import tempfile
+
+    import tclightning.cache as cache_module
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+
+    def swap_in_user_folder() -> None:
+        staged = next(cache.directory.glob(".k.*"))
+        staged.rename(tmp_path / "moved-away")
+        user.rename(staged)
+
+    if when == "before-it-is-held":
+        made = tempfile.mkdtemp
+        monkeypatch.setattr(cache_module.tempfile, "mkdtemp",
+                            lambda *args, **kwargs: (folder := made(*args, **kwargs), swap_in_user_folder())[0])
+    why = cache.put("k", lambda folder: swap_in_user_folder() if when == "while-written" else None)
+    assert why is not None
+    kept = next(p for p in [user, *cache.directory.glob(".k.*")] if p.is_dir())
+    assert [(p.name, p.read_text()) for p in kept.iterdir()] == [("notes.txt", "mine")]
+    assert cache.get("k") is None

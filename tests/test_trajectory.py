@@ -139,3 +139,19 @@ def test_cli_errors_and_health_still_registered(tmp_path: Path, capsys: pytest.C
     assert main(["analyze", "trajectory", str(tmp_path)]) == 2  # no points: a user error
     assert "TrajectoryRecorder" in capsys.readouterr().err
     assert main(["analyze", "health", str(tmp_path / "nope")]) == 2
+
+
+def test_a_link_put_at_the_run_s_trajectory_folder_before_its_first_point_is_never_written_through(
+        tmp_path: Path) -> None:
+    """The recorder took whatever was at ``trajectory/`` when it first looked: a link to another
+    run's points there had them written over."""
+    from tclightning.errors import TclightningError
+
+    other = tmp_path / "other-run-points"
+    other.mkdir()
+    (other / "point-00000000.pt").write_text("theirs")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trajectory").symlink_to(other)
+    with pytest.raises(TclightningError, match="trajectory was replaced during the run"):
+        _fit(tmp_path / "run", TrajectoryRecorder(every=3))
+    assert [(p.name, p.read_text()) for p in other.iterdir()] == [("point-00000000.pt", "theirs")]

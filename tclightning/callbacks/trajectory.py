@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
-from tclightning.files import SameFolder, save_tensors
+from tclightning.files import SameFolder, own_folder, save_tensors
 from tclightning.settings import check_arguments, integer, one_of, positive
 from tclightning.settings import seed as seed_rule
 
@@ -128,6 +128,8 @@ class TrajectoryRecorder(Callback):
         folder = self.directory(trainer)
         folder.mkdir(parents=True, exist_ok=True)
         if self._folder is None or self._folder.folder != folder:
+            if self.dirpath is None:  # the run's own trajectory/: never a link put there before the first point
+                own_folder(folder)
             self._folder = SameFolder(folder)
         self._folder.check()  # a link swapped in mid-run would carry the points into another run
         path = folder / f"point-{index:08d}.pt"

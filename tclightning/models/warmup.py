@@ -3,6 +3,7 @@ result (:func:`cached_supervised_warmup`) and an honest progress display (:class
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -319,32 +320,37 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache.directory))
     except OSError as err:
         return err.strerror or str(err)
-    why = None
+    why, at_tmp = None, None  # what is at the name tmp once done: ours, the old entry, or someone's
     try:
-        with HeldFolder(tmp) as staged:  # written through its descriptor, as DirectoryCache.put does
-            write(staged.path)
-            (staged.path / DirectoryCache.COMPLETE).write_text("ok\n")
+        with HeldFolder(tmp, empty=True) as staged:  # written through its descriptor, as DirectoryCache.put does
+            at_tmp = "ours"
             try:
-                now = os.lstat(target)
-            except FileNotFoundError:
-                now = None
-            if not staged.is_at(tmp):
-                why = "its folder was replaced while written"
-            elif now is None:
-                os.replace(tmp, target)  # gone meanwhile: a plain rename
-            elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
-                                                                                      seen.st_mtime_ns):
-                exchange(tmp, target)  # tmp now holds the unreadable entry
+                write(staged.path)
+                (staged.path / DirectoryCache.COMPLETE).write_text("ok\n")
+                try:
+                    now = os.lstat(target)
+                except FileNotFoundError:
+                    now = None
+                if not staged.is_at(tmp):
+                    why = "its folder was replaced while written"
+                elif now is None:
+                    os.replace(tmp, target)  # gone meanwhile: a plain rename
+                elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
+                                                                                          seen.st_mtime_ns):
+                    exchange(tmp, target)  # tmp now holds the unreadable entry
+                    after = os.lstat(tmp)
+                    at_tmp = "old" if (after.st_ino, after.st_dev) == (now.st_ino, now.st_dev) else None
+            finally:
+                if at_tmp == "ours" and not staged.is_at(tmp):  # renamed into place, or someone's put there
+                    at_tmp = None
     except OSError as err:
         why = err.strerror or str(err)
     finally:
-        if tmp.is_dir() and not tmp.is_symlink():
+        if at_tmp == "ours" or (at_tmp == "old" and tmp.is_dir() and not tmp.is_symlink()):
             remove_tree(tmp)  # the old entry: a bind mount someone put inside it is left alone
-        else:
-            try:
+        elif at_tmp == "old":
+            with contextlib.suppress(OSError):
                 tmp.unlink()  # the unreadable entry was a file (or a FIFO)
-            except OSError:
-                pass
     if why is not None:  # the swap failed (a mount point there): the unreadable entry is still in place
         return why
     return None if cache.get(key) is not None else "the entry was not replaced"
