@@ -396,6 +396,31 @@ def test_a_link_put_in_place_of_a_new_run_s_checkpoints_folder_is_never_written_
         ("last.ckpt", "step-000001.ckpt", "notes.txt"), "mine")
 
 
+def test_a_link_swapped_in_for_checkpoints_just_before_the_prune_is_never_pruned_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint writer checked its folder, then pruned old step files by name: a link to
+    someone's folder swapped in between had their step files removed."""
+    import tclightning.callbacks.checkpointing as checkpointing
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "step-000001.ckpt").write_text("mine")
+    copy = checkpointing.copy_file
+
+    def copied_then_swapped(source: Path, target: Path) -> None:
+        copy(source, target)
+        if target.name == "step-000003.ckpt":  # the prune of step 1 comes next
+            target.parent.rename(tmp_path / "moved-away")
+            target.parent.symlink_to(user)
+
+    monkeypatch.setattr(checkpointing, "copy_file", copied_then_swapped)
+    code = main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.checkpoint_every=1",
+                 "trainer.keep_checkpoints=2", f"logging.root={tmp_path}/runs"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code != 0 and len(err) == 1 and "checkpoints was replaced during the run" in err[0], err
+    assert [(p.name, p.read_text()) for p in user.iterdir()] == [("step-000001.ckpt", "mine")]
+
+
 @pytest.mark.parametrize("when", ["as-made", "after-the-first-step"])
 def test_a_link_put_in_place_of_a_new_run_folder_is_never_written_through(
         when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

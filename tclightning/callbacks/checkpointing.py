@@ -388,6 +388,18 @@ class StepCheckpoint(Checkpoint):
         for folder in self._folders:
             folder.check()
 
+    @contextmanager
+    def _held_folder(self) -> Iterator[Path]:
+        """``checkpoints/`` through its descriptor, once checked to be the folder first taken."""
+        assert self._folders is not None
+        with contextlib.ExitStack() as stack:
+            try:
+                fd = stack.enter_context(self._folders[0].opened())
+            except OSError:  # a link (or nothing) in its place
+                self._folders[0].check()
+                raise
+            yield Path(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else self.dirpath
+
     def _publish(self, step: int) -> None:
         try:
             self._check_folders()
@@ -405,8 +417,9 @@ class StepCheckpoint(Checkpoint):
             copy_file(tmp, periodic)  # a copy, not a link: damage to one never reaches the other
             # Prune among steps up to this one: files further on (from before a resume) are
             # replaced when the run gets there, and must not push out the one just written.
-            for old in own_step_files(self.dirpath, step)[: -self.keep]:
-                old.unlink()
+            with self._held_folder() as folder:  # the folder checked: a link swapped in since is never pruned through
+                for old in own_step_files(folder, step)[: -self.keep]:
+                    old.unlink()
             fault_point("step-file", step)
         os.replace(tmp, self.last_path)
         _fsync(self.dirpath)
