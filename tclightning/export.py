@@ -295,8 +295,8 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     # written through its descriptor: a link put at the staging name meanwhile is never written
     # through, nor anything removed through it; renamed into place only while the name is still it
     try:
-        held = HeldFolder(staging)
-    except OSError as err:  # a link or another file put at its name already
+        held = HeldFolder(staging, empty=True)
+    except OSError as err:  # a link or a folder of someone's put at its name already
         raise TclightningError(f"export: its folder {staging} was replaced as soon as made ({err.strerror or err}); "
                                f"nothing was written to {target}") from None
     with held as new:

@@ -184,7 +184,7 @@ def own_folder(folder: Path) -> None:
     except OSError:
         info = None
     if info is None or not stat.S_ISDIR(info.st_mode):  # gone, or a link put in its place
-        raise SameFolder(folder)._replaced()
+        raise _replaced(folder)
     _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
 
 
@@ -210,7 +210,7 @@ class SameFolder:
         if self._key is None:
             self._key = self._identity()  # not made yet when first seen: the first folder there is it
         elif self._identity() != self._key:
-            raise self._replaced()
+            raise _replaced(self.folder)
 
     @contextlib.contextmanager
     def opened(self) -> Iterator[int]:
@@ -221,14 +221,16 @@ class SameFolder:
         try:
             info = os.fstat(fd)
             if self._key is not None and (info.st_dev, info.st_ino) != self._key:
-                raise self._replaced()
+                raise _replaced(self.folder)
             yield fd
         finally:
             os.close(fd)
 
-    def _replaced(self) -> TclightningError:
-        return TclightningError(f"{self.folder} was replaced during the run (removed, moved, or a link or another "
-                                "folder put in its place); nothing more was written there")
+
+
+def _replaced(folder: Path) -> TclightningError:
+    return TclightningError(f"{folder} was replaced during the run (removed, moved, or a link or another folder put "
+                            "in its place); nothing more was written there")
 
 
 class HeldFolder:

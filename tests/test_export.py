@@ -271,7 +271,7 @@ def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
-@pytest.mark.parametrize("then", ["write-fails", "write-succeeds", "overwrite"])
+@pytest.mark.parametrize("then", ["write-fails", "write-succeeds", "overwrite", "swapped-before-it-is-held"])
 def test_a_link_put_in_place_of_the_staging_folder_is_never_written_or_removed_through(
         then: str, run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The export reached its staging folder by name after making it: a link to someone's folder put
@@ -298,6 +298,22 @@ def test_a_link_put_in_place_of_the_staging_folder_is_never_written_or_removed_t
         if then == "write-fails":
             raise OSError(errno.ENOSPC, "No space left on device")
 
+    if then == "swapped-before-it-is-held":  # a folder of yours renamed in at once: never written into
+        made = export.tempfile.mkdtemp
+
+        def made_then_swapped(*args: Any, **kwargs: Any) -> str:
+            staging = made(*args, **kwargs)
+            os.rename(staging, tmp_path / "moved-away")
+            user.rename(staging)
+            return staging
+
+        monkeypatch.setattr(export.tempfile, "mkdtemp", made_then_swapped)
+        with pytest.raises(TclightningError, match="was replaced as soon as made"):
+            export_policy(run_dir, out, step=1)
+        user = next(tmp_path.glob(".policy.export-*"))
+        assert {p.name: p.read_text() for p in user.iterdir()} == {"config.json": "mine", "notes.txt": "mine"}
+        assert not out.exists()
+        return
     monkeypatch.setattr(export, "portable_tokenizer_config", swapped_meanwhile)
     before = sorted(p.name for p in out.iterdir()) if out.exists() else None
     with pytest.raises(TclightningError, match="storage refused a write" if then == "write-fails" else
