@@ -481,13 +481,17 @@ def mlflow_logs_in_background(synchronous: Any, tracking_uri: str) -> str | None
     local file store is a server (http(s), ``databricks``, a database)."""
     from mlflow.utils.uri import is_local_uri
 
-    if is_local_uri(tracking_uri.strip()) and not is_http(tracking_uri):  # a file store: no server to stall
-        return None
     if synchronous is None:
         in_background = os.environ.get("MLFLOW_ENABLE_ASYNC_LOGGING", "").strip().lower() in ("true", "1")
     else:  # MLflow logs in the background for any false value (0, "")
         in_background = not synchronous
     if not in_background:
+        return None
+    try:
+        local = not is_http(tracking_uri) and is_local_uri(tracking_uri.strip())
+    except ValueError:  # a malformed URL (http://[::1): no file store either
+        local = False
+    if local:  # a file store: no server to stall
         return None
     return ("logs to its server from MLflow's background threads (synchronous: false, or "
             "MLFLOW_ENABLE_ASYNC_LOGGING), which no time limit reaches: a server that stalls would hold the "
