@@ -233,6 +233,12 @@ def _replaced(folder: Path) -> TclightningError:
                             "in its place); nothing more was written there")
 
 
+def by_descriptor(fd: int, folder: Path) -> Path:
+    """The folder open at ``fd`` as a path (``/proc/self/fd/N``) that leads to it whatever is renamed
+    or linked in place of its name ``folder``; ``folder`` itself where the system has no such paths."""
+    return Path(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else Path(folder)
+
+
 class HeldFolder:
     """A folder held open by a descriptor (opened never through a link), for a writer that must
     write into the folder it made and nowhere else: its files, reached through :attr:`path`
@@ -248,7 +254,7 @@ class HeldFolder:
             raise FileExistsError(errno.ENOTEMPTY, "another folder was put in place of the one just made", str(folder))
         info = os.fstat(self.fd)
         self._key = (info.st_dev, info.st_ino)
-        self.path = Path(f"/proc/self/fd/{self.fd}") if Path("/proc/self/fd").is_dir() else Path(folder)
+        self.path = by_descriptor(self.fd, folder)
 
     def is_at(self, name: Path) -> bool:
         """Whether ``name`` is this folder itself (not a link to it)."""

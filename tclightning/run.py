@@ -22,9 +22,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (HeldFolder, SameFolder, copy_file, hold_lock, own_folder, refused_by_storage,
-                              regular_file, remove_tree, replace_file, replace_text, require_writable, storage_reason,
-                              tree, unused_name)
+from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder,
+                              refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
+                              require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
                                  mlflow_logs_in_background, mlflow_tracking_uri)
@@ -998,7 +998,7 @@ class RecordSnapshot:
                         os.unlink(added, dir_fd=tb)
             for name, data in self.files.items() if tb is not None else ():
                 if name.startswith("tb/"):  # through the descriptor: into the folder checked, whatever its name
-                    _put_back_file(Path(f"/proc/self/fd/{tb}", name.removeprefix("tb/")), data)
+                    _put_back_file(by_descriptor(tb, self.tb.folder) / name.removeprefix("tb/"), data)
         if extra is not None:
             extra.unlink(missing_ok=True)
 

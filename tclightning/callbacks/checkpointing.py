@@ -23,7 +23,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tclightning.callbacks.steps import completed_steps
 from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import SameFolder, copy_file, open_regular, regular_file, save_tensors, unused_name
+from tclightning.files import (SameFolder, by_descriptor, copy_file, open_regular, regular_file, save_tensors,
+                              unused_name)
 from tclightning.limits import interrupt
 from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, contents, load_checked, thin_tensor
 
@@ -398,7 +399,7 @@ class StepCheckpoint(Checkpoint):
             except OSError:  # a link (or nothing) in its place
                 self._folders[0].check()
                 raise
-            yield Path(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else self.dirpath
+            yield by_descriptor(fd, self.dirpath)
 
     def _publish(self, step: int) -> None:
         try:
