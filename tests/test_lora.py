@@ -158,15 +158,18 @@ def test_a_bad_lora_setting_is_refused_in_one_line() -> None:
 SAME = ("reward/mean", "loss/policy", "loss/kl", "policy/grad_norm", "policy/entropy", "gap/abs_mean")
 
 
+# a short warm-up on 1-digit sums: the first step has reward variance (cached: run once)
+LORA_RUN = [*FAST, "model.warmup.steps=150", "task.digits=1", "model.lora.r=4",
+            "model.lora.target_modules=[q_proj,v_proj,up_proj]", "grpo.kl_coef=0.01", "grpo.lr=0.01",
+            "trainer.val_every=0", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10"]
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 3-step LoRA run (after a short supervised warm-up: the base is not the built model), and
     another of the same 3 steps killed-free resumed from its step-1 checkpoint."""
     root = tmp_path_factory.mktemp("lora-run")
-    # a short warm-up on 1-digit sums: the first step has reward variance (cached: run once)
-    settings = [*FAST, "model.warmup.steps=150", "task.digits=1", "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,up_proj]", "grpo.kl_coef=0.01",
-                "grpo.lr=0.01", "trainer.val_every=0", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10",
-                f"logging.root={root}"]
+    settings = [*LORA_RUN, f"logging.root={root}"]
     summary = run("tiny", [*settings, "trainer.steps=3"], quiet=True)
     run_dir = Path(summary["run_dir"])
     resumed = run("tiny", [*settings, "trainer.steps=3", "logging.name=resumed"], quiet=True)
@@ -272,6 +275,33 @@ def test_a_checkpoint_without_its_base_is_checked_before_anything_is_built(lora_
         GRPOModule.load_from_checkpoint(tmp_path / "no-base.ckpt")
     assert "no-base.ckpt" in str(err.value) and "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_probe_coherence_starts_from_a_lora_checkpoint(lora_run: Any, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``probe coherence --checkpoint`` takes the adapters onto the base the recipe rebuilds, as a
+    load does (it refused every LoRA checkpoint: "39 missing, 16 unexpected tensors")."""
+    from tclightning.cli.probe_coherence import load_checkpoint_weights
+    from tclightning.recipes.loader import to_dataclass
+    from tclightning.run import build_module
+
+    run_dir, _ = lora_run
+    path = run_dir / "checkpoints" / "step-000001.ckpt"
+    module = build_module(to_dataclass(load_recipe("tiny", LORA_RUN)))
+    load_checkpoint_weights(module, str(path))
+    want = load_checkpoint(path)["state_dict"]
+    state = module.state_dict()
+    assert want and all(torch.equal(state[k], v) for k, v in want.items())
+    assert sorted(f"policy.{n}" for n, p in module.policy.named_parameters() if p.requires_grad) == sorted(want)
+    out = tmp_path / "probe"
+    assert main(["probe", "coherence", "--recipe", "tiny", "--checkpoint", str(path), "--lags", "0", "1",
+                 "--steps", "2", "--out", str(out), *LORA_RUN]) == 0
+    assert (out / "coherence.json").is_file()
+    capsys.readouterr()
+    fresh = build_module(to_dataclass(load_recipe("tiny", [*LORA_RUN, "model.lora.r=0"])))
+    with pytest.raises(TclightningError, match="holds LoRA adapters without their base, and this model has "
+                                               "model.lora.r=0"):
+        load_checkpoint_weights(fresh, str(path))
 
 
 def test_export_merges_the_adapters_or_writes_them_alone(lora_run: Any, tmp_path: Path) -> None:

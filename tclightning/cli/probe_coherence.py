@@ -61,6 +61,8 @@ def warm_start(module: Any) -> None:
 
 
 def load_checkpoint_weights(module: Any, path: str) -> None:
+    """The checkpoint's weights into the recipe's module, as ``load_from_checkpoint`` loads them (a
+    LoRA checkpoint's adapters onto the base the recipe rebuilds, checked against its record)."""
     from tclightning.callbacks.checkpointing import load_checkpoint
 
     try:
@@ -68,14 +70,9 @@ def load_checkpoint_weights(module: Any, path: str) -> None:
     except TclightningError as err:
         raise TclightningError(f"--checkpoint: {err}") from None
     weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
-    state = {k[len("policy."):]: v for k, v in (weights if isinstance(weights, dict) else {}).items()
-             if isinstance(k, str) and k.startswith("policy.")}
-    if not state:
+    if not isinstance(weights, dict) or not any(isinstance(k, str) and k.startswith("policy.") for k in weights):
         raise TclightningError(f"--checkpoint {path}: no policy weights in its state_dict")
-    missing, unexpected = module.policy.load_state_dict(state, strict=False)
-    if unexpected or [m for m in missing if "rotary" not in m]:
-        raise TclightningError(f"--checkpoint {path}: does not match the recipe's model "
-                               f"({len(missing)} missing, {len(unexpected)} unexpected tensors)")
+    module.load_weights(ckpt, path)
 
 
 def run_coherence(args: argparse.Namespace) -> int:

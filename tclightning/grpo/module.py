@@ -796,17 +796,24 @@ class GRPOModule(L.LightningModule):
         hparams = checkpoint["hyper_parameters"]
         accepted = inspect.signature(cls.__init__).parameters
         module = cls(**{key: value for key, value in hparams.items() if key in accepted})
+        module.load_weights(checkpoint, source)
+        return module
+
+    def load_weights(self, checkpoint: Mapping[str, Any], source: str | os.PathLike = "checkpoint") -> None:
+        """Load a checkpoint's weights (a dict, as :func:`~tclightning.callbacks.checkpointing.load_checkpoint`
+        returns it) into this module, which no Trainer holds: a LoRA checkpoint's base is rebuilt
+        and checked and the adapters put on first, as :meth:`load_from_checkpoint` does. A
+        checkpoint whose weights do not fit is one line naming ``source``."""
         token = _LOADING.set(str(source))
         try:
-            module.on_load_checkpoint(dict(checkpoint))
+            self.on_load_checkpoint(dict(checkpoint))
         finally:
             _LOADING.reset(token)
         try:
-            module.load_state_dict(checkpoint["state_dict"], strict=True)
+            self.load_state_dict(checkpoint["state_dict"], strict=True)
         except RuntimeError as err:  # torch's message lists every key: the first line says it
-            raise TclightningError(f"checkpoint {source}: its weights do not fit the model its hyper-parameters "
-                                   f"describe: {' '.join(str(err).split())[:200]}") from None
-        return module
+            raise TclightningError(f"checkpoint {source}: its weights do not fit the model built for it: "
+                                   f"{' '.join(str(err).split())[:200]}") from None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add tclightning's state (``checkpoint["tclightning"]``). With ``model.lora`` the state
