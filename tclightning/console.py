@@ -15,6 +15,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from tclightning.limits import interrupt
@@ -22,6 +23,30 @@ from tclightning.limits import interrupt
 
 _INTERRUPTS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 """The signals that stop a command: Ctrl-C, SIGTERM, and SIGHUP (the terminal closed)."""
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP received in the block are raised again once it is done, to the
+    handlers in force before (in the main thread, where Python runs handlers; a mask would not do:
+    the kernel hands a process's signal to any thread that does not block it). Elsewhere, or where
+    a handler was set from C (it cannot be put back), the block runs as it is."""
+    import threading
+
+    before = {signum: signal.getsignal(signum) for signum in _INTERRUPTS}
+    if threading.current_thread() is not threading.main_thread() or None in before.values():
+        yield
+        return
+    caught: list[int] = []
+    for signum in _INTERRUPTS:
+        signal.signal(signum, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
 
 
 def ignore_interrupts_at_teardown() -> None:

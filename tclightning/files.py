@@ -323,7 +323,9 @@ def exchange(a: Path, b: Path) -> None:
     if _renameat2_exchange(a, b):
         return
     aside = a.with_name(a.name + "-old")
-    with _signals_held():
+    from tclightning.console import interrupts_held
+
+    with interrupts_held():
         os.replace(b, aside)
         try:
             os.replace(a, b)
@@ -331,31 +333,6 @@ def exchange(a: Path, b: Path) -> None:
             os.replace(aside, b)
             raise
         os.replace(aside, a)
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP received in the block are raised again once it is done, to the
-    handlers in force before (in the main thread, where Python runs handlers; a mask would not do:
-    the kernel hands a process's signal to any thread that does not block it)."""
-    import signal
-    import threading
-
-    held = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    before = {signum: signal.getsignal(signum) for signum in held}
-    if threading.current_thread() is not threading.main_thread() or None in before.values():
-        yield  # handlers are only set in the main thread; one set from C cannot be put back
-        return
-    caught: list[int] = []
-    for signum in held:
-        signal.signal(signum, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
-        for signum in caught:
-            signal.raise_signal(signum)
 
 
 def _renameat2_exchange(a: Path, b: Path) -> bool:

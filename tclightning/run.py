@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tclightning.console import interrupts_held
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder,
                               refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
@@ -851,7 +852,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         logger.finalize("success")
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
-    with _signals_wait():  # the run has finished: a Ctrl-C must not leave it without its summary
+    with interrupts_held():  # the run has finished: a Ctrl-C must not leave it without its summary
         try:
             summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
                                 monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
@@ -932,27 +933,6 @@ def _signal_handlers_kept() -> Any:
             if handler is not None:
                 with contextlib.suppress(ValueError):  # not the main thread: nothing was set there
                     signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _signals_wait() -> Any:
-    """SIGINT and SIGTERM held back until the block is done (on the main thread; elsewhere no
-    handler can be set): one that came meanwhile is raised again then, to the handler there was."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: came.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for sig in dict.fromkeys(came):
-            signal.raise_signal(sig)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ import circle can pass through it. Everything is pure and cheap.
 
 from __future__ import annotations
 
+import re
+
 import copy
 import difflib
 import json
@@ -144,6 +146,16 @@ def text(*, nonempty: bool = False, optional: bool = False, printable: bool = Fa
         return None
 
     return rule
+
+
+def local_folder(value: Any) -> str | None:
+    """A folder on this machine: printable text that is no URL (``s3://b/r`` would be taken as the
+    relative folder ``s3:/b/r``); a logger may still write to a store of its own (its ``save_dir``)."""
+    problem = text(nonempty=True, printable=True)(value)
+    if problem is None and (re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value) or "::" in value):
+        problem = (f"expected a folder on this machine, got the URL {value!r} (the run folder holds its checkpoints; "
+                   "a logger can write to a store: give it a save_dir there)")
+    return problem
 
 
 def flag(value: Any) -> str | None:

@@ -184,6 +184,10 @@ CASES: dict[str, Case] = {
     "file-lr-fullwidth-digits": recipe(BASE + "grpo: {lr: \"\uff12e-4\"}\n", "key 'grpo.lr'", "digits other than 0-9"),
     "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
                                 {"afile": b"not a folder\n"}),
+    # a store's URL was taken as the relative folder ./s3:/b/r
+    "logging-root-a-url": override("logging.root=s3://b/r", names=("logging.root=s3://b/r", "a folder on this machine")),
+    "file-logging-root-a-chained-url": recipe(BASE.replace("root: runs", "root: 'simplecache::file:///x'"),
+                                              "key 'logging.root'", "a folder on this machine"),
     "analyze-health-binary": Case(("analyze", "health", "{tmp}/metrics.csv"), ("metrics.csv", "not a CSV text file"),
                                   {"metrics.csv": bytes(range(256)) * 4}),
     "bench-link-bandwidth-zero": Case(("bench", "link", "--bandwidth", "0"), ("--bandwidth",)),

@@ -218,6 +218,7 @@ def test_a_signal_to_bench_step_link_leaves_no_node_behind(tmp_path: Path, signu
     """torchrun starts each node's worker in a session of its own: a signal to the benchmark left
     both training on under init (and its temporary folder, after a SIGTERM)."""
     from tclightning.bench.link import netns_problem
+    from tclightning.bench.nodes import remove_orphaned_links
 
     problem = netns_problem()
     if problem is not None:
@@ -238,5 +239,11 @@ def test_a_signal_to_bench_step_link_leaves_no_node_behind(tmp_path: Path, signu
         bench.send_signal(signum)
         bench.communicate(timeout=60)
     assert _gone_within(below, 15), _alive(below)
+    # A SIGKILL leaves the bench no time to delete its namespaces and bridge: the next launch
+    # deletes those of launches no longer running, as here (so the suite leaves none either).
+    remove_orphaned_links()
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
+    assert f"-{bench.pid}" not in listed and f"tclb-{bench.pid}" not in links, (listed, links)
     if signum == signal.SIGTERM:
         assert bench.returncode == 130 and not list(tmp_path.glob("tcl-step-link-*"))

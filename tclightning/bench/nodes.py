@@ -93,7 +93,7 @@ def first_error_line(log: Path, size: int = 1 << 16) -> str | None:
     return next((line for line in _tail(log, size).splitlines() if line.startswith("error: ")), None)
 
 
-def _remove_orphaned_links() -> None:
+def remove_orphaned_links() -> None:
     """Delete the namespaces and bridges of launches whose process no longer runs (killed with -9,
     which leaves no time to delete them): ``tcl-node<i>-<pid>``, ``tclb-<pid>``."""
     remove_orphaned_namespaces("tcl-node")
@@ -150,7 +150,7 @@ def run_nodes(
     veths = [f"tclv{i}-{tag}"[:15] for i in range(nodes)]  # each node's end
     ports = [f"tclp{i}-{tag}"[:15] for i in range(nodes)]  # the switch's end
     bridge = f"tclb-{tag}"[:15]
-    _remove_orphaned_links()
+    remove_orphaned_links()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     procs: list[subprocess.Popen[bytes]] = []
     try:

@@ -25,7 +25,7 @@ from tclightning.pipeline.config import PipelineConfig
 from tclightning.pipeline.strategy import STRATEGY_NAME
 from tclightning.sampling import config as sampler_config
 from tclightning.sampling.config import SamplerConfig
-from tclightning.settings import MAX_STEPS, anything, integer, one_of, positive, seed, setting, text
+from tclightning.settings import MAX_STEPS, anything, integer, local_folder, one_of, positive, seed, setting, text
 from tclightning.tasks import config as task_config
 from tclightning.tasks.config import TaskConfig
 
@@ -109,7 +109,7 @@ class TrainerConfig:
 class LoggingConfig:
     """Where runs go and what records them."""
 
-    root: str = setting("runs", text(nonempty=True, printable=True), "run directories are <root>/<name>/<timestamp>/")
+    root: str = setting("runs", local_folder, "run directories are <root>/<name>/<timestamp>/, on this machine")
     name: Optional[str] = setting(None, text(nonempty=True, optional=True, printable=True),
                                   "default: the recipe's name")
     progress: str = setting("rich", one_of(PROGRESS_BARS), "rich | tqdm | none")
