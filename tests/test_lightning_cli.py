@@ -153,6 +153,21 @@ def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, 
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_ckpt_path_lightning_never_wrote_is_one_line(tmp_path, monkeypatch, capsys):
+    """A torch file of plain tensors passes every check, and Lightning's load then read its
+    'pytorch-lightning_version' unguarded: a KeyError traceback."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    torch.save({"weight": torch.zeros(2)}, tmp_path / "plain.pt")
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "plain.pt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: --ckpt_path plain.pt has no 'pytorch-lightning_version'"), err
+    assert not any("Traceback" in line for line in err), err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 @pytest.mark.parametrize("checked", ["http_runs/last.ckpt", "file:last.ckpt"])
 def test_a_ckpt_path_lightning_reads_as_a_url_is_the_local_file_checked(checked, tmp_path, monkeypatch, capsys):
     """Lightning reads any path starting with "http" as a URL: ``http_runs/last.ckpt``, checked here

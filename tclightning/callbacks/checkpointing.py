@@ -132,6 +132,14 @@ def load_checkpoint(path: str | os.PathLike | IO[bytes], map_location: str = "cp
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 
 
+def require_lightning_checkpoint(ckpt: Mapping[str, Any], shown: str) -> None:
+    """Refuse (one line starting with ``shown``) a checkpoint without the key every checkpoint
+    Lightning writes has: Lightning's own load reads it first, a bare ``KeyError``."""
+    if LIGHTNING_VERSION_KEY not in ckpt:
+        raise CheckpointRefused(f"{shown} has no '{LIGHTNING_VERSION_KEY}', which every checkpoint Lightning "
+                                "writes has; nothing was loaded")
+
+
 def _lightning_2_or_later(version: Any) -> bool:
     """Whether ``version`` (a checkpoint's Lightning version) reads as 2.0 or later."""
     from packaging.version import InvalidVersion, Version
@@ -298,7 +306,9 @@ class OwnFileCheckpointIO(TorchCheckpointIO):
         if weights_only is False:
             raise TclightningError(f"checkpoint {path}: loading it with weights_only=False could run code; tclightning "
                                    "reads checkpoints as data only")
-        return load_checkpoint(path)
+        checkpoint = load_checkpoint(path)
+        require_lightning_checkpoint(checkpoint, f"checkpoint {path}")
+        return checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:

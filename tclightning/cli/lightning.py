@@ -157,7 +157,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
             return trainer
 
         def _parse_ckpt_path(self) -> None:
-            from tclightning.callbacks.checkpointing import load_checkpoint, names_a_class
+            from tclightning.callbacks.checkpointing import load_checkpoint, names_a_class, require_lightning_checkpoint
             from tclightning.models.loading import check_checkpoint_model
 
             subcommand = self.config.get("subcommand")
@@ -180,6 +180,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
                                            f"something by name ({named}), which would import any module or read any "
                                            "file; give the model with --model yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
+                require_lightning_checkpoint(checkpoint, f"--ckpt_path {ckpt_path}")
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
                 # loads the file of that name in torch's download cache unchecked: hand it the file checked
                 self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)

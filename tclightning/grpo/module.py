@@ -52,10 +52,10 @@ from tclightning.anchor.circuit import rank_share
 from tclightning.anchor.config import AnchorConfig
 from tclightning.backend import Backend, BackendProvider, BackendRequest
 from tclightning.callbacks.checkpointing import (
-    LIGHTNING_VERSION_KEY,
     checkpoint_allow_list,
     legacy_hparams,
     load_checkpoint,
+    require_lightning_checkpoint,
 )
 from tclightning.callbacks.steps import completed_steps, rl_step
 from tclightning.errors import TclightningError
@@ -760,9 +760,7 @@ class GRPOModule(L.LightningModule):
             raise TclightningError(f"load_from_checkpoint: checkpoint {where} holds '{legacy}', where Lightning also "
                                    "reads a module's arguments; a tclightning checkpoint keeps them in "
                                    "hyper_parameters only, so nothing was loaded")
-        if LIGHTNING_VERSION_KEY not in checkpoint:  # Lightning's load reads it first (a bare KeyError)
-            raise TclightningError(f"load_from_checkpoint: checkpoint {where} has no '{LIGHTNING_VERSION_KEY}', which "
-                                   "every checkpoint Lightning writes has; nothing was loaded")
+        require_lightning_checkpoint(checkpoint, f"load_from_checkpoint: checkpoint {where}")
         from tclightning.settings import refuse_interpolation
 
         # ${oc.env:...} would be resolved into the module's settings: values only, as in a recipe
