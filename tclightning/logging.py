@@ -643,6 +643,23 @@ def ask_remote_stores(trainer: Any) -> None:
                          REMOTE_CHECKPOINT_S)
 
 
+def open_store(what: str, folder: str | os.PathLike | None) -> None:
+    """Where ``folder`` lies on a remote fsspec store, make its filesystem now, bounded, as
+    Lightning's ``Trainer`` will (its default logger under ``default_root_dir``): a store whose
+    constructor fails (dbfs:// without its token, an ftp:// server that refuses) or never answers
+    is one line naming ``what`` instead of a traceback. fsspec keeps the instance, so Lightning's
+    own ``url_to_fs`` of the same folder takes it without connecting again."""
+    if not remote_store(str(folder or "")):
+        return
+
+    def made() -> None:
+        from fsspec.core import url_to_fs
+
+        url_to_fs(str(folder))
+
+    _set_up_remote(f"{what} {folder}", made)
+
+
 def _set_up_remote(what: str, work: Callable[[], Any]) -> None:
     """``work`` under :func:`~tclightning.network.remote_setup`; what the store raises (one that
     answers but takes no files: a plain http server) is one line naming ``what``."""

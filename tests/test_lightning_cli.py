@@ -153,6 +153,38 @@ def test_a_ckpt_path_that_is_no_local_regular_file_is_one_line(ckpt_path, said, 
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("option, folder, said", [
+    ("--trainer.default_root_dir", "dbfs://host/r", "error: trainer.default_root_dir dbfs://host/r cannot be written: "
+                                                    "TypeError"),
+    ("--trainer.default_root_dir", "jupyter://host/r", "error: trainer.default_root_dir jupyter://host/r cannot be written"),
+    ("--trainer.default_root_dir", "generic://x", "error: trainer.default_root_dir generic://x cannot be written"),
+    ("--trainer.default_root_dir", "ftp://127.0.0.1:{port}/r", "cannot be written: ConnectionRefusedError"),
+    ("--trainer.callbacks.dirpath", "generic://x", "error: the configuration's lightning.pytorch.callbacks.ModelCheckpoint "
+                                                   "could not be built: GenericFileSystem"),
+])  # fmt: skip
+def test_a_store_fsspec_cannot_make_is_one_line(option, folder, said, tmp_path, monkeypatch, capsys):
+    """The Trainer makes its default logger's store under default_root_dir, and ModelCheckpoint its
+    dirpath's, as they are built: a store whose constructor fails (no token, a refused port) was a
+    traceback."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    folder = folder.format(port=port)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = ["fit", "--config", "my_config.yaml", f"{option}={folder}"]
+    if option.startswith("--trainer.callbacks"):
+        argv.insert(3, "--trainer.callbacks+=ModelCheckpoint")
+    capsys.readouterr()
+    assert lightning_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and said in err[-1] and "Traceback" not in "\n".join(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_config.yaml"]  # nothing written
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 def test_a_ckpt_path_lightning_never_wrote_is_one_line(tmp_path, monkeypatch, capsys):
     """A torch file of plain tensors passes every check, and Lightning's load then read its
     'pytorch-lightning_version' unguarded: a KeyError traceback."""
@@ -476,14 +508,33 @@ def test_a_remote_folder_or_server_the_fit_needs_that_never_answers_is_one_line(
 
     monkeypatch.setattr(tclightning.network, "REMOTE_SETUP_S", 1.0)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
-    argv = (["--trainer.logger=false", f"--trainer.default_root_dir={silent_server}"] if remote == "default-root-dir"
-            else ["--trainer.logger=MLFlowLogger", f"--trainer.logger.tracking_uri={silent_server}"])
+    # LightningCLI saves its config into the first logger's folder: a local one comes first
+    mlflow = (f"    - class_path: lightning.pytorch.loggers.CSVLogger\n      init_args: {{save_dir: logs}}\n"
+              f"    - class_path: lightning.pytorch.loggers.MLFlowLogger\n      init_args: {{tracking_uri: '{silent_server}'}}\n")
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG if remote == "default-root-dir" else
+                                             MY_CONFIG.split("  logger:")[0] + "  logger:\n" + mlflow)
+    argv = ["--trainer.logger=false", f"--trainer.default_root_dir={silent_server}"] if remote == "default-root-dir" else []
     if remote == "mlflow-server":
         pytest.importorskip("mlflow")
     assert lightning_cli.main(["fit", "--config", "my_config.yaml", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "gave no answer within 1 s" in err[-1], err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_first_logger_without_a_folder_for_the_config_is_one_line(silent_server, tmp_path, monkeypatch, capsys):
+    """LightningCLI saves its config into the first logger's folder and asserts it has one: an
+    MLflow logger on a server has none (an AssertionError traceback). Refused before the server
+    is asked anything."""
+    pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.logger=MLFlowLogger",
+                               f"--trainer.logger.tracking_uri={silent_server}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: LightningCLI saves its configuration into the first logger's folder, "
+                                      "and the MLFlowLogger writes to a server"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_config.yaml"]
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")

@@ -146,11 +146,15 @@ def lightning_cli(argv: Sequence[str]) -> int:
             from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
-            from tclightning.logging import ask_remote_stores
+            from tclightning.logging import ask_remote_stores, open_store
             from tclightning.run import require_launcher
 
+            # the Trainer builds its default logger there: a store that cannot be made would be a traceback
+            open_store("trainer.default_root_dir", self._get(self.config_init, "trainer", default={}).get("default_root_dir"))
             trainer = super().instantiate_trainer(**kwargs)
             require_launcher(trainer.num_nodes, "--trainer.num_nodes")  # else the ranks wait for peers without end
+            if self.save_config_callback is not None:
+                _require_config_folder(trainer)
             ask_remote_stores(trainer)
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
                 trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
@@ -230,6 +234,20 @@ def lightning_cli(argv: Sequence[str]) -> int:
     return 0
 
 
+def _require_config_folder(trainer: Any) -> None:
+    """LightningCLI saves its configuration (``config.yaml``) into the folder of the trainer's first
+    logger (``trainer.log_dir``), and asserts there is one: a logger that writes to a server alone
+    (MLflow on a tracking server) has none, which was an ``AssertionError`` traceback at setup."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    first = trainer.loggers[0] if trainer.loggers else None
+    if first is None or isinstance(first, (CSVLogger, TensorBoardLogger)) or first.save_dir is not None:
+        return
+    raise TclightningError(f"LightningCLI saves its configuration into the first logger's folder, and the "
+                           f"{type(first).__name__} writes to a server and has none: put a CSVLogger or "
+                           "TensorBoardLogger first in --trainer.logger (nothing was trained)")
+
+
 def _class_not_built(text: str) -> str | None:
     """``"<class path> could not be built: <its error>"`` from jsonargparse's message for a class of
     the configuration whose constructor failed (a logger whose store needs a package), else None."""
@@ -238,7 +256,7 @@ def _class_not_built(text: str) -> str | None:
         if line.startswith(("- Problem with given class_path", "Problem with given class_path")) and i + 1 < len(lines):
             class_path = line.split("class_path", 1)[1].strip(" ':")
             return f"{class_path} could not be built: {lines[i + 1][:200]}"
-    given = re.search(r"Given value: Namespace\(class_path='([^']+)'", text)  # a union's first subtype failed
+    given = re.search(r"Given value: \[?Namespace\(class_path='([^']+)'", text)  # a union's first subtype failed
     reasons = [line[2:] for line in lines if line.startswith("- ")]
     if text.startswith("Does not validate against any of the Union subtypes") and given and reasons:
         return f"{given.group(1)} could not be built: {reasons[0][:200]}"
