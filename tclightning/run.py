@@ -97,7 +97,9 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
             requested = requested / "checkpoints" / "last.ckpt"
         if not requested.is_file() and not (requested.name == "last.ckpt" and requested.parent.is_dir()):
             raise TclightningError(f"--resume: no such checkpoint: {requested}")
-    requested = requested.absolute()
+    # the run folder as the path you gave leads to it now (a link to your run folder is that folder,
+    # whose own entries a resume in place never follows: checked below)
+    requested = Path(os.path.realpath(requested.absolute().parent.parent)) / requested.parent.name / requested.name
     run_dir = requested.parent.parent
     in_place = requested.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(requested)
     ckpt, step, notices = readable_checkpoint(requested, _last_logged_step(run_dir / "metrics.csv") if in_place else None)

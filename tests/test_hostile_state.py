@@ -546,6 +546,20 @@ def test_a_resume_whose_run_folder_is_a_file_is_blamed_on_the_folder(run_dir: Pa
     assert _snapshot(copied) == before
 
 
+@pytest.mark.parametrize("given", ["link", "link/checkpoints/last.ckpt"])
+def test_a_resume_through_a_link_you_made_to_the_run_folder_continues_it_in_place(
+        run_dir: Path, tmp_path: Path, given: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resume`` of a link to a run folder (yours: you typed it) is that folder: it stopped
+    mid-run with "was replaced during the run" when the run's folder checks met the link."""
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    (tmp_path / "link").symlink_to(copied)
+    code, err = _resume(tmp_path / given, capsys)
+    assert code == 0 and not err, err
+    assert torch.load(copied / "checkpoints" / "last.ckpt", weights_only=False)["tclightning"]["rl_step"] == 3
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]
+
+
 def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "runs"
