@@ -318,6 +318,41 @@ def test_ctrl_c_goes_back_to_its_handler_once_training_starts() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.mark.parametrize("kind", ["ctrl-c", "sigterm"])
+def test_a_stop_a_rank_takes_while_it_waits_in_the_agreement_is_agreed_at_the_next_step(kind: str) -> None:
+    """Across processes the ranks agree at each step's end whether to stop (a max-reduce of their
+    requests). A Ctrl-C or SIGTERM that reached a rank while it waited in that reduce was written
+    over by the agreed "no": lost, and the run trained on to its last step. It is agreed at the
+    next step instead, and no rank stops at a step the others do not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tclightning.callbacks.checkpointing import GracefulStop
+
+    stop = GracefulStop()
+    sent: list[int] = []
+
+    def reduce(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        if not sent:  # the signal's handler runs as the reduce returns the other rank's "no"
+            sent.append(1)
+            stop._handle(signal.SIGINT, None) if kind == "ctrl-c" else stop._note_sigterm(signal.SIGTERM, None)
+            return torch.zeros(2)
+        return tensor
+
+    trainer = SimpleNamespace(world_size=2, strategy=SimpleNamespace(reduce=reduce), should_stop=False,
+                              _signal_connector=SimpleNamespace(received_sigterm=False), limit_val_batches=1.0,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_should_check_val_fx=lambda _: True),
+                                                       _data_fetcher=None))
+    stop.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+    assert not trainer.should_stop and not trainer._signal_connector.received_sigterm  # the other rank goes on too
+    stop.on_train_batch_end(trainer, None)  # type: ignore[arg-type]
+    if kind == "ctrl-c":
+        assert trainer.should_stop
+    else:  # Lightning's own SIGTERM stop: checkpoint, then every rank ends after this step
+        assert trainer._signal_connector.received_sigterm
+
+
 def test_a_sigterm_a_library_swallowed_in_the_warm_up_stops_it_at_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tclightning.callbacks.checkpointing import load_checkpoint
 from tests.conftest import FAST
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,13 +203,15 @@ def test_a_stop_one_rank_alone_takes_stops_every_rank_after_the_same_step(tmp_pa
         while not any(metrics.glob("*/metrics.csv")) and time.monotonic() < deadline:
             time.sleep(0.2)
         os.kill(run.pid if rank == 0 else next(pid for pid in ranks if b"tclightning" in _cmdline(pid)), signum)
-        started = time.monotonic()
-        _, err = run.communicate(timeout=300)
-    assert time.monotonic() - started < 120 and _gone_within(ranks, 10), err[-3000:]
+        _, err = run.communicate(timeout=600)
+    assert _gone_within(ranks, 10), err[-3000:]
     assert run.returncode == (0 if signum == signal.SIGINT else 130), (run.returncode, err[-3000:])
     assert "no checkpoint was saved" not in err  # rank 1 speaks for no run directory
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
-    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    # stopped within steps of the signal, not at the run's end or pipeline.timeout_s (a signal rank 1
+    # took while it waited in the step's agreement was lost: the run trained on to step 2000)
+    assert not (run_dir / "checkpoints" / "step-001000.ckpt").exists(), err[-3000:]
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] < 1000
     if extra:  # the slow rank was let end its stop
         assert (tmp_path / "rank-1-ended").is_file(), err[-3000:]
 

@@ -633,12 +633,18 @@ class GracefulStop(L.Callback):
         self.sigterm = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        stop = self.requested
         if trainer.world_size > 1:  # a Ctrl-C or SIGTERM one rank alone took: all stop after this same step
             agreed = trainer.strategy.reduce(torch.tensor([float(self.requested), float(self.sigterm)]), reduce_op="max")
-            self.requested, self.sigterm = bool(agreed[0]), bool(agreed[1])
-            if self.sigterm:  # Lightning stops every rank at the end of this step, checkpoint first
+            # What every rank decides for this step is the agreed value alone. A signal this rank
+            # takes while it waits in the reduce is kept for the next step's agreement (written
+            # over by the agreed "no", it was lost: the run trained on to its last step).
+            stop = bool(agreed[0])
+            self.requested = self.requested or stop  # a Ctrl-C after the agreed stop aborts at once
+            if bool(agreed[1]):  # Lightning stops every rank at the end of this step, checkpoint first
+                self.sigterm = True
                 trainer._signal_connector.received_sigterm = True
-        if not self.requested or trainer.should_stop:
+        if not stop or trainer.should_stop:
             return
         # Lightning's own decision, asked before the stop is set (it then reads `should_stop` as
         # "validate now"): is a validation due at this step anyway?
