@@ -747,7 +747,6 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     import lightning as L
     import torch
 
-    from tclightning.grpo.summary import summarize
     from tclightning.models.warmup import WarmupInterrupted
 
     quiet_lightning()
@@ -832,6 +831,9 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             kept = f"removed {plan.run_dir} (nothing was saved yet)"
         elif any((plan.run_dir / "checkpoints").glob("*.ckpt")):
             kept = f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)"
+            # the record of the steps it made (a resumed run's summary.json told of the earlier run's)
+            with contextlib.suppress(OSError):
+                _write_summary(plan.run_dir, started, module, trainer)
         else:
             kept = f"{plan.run_dir} keeps the steps it logged; no checkpoint was saved yet, so a resume cannot continue it"
         raise RunInterrupted(f"interrupted; {kept}") from None
@@ -854,20 +856,28 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         logger.finalize("success")
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
-    with interrupts_held():  # the run has finished: a Ctrl-C must not leave it without its summary
-        try:
-            summary = summarize(plan.run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
-                                monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
-        except OSError as err:
-            if not refused_by_storage(err):
-                raise
-            raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
-                               "its checkpoints and metrics.csv are kept") from None
+    try:
+        summary = _write_summary(plan.run_dir, started, module, trainer)
+    except OSError as err:
+        if not refused_by_storage(err):
+            raise
+        raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
+                           "its checkpoints and metrics.csv are kept") from None
     if not quiet:
         from tclightning.grpo.summary import print_summary
 
         print_summary(summary)
     return summary
+
+
+def _write_summary(run_dir: Path, started: float, module: Any, trainer: Any) -> dict[str, Any]:
+    """``summary.json`` of the run so far (its steps, rewards, health verdict), written whole: a
+    Ctrl-C or SIGTERM meanwhile waits for it."""
+    from tclightning.grpo.summary import summarize
+
+    with interrupts_held():
+        return summarize(run_dir, wall_time_s=time.perf_counter() - started, extra=module.warmup_stats,
+                         monitors=trainer.callbacks)  # health callbacks: the rules behind the verdict
 
 
 def _fit(trainer: Any, module: Any, ckpt_path: Path | None) -> None:

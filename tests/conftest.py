@@ -189,11 +189,11 @@ class CrashAt(L.Callback):
 
 class SigtermAt(L.Callback):
     """Sends this process SIGTERM (or ``signum``) from a Lightning hook (``hook``: ``setup``, before
-    Lightning holds SIGTERM; or ``on_fit_start``, while a resume restores its checkpoint), like a
-    scheduler's kill."""
+    Lightning holds SIGTERM; ``on_fit_start``, while a resume restores its checkpoint; or
+    ``on_train_batch_start`` as RL step ``step`` begins), like a scheduler's kill."""
 
-    def __init__(self, hook: str = "setup", signum: str = "SIGTERM") -> None:
-        self.hook, self.signum = hook, getattr(signal, signum)
+    def __init__(self, hook: str = "setup", signum: str = "SIGTERM", step: int = 0) -> None:
+        self.hook, self.signum, self.step = hook, getattr(signal, signum), step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.hook == "setup":
@@ -201,6 +201,10 @@ class SigtermAt(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.hook == "on_fit_start":
+            os.kill(os.getpid(), self.signum)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.hook == "on_train_batch_start" and batch.step == self.step:  # RL step ``step`` begins
             os.kill(os.getpid(), self.signum)
 
 

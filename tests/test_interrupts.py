@@ -161,6 +161,29 @@ def test_a_second_sigterm_during_a_long_step_stops_the_run_at_once(tmp_path: Pat
     assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] == 1
 
 
+def test_a_sigterm_at_a_resume_s_last_step_leaves_the_summary_of_the_steps_made(tmp_path: Path) -> None:
+    """A SIGTERM stops after the step, checkpoint written, exit 130: the run's summary.json still
+    told of the run before the resume (2 steps where the checkpoint holds 4)."""
+    import json
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "tclightning", "run", "--recipe", "tiny", *FAST, "logging.root=runs",
+               "trainer.val_every=0"]
+    first = subprocess.run([*command, "trainer.steps=2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    done = subprocess.run(
+        [*command, "trainer.steps=4",
+         "callbacks=[{class_path: tests.conftest.SigtermAt, init_args: {hook: on_train_batch_start, step: 3}}]",
+         "--resume", str(run_dir)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-3000:])
+    assert load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["tclightning"]["rl_step"] == 4
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 4
+
+
 def _free_port() -> int:
     import socket
 
