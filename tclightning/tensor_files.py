@@ -22,9 +22,9 @@ def contents(value: Any) -> Iterator[Any]:
     """What a loaded container holds: a dict's keys and values, a list's, tuple's or set's items, a
     dataclass instance's fields (the allow-listed objects a checkpoint may hold, such as the
     anchor circuit's ``Rollouts``); nothing for anything else."""
-    if isinstance(value, dict):
-        yield from value.keys()
-        yield from value.values()
+    if isinstance(value, dict):  # dict's own methods: an instance's attributes cannot hide its items
+        yield from dict.keys(value)
+        yield from dict.values(value)
     elif isinstance(value, (list, tuple, set, frozenset)):
         yield from value
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -389,6 +389,7 @@ class _PickleCheck:
         self.marks: list[list[_Value]] = []
         self.memo: dict[int, _Value] = {}
         self.int_keys: dict[_Value, int] = {}  # per dict
+        self.not_metadata: set[_Value] = set()  # dicts holding a key other than "_metadata"
 
     def run(self, pickled: IO[bytes]) -> None:
         try:
@@ -437,6 +438,8 @@ class _PickleCheck:
                 raise RefusedTensorFile(f"its pickle keys a dict by a value that can take ages to hash (a "
                                         f"{slow.kind if slow else 'key with no value'}), which torch.save never writes")
             self.int_keys[target] = self.int_keys.get(target, 0) + sum(key.kind == "int" for key in items[::2])
+            if any(key.kind != "str" or key.text != "_metadata" for key in items[::2]):
+                self.not_metadata.add(target)
             if self.int_keys[target] > MAX_INT_KEYS:
                 raise RefusedTensorFile(f"its pickle fills a dict with more than {MAX_INT_KEYS} int keys (ints a pickle "
                                         "chooses can take ages to hash into one dict), which torch.save never writes")
@@ -529,8 +532,8 @@ class _PickleCheck:
         if target.kind == "object" and (state.kind == "dict" or (len(fields) == 2 and fields[0].kind == "dict"
                                                                  and fields[1].kind == "none")):
             return  # a dataclass's fields
-        if target.kind == "dict" and state.kind == "dict":  # a state dict's ``_metadata``
-            return
+        if target.kind == "dict" and state.kind == "dict" and state not in self.not_metadata:
+            return  # a state dict's ``_metadata``; any other attribute could hide its items (``values``)
         if target.kind == "dtype" and _plain_dtype_state(fields):
             return
         if target.kind == "array" and len(fields) == 5 and fields[1].kind == "tuple" and len(fields[1].items) <= 32 \

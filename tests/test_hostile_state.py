@@ -1319,6 +1319,33 @@ def test_a_numpy_dtype_whose_state_claims_objects_is_refused(tmp_path: Path, fla
         check_torch_file(path, numpy_arrays=True)
 
 
+def test_a_dict_whose_attributes_would_hide_its_items_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    """An ``OrderedDict`` pickled with instance attributes (``BUILD``): ``values`` or ``items`` set to
+    ``collections.OrderedDict`` made ``d.values()`` empty, so every bound that walked a dict through
+    its own methods (the values count, thin tensors, class keys) skipped what lay below it: a list
+    holding itself twice per level there then kept an export walking for days. A state dict's
+    ``_metadata`` (what torch.save writes) still loads."""
+    import collections
+
+    from tclightning.callbacks.checkpointing import load_checkpoint
+    from tclightning.export import export_policy
+
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    assert isinstance(ckpt["state_dict"], collections.OrderedDict) and hasattr(ckpt["state_dict"], "_metadata")
+    bomb: list = []
+    for _ in range(40):
+        bomb = [bomb, bomb]
+    hidden = collections.OrderedDict(ckpt["hyper_parameters"])
+    hidden["model"] = {**hidden["model"], "bomb": bomb}
+    hidden.values = hidden.items = collections.OrderedDict  # type: ignore[method-assign]
+    ckpt["hyper_parameters"] = hidden
+    torch.save(ckpt, tmp_path / "hidden.ckpt")
+    for load in (load_checkpoint, GRPOModule.load_from_checkpoint, lambda p: export_policy(p, tmp_path / "out")):
+        with pytest.raises(TclightningError, match="sets the state of a dict in a form torch.save never writes"):
+            load(tmp_path / "hidden.ckpt")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_pickle_of_nothing_but_marks_is_refused_at_once(tmp_path: Path) -> None:
     """Each open mark holds a list: 20 MB of them took minutes and 1.7 GB to read through."""
     from tclightning.tensor_files import MAX_OPEN_MARKS, RefusedTensorFile, check_torch_file

@@ -212,7 +212,7 @@ def names_a_class(obj: Any) -> str | None:
             found = next((key for key in CLASS_KEYS if key in item), None)
             if found is not None:
                 return found
-            stack.extend(item.values())
+            stack.extend(dict.values(item))  # not an attribute a BUILD could set
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return None
