@@ -466,6 +466,21 @@ class _LargerThanListed(Exception):
     """A hub file came larger than its listed size."""
 
 
+@contextlib.contextmanager
+def _over_http() -> Iterator[None]:
+    """huggingface_hub's downloads in the block go over HTTP, never through Xet storage: ``hf_xet``
+    writes a file from native code that reports its progress to a callback whose error it prints
+    and ignores, so neither the listed size nor the pace could stop it (a Hub's Xet answer of a
+    terabyte filled the disk at disk speed)."""
+    from huggingface_hub import constants
+
+    before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_DISABLE_XET = before
+
+
 def _hub_file(name: str, filename: str, listed_bytes: int, revision: str | None, pace: _DownloadPace,
               what: str) -> Path:
     """``hf_hub_download`` of one file of the download ``pace`` counts, stopped (one line) when the
@@ -475,8 +490,9 @@ def _hub_file(name: str, filename: str, listed_bytes: int, revision: str | None,
 
     pace.next_file(listed_bytes)
     try:
-        return Path(watched(lambda: hf_hub_download(name, filename, revision=revision, tqdm_class=pace.progress_bar),
-                            pace.keep_waiting))
+        with _over_http():
+            return Path(watched(lambda: hf_hub_download(name, filename, revision=revision,
+                                                        tqdm_class=pace.progress_bar), pace.keep_waiting))
     except _LargerThanListed as err:
         raise TclightningError(f"{what}: its {filename} came larger than the {listed_bytes} bytes the Hugging Face "
                                f"Hub lists for it ({err.args[0]} bytes); nothing more was downloaded") from None
