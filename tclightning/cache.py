@@ -114,9 +114,8 @@ class DirectoryCache:
                         why = "its folder was replaced while written"
                     elif not self.path(key).exists():
                         os.replace(tmp, self.path(key))
-                finally:
-                    if staged.is_at(tmp):
-                        remove_tree(tmp)
+                finally:  # (this folder alone: one renamed to its name meanwhile is someone's)
+                    remove_tree(tmp, identity=staged.identity)
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
         return None if self.get(key) is not None else why or "the entry did not appear"

@@ -253,7 +253,7 @@ class HeldFolder:
             os.close(self.fd)
             raise FileExistsError(errno.ENOTEMPTY, "another folder was put in place of the one just made", str(folder))
         info = os.fstat(self.fd)
-        self._key = (info.st_dev, info.st_ino)
+        self.identity = (info.st_dev, info.st_ino)
         self.path = by_descriptor(self.fd, folder)
 
     def is_at(self, name: Path) -> bool:
@@ -262,7 +262,7 @@ class HeldFolder:
             info = os.lstat(name)
         except OSError:
             return False
-        return stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == self._key
+        return stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == self.identity
 
     def remove_at(self, name: Path) -> None:
         """Remove the folder, empty by now, where ``name`` is still this folder."""
@@ -404,12 +404,15 @@ def save_figure(figure: Any, path: Path, dpi: int) -> None:
     replace_file(path, lambda handle: figure.savefig(handle, format="png", dpi=dpi), binary=True)
 
 
-def remove_tree(folder: Path) -> bool:
+def remove_tree(folder: Path, identity: tuple[int, int] | None = None) -> bool:
     """``shutil.rmtree`` that stays on ``folder``'s own filesystem: a mount point below it (a bind
     mount of someone's data) is left with everything in it, and links are removed, never followed,
     even one swapped in for a sub-folder while the removal runs (each folder is entered by a
     descriptor opened with ``O_NOFOLLOW`` relative to its parent's, as ``shutil.rmtree`` does).
-    Errors are ignored, as by ``rmtree(ignore_errors=True)``. Returns whether ``folder`` is gone."""
+    ``identity`` (``(st_dev, st_ino)``, a :class:`HeldFolder`'s): only that folder is emptied,
+    checked on the descriptor it is emptied through, so a folder renamed to the name meanwhile is
+    left whole. Errors are ignored, as by ``rmtree(ignore_errors=True)``. Returns whether ``folder``
+    is gone."""
     try:
         device = folder.lstat().st_dev
     except OSError:
@@ -469,7 +472,8 @@ def remove_tree(folder: Path) -> bool:
     except OSError:
         return not folder.exists()
     try:
-        if not entered(root):
+        info = os.fstat(root)
+        if not entered(root) or (identity is not None and (info.st_dev, info.st_ino) != identity):
             return False
         clear(root)
     finally:

@@ -174,8 +174,14 @@ def test_a_damaged_warmup_cache_entry_is_trained_again_and_replaced(
     assert {k: second[k] for k in ("warmup/steps", "warmup/loss_first", "warmup/loss_last")} == \
         {k: first[k] for k in ("warmup/steps", "warmup/loss_first", "warmup/loss_last")}
     assert present_while_writing == [True]
-    # Replaced in place: one whole entry, the weights training gives, nothing left beside it.
-    assert sorted(p.name for p in entry.parent.iterdir() if p.name != ".moved-away") == [entry.name]
+    # Replaced in place: one whole entry, the weights training gives, nothing left beside it but a
+    # damaged entry that was a file: a file is removed only by name, and one of someone's renamed
+    # to that name meanwhile would be what is removed, so it stays at a hidden name of the cache's.
+    beside = sorted(p for p in entry.parent.iterdir() if p.name not in (".moved-away", entry.name))
+    if damage in ("entry-is-a-file", "entry-is-a-fifo"):
+        assert len(beside) == 1 and beside[0].name.startswith(f".{entry.name}.") and not beside[0].is_dir(), beside
+    else:
+        assert beside == [], beside
     assert entry.is_dir() and not entry.is_symlink()
     repaired = torch.load(entry / "weights.pt", weights_only=True)
     assert repaired.keys() == trained.keys() and all(torch.equal(repaired[k], trained[k]) for k in trained)
@@ -417,6 +423,56 @@ def test_a_link_put_in_place_of_a_cache_entry_being_written_is_never_written_thr
     assert {p.name: p.read_text() for p in user.iterdir()} == dict.fromkeys(("weights.pt", "stats.json", "notes.txt"),
                                                                              "mine")
     assert not cache.path("k").is_symlink()
+
+
+@pytest.mark.parametrize("how", ["entry-there-already", "write-failed", "replacing-an-unreadable-one"])
+def test_a_folder_renamed_to_the_temporary_name_as_it_is_removed_is_left_whole(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temporary folder was removed by name once its name was seen to lead to it: a folder of
+    someone's renamed there in between (the removal's own open, microseconds later) was removed
+    whole. Only the folder written (or the unreadable entry swapped out) is removed, checked on the
+    descriptor it is emptied through."""
+    import errno
+
+    import tclightning.cache as cache_module
+    import tclightning.models.warmup as warmup_module
+    from tclightning.files import remove_tree
+    from tclightning.models.warmup import _replace_entry
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+    landed: list[Path] = []
+
+    def swapped_then_removed(folder: Path, **kwargs: object) -> bool:
+        if not landed:  # the rename that lands between the look at the name and the removal
+            folder.rename(tmp_path / "moved-away")
+            user.rename(folder)
+            landed.append(folder)
+        return remove_tree(folder, **kwargs)
+
+    monkeypatch.setattr(cache_module, "remove_tree", swapped_then_removed)
+    monkeypatch.setattr(warmup_module, "remove_tree", swapped_then_removed)
+
+    def write(folder: Path) -> None:
+        if how == "write-failed":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        (folder / "weights.pt").write_text("the warm-up's")
+
+    entry = cache.path("k")
+    if how == "entry-there-already":
+        entry.mkdir()
+        (entry / DirectoryCache.COMPLETE).write_text("ok\n")
+        cache.put("k", write)
+    elif how == "write-failed":
+        cache.put("k", write)
+    else:
+        entry.mkdir()
+        (entry / "weights.pt").write_text("unreadable")
+        _replace_entry(cache, "k", os.lstat(entry), write)
+    assert landed and {p.name: p.read_text() for p in landed[0].iterdir()} == {"notes.txt": "mine"}
 
 
 @pytest.mark.parametrize("when", ["while-written", "before-it-is-held"])

@@ -321,9 +321,10 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
     except OSError as err:
         return err.strerror or str(err)
     why, at_tmp = None, None  # what is at the name tmp once done: ours, the old entry, or someone's
+    identity: tuple[int, int] | None = None  # the folder at tmp to remove: only that one is
     try:
         with HeldFolder(tmp, empty=True) as staged:  # written through its descriptor, as DirectoryCache.put does
-            at_tmp = "ours"
+            at_tmp, identity = "ours", staged.identity
             try:
                 write(staged.path)
                 (staged.path / DirectoryCache.COMPLETE).write_text("ok\n")
@@ -340,6 +341,7 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
                     exchange(tmp, target)  # tmp now holds the unreadable entry
                     after = os.lstat(tmp)
                     at_tmp = "old" if (after.st_ino, after.st_dev) == (now.st_ino, now.st_dev) else None
+                    identity = (now.st_dev, now.st_ino)
             finally:
                 if at_tmp == "ours" and not staged.is_at(tmp):  # renamed into place, or someone's put there
                     at_tmp = None
@@ -347,10 +349,11 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
         why = err.strerror or str(err)
     finally:
         if at_tmp == "ours" or (at_tmp == "old" and tmp.is_dir() and not tmp.is_symlink()):
-            remove_tree(tmp)  # the old entry: a bind mount someone put inside it is left alone
-        elif at_tmp == "old":
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # the unreadable entry was a file (or a FIFO)
+            # that folder alone, emptied through its descriptor: one renamed to the name meanwhile is
+            # someone's (a bind mount someone put inside the old entry is left alone too)
+            remove_tree(tmp, identity=identity)
+        # an unreadable entry that was a file (or a FIFO) stays at its hidden name: a file can only be
+        # unlinked by name, and a file of someone's renamed there meanwhile would be the one removed
     if why is not None:  # the swap failed (a mount point there): the unreadable entry is still in place
         return why
     return None if cache.get(key) is not None else "the entry was not replaced"
