@@ -174,11 +174,15 @@ _OWN_FOLDERS: dict[Path, tuple[int, int]] = {}
 device and inode when it took them."""
 
 
-def own_folder(folder: Path) -> None:
-    """Take ``folder`` (just made, or checked) as this process's to write into, as it is now: every
-    :class:`SameFolder` of it then tells its writers whether it is still that folder, not whichever
-    was there when each first looked (a link put in place of a new run's folder at once was taken
-    for it). ``TclightningError`` where it is a link or no folder already."""
+def own_folder(folder: Path, identity: tuple[int, int] | None = None) -> None:
+    """Take ``folder`` (just made, or checked) as this process's to write into, as it is now (or as
+    ``identity``, a :class:`HeldFolder`'s, says it is): every :class:`SameFolder` of it then tells
+    its writers whether it is still that folder, not whichever was there when each first looked (a
+    link put in place of a new run's folder at once was taken for it). ``TclightningError`` where
+    it is a link or no folder already."""
+    if identity is not None:
+        _OWN_FOLDERS[Path(folder).absolute()] = identity
+        return
     try:
         info = os.lstat(folder)
     except OSError:
@@ -186,6 +190,11 @@ def own_folder(folder: Path) -> None:
     if info is None or not stat.S_ISDIR(info.st_mode):  # gone, or a link put in its place
         raise _replaced(folder)
     _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
+
+
+def owned_identity(folder: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``folder`` as :func:`own_folder` took it, or None."""
+    return _OWN_FOLDERS.get(Path(folder).absolute())
 
 
 class SameFolder:
@@ -264,6 +273,17 @@ class HeldFolder:
             return False
         return stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == self.identity
 
+    @property
+    def mount_point(self) -> bool:
+        """Whether the folder is a mount point (a bind mount of someone's folder put at its name)."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self.fd}") in _mount_points()
+        except OSError:  # no /proc: none known
+            return False
+
+    def close(self) -> None:
+        os.close(self.fd)
+
     def remove_at(self, name: Path) -> None:
         """Remove the folder, empty by now, where ``name`` is still this folder."""
         if self.is_at(name):
@@ -274,7 +294,7 @@ class HeldFolder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
+        self.close()
 
 
 def own_file(path: Path, mode: str) -> IO[Any]:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tclightning.console import interrupts_held
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder,
+from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder, owned_identity,
                               refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
                               require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
@@ -1047,7 +1047,7 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
         return False  # the run's folders hold the files it writes there, and nothing else
     if any(path.name == RUN_MARKER and path.parent != run_dir for path in tree(run_dir)):
         return False
-    return remove_tree(run_dir)
+    return remove_tree(run_dir, identity=owned_identity(run_dir))  # the folder it made: never one put in its place
 
 
 def intra_op_threads(recipe: RecipeConfig) -> int:

@@ -127,3 +127,26 @@ def test_no_data_is_not_healthy(tmp_path, capsys):
     assert summary["health"]["state"] == "no data" and summary["health"]["first_warning"] is None
     print_summary(summary)
     assert "saw none of the metrics" in capsys.readouterr().out
+
+
+def test_the_summary_goes_into_the_run_folder_held_whatever_its_name_leads_to(tmp_path, monkeypatch):
+    """summary.json was written by name after the folder's check: a link swapped in while the
+    summary was serialised had another run's summary.json written over."""
+    import tclightning.grpo.summary as summary_module
+    from tclightning.files import own_folder
+
+    run_dir, other = tmp_path / "run", tmp_path / "other-run"
+    write_csv(run_dir / "metrics.csv", [0] * 4)
+    other.mkdir()
+    (other / "summary.json").write_text("theirs")
+    own_folder(run_dir)
+
+    def swapped_while_serialised(value: object, **kwargs: object) -> str:
+        run_dir.rename(tmp_path / "moved-away")
+        run_dir.symlink_to(other)
+        return json.dumps(value, **kwargs)
+
+    monkeypatch.setattr(summary_module, "json", SimpleNamespace(dumps=swapped_while_serialised, loads=json.loads))
+    summarize(run_dir)  # written into the folder held when the swap came
+    assert (other / "summary.json").read_text() == "theirs"
+    assert json.loads((tmp_path / "moved-away" / "summary.json").read_text())["steps"] == 4

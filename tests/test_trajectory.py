@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -152,6 +153,45 @@ def test_a_link_put_at_the_run_s_trajectory_folder_before_its_first_point_is_nev
     (other / "point-00000000.pt").write_text("theirs")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "trajectory").symlink_to(other)
-    with pytest.raises(TclightningError, match="trajectory was replaced during the run"):
+    with pytest.raises(TclightningError, match="trajectory is a link or no longer a folder; no point was written"):
         _fit(tmp_path / "run", TrajectoryRecorder(every=3))
     assert [(p.name, p.read_text()) for p in other.iterdir()] == [("point-00000000.pt", "theirs")]
+
+
+def test_a_folder_put_at_the_run_s_trajectory_before_its_first_point_is_never_written_into(tmp_path: Path) -> None:
+    """A new run makes its trajectory/: another run's points moved (or mounted) there before the
+    first point were written over."""
+    from tclightning.errors import TclightningError
+
+    (tmp_path / "run" / "trajectory").mkdir(parents=True)
+    (tmp_path / "run" / "trajectory" / "point-00000000.pt").write_text("theirs")
+    with pytest.raises(TclightningError, match="holds files a new run did not write"):
+        _fit(tmp_path / "run", TrajectoryRecorder(every=3))
+    assert [(p.name, p.read_text()) for p in (tmp_path / "run" / "trajectory").iterdir()] == [
+        ("point-00000000.pt", "theirs")]
+
+
+def test_the_points_go_into_the_folder_held_whatever_its_name_leads_to(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each point was written by name after the folder's check: a link swapped in while the point
+    was serialised had another run's point written over (or the rename failed: a traceback)."""
+    import tclightning.callbacks.trajectory as trajectory_module
+    from tclightning.errors import TclightningError
+
+    other = tmp_path / "other-run-points"
+    other.mkdir()
+    (other / "point-00000003.pt").write_text("theirs")
+    run = tmp_path / "run"
+    save = trajectory_module.save_tensors
+
+    def swapped_while_written(record: Any, path: Path) -> None:
+        if record["step"] == 3:  # after the check, as the point is written
+            (run / "trajectory").rename(tmp_path / "moved-away")
+            (run / "trajectory").symlink_to(other)
+        save(record, path)
+
+    monkeypatch.setattr(trajectory_module, "save_tensors", swapped_while_written)
+    with pytest.raises(TclightningError, match="trajectory was replaced during the run"):
+        _fit(run, TrajectoryRecorder(every=3))
+    assert [(p.name, p.read_text()) for p in other.iterdir()] == [("point-00000003.pt", "theirs")]
+    assert sorted(p.name for p in (tmp_path / "moved-away").iterdir())[-1] == "point-00000003.pt"

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
-from tclightning.files import SameFolder, own_folder, save_tensors
+from tclightning.files import HeldFolder, SameFolder, own_folder, save_tensors
 from tclightning.settings import check_arguments, integer, one_of, positive
 from tclightning.settings import seed as seed_rule
 
@@ -106,6 +106,7 @@ class TrajectoryRecorder(Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.parameters = parameters
         self._folder: SameFolder | None = None  # the points' folder as first seen
+        self._held: HeldFolder | None = None  # ... held open: every point is written into it
 
     def directory(self, trainer: pl.Trainer) -> Path:
         return self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "trajectory"
@@ -126,19 +127,44 @@ class TrajectoryRecorder(Callback):
         with torch.no_grad():
             point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
         folder = self.directory(trainer)
-        folder.mkdir(parents=True, exist_ok=True)
         if self._folder is None or self._folder.folder != folder:
-            if self.dirpath is None:  # the run's own trajectory/: never a link put there before the first point
-                own_folder(folder)
-            self._folder = SameFolder(folder)
-        self._folder.check()  # a link swapped in mid-run would carry the points into another run
-        path = folder / f"point-{index:08d}.pt"
+            self._take(folder, fresh=index == 0)
+        self._folder.check()  # a link or folder swapped in mid-run: said, the points never carried there
+        name = f"point-{index:08d}.pt"
         record: dict[str, Any] = {
             "step": int(index), "unit": self.unit, "point": point, "method": method,
             "dim": int(point.numel()), "seed": self.seed, "num_params": int(num),
         }
-        save_tensors(record, path)  # replaced whole: a killed run never leaves a half-written point
-        return path
+        save_tensors(record, self._held.path / name)  # replaced whole: a killed run never leaves half a point
+        return folder / name
+
+    def _take(self, folder: Path, fresh: bool) -> None:
+        """Hold the points' folder open (made if missing, never through a link) and write every
+        point through it. The run's own ``trajectory/`` at a new run's first point is made by the
+        run: one holding files already, or a mount point, is someone's (another run's points would be
+        written over), refused in one line."""
+        self.teardown()
+        folder.mkdir(parents=True, exist_ok=True)
+        own = self.dirpath is None
+        try:
+            held = HeldFolder(folder, empty=own and fresh)
+        except OSError as err:
+            reason = ("holds files a new run did not write (another run's points?)" if isinstance(err, FileExistsError)
+                      else "is a link or no longer a folder")
+            raise TclightningError(f"TrajectoryRecorder: {folder} {reason}; no point was written there") from None
+        if own and held.mount_point:
+            held.close()
+            raise TclightningError(f"TrajectoryRecorder: {folder} is a mount point (someone's folder mounted where the "
+                                   "run keeps its points); no point was written there")
+        if own:  # the run's own trajectory/ is the folder held, whatever its name leads to later
+            own_folder(folder, identity=held.identity)
+        self._held, self._folder = held, SameFolder(folder)
+
+    def teardown(self, trainer: pl.Trainer | None = None, pl_module: pl.LightningModule | None = None,
+                 stage: str | None = None) -> None:
+        if self._held is not None:
+            self._held.close()
+        self._held, self._folder = None, None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         index = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
