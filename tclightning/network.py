@@ -6,10 +6,11 @@ done with one (:func:`remote_setup`); and a time limit on each request afterward
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
@@ -35,6 +36,37 @@ A limit you set yourself is kept."""
 REQUEST_TOTAL_S = 4 * REQUEST_TIMEOUT_S
 """How long one whole request to a remote store may take: a server that drips a byte every few
 seconds never trips the limit on each read."""
+
+HUB_DOWNLOAD_MIN_BYTES_S = 2**20
+"""The slowest a download from the Hugging Face Hub (a model's files, a dataset's) may be, on
+average, once its first :data:`REMOTE_SETUP_S` are past: 1 MiB/s of bytes received over all its
+files. A hub that drips a byte every few seconds trips no limit on each read, and a deadline from
+the size it lists would be its own to choose. On a slower link, download first (``hf download``)."""
+
+
+def keeps_pace(received: int, started: float) -> bool:
+    """Whether a download that began at ``started`` (``time.monotonic()``) and has received
+    ``received`` bytes keeps :data:`HUB_DOWNLOAD_MIN_BYTES_S`."""
+    import time
+
+    late_s = time.monotonic() - started - REMOTE_SETUP_S
+    return late_s <= 0 or received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S
+
+
+@contextlib.contextmanager
+def hub_over_http() -> Iterator[None]:
+    """huggingface_hub's downloads in the block go over HTTP, never through Xet storage: ``hf_xet``
+    writes a file from native code that reports its progress to a callback whose error it prints
+    and ignores, so neither a size limit nor a pace could stop it (a Hub's Xet answer of a
+    terabyte filled the disk at disk speed)."""
+    from huggingface_hub import constants
+
+    before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_DISABLE_XET = before
+
 
 HUB_URL = "https://huggingface.co"
 WANDB_URL = "https://api.wandb.ai"

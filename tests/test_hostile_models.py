@@ -416,6 +416,45 @@ def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_serv
         DataSource.from_config(TaskConfig(name="gsm8k", hf_name="openai/gsm8k"), "gsm8k")
 
 
+@pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
+@pytest.mark.parametrize("drip", [False, True], ids=["keeps-the-pace", "drips"])
+def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub dripping a dataset's data file held `tclightning run` for ever: its download must keep
+    the rate a model's does, counted on the bytes its folders gain, and goes over HTTP."""
+    import threading
+    from types import SimpleNamespace
+
+    import huggingface_hub
+
+    import tclightning.network as network
+    from tclightning.tasks.data import _paced_download
+
+    monkeypatch.setattr(network, "REMOTE_SETUP_S", 0.2)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    downloads = tmp_path / "datasets" / "downloads"
+    downloads.mkdir(parents=True)
+    held = threading.Event()
+
+    def download_and_prepare() -> None:
+        assert huggingface_hub.constants.HF_HUB_DISABLE_XET  # over HTTP, where the pace holds
+        (downloads / "data.parquet.incomplete").write_bytes(b"x" * (10 if drip else 8 * 2**20))
+        if drip:
+            held.wait(120)  # a byte every few seconds, for ever
+
+    builder = SimpleNamespace(download_and_prepare=download_and_prepare, _cache_downloaded_dir=str(downloads),
+                              cache_dir=str(tmp_path / "datasets" / "someone___rows" / "default" / "0.0.0"))
+    try:
+        if drip:
+            with pytest.raises(TclightningError, match="the Hugging Face dataset someone/rows: its download fell "
+                                                       "below 1 MiB/s"):
+                _paced_download(builder, "someone/rows")
+        else:
+            _paced_download(builder, "someone/rows")
+    finally:
+        held.set()
+    assert not huggingface_hub.constants.HF_HUB_DISABLE_XET
+
+
 def test_a_hub_that_cannot_be_reached_at_all_leaves_a_dataset_to_the_datasets_cache(closed_port: str,
                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_ENDPOINT", closed_port)

@@ -421,16 +421,9 @@ def hub_model_folder(cfg: ModelConfig) -> Path:
     return download_hub_model(cfg.name, cfg.trust_remote_code)
 
 
-HUB_DOWNLOAD_MIN_BYTES_S = 2**20
-"""The slowest a hub model's download (all its files) may be, on average, once its first 60 s
-(:data:`~tclightning.network.REMOTE_SETUP_S`) are past: 1 MiB/s of bytes received. A hub that
-drips a byte every few seconds trips no limit on each read, and a deadline from the size it lists
-would be its own to choose. On a slower link, download the model first (``hf download NAME``)."""
-
-
 class _DownloadPace:
     """The bytes a hub model's download has received, counted as its progress bars see them, and
-    whether it keeps :data:`HUB_DOWNLOAD_MIN_BYTES_S` over all its files together (each file on
+    whether it keeps :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S` over all its files together (each file on
     its own would let a hub listing many small files drip each within its own grace)."""
 
     def __init__(self) -> None:
@@ -458,46 +451,30 @@ class _DownloadPace:
 
     def keep_waiting(self, _: float) -> float:
         """For :func:`~tclightning.limits.watched`: 1 s more while the download keeps the pace."""
-        late_s = time.monotonic() - self.started - network.REMOTE_SETUP_S
-        return 1.0 if late_s <= 0 or self.received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S else 0.0
+        return 1.0 if network.keeps_pace(self.received, self.started) else 0.0
 
 
 class _LargerThanListed(Exception):
     """A hub file came larger than its listed size."""
 
 
-@contextlib.contextmanager
-def _over_http() -> Iterator[None]:
-    """huggingface_hub's downloads in the block go over HTTP, never through Xet storage: ``hf_xet``
-    writes a file from native code that reports its progress to a callback whose error it prints
-    and ignores, so neither the listed size nor the pace could stop it (a Hub's Xet answer of a
-    terabyte filled the disk at disk speed)."""
-    from huggingface_hub import constants
-
-    before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_DISABLE_XET = before
-
-
 def _hub_file(name: str, filename: str, listed_bytes: int, revision: str | None, pace: _DownloadPace,
               what: str) -> Path:
     """``hf_hub_download`` of one file of the download ``pace`` counts, stopped (one line) when the
-    download falls below :data:`HUB_DOWNLOAD_MIN_BYTES_S` or the file comes larger than the
+    download falls below :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S` or the file comes larger than the
     ``listed_bytes`` the Hugging Face Hub lists (bytes counted as written: a compressed stream expands)."""
     from huggingface_hub import hf_hub_download
 
     pace.next_file(listed_bytes)
     try:
-        with _over_http():
+        with network.hub_over_http():
             return Path(watched(lambda: hf_hub_download(name, filename, revision=revision,
                                                         tqdm_class=pace.progress_bar), pace.keep_waiting))
     except _LargerThanListed as err:
         raise TclightningError(f"{what}: its {filename} came larger than the {listed_bytes} bytes the Hugging Face "
                                f"Hub lists for it ({err.args[0]} bytes); nothing more was downloaded") from None
     except TimeoutError:
-        raise TclightningError(f"{what}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
+        raise TclightningError(f"{what}: its download fell below {network.HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
                                f"({pace.received} bytes in {time.monotonic() - pace.started:.0f} s, at {filename}); "
                                f"on a slower link, download the model first (hf download {name})") from None
 
@@ -508,7 +485,7 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
     code when trusted, and one set of weights: :data:`HUB_WEIGHT_FILES`), all of the main branch's
     commit; its snapshot folder. Asking for the list of files has
     :data:`~tclightning.network.REMOTE_SETUP_S`, and the download must keep up
-    :data:`HUB_DOWNLOAD_MIN_BYTES_S`; a hub that refuses or fails is one ``TclightningError``."""
+    :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S`; a hub that refuses or fails is one ``TclightningError``."""
     from huggingface_hub import HfApi
 
     what = f"model.name {name}"

@@ -8,11 +8,13 @@ parquet file is the code an online user runs on ``openai/gsm8k``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import tempfile
+import time
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,7 +23,9 @@ from typing import IO, Any
 
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_file, regular_file
-from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
+from tclightning.limits import watched
+from tclightning.network import (HUB_DOWNLOAD_MIN_BYTES_S, host_of, hub_answer, hub_offline, hub_over_http, hub_url,
+                                  keeps_pace, remote_setup)
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -52,11 +56,14 @@ def load_with_datasets(
 
     try:
         # a hub dataset's files are resolved under a time limit (a hub that answered the run's first
-        # question and then stalls was waited on for minutes, request after request); its download is not
+        # question and then stalls was waited on for minutes, request after request)
         builder = remote_setup(f"the Hugging Face dataset {name}'s files" if data_files is None else data_files,
                                lambda: datasets.load_dataset_builder(name, config, data_files=data_files,
                                                                      cache_dir=cache_dir))
-        builder.download_and_prepare()
+        if data_files is None:
+            _paced_download(builder, name)
+        else:  # a local file: nothing to download
+            builder.download_and_prepare()
         ds = builder.as_dataset(split=split)
         # Rows are values, never files: a feature a file declares an Image (Audio, Video...), at any
         # depth (a list of them, a struct holding one), would be opened, fetched or decoded per row
@@ -67,6 +74,41 @@ def load_with_datasets(
     except Exception as exc:  # turn any loader failure into one clear line
         where = data_files or f"{name}" + (f" ({config})" if config else "")
         raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
+
+
+def _paced_download(builder: Any, name: str) -> None:
+    """``builder.download_and_prepare()`` of hub dataset ``name``, over HTTP, stopped (one line)
+    once it falls below :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S`, counted on the bytes
+    its folders gain (the dataset's folder in the Hugging Face cache, ``datasets``' downloads and
+    the prepared dataset): a hub dripping a data file's body held the run for ever."""
+    from huggingface_hub import constants
+
+    folders = [Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}",
+               Path(builder._cache_downloaded_dir), Path(builder.cache_dir).parent]
+    before, started = _bytes_under(folders), time.monotonic()
+
+    def keep_waiting(_: float) -> float:
+        return 2.0 if keeps_pace(_bytes_under(folders) - before, started) else 0.0
+
+    try:
+        with hub_over_http():
+            watched(builder.download_and_prepare, keep_waiting)
+    except TimeoutError:
+        raise TclightningError(
+            f"the Hugging Face dataset {name}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
+            f"({_bytes_under(folders) - before} bytes in {time.monotonic() - started:.0f} s); on a slower link, "
+            f"download it first (hf download --repo-type dataset {name})") from None
+
+
+def _bytes_under(folders: Sequence[Path]) -> int:
+    """The bytes of every file under ``folders`` (links not followed; a folder missing holds none)."""
+    total = 0
+    for folder in folders:
+        for parent, _, names in os.walk(folder):
+            for file in names:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(parent, file)).st_size
+    return total
 
 
 TASK_FILE_MAX_BYTES = 4 * 2**30
