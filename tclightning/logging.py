@@ -632,6 +632,13 @@ def ask_remote_stores(trainer: Any) -> None:
             remote_setup(f"the {type(logger).__name__}'s server", lambda logger=logger: logger.experiment)
             _bound_calls(logger, LOGGER_CALLS, f"the {type(logger).__name__}'s server", REMOTE_CALL_S)
     if remote:
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        if isinstance(getattr(trainer.strategy, "checkpoint_io", None), AsyncCheckpointIO):
+            # its writes run on a thread of its own, past every time limit on the callbacks' calls,
+            # and the process waits for that thread at its exit: a store that drips held it for ever
+            raise TclightningError("AsyncCheckpointIO writes checkpoints from a thread no time limit reaches, and a "
+                                   "store of this fit is remote: leave the plugin out (nothing was trained)")
         for callback in trainer.callbacks:
             folder = getattr(callback, "dirpath", False)  # None: the logger's or default_root_dir's, at setup
             if folder is None or (folder is not False and remote_store(folder)) \

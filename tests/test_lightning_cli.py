@@ -522,6 +522,20 @@ def test_a_remote_folder_or_server_the_fit_needs_that_never_answers_is_one_line(
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_async_checkpointing_into_a_remote_store_is_one_line(tmp_path, monkeypatch, capsys):
+    """AsyncCheckpointIO writes from a thread of its own, which no time limit reaches and for which
+    the process waits at its exit: an ftp store dripping its answer held the finished fit for ever."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--trainer.plugins=AsyncCheckpointIO",
+                               "--trainer.default_root_dir=memory://store/runs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: AsyncCheckpointIO writes checkpoints from a thread no time limit "
+                                      "reaches, and a store of this fit is remote"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_config.yaml"]
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 def test_a_first_logger_without_a_folder_for_the_config_is_one_line(silent_server, tmp_path, monkeypatch, capsys):
     """LightningCLI saves its config into the first logger's folder and asserts it has one: an
     MLflow logger on a server has none (an AssertionError traceback). Refused before the server
