@@ -667,6 +667,49 @@ def open_store(what: str, folder: str | os.PathLike | None) -> None:
     _set_up_remote(f"{what} {folder}", made)
 
 
+def finish_wandb(limit_s: float | None = None) -> str | None:
+    """Finish W&B's runs of this process (``wandb.teardown``: its last records sent to its server)
+    within ``limit_s``, where W&B is in use. At the interpreter's exit W&B waits for its service
+    to send them without a limit: a server that took the run and then dripped held the finished
+    command for ever. Returns why it was not finished in time (its service is then ended, and what
+    it had not sent stays in its run folder for ``wandb sync``), else None. ``limit_s``: default
+    :data:`REMOTE_CALL_S`."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is None or getattr(getattr(wandb, "sdk", None), "wandb_setup", None) is None \
+            or wandb.sdk.wandb_setup._singleton is None:
+        return None
+    from tclightning.limits import watched
+
+    limit_s = REMOTE_CALL_S if limit_s is None else limit_s
+    try:
+        watched(wandb.teardown, lambda waited: limit_s - waited)
+    except TimeoutError:
+        _end_wandb_service()
+        return (f"W&B did not finish sending the run to its server within {limit_s:g} s; what it had not sent "
+                "stays in its run folder (`wandb sync` sends it)")
+    except Exception as err:  # noqa: BLE001 - the service's own failure: the run itself is done
+        return f"W&B could not finish the run: {type(err).__name__}: {one_line(err)}"
+    return None
+
+
+def _end_wandb_service() -> None:
+    """SIGKILL this process's W&B service (``wandb-core``), which takes no SIGTERM while it retries."""
+    import signal
+
+    processes = Path("/proc")
+    for entry in processes.iterdir() if processes.is_dir() else ():
+        try:
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == os.getpid() and b"wandb-core" in command:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
 def _set_up_remote(what: str, work: Callable[[], Any]) -> None:
     """``work`` under :func:`~tclightning.network.remote_setup`; what the store raises (one that
     answers but takes no files: a plain http server) is one line naming ``what``."""

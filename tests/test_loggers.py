@@ -585,3 +585,29 @@ def test_every_writer_into_a_remote_store_has_a_time_limit_once_any_store_is_rem
     with pytest.raises(TclightningError, match="ModelCheckpoint writes to gave no answer within 0.5 s"):
         checkpoint.setup(trainer, None, "fit")
     assert time.monotonic() - started < 10
+
+
+def test_w_and_b_that_never_finishes_sending_is_one_line_not_a_wait_at_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the interpreter's exit W&B waits for its service to send the run without a limit: a
+    server that took the run and then dripped held the finished command for ever. Its runs are
+    finished within a time limit instead, and past it the command says so."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from tclightning.logging import finish_wandb
+
+    released = threading.Event()
+    fake = SimpleNamespace(sdk=SimpleNamespace(wandb_setup=SimpleNamespace(_singleton=object())),
+                           teardown=lambda: released.wait(60))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    try:
+        late = finish_wandb(limit_s=0.5)
+    finally:
+        released.set()
+    assert late is not None and late.startswith("W&B did not finish sending the run to its server within 0.5 s")
+    fake.teardown = lambda: None
+    assert finish_wandb(limit_s=0.5) is None
+    fake.sdk.wandb_setup._singleton = None  # W&B imported, no run: nothing waited for
+    fake.teardown = lambda: pytest.fail("no run: nothing to finish")
+    assert finish_wandb(limit_s=0.5) is None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tclightning.cli import run as run_cli
 from tclightning.cli.formatting import HelpFormatter
-from tclightning.cli.main import dispatch
+from tclightning.cli.main import dispatch, finish_loggers_or_exit
 from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
 
@@ -293,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = dispatch(build_parser(), args)
     if argv is None:  # the console command: Ctrl-C during Python's shutdown must not undo its result
         exit_at_late_interrupt()
+        code = finish_loggers_or_exit(code)
     return code
 
 

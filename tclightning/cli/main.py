@@ -94,11 +94,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = dispatch(parser, argv)
     if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
         exit_at_late_interrupt()
+        code = finish_loggers_or_exit(code)
     lost = refused_output()
     if lost is not None:  # `> /dev/full`: what the command printed is incomplete, so it did not succeed
         print(f"error: standard output refused a write ({lost}); what the command printed is incomplete", file=sys.stderr)
         code = code or 1
     return code
+
+
+def finish_loggers_or_exit(code: int) -> int:
+    """The console command's end: W&B's runs finished within a time limit
+    (:func:`~tclightning.logging.finish_wandb`), else one line and the process ends here with
+    ``code`` (1 if it was 0): at the interpreter's exit W&B would wait for its server for ever."""
+    if "wandb" not in sys.modules:  # not used: nothing to wait for (and nothing to import)
+        return code
+    from tclightning.logging import finish_wandb
+
+    late = finish_wandb()
+    if late is None:
+        return code
+    print(f"error: {late}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code or 1)
 
 
 if __name__ == "__main__":
