@@ -188,6 +188,11 @@ CASES: dict[str, Case] = {
     "logging-root-a-url": override("logging.root=s3://b/r", names=("logging.root=s3://b/r", "a folder on this machine")),
     "file-logging-root-a-chained-url": recipe(BASE.replace("root: runs", "root: 'simplecache::file:///x'"),
                                               "key 'logging.root'", "a folder on this machine"),
+    # an output folder given as a URL was made as a local folder named webhdfs: or http:
+    "probe-out-a-url": Case(("probe", "coherence", "--recipe", "tiny", "--out", "webhdfs://host/x"),
+                            ("probe coherence: --out", "not a URL")),
+    "bench-dir-a-url": Case(("bench", "two-node", "--dir", "http://host/x"), ("bench two-node: --dir http://host/x",
+                                                                              "not a URL")),
     "analyze-health-binary": Case(("analyze", "health", "{tmp}/metrics.csv"), ("metrics.csv", "not a CSV text file"),
                                   {"metrics.csv": bytes(range(256)) * 4}),
     "bench-link-bandwidth-zero": Case(("bench", "link", "--bandwidth", "0"), ("--bandwidth",)),

@@ -280,9 +280,11 @@ def run_step_link(args: argparse.Namespace) -> int:
 def work_folder(command: str, folder: str) -> Path:
     """``--dir`` made (with its parents) and written to once, as an absolute path: a file or a
     dangling link on the way, a read-only mount or ``/proc`` is one line before anything starts."""
+    from tclightning.cli.options import refuse_url
     from tclightning.errors import TclightningError
     from tclightning.files import in_the_way, require_writable
 
+    refuse_url(f"{command}: --dir", folder)
     blocking = in_the_way(Path(folder))
     if blocking is not None:
         raise TclightningError(f"{command}: --dir {folder}: {blocking[0]} {blocking[1]}")

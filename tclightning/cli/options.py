@@ -4,6 +4,7 @@ value past them would hang the command or exhaust the machine, never measure any
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from tclightning.errors import TclightningError
@@ -20,12 +21,21 @@ def within(command: str, flag: str, value: int | float | None, low: int | float,
         raise TclightningError(f"{command}: {flag} must be in [{low}, {high}], got {value}")
 
 
+def refuse_url(what: str, folder: str) -> None:
+    """A folder given as a URL (``s3://b/r``, ``webhdfs://h/x``, which ``Path`` makes ``s3:/b/r``) or
+    an fsspec chain is refused: the command writes on this machine, and would make a local folder
+    named ``s3:``."""
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", folder) or "::" in folder:
+        raise TclightningError(f"{what} {folder}: a folder on this machine is written, not a URL")
+
+
 def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, named: bool = False,
                   overwrite: bool = False) -> Path:
     """``path`` as the folder a probe writes its files (``writes``) to, refused up front (before
     anything is measured) when it, or a folder on the way to it, is a file; or, for a folder the
     user ``named`` with ``--out``, when it holds a file of those names and not ``overwrite`` (it
     may be theirs: the command's own default folder is its to replace)."""
+    refuse_url(f"{command}: --out", str(path))
     if ".." in path.parts:  # `yours/new/..` is yours: the checks are of where the files land
         path = Path(os.path.realpath(path))
     blocking = in_the_way(path)
