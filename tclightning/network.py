@@ -57,8 +57,8 @@ def keeps_pace(received: int, started: float) -> bool:
 def hub_over_http() -> Iterator[None]:
     """huggingface_hub's downloads in the block go over HTTP, never through Xet storage: ``hf_xet``
     writes a file from native code that reports its progress to a callback whose error it prints
-    and ignores, so neither a size limit nor a pace could stop it (a Hub's Xet answer of a
-    terabyte filled the disk at disk speed)."""
+    and ignores, so neither a size limit nor a pace could stop it (a terabyte named in an Xet
+    answer of the Hugging Face Hub filled the disk at disk speed)."""
     from huggingface_hub import constants
 
     before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True

@@ -595,17 +595,21 @@ def test_w_and_b_that_never_finishes_sending_is_one_line_not_a_wait_at_exit(monk
     import threading
     from types import SimpleNamespace
 
+    import tclightning.logging as logging_module
     from tclightning.logging import finish_wandb
 
     released = threading.Event()
     fake = SimpleNamespace(sdk=SimpleNamespace(wandb_setup=SimpleNamespace(_singleton=object())),
                            teardown=lambda: released.wait(60))
     monkeypatch.setitem(sys.modules, "wandb", fake)
+    ended: list[bool] = []  # (the real one would end this process's own W&B service, an earlier test's)
+    monkeypatch.setattr(logging_module, "_end_wandb_service", lambda: ended.append(True))
     try:
         late = finish_wandb(limit_s=0.5)
     finally:
         released.set()
     assert late is not None and late.startswith("W&B did not finish sending the run to its server within 0.5 s")
+    assert ended == [True]
     fake.teardown = lambda: None
     assert finish_wandb(limit_s=0.5) is None
     fake.sdk.wandb_setup._singleton = None  # W&B imported, no run: nothing waited for
