@@ -417,10 +417,12 @@ def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_serv
 
 
 @pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
-@pytest.mark.parametrize("drip", [False, True], ids=["keeps-the-pace", "drips"])
-def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("drip", [False, True, "endless"], ids=["keeps-the-pace", "drips", "expands-without-end"])
+def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool | str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub dripping a dataset's data file held `tclightning run` for ever: its download must keep
-    the rate a model's does, counted on the bytes its folders gain, and goes over HTTP."""
+    the rate a model's does, counted on the bytes its folders gain, and goes over HTTP; and stops
+    past a task's largest data (a compressed stream expands without end at disk speed)."""
     import threading
     from types import SimpleNamespace
 
@@ -429,7 +431,10 @@ def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool, tmp_path: Path, 
     import tclightning.network as network
     from tclightning.tasks.data import _paced_download
 
+    import tclightning.tasks.data as data_module
+
     monkeypatch.setattr(network, "REMOTE_SETUP_S", 0.2)
+    monkeypatch.setattr(data_module, "TASK_FILE_MAX_BYTES", 4 * 2**20)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     downloads = tmp_path / "datasets" / "downloads"
     downloads.mkdir(parents=True)
@@ -437,7 +442,9 @@ def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool, tmp_path: Path, 
 
     def download_and_prepare() -> None:
         assert huggingface_hub.constants.HF_HUB_DISABLE_XET  # over HTTP, where the pace holds
-        (downloads / "data.parquet.incomplete").write_bytes(b"x" * (10 if drip else 8 * 2**20))
+        (downloads / "data.parquet.incomplete").write_bytes(b"x" * (10 if drip is True else 3 * 2**20))
+        if drip == "endless":
+            (downloads / "more.incomplete").write_bytes(b"x" * 2 * 2**20)  # past the 4 MiB set above
         if drip:
             held.wait(120)  # a byte every few seconds, for ever
 
@@ -445,8 +452,8 @@ def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool, tmp_path: Path, 
                               cache_dir=str(tmp_path / "datasets" / "someone___rows" / "default" / "0.0.0"))
     try:
         if drip:
-            with pytest.raises(TclightningError, match="the Hugging Face dataset someone/rows: its download fell "
-                                                       "below 1 MiB/s"):
+            said = "fell below 1 MiB/s" if drip is True else "passed 5242880 bytes, more than a task's data may be"
+            with pytest.raises(TclightningError, match=f"the Hugging Face dataset someone/rows: its download .*{said}"):
                 _paced_download(builder, "someone/rows")
         else:
             _paced_download(builder, "someone/rows")

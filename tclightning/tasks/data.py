@@ -78,22 +78,29 @@ def load_with_datasets(
 
 def _paced_download(builder: Any, name: str) -> None:
     """``builder.download_and_prepare()`` of hub dataset ``name``, over HTTP, stopped (one line)
-    once it falls below :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S`, counted on the bytes
-    its folders gain (the dataset's folder in the Hugging Face cache, ``datasets``' downloads and
-    the prepared dataset): a hub dripping a data file's body held the run for ever."""
+    once it falls below :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S` or passes
+    :data:`TASK_FILE_MAX_BYTES`, counted on the bytes its folders gain (the dataset's folder in the
+    Hugging Face cache, ``datasets``' downloads and the prepared dataset): a hub dripping a data
+    file's body held the run for ever, and an endless compressed one would fill the disk."""
     from huggingface_hub import constants
 
     folders = [Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}",
                Path(builder._cache_downloaded_dir), Path(builder.cache_dir).parent]
     before, started = _bytes_under(folders), time.monotonic()
+    gained = [0]
 
     def keep_waiting(_: float) -> float:
-        return 2.0 if keeps_pace(_bytes_under(folders) - before, started) else 0.0
+        gained[0] = _bytes_under(folders) - before
+        return 2.0 if gained[0] <= TASK_FILE_MAX_BYTES and keeps_pace(gained[0], started) else 0.0
 
     try:
         with hub_over_http():
             watched(builder.download_and_prepare, keep_waiting)
     except TimeoutError:
+        if gained[0] > TASK_FILE_MAX_BYTES:  # a compressed stream expands at disk speed: a task's rows never need it
+            raise TclightningError(f"the Hugging Face dataset {name}: its download and preparation passed "
+                                   f"{gained[0]} bytes, more than a task's data may be ({TASK_FILE_MAX_BYTES} bytes); "
+                                   "nothing more was downloaded") from None
         raise TclightningError(
             f"the Hugging Face dataset {name}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
             f"({_bytes_under(folders) - before} bytes in {time.monotonic() - started:.0f} s); on a slower link, "
