@@ -116,11 +116,23 @@ def waited_on(fn: Callable[[], T], timeout_s: float) -> T:
     return watched(fn, lambda elapsed_s: timeout_s - elapsed_s)
 
 
+_ABANDONED: list[str] = []
+"""The names of the threads :func:`watched` gave up on in this process."""
+
+
+def abandoned_work() -> bool:
+    """Whether :func:`watched` gave up on a thread in this process: the threads that thread started
+    (a library's thread pool) are joined by the interpreter at its exit, where they may wait for
+    ever, so a command that gave up on one ends with ``os._exit`` once it is done."""
+    return bool(_ABANDONED)
+
+
 def watched(fn: Callable[[], T], keep_waiting: Callable[[float], float]) -> T:
     """``fn()`` in a daemon thread, waited for while ``keep_waiting(seconds since it started)``
     gives how long to wait before asking again (more than 0): ``TimeoutError`` once it gives 0 or
     less, the thread left to end with the process (a signal reaches no other thread, and a blocking
-    read cannot be stopped from outside). What ``fn`` returns or raises otherwise."""
+    read cannot be stopped from outside; see :func:`abandoned_work`). What ``fn`` returns or raises
+    otherwise."""
     outcome: list[tuple[bool, Any]] = []
 
     def work() -> None:
@@ -135,6 +147,7 @@ def watched(fn: Callable[[], T], keep_waiting: Callable[[float], float]) -> T:
     while not outcome:
         wait_s = keep_waiting(time.monotonic() - started)
         if wait_s <= 0:
+            _ABANDONED.append(worker.name)
             raise TimeoutError(f"timed out after {time.monotonic() - started:.0f} s")
         worker.join(wait_s)
     done, value = outcome[0]

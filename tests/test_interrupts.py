@@ -435,3 +435,27 @@ def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> 
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished", \
         (done.returncode, done.stderr[-2000:])
+
+
+def test_a_command_that_gave_up_on_a_download_ends_though_its_library_threads_still_read() -> None:
+    """datasets downloads 16 files or more on a thread pool started inside the watched download:
+    given up on (the pace's one line), its workers, still reading dripping bodies, were joined by
+    the interpreter at exit, and the command never ended."""
+    script = (
+        "import concurrent.futures, sys, threading\n"
+        "from tclightning.cli.main import finish_loggers_or_exit\n"
+        "from tclightning.limits import watched\n"
+        "never = threading.Event()\n"
+        "def download():\n"
+        "    pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "    list(pool.map(lambda _: never.wait(), range(2)))\n"
+        "try:\n"
+        "    watched(download, lambda waited: 0.5 - waited)\n"
+        "except TimeoutError:\n"
+        "    print('error: its download fell below 1 MiB/s', file=sys.stderr)\n"
+        "sys.exit(finish_loggers_or_exit(2))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: its download fell below 1 MiB/s"], (
+        done.returncode, done.stderr[-2000:])

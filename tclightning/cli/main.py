@@ -8,6 +8,7 @@ transformers) happen inside handlers so ``--help`` and ``recipes list`` stay fas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
@@ -105,17 +106,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 def finish_loggers_or_exit(code: int) -> int:
     """The console command's end: W&B's runs finished within a time limit
     (:func:`~tclightning.logging.finish_wandb`), else one line and the process ends here with
-    ``code`` (1 if it was 0): at the interpreter's exit W&B would wait for its server for ever."""
-    if "wandb" not in sys.modules:  # not used: nothing to wait for (and nothing to import)
-        return code
-    from tclightning.logging import finish_wandb
+    ``code`` (1 if it was 0): at the interpreter's exit W&B would wait for its server for ever.
+    Where the command gave up on a download (:func:`~tclightning.limits.abandoned_work`), the
+    process ends here too: the interpreter would join the library's threads still reading it."""
+    from tclightning.limits import abandoned_work
 
-    late = finish_wandb()
-    if late is None:
+    late = None
+    if "wandb" in sys.modules:  # used: its runs are finished (not imported otherwise)
+        from tclightning.logging import finish_wandb
+
+        late = finish_wandb()
+        if late is not None:
+            print(f"error: {late}", file=sys.stderr, flush=True)
+            code = code or 1
+    if late is None and not abandoned_work():
         return code
-    print(f"error: {late}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code or 1)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or refusing: what it got is what it holds
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
