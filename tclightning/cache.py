@@ -114,6 +114,9 @@ class DirectoryCache:
                         why = "its folder was replaced while written"
                     elif not self.path(key).exists():
                         os.replace(tmp, self.path(key))
+                        if not staged.is_at(self.path(key)):  # someone's renamed to tmp as it moved: put back
+                            os.replace(self.path(key), tmp)
+                            why = "its folder was replaced while written"
                 finally:  # (this folder alone: one renamed to its name meanwhile is someone's)
                     remove_tree(tmp, identity=staged.identity)
         except OSError as err:  # the disk is full, or another process renamed its copy into place first

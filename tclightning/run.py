@@ -358,12 +358,15 @@ def _leaves(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): data}
 
 
-def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path:
+def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False,
+                 locked: tuple[int, int] | None = None) -> Path:
     """Create ``run_dir`` with its :data:`RUN_MARKER` (kept if there already); returns the directory.
 
     ``new``: ``run_dir`` is a planned new run directory, claimed with :func:`claim_run_dir` (the
     returned directory is then the one this run got, a later suffix if the planned name was
     taken meanwhile). Otherwise ``run_dir`` may exist already (a resume in place, a launched rank).
+    ``locked``: a resume's run folder as it locked it (``(st_dev, st_ino)``): another folder at
+    its name now is refused, one line, nothing written (it would be resumed instead).
     """
     if new:
         run_dir = claim_run_dir(run_dir)
@@ -372,6 +375,9 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
     # it and its checkpoints/ are taken as they are now: their writers check they still are, so a
     # link put in place of either (at once, or later) stops the run instead of carrying its writes
     own_folder(run_dir)
+    if locked is not None and owned_identity(run_dir) != locked:
+        raise TclightningError(f"--resume: {run_dir} changed while this resume started (another folder was put at its "
+                               "name); nothing was written, run the resume again")
     try:
         held = HeldFolder(run_dir)
     except OSError:
@@ -387,8 +393,13 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False) -> Path
                     marker.unlink(missing_ok=True)
                     held.remove_at(run_dir)
                 raise
-        (held.path / "checkpoints").mkdir(exist_ok=True)
-        own_folder(run_dir / "checkpoints")
+        for folder in ("checkpoints", "tb"):  # the run's own, made with it (trajectory/: at its first point)
+            try:
+                (held.path / folder).mkdir(exist_ok=True)
+            except FileExistsError:
+                raise TclightningError(f"{run_dir / folder} is not a folder (a file of yours?), where the run keeps its "
+                                       f"{folder}; nothing was written there") from None
+            own_folder(run_dir / folder)
     return run_dir
 
 
@@ -714,6 +725,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     multiprocess = recipe.trainer.devices * recipe.trainer.num_nodes > 1
     named_by_env = multiprocess and bool(os.environ.get(RUN_DIR_ENV))  # a rank Lightning or the user launched
     follower = named_by_env and launch_rank(recipe) != 0  # rank 0 owns the run directory; the others only run
+    locked_folder: tuple[int, int] | None = None  # a resume in place: the run folder it locked
     if not plan.new_dir and plan.resume_step is not None:
         changed = resume_changes(plan.run_dir, cfg, plan.resume_step, plan.ckpt_path)
         require_the_run_s_rows(plan.run_dir, recipe)
@@ -721,7 +733,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         for folder in (plan.run_dir, plan.ckpt_path.parent):  # a read-only or full disk: one line now
             require_writable(folder, "--resume")
         if not follower:  # a rank launched into the run: its rank 0 holds the lock
-            held.callback(os.close, hold_lock(plan.run_dir, "--resume"))
+            lock = hold_lock(plan.run_dir, "--resume")
+            held.callback(os.close, lock)
+            locked = os.fstat(lock)
+            locked_folder = (locked.st_dev, locked.st_ino)
             again = plan_run(recipe, resume)  # planned before the lock: the run may have moved on since
             if (again.ckpt_path, again.resume_step) != (plan.ckpt_path, plan.resume_step):
                 raise TclightningError(f"--resume: {plan.run_dir} changed while this resume started (its run was "
@@ -764,7 +779,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     # only a directory this run made is ever removed (a named one its peers may have made first)
     created = plan.new_dir and not follower and not (named_by_env and plan.run_dir.exists())
     try:  # rank 0 makes and records the run directory; the other ranks write nothing there
-        run_dir = plan.run_dir if follower else mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env)
+        run_dir = plan.run_dir if follower else mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env,
+                                                             locked=locked_folder)
     except OSError as err:
         if not refused_by_storage(err):
             raise
@@ -1039,7 +1055,7 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
         return False
     if _last_logged_step(run_dir / "metrics.csv") is not None:
         return False
-    own = {name.split("/", 1)[0] for name in RUN_FILES}
+    own = {name.split("/", 1)[0] for name in RUN_FILES}  # (the folders among them: only as the run took them)
     if any(entry.name not in own or (entry.is_dir() and entry.name not in RUN_FOLDERS) for entry in run_dir.iterdir()):
         return False  # a folder where the run writes a file was put there by someone else
     if any(inner.is_dir() or not any(fnmatch.fnmatchcase(inner.name, own) for own in RUN_FOLDER_FILES[folder])
@@ -1047,7 +1063,18 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
         return False  # the run's folders hold the files it writes there, and nothing else
     if any(path.name == RUN_MARKER and path.parent != run_dir for path in tree(run_dir)):
         return False
-    return remove_tree(run_dir, identity=owned_identity(run_dir))  # the folder it made: never one put in its place
+    if any(_not_taken(run_dir / folder) for folder in RUN_FOLDERS if (run_dir / folder).exists()):
+        return False  # a folder moved (or mounted) there that the run refused, never took, or lost: someone's
+    return remove_tree(run_dir, identity=owned_identity(run_dir))
+
+
+def _not_taken(folder: Path) -> bool:
+    """Whether ``folder`` is not the folder the run took as its own (:func:`~tclightning.files.own_folder`)."""
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return True
+    return owned_identity(folder) != (info.st_dev, info.st_ino)  # the folder it made: never one put in its place
 
 
 def intra_op_threads(recipe: RecipeConfig) -> int:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -401,11 +402,14 @@ def test_a_report_is_written_beside_a_link_or_fifo_never_through_it(tmp_path: Pa
 
 
 def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tmp_path: Path) -> None:
+    from tclightning.files import own_folder
     from tclightning.run import RUN_MARKER, discard_unfinished_run
 
-    def unfinished(name: str) -> Path:
+    def unfinished(name: str) -> Path:  # as mark_run_dir makes it: its folders taken as the run's
         folder = tmp_path / name
-        (folder / "tb").mkdir(parents=True)
+        for made in ("tb", "checkpoints"):
+            (folder / made).mkdir(parents=True)
+            own_folder(folder / made)
         (folder / RUN_MARKER).write_text("")
         (folder / "recipe.yaml").write_text("name: tiny\n")
         return folder
@@ -432,6 +436,27 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
         (written / own).parent.mkdir(exist_ok=True)
         (written / own).write_text("")
     assert discard_unfinished_run(written, created=True) and not written.exists()
+
+
+@pytest.mark.parametrize("where", ["tb", "trajectory"])
+def test_a_file_of_yours_where_a_new_run_makes_a_folder_is_one_line_and_kept(where: str, tmp_path: Path) -> None:
+    """A file at a new run's tb/ or trajectory/ was a FileExistsError traceback, and the run's
+    clean-up then removed it with the run folder."""
+    from tclightning.callbacks.trajectory import TrajectoryRecorder
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+    from tclightning.run import discard_unfinished_run, mark_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / where).write_text("mine")
+    with pytest.raises(TclightningError, match=f"{where} is (not a folder|a link, a file)"):
+        if where == "tb":
+            mark_run_dir(run_dir, to_dataclass(load_recipe("tiny", [])))
+        else:
+            recorder = TrajectoryRecorder()
+            recorder._take(run_dir / where, fresh=True)
+    assert not discard_unfinished_run(run_dir, created=True)
+    assert (run_dir / where).read_text() == "mine"
 
 
 def _bind_mount(source: Path, target: Path) -> None:
@@ -558,6 +583,32 @@ def test_a_resume_through_a_link_you_made_to_the_run_folder_continues_it_in_plac
     assert code == 0 and not err, err
     assert torch.load(copied / "checkpoints" / "last.ckpt", weights_only=False)["tclightning"]["rl_step"] == 3
     assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "run"]
+
+
+def test_a_folder_exchanged_with_the_run_folder_a_resume_locked_is_never_resumed_instead(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A resume locks its run folder, then took "the run folder" by name only later: another run's
+    folder exchanged with it in between (while the checkpoint loads) was resumed instead, its
+    metrics cut and its last checkpoint moved aside, with no word."""
+    import tclightning.run as run_module
+
+    mine, theirs = tmp_path / "run", tmp_path / "theirs"
+    shutil.copytree(run_dir, mine)
+    shutil.copytree(run_dir, theirs)
+    (theirs / "notes.txt").write_text("theirs")
+    before = _snapshot(theirs)
+    load = run_module.resume_module
+
+    def exchanged_while_loading(*args: Any, **kwargs: Any) -> Any:
+        mine.rename(tmp_path / "aside")
+        theirs.rename(mine)
+        (tmp_path / "aside").rename(theirs)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "resume_module", exchanged_while_loading)
+    code, err = _resume(mine, capsys)
+    assert code == 2 and len(err) == 1 and "changed while this resume started" in err[0], err
+    assert _snapshot(mine) == before  # theirs, now at the name: untouched
 
 
 def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Path,

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -473,6 +474,57 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_is_removed_is_left_whole(
         (entry / "weights.pt").write_text("unreadable")
         _replace_entry(cache, "k", os.lstat(entry), write)
     assert landed and {p.name: p.read_text() for p in landed[0].iterdir()} == {"notes.txt": "mine"}
+
+
+@pytest.mark.parametrize("how", ["new-entry", "replacing-an-unreadable-one"])
+def test_a_folder_renamed_to_the_temporary_name_as_it_moves_into_place_is_put_back(
+        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The written folder was moved into place by its name after a look at it: a folder of someone's
+    renamed to that name in between became the cache entry (and the next run, finding it
+    unreadable, removed it). It is put back where it was renamed to, the entry left unwritten."""
+    import tclightning.cache as cache_module
+    import tclightning.models.warmup as warmup_module
+    from tclightning.models.warmup import _replace_entry
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+    landed: list[Path] = []
+
+    def swapped_first(tmp: Path) -> None:
+        if not landed and Path(tmp).name.startswith(".k."):
+            Path(tmp).rename(tmp_path / "moved-away")
+            user.rename(tmp)
+            landed.append(Path(tmp))
+
+    real_replace, real_exchange = os.replace, warmup_module.exchange
+
+    def replace(src: Any, dst: Any) -> None:
+        swapped_first(src)
+        real_replace(src, dst)
+
+    def exchange(a: Path, b: Path) -> None:
+        swapped_first(a)
+        real_exchange(a, b)
+
+    monkeypatch.setattr(cache_module.os, "replace", replace)
+    monkeypatch.setattr(warmup_module, "exchange", exchange)
+
+    def write(folder: Path) -> None:
+        (folder / "weights.pt").write_text("the warm-up's")
+
+    entry = cache.path("k")
+    if how == "new-entry":
+        why = cache.put("k", write)
+    else:
+        entry.mkdir()
+        (entry / "weights.pt").write_text("unreadable")
+        why = _replace_entry(cache, "k", os.lstat(entry), write)
+    assert why is not None and "replaced while written" in why
+    assert landed and {p.name: p.read_text() for p in landed[0].iterdir()} == {"notes.txt": "mine"}
+    assert not (entry / "notes.txt").exists()
 
 
 @pytest.mark.parametrize("when", ["while-written", "before-it-is-held"])

@@ -153,7 +153,7 @@ def test_a_link_put_at_the_run_s_trajectory_folder_before_its_first_point_is_nev
     (other / "point-00000000.pt").write_text("theirs")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "trajectory").symlink_to(other)
-    with pytest.raises(TclightningError, match="trajectory is a link or no longer a folder; no point was written"):
+    with pytest.raises(TclightningError, match="trajectory is a link, a file or no longer a folder; no point was written"):
         _fit(tmp_path / "run", TrajectoryRecorder(every=3))
     assert [(p.name, p.read_text()) for p in other.iterdir()] == [("point-00000000.pt", "theirs")]
 
@@ -195,3 +195,23 @@ def test_the_points_go_into_the_folder_held_whatever_its_name_leads_to(tmp_path:
         _fit(run, TrajectoryRecorder(every=3))
     assert [(p.name, p.read_text()) for p in other.iterdir()] == [("point-00000003.pt", "theirs")]
     assert sorted(p.name for p in (tmp_path / "moved-away").iterdir())[-1] == "point-00000003.pt"
+
+
+def test_another_run_s_points_moved_into_a_new_run_s_trajectory_are_kept_when_it_stops(tmp_path: Path) -> None:
+    """The recorder refuses a new run's trajectory/ holding another run's points; the run, stopping
+    before it logged anything, then removed its folder as its own, and those points with it."""
+    from tclightning.errors import TclightningError
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    class MovedIn(pl.Callback):  # another run's points, moved in after the run folder was made
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            folder = Path(trainer.default_root_dir) / "trajectory"
+            folder.mkdir()
+            (folder / "point-00000000.pt").write_text("theirs")
+
+    with pytest.raises(TclightningError, match="holds files a new run did not write"):
+        run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", f"logging.root={tmp_path}"], quiet=True,
+            extra_callbacks=[MovedIn(), TrajectoryRecorder()])
+    (points,) = tmp_path.glob("tiny/*/trajectory/point-00000000.pt")
+    assert points.read_text() == "theirs"

@@ -20,6 +20,7 @@ are not supported). Analyse with ``tclightning analyze trajectory RUN_DIR`` (doc
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -144,13 +145,13 @@ class TrajectoryRecorder(Callback):
         run: one holding files already, or a mount point, is someone's (another run's points would be
         written over), refused in one line."""
         self.teardown()
-        folder.mkdir(parents=True, exist_ok=True)
         own = self.dirpath is None
         try:
+            folder.mkdir(parents=True, exist_ok=True)
             held = HeldFolder(folder, empty=own and fresh)
         except OSError as err:
-            reason = ("holds files a new run did not write (another run's points?)" if isinstance(err, FileExistsError)
-                      else "is a link or no longer a folder")
+            reason = ("holds files a new run did not write (another run's points?)" if err.errno == errno.ENOTEMPTY
+                      else "is a link, a file or no longer a folder")
             raise TclightningError(f"TrajectoryRecorder: {folder} {reason}; no point was written there") from None
         if own and held.mount_point:
             held.close()

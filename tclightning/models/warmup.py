@@ -336,18 +336,28 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
                     why = "its folder was replaced while written"
                 elif now is None:
                     os.replace(tmp, target)  # gone meanwhile: a plain rename
+                    if not staged.is_at(target):  # someone's renamed to tmp as it moved: put back
+                        os.replace(target, tmp)
+                        raise _Replaced
                 elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
                                                                                           seen.st_mtime_ns):
                     exchange(tmp, target)  # tmp now holds the unreadable entry
+                    if not staged.is_at(target):  # someone's was at tmp as it swapped: both put back
+                        exchange(tmp, target)
+                        raise _Replaced
                     after = os.lstat(tmp)
                     at_tmp = "old" if (after.st_ino, after.st_dev) == (now.st_ino, now.st_dev) else None
                     identity = (now.st_dev, now.st_ino)
             finally:
                 if at_tmp == "ours" and not staged.is_at(tmp):  # renamed into place, or someone's put there
                     at_tmp = None
+    except _Replaced:
+        why, at_tmp = "its folder was replaced while written", None
     except OSError as err:
         why = err.strerror or str(err)
     finally:
+        if at_tmp == "old" and not _cache_entry_layout(tmp):
+            at_tmp = None  # not an entry of the cache's own (a folder of yours put at its name): left as it is
         if at_tmp == "ours" or (at_tmp == "old" and tmp.is_dir() and not tmp.is_symlink()):
             # that folder alone, emptied through its descriptor: one renamed to the name meanwhile is
             # someone's (a bind mount someone put inside the old entry is left alone too)
@@ -357,6 +367,21 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
     if why is not None:  # the swap failed (a mount point there): the unreadable entry is still in place
         return why
     return None if cache.get(key) is not None else "the entry was not replaced"
+
+
+class _Replaced(Exception):
+    """The entry's folder was not the one written when it was swapped into place."""
+
+
+def _cache_entry_layout(folder: Path) -> bool:
+    """Whether ``folder`` holds only what a warm-up cache entry holds (its weights, stats and
+    completion mark, files): an unreadable entry is removed only then."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return False
+    return all(e.name in ("weights.pt", "stats.json", DirectoryCache.COMPLETE) and not e.is_dir(follow_symlinks=False)
+               for e in entries)
 
 
 def cached_supervised_warmup(
