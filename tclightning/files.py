@@ -237,6 +237,20 @@ class SameFolder:
 
 
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[Path]:
+        """:meth:`opened` as a path (:func:`by_descriptor`): files written or removed through it land
+        in the folder checked, whatever is renamed or linked in place of its name meanwhile; a link
+        (or nothing) in its place is the one ``replaced`` error."""
+        try:
+            with self.opened() as fd:
+                yield by_descriptor(fd, self.folder)
+        except OSError:
+            if os.path.lexists(self.folder) and os.path.isdir(self.folder) and not os.path.islink(self.folder):
+                raise
+            raise _replaced(self.folder) from None
+
+
 def _replaced(folder: Path) -> TclightningError:
     return TclightningError(f"{folder} was replaced during the run (removed, moved, or a link or another folder put "
                             "in its place); nothing more was written there")

@@ -181,9 +181,12 @@ class LayoutTensorBoardLogger(TensorBoardLogger):
         # put there would be waited on, a dangling link written through)
         super(TensorBoardLogger, self).save()
         folder = Path(self.log_dir)
-        path = folder / self.NAME_HPARAMS_FILE
-        if folder.is_dir() and (path.is_symlink() or not path.is_file()):
-            write_hparams(path, self.hparams)
+        if not folder.is_dir():
+            return
+        with SameFolder(folder).held() as held:  # the run's tb/ (taken with the run folder), never a link put there
+            path = held / self.NAME_HPARAMS_FILE
+            if path.is_symlink() or not path.is_file():
+                write_hparams(path, self.hparams)
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
@@ -255,8 +258,8 @@ class AtomicExperimentWriter(ExperimentWriter):
 
     def log_hparams(self, params: dict[str, Any]) -> None:
         self.hparams.update(params)
-        self._check_folder()
-        write_hparams(Path(self.log_dir) / self.NAME_HPARAMS_FILE, self.hparams)
+        with self._held_folder() as folder:  # into the folder checked, whatever its name leads to meanwhile
+            write_hparams(folder / self.NAME_HPARAMS_FILE, self.hparams)
 
     def save(self) -> None:
         if not self.metrics:
@@ -285,6 +288,11 @@ class AtomicExperimentWriter(ExperimentWriter):
         if getattr(self, "_folder", None) is None:
             self._folder = SameFolder(Path(self.log_dir))
         self._folder.check()
+
+    def _held_folder(self) -> Any:
+        """The run folder, checked and held (:meth:`~tclightning.files.SameFolder.held`)."""
+        self._check_folder()
+        return self._folder.held()
 
     def _own(self, path: Path, mode: str) -> IO[str]:
         """``own_file(path, mode)``, and the same file (device and inode) as the last time: another

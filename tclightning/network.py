@@ -61,11 +61,14 @@ def hub_over_http() -> Iterator[None]:
     answer of the Hugging Face Hub filled the disk at disk speed)."""
     from huggingface_hub import constants
 
+    from tclightning.limits import abandoned_work
+
     before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
     try:
         yield
     finally:
-        constants.HF_HUB_DISABLE_XET = before
+        if not abandoned_work():  # a download given up on still runs: Xet stays off under it
+            constants.HF_HUB_DISABLE_XET = before
 
 
 HUB_URL = "https://huggingface.co"

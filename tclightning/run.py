@@ -989,12 +989,12 @@ class RecordSnapshot:
         where a link or another folder was put in place of the run's folder or its ``tb/`` since,
         what is there is someone else's and is left as it is."""
         try:
-            self.run_dir.check()
-        except TclightningError:
+            with self.run_dir.held() as folder:  # through the folder checked, whatever its name leads to meanwhile
+                for name, data in self.files.items():
+                    if not name.startswith("tb/"):
+                        _put_back_file(folder / name, data)
+        except (TclightningError, OSError):  # a link or another folder in its place: someone else's, left as it is
             return
-        for name, data in self.files.items():
-            if not name.startswith("tb/"):
-                _put_back_file(self.run_dir.folder / name, data)
         with contextlib.ExitStack() as opened:
             try:
                 tb = opened.enter_context(self.tb.opened())

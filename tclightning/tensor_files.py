@@ -438,8 +438,9 @@ class _PickleCheck:
                 raise RefusedTensorFile(f"its pickle keys a dict by a value that can take ages to hash (a "
                                         f"{slow.kind if slow else 'key with no value'}), which torch.save never writes")
             self.int_keys[target] = self.int_keys.get(target, 0) + sum(key.kind == "int" for key in items[::2])
-            if any(key.kind != "str" or key.text != "_metadata" for key in items[::2]):
-                self.not_metadata.add(target)
+            if any(key.kind != "str" or key.text != "_metadata" or value.kind != "dict"
+                   for key, value in zip(items[::2], items[1::2])):
+                self.not_metadata.add(target)  # a state dict's _metadata is a dict (of each module's version)
             if self.int_keys[target] > MAX_INT_KEYS:
                 raise RefusedTensorFile(f"its pickle fills a dict with more than {MAX_INT_KEYS} int keys (ints a pickle "
                                         "chooses can take ages to hash into one dict), which torch.save never writes")

@@ -193,6 +193,8 @@ CASES: dict[str, Case] = {
                             ("probe coherence: --out", "not a URL")),
     "bench-dir-a-url": Case(("bench", "two-node", "--dir", "http://host/x"), ("bench two-node: --dir http://host/x",
                                                                               "not a URL")),
+    "export-out-a-url": Case(("export", "{tmp}/no-run", "webhdfs://host/x"), ("export: OUT webhdfs://host/x",
+                                                                               "not a URL")),
     "analyze-health-binary": Case(("analyze", "health", "{tmp}/metrics.csv"), ("metrics.csv", "not a CSV text file"),
                                   {"metrics.csv": bytes(range(256)) * 4}),
     "bench-link-bandwidth-zero": Case(("bench", "link", "--bandwidth", "0"), ("--bandwidth",)),

@@ -410,8 +410,9 @@ def test_a_link_swapped_in_for_checkpoints_just_before_the_prune_is_never_pruned
     def copied_then_swapped(source: Path, target: Path) -> None:
         copy(source, target)
         if target.name == "step-000003.ckpt":  # the prune of step 1 comes next
-            target.parent.rename(tmp_path / "moved-away")
-            target.parent.symlink_to(user)
+            folder = Path(os.path.realpath(target.parent))  # (written through its descriptor's path)
+            folder.rename(tmp_path / "moved-away")
+            folder.symlink_to(user)
 
     monkeypatch.setattr(checkpointing, "copy_file", copied_then_swapped)
     code = main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.checkpoint_every=1",

@@ -912,6 +912,14 @@ def test_a_hub_model_file_is_downloaded_up_to_its_listed_size_no_further(tmp_pat
         load_model(ModelConfig(source="hf", name="someone/endless"))
     assert written[0] == 0  # stopped at its first bytes past the size
     assert not huggingface_hub.constants.HF_HUB_DISABLE_XET  # as it was, after the download
+    import tclightning.limits as limits
+    from tclightning.network import hub_over_http
+
+    monkeypatch.setattr(limits, "_ABANDONED", ["a download given up on, still running"])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+    with hub_over_http():
+        pass
+    assert huggingface_hub.constants.HF_HUB_DISABLE_XET  # never back on under the download still running
     listed.siblings[0].size = None
     with pytest.raises(TclightningError, match="lists no size for its model.safetensors; nothing was downloaded"):
         load_model(ModelConfig(source="hf", name="someone/endless"))

@@ -1395,6 +1395,11 @@ def test_a_dict_whose_attributes_would_hide_its_items_is_refused(run_dir: Path, 
         with pytest.raises(TclightningError, match="sets the state of a dict in a form torch.save never writes"):
             load(tmp_path / "hidden.ckpt")
     assert not (tmp_path / "out").exists()
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    ckpt["state_dict"]._metadata = 5  # not the dict torch.save writes: load_state_dict's AttributeError
+    torch.save(ckpt, tmp_path / "metadata.ckpt")
+    with pytest.raises(TclightningError, match="sets the state of a dict in a form torch.save never writes"):
+        load_checkpoint(tmp_path / "metadata.ckpt")
 
 
 def test_a_pickle_of_nothing_but_marks_is_refused_at_once(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import FAST
@@ -615,3 +616,33 @@ def test_w_and_b_that_never_finishes_sending_is_one_line_not_a_wait_at_exit(monk
     fake.sdk.wandb_setup._singleton = None  # W&B imported, no run: nothing waited for
     fake.teardown = lambda: pytest.fail("no run: nothing to finish")
     assert finish_wandb(limit_s=0.5) is None
+
+
+@pytest.mark.parametrize("writer", ["csv", "tensorboard"])
+def test_hparams_go_into_the_folder_checked_whatever_its_name_leads_to(writer: str, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """hparams.yaml was written by name after the folder's check (TensorBoard's: with no check at
+    all): a link swapped in between had someone's hparams.yaml replaced."""
+    import tclightning.logging as logging_module
+    from tclightning.logging import AtomicExperimentWriter, LayoutTensorBoardLogger
+
+    folder, user = tmp_path / "run", tmp_path / "user"
+    folder.mkdir()
+    user.mkdir()
+    (user / "hparams.yaml").write_text("mine")
+    write = logging_module.write_hparams
+
+    def swapped_then_written(path: Path, hparams: Any) -> None:
+        folder.rename(tmp_path / "moved-away")
+        folder.symlink_to(user)
+        write(path, hparams)
+
+    monkeypatch.setattr(logging_module, "write_hparams", swapped_then_written)
+    if writer == "csv":
+        AtomicExperimentWriter(log_dir=str(folder)).log_hparams({"lr": 0.1})
+    else:
+        logger = LayoutTensorBoardLogger(tmp_path, name="run", version="")
+        logger.log_hyperparams({"lr": 0.1})
+        logger.save()
+    assert (user / "hparams.yaml").read_text() == "mine"
+    assert "lr" in (tmp_path / "moved-away" / "hparams.yaml").read_text()

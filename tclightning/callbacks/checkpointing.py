@@ -420,20 +420,22 @@ class StepCheckpoint(Checkpoint):
                 if (info.st_dev, info.st_ino) == self._written:
                     os.unlink(self._tmp_path)
             raise
-        tmp = self._tmp_path  # on disk already: written by a rename, after an fsync (OwnFileCheckpointIO)
-        if self.every_n_steps and self.keep > 0:
-            # A resumed run replaces the step files its earlier run wrote past the resume point:
-            # `step-S` is always the newest state for step S (what metrics.csv now shows).
-            periodic = self.dirpath / f"step-{step:06d}.ckpt"
-            copy_file(tmp, periodic)  # a copy, not a link: damage to one never reaches the other
-            # Prune among steps up to this one: files further on (from before a resume) are
-            # replaced when the run gets there, and must not push out the one just written.
-            with self._held_folder() as folder:  # the folder checked: a link swapped in since is never pruned through
+        # on disk already: written by a rename, after an fsync (OwnFileCheckpointIO). Everything from
+        # here goes through the folder checked: a link swapped in since never receives nor loses a file.
+        with self._held_folder() as folder:
+            tmp = folder / self._tmp_path.name
+            if self.every_n_steps and self.keep > 0:
+                # A resumed run replaces the step files its earlier run wrote past the resume point:
+                # `step-S` is always the newest state for step S (what metrics.csv now shows).
+                copy_file(tmp, folder / f"step-{step:06d}.ckpt")  # a copy, not a link: damage to one never reaches the other
+                # Prune among steps up to this one: files further on (from before a resume) are
+                # replaced when the run gets there, and must not push out the one just written.
                 for old in own_step_files(folder, step)[: -self.keep]:
                     old.unlink()
-            fault_point("step-file", step)
-        os.replace(tmp, self.last_path)
-        _fsync(self.dirpath)
+                fault_point("step-file", step)
+            os.replace(tmp, folder / self.last_path.name)
+            _fsync(folder)
+        self._check_folders()  # moved meanwhile: the checkpoint is in the folder moved, and the run stops here
         self.committed_step = step
         fault_point("committed", step)
 

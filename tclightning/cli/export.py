@@ -29,8 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Handler of ``export``: 0 once the folder is written; user errors raise (exit 2)."""
+    from tclightning.cli.options import refuse_url
     from tclightning.export import export_policy, find_checkpoint
 
+    refuse_url("export: OUT", str(args.out))  # a local folder named webhdfs: was made
     source = find_checkpoint(args.path, args.step)
     for notice in source.notices:
         print(f"note: {notice}", file=sys.stderr, flush=True)
