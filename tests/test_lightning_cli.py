@@ -185,6 +185,26 @@ def test_a_store_fsspec_cannot_make_is_one_line(option, folder, said, tmp_path, 
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_weights_only_ckpt_path_that_cannot_resume_a_fit_is_one_line(tmp_path, monkeypatch, capsys):
+    """Lightning's own restore of a weights-only checkpoint (``save_weights_only``) into a fit raised
+    a KeyError traceback."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    monkeypatch.chdir(tmp_path)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), BoringDataModule())
+    trainer.save_checkpoint("weights.ckpt", weights_only=True)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    capsys.readouterr()
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "weights.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: --ckpt_path: the checkpoint cannot be restored into this fit (KeyError: "
+                                      "'Trying to restore optimizer state"), err
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 def test_a_ckpt_path_lightning_never_wrote_is_one_line(tmp_path, monkeypatch, capsys):
     """A torch file of plain tensors passes every check, and Lightning's load then read its
     'pytorch-lightning_version' unguarded: a KeyError traceback."""

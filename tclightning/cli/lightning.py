@@ -210,7 +210,10 @@ def lightning_cli(argv: Sequence[str]) -> int:
             # (the RNG states), for Lightning too
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)
-    except RuntimeError as err:
+    except (KeyError, RuntimeError) as err:
+        if _in_checkpoint_restore(err):  # a checkpoint that does not fit this fit: weights only, other weights
+            raise TclightningError(f"--ckpt_path: the checkpoint cannot be restored into this fit ({type(err).__name__}: "
+                                   f"{' '.join(str(err).split())[:200]}); nothing was trained") from None
         if "SaveConfigCallback" not in str(err):
             raise
         raise TclightningError(" ".join(str(err).split())[:300]) from None
@@ -232,6 +235,15 @@ def lightning_cli(argv: Sequence[str]) -> int:
             raise
         raise TclightningError(reason) from err
     return 0
+
+
+def _in_checkpoint_restore(err: BaseException) -> bool:
+    """Whether ``err`` was raised while Lightning restored a checkpoint into the fit (its checkpoint
+    connector, or a ``load_state_dict`` it called): what the checkpoint holds does not fit."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    return any("checkpoint_connector" in frame.filename for frame in frames)
 
 
 def _require_config_folder(trainer: Any) -> None:
