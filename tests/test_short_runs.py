@@ -426,6 +426,16 @@ def test_a_link_put_in_place_of_a_cache_entry_being_written_is_never_written_thr
     assert not cache.path("k").is_symlink()
 
 
+def _user_folder_and_cache(tmp_path: Path) -> tuple[Path, DirectoryCache]:
+    """A folder of someone's (``notes.txt``: "mine") and an empty warm-up cache beside it."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    cache.directory.mkdir(parents=True)
+    return user, cache
+
+
 @pytest.mark.parametrize("how", ["entry-there-already", "write-failed", "replacing-an-unreadable-one"])
 def test_a_folder_renamed_to_the_temporary_name_as_it_is_removed_is_left_whole(
         how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -440,11 +450,7 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_is_removed_is_left_whole(
     from tclightning.files import remove_tree
     from tclightning.models.warmup import _replace_entry
 
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "notes.txt").write_text("mine")
-    cache = DirectoryCache("warmup", tmp_path / "cache")
-    cache.directory.mkdir(parents=True)
+    user, cache = _user_folder_and_cache(tmp_path)
     landed: list[Path] = []
 
     def swapped_then_removed(folder: Path, **kwargs: object) -> bool:
@@ -486,11 +492,7 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_moves_into_place_is_put_ba
     import tclightning.models.warmup as warmup_module
     from tclightning.models.warmup import _replace_entry
 
-    user = tmp_path / "user"
-    user.mkdir()
-    (user / "notes.txt").write_text("mine")
-    cache = DirectoryCache("warmup", tmp_path / "cache")
-    cache.directory.mkdir(parents=True)
+    user, cache = _user_folder_and_cache(tmp_path)
     landed: list[Path] = []
 
     def swapped_first(tmp: Path) -> None:
