@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tclightning.files import SameFolder, by_descriptor, open_regular, regular_file, replace_text
+from tclightning.files import SameFolder, open_regular, regular_file, replace_text
 from tclightning.health.io import METRICS_MAX_BYTES
 
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
@@ -143,8 +143,8 @@ def summarize(
     if wall_time_s is not None:
         summary["wall_time_s"] = wall_time_s
     summary.update(extra or {})
-    with SameFolder(run_dir).opened() as fd:  # the run's folder, held: never one put in its place
-        replace_text(by_descriptor(fd, run_dir) / "summary.json", json.dumps(summary, indent=2))
+    with SameFolder(run_dir).held() as folder:  # the run's folder, held: never one put in its place
+        replace_text(folder / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
