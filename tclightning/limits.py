@@ -144,12 +144,15 @@ def watched(fn: Callable[[], T], keep_waiting: Callable[[float], float]) -> T:
     worker = threading.Thread(target=work, daemon=True, name=f"tclightning-watched-{threading.current_thread().name}")
     started = time.monotonic()
     worker.start()
-    while not outcome:
-        wait_s = keep_waiting(time.monotonic() - started)
-        if wait_s <= 0:
-            _ABANDONED.append(worker.name)
-            raise TimeoutError(f"timed out after {time.monotonic() - started:.0f} s")
-        worker.join(wait_s)
+    try:
+        while not outcome:
+            wait_s = keep_waiting(time.monotonic() - started)
+            if wait_s <= 0:
+                raise TimeoutError(f"timed out after {time.monotonic() - started:.0f} s")
+            worker.join(wait_s)
+    except BaseException:  # the limit, or a Ctrl-C or SIGTERM meanwhile: the work goes on unwatched
+        _ABANDONED.append(worker.name)
+        raise
     done, value = outcome[0]
     if not done:
         raise value

@@ -99,7 +99,8 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
             raise TclightningError(f"--resume: no such checkpoint: {requested}")
     # the run folder as the path you gave leads to it now (a link to your run folder is that folder,
     # whose own entries a resume in place never follows: checked below)
-    requested = Path(os.path.realpath(requested.absolute().parent.parent)) / requested.parent.name / requested.name
+    requested = requested.absolute()  # a bare name is in the working folder (its parent's name is "")
+    requested = Path(os.path.realpath(requested.parent.parent)) / requested.parent.name / requested.name
     run_dir = requested.parent.parent
     in_place = requested.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(requested)
     ckpt, step, notices = readable_checkpoint(requested, _last_logged_step(run_dir / "metrics.csv") if in_place else None)

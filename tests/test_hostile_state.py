@@ -611,6 +611,20 @@ def test_a_folder_exchanged_with_the_run_folder_a_resume_locked_is_never_resumed
     assert _snapshot(mine) == before  # theirs, now at the name: untouched
 
 
+def test_a_resume_from_a_bare_file_name_reads_the_file_in_the_working_folder(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--resume mine.ckpt`` read ``../mine.ckpt`` (the path was rebuilt from its parent's name, empty)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    shutil.copyfile(run_dir / "checkpoints" / "last.ckpt", here / "mine.ckpt")
+    (tmp_path / "mine.ckpt").write_bytes(b"not this one")
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *FAST, "trainer.steps=3", "trainer.val_every=0",
+                 f"logging.root={tmp_path / 'runs'}", "--quiet", "--resume", "mine.ckpt"]) == 0
+    assert str(here / "mine.ckpt") in capsys.readouterr().err  # the note of a new run folder names the file read
+
+
 def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     root = tmp_path / "runs"

@@ -449,13 +449,19 @@ def test_a_command_that_gave_up_on_a_download_ends_though_its_library_threads_st
         "def download():\n"
         "    pool = concurrent.futures.ThreadPoolExecutor(2)\n"
         "    list(pool.map(lambda _: never.wait(), range(2)))\n"
+        "def interrupted(waited):\n"
+        "    if waited > 0.3 and sys.argv[1] == 'interrupted':\n"
+        "        raise KeyboardInterrupt\n"
+        "    return 0.5 - waited if sys.argv[1] == 'given-up' else 0.1\n"
         "try:\n"
-        "    watched(download, lambda waited: 0.5 - waited)\n"
-        "except TimeoutError:\n"
+        "    watched(download, interrupted)\n"
+        "except (TimeoutError, KeyboardInterrupt):\n"
         "    print('error: its download fell below 1 MiB/s', file=sys.stderr)\n"
         "sys.exit(finish_loggers_or_exit(2))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == ["error: its download fell below 1 MiB/s"], (
-        done.returncode, done.stderr[-2000:])
+    for how in ("given-up", "interrupted"):  # a Ctrl-C or SIGTERM during the download leaves it reading too
+        done = subprocess.run([sys.executable, "-c", script, how], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+            "error: its download fell below 1 MiB/s"], (how, done.returncode, done.stderr[-2000:])
