@@ -431,8 +431,11 @@ def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool | str, tmp_path: 
     import tclightning.network as network
     from tclightning.tasks.data import _paced_download
 
+    import tclightning.limits as limits
     import tclightning.tasks.data as data_module
 
+    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's downloads given up on: none yet
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
     monkeypatch.setattr(network, "REMOTE_SETUP_S", 0.2)
     monkeypatch.setattr(data_module, "TASK_FILE_MAX_BYTES", 4 * 2**20)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -459,7 +462,8 @@ def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool | str, tmp_path: 
             _paced_download(builder, "someone/rows")
     finally:
         held.set()
-    assert not huggingface_hub.constants.HF_HUB_DISABLE_XET
+    # back on once done; left off under a download given up on (its thread may still be reading)
+    assert huggingface_hub.constants.HF_HUB_DISABLE_XET is bool(drip)
 
 
 def test_a_hub_that_cannot_be_reached_at_all_leaves_a_dataset_to_the_datasets_cache(closed_port: str,
@@ -891,8 +895,11 @@ def test_a_hub_model_file_is_downloaded_up_to_its_listed_size_no_further(tmp_pat
     limit (a terabyte named in its answer filled the disk)."""
     import huggingface_hub
 
+    import tclightning.limits as limits
     import tclightning.models.loading as loading
 
+    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's downloads given up on: none yet
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
     _cached_hub_snapshot(tmp_path / "hub", "someone/endless", monkeypatch)
     listed = SimpleNamespace(sha="abc", siblings=[SimpleNamespace(rfilename="model.safetensors", size=10)])
     written = [0]
@@ -912,7 +919,6 @@ def test_a_hub_model_file_is_downloaded_up_to_its_listed_size_no_further(tmp_pat
         load_model(ModelConfig(source="hf", name="someone/endless"))
     assert written[0] == 0  # stopped at its first bytes past the size
     assert not huggingface_hub.constants.HF_HUB_DISABLE_XET  # as it was, after the download
-    import tclightning.limits as limits
     from tclightning.network import hub_over_http
 
     monkeypatch.setattr(limits, "_ABANDONED", ["a download given up on, still running"])
