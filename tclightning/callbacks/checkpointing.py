@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from tclightning.callbacks.steps import completed_steps
 from tclightning.console import shown as printable
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (SameFolder, by_descriptor, copy_file, open_regular, regular_file, save_tensors,
+from tclightning.files import (SameFolder, copy_file, open_regular, regular_file, save_tensors,
                               unused_name)
 from tclightning.limits import interrupt
 from tclightning.tensor_files import BrokenTensorFile, RefusedTensorFile, contents, load_checked, thin_tensor
@@ -399,17 +399,10 @@ class StepCheckpoint(Checkpoint):
         for folder in self._folders:
             folder.check()
 
-    @contextmanager
-    def _held_folder(self) -> Iterator[Path]:
+    def _held_folder(self) -> Any:
         """``checkpoints/`` through its descriptor, once checked to be the folder first taken."""
         assert self._folders is not None
-        with contextlib.ExitStack() as stack:
-            try:
-                fd = stack.enter_context(self._folders[0].opened())
-            except OSError:  # a link (or nothing) in its place
-                self._folders[0].check()
-                raise
-            yield by_descriptor(fd, self.dirpath)
+        return self._folders[0].held()
 
     def _publish(self, step: int) -> None:
         try:
