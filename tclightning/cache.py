@@ -115,10 +115,20 @@ class DirectoryCache:
                     elif not self.path(key).exists():
                         os.replace(tmp, self.path(key))
                         if not staged.is_at(self.path(key)):  # someone's renamed to tmp as it moved: put back
-                            os.replace(self.path(key), tmp)
+                            self.put_back(key, tmp)
                             why = "its folder was replaced while written"
                 finally:  # (this folder alone: one renamed to its name meanwhile is someone's)
                     remove_tree(tmp, identity=staged.identity)
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
         return None if self.get(key) is not None else why or "the entry did not appear"
+
+    def put_back(self, key: str, tmp: Path) -> None:
+        """Move the folder at the entry (someone's, renamed to the temporary name ``tmp`` as that
+        moved into place) back out: to ``tmp``, or, where that name is taken again, to a new hidden
+        name beside it; never left at the entry, where the next warm-up would take it for a damaged
+        entry of the cache's own."""
+        try:
+            os.replace(self.path(key), tmp)
+        except OSError:
+            os.replace(self.path(key), tempfile.mkdtemp(prefix=f".{key}.", dir=self.directory))

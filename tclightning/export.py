@@ -349,6 +349,9 @@ def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: An
                                        "was replaced") from None
             try:
                 exchange(staging, target)
+                if not new.is_at(target):  # someone's folder was renamed to the staging name as it swapped
+                    exchange(staging, target)  # both as they were
+                    raise _MovedIn(staging)
             except BaseException as err:
                 if new.is_at(target):  # swapped, the interrupt inside the call
                     raise
@@ -362,6 +365,10 @@ def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: An
         else:
             try:  # a rename onto a folder that is not empty fails: nothing is ever replaced unasked
                 os.rename(staging, target)
+                if not new.is_at(target):  # someone's folder was renamed to the staging name as it moved: put back
+                    os.rename(target, staging if not os.path.lexists(staging) else
+                              tempfile.mkdtemp(prefix=_staging_prefix(target, os.getpid()), dir=target.parent))
+                    raise _MovedIn(staging)
             except OSError as err:
                 if refused_by_storage(err) or not target.is_dir():
                     raise
@@ -383,6 +390,14 @@ def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: An
     finally:
         if old is not None:
             old.__exit__()
+
+
+class _MovedIn(TclightningError):
+    """Another folder was at the staging name as it moved into place: put back, nothing exported."""
+
+    def __init__(self, staging: Path) -> None:
+        super().__init__(f"export: another folder was renamed to its folder's name {staging} as it moved into place; "
+                         "that folder is left as it was, and nothing was exported")
 
 
 def _remove_old_export(old: HeldFolder, staging: Path) -> None:

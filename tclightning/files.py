@@ -15,7 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -173,13 +173,22 @@ _OWN_FOLDERS: dict[Path, tuple[int, int]] = {}
 """The folders this process writes its records into (:func:`own_folder`), by absolute path: their
 device and inode when it took them."""
 
+_OWNED_SINCE: dict[Path, int] = {}
+"""When :func:`own_folder` took each folder it found itself (its ``st_mtime_ns`` then: a folder just
+made, its making)."""
 
-def own_folder(folder: Path, identity: tuple[int, int] | None = None) -> None:
+_MADE_HERE: set[Path] = set()
+"""The folders :func:`own_folder` was told this process made."""
+
+
+def own_folder(folder: Path, identity: tuple[int, int] | None = None, *, made: bool = False) -> None:
     """Take ``folder`` (just made, or checked) as this process's to write into, as it is now (or as
     ``identity``, a :class:`HeldFolder`'s, says it is): every :class:`SameFolder` of it then tells
     its writers whether it is still that folder, not whichever was there when each first looked (a
-    link put in place of a new run's folder at once was taken for it). ``TclightningError`` where
-    it is a link or no folder already."""
+    link put in place of a new run's folder at once was taken for it). ``made``: this process just
+    made it (:func:`made_here`). ``TclightningError`` where it is a link or no folder already."""
+    if made:
+        _MADE_HERE.add(Path(folder).absolute())
     if identity is not None:
         _OWN_FOLDERS[Path(folder).absolute()] = identity
         return
@@ -190,6 +199,19 @@ def own_folder(folder: Path, identity: tuple[int, int] | None = None) -> None:
     if info is None or not stat.S_ISDIR(info.st_mode):  # gone, or a link put in its place
         raise _replaced(folder)
     _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
+    _OWNED_SINCE[Path(folder).absolute()] = info.st_mtime_ns
+
+
+def made_here(folder: Path) -> bool:
+    """Whether this process made ``folder`` (a new run's folder): anything found in it that the
+    process did not write was put there by someone else."""
+    return Path(folder).absolute() in _MADE_HERE
+
+
+def owned_since(folder: Path) -> int | None:
+    """The filesystem's time (``st_mtime_ns``) when :func:`own_folder` took ``folder`` as it found
+    it, or None: a file in a folder this process just made that is older came from elsewhere."""
+    return _OWNED_SINCE.get(Path(folder).absolute())
 
 
 def owned_identity(folder: Path) -> tuple[int, int] | None:
@@ -438,15 +460,18 @@ def save_figure(figure: Any, path: Path, dpi: int) -> None:
     replace_file(path, lambda handle: figure.savefig(handle, format="png", dpi=dpi), binary=True)
 
 
-def remove_tree(folder: Path, identity: tuple[int, int] | None = None) -> bool:
+def remove_tree(folder: Path, identity: tuple[int, int] | None = None,
+                only: Mapping[str, tuple[int, int]] | None = None) -> bool:
     """``shutil.rmtree`` that stays on ``folder``'s own filesystem: a mount point below it (a bind
     mount of someone's data) is left with everything in it, and links are removed, never followed,
     even one swapped in for a sub-folder while the removal runs (each folder is entered by a
     descriptor opened with ``O_NOFOLLOW`` relative to its parent's, as ``shutil.rmtree`` does).
     ``identity`` (``(st_dev, st_ino)``, a :class:`HeldFolder`'s): only that folder is emptied,
     checked on the descriptor it is emptied through, so a folder renamed to the name meanwhile is
-    left whole. Errors are ignored, as by ``rmtree(ignore_errors=True)``. Returns whether ``folder``
-    is gone."""
+    left whole. ``only``: the entries to remove, by path relative to ``folder`` (``"tb/hparams.yaml"``)
+    with the identity each had when checked; anything else (an entry renamed in after the check, or
+    in place of one) stays, and the folders holding it. Errors are ignored, as by
+    ``rmtree(ignore_errors=True)``. Returns whether ``folder`` is gone."""
     try:
         device = folder.lstat().st_dev
     except OSError:
@@ -469,32 +494,45 @@ def remove_tree(folder: Path, identity: tuple[int, int] | None = None) -> bool:
             return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
         return []
 
+    def checked(fd: int, path: str) -> bool:
+        """Whether the entry ``path`` (open in ``fd``'s folder by its last part) is one of ``only``."""
+        if only is None:
+            return True
+        try:
+            info = os.stat(path.rsplit("/", 1)[-1], dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return only.get(path) == (info.st_dev, info.st_ino)
+
     def clear(root: int) -> None:
         """Empty the folder open at ``root``: a loop with its own stack of descriptors (one per
         level; a level past the descriptor limit is left), never a recursion."""
         stack: list[tuple[int, str, list[tuple[str, bool]]]] = [(root, "", listing(root))]
         try:
             while stack:
-                fd, name, pending = stack[-1]
+                fd, path, pending = stack[-1]
                 if not pending:  # this folder is done: close it and remove it from its parent
                     stack.pop()
                     if stack:
                         os.close(fd)
                         with contextlib.suppress(OSError):
-                            os.rmdir(name, dir_fd=stack[-1][0])
+                            os.rmdir(path.rsplit("/", 1)[-1], dir_fd=stack[-1][0])
                     continue
                 child, is_dir = pending.pop()
+                inside = f"{path}/{child}" if path else child
                 with contextlib.suppress(OSError):
                     if not is_dir:
-                        os.unlink(child, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
+                        if checked(fd, inside):
+                            os.unlink(child, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
                         continue
                     inner = os.open(child, opening, dir_fd=fd)  # a link swapped in meanwhile is refused (ELOOP)
                     try:
-                        ours = entered(inner)  # not another filesystem, nor a bind mount of this one
+                        info = os.fstat(inner)  # the folder as opened, whatever is renamed to its name next
+                        ours = entered(inner) and (only is None or only.get(inside) == (info.st_dev, info.st_ino))
                     except OSError:
                         ours = False
-                    if ours:
-                        stack.append((inner, child, listing(inner)))
+                    if ours:  # not another filesystem, nor a bind mount of this one, nor a folder put here
+                        stack.append((inner, inside, listing(inner)))
                     else:
                         os.close(inner)
         finally:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from tclightning.console import interrupts_held
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder, owned_identity,
-                              refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
+                              owned_since, refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
                               require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
@@ -369,13 +369,14 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False,
     ``locked``: a resume's run folder as it locked it (``(st_dev, st_ino)``): another folder at
     its name now is refused, one line, nothing written (it would be resumed instead).
     """
+    made = new or not run_dir.exists()
     if new:
         run_dir = claim_run_dir(run_dir)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
     # it and its checkpoints/ are taken as they are now: their writers check they still are, so a
     # link put in place of either (at once, or later) stops the run instead of carrying its writes
-    own_folder(run_dir)
+    own_folder(run_dir, made=made)
     if locked is not None and owned_identity(run_dir) != locked:
         raise TclightningError(f"--resume: {run_dir} changed while this resume started (another folder was put at its "
                                "name); nothing was written, run the resume again")
@@ -702,7 +703,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref)), overrides), *extra_callbacks]
     from tclightning.callbacks.checkpointing import SigtermBeforeTraining
 
-    user_callbacks.append(held.enter_context(SigtermBeforeTraining()))
+    signals = held.enter_context(SigtermBeforeTraining())
+    user_callbacks.append(signals)
     require_hardware(recipe)
     require_pipeline_for_processes(recipe)
     require_launcher_for_nodes(recipe)
@@ -871,10 +873,14 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         raise
     for logger in trainer.loggers:
         logger.finalize("success")
+    signals.release()  # the fit is over: a Ctrl-C or SIGTERM from here is the caller's (it was swallowed)
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
     try:
         summary = _write_summary(plan.run_dir, started, module, trainer)
+    except KeyboardInterrupt:  # taken while it wrote: said once it is written
+        raise RunInterrupted(f"interrupted as the run finished; {plan.run_dir} keeps its checkpoints and "
+                             "summary.json") from None
     except OSError as err:
         if not refused_by_storage(err):
             raise
@@ -1051,31 +1057,61 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     checkpoint and no logged step in ``metrics.csv`` (a run stopped after a few logged steps, by a
     NaN say, keeps its metrics for the diagnosis), and nothing but the run's own files (another
     run whose ``logging.root`` lies inside it, a user's file, a folder where the run writes a file,
-    a bind mount: all kept, and the directory with them). A directory resumed into is never touched. Returns whether it was removed."""
+    a bind mount, a file older than the run folder under a name the run writes: all kept, and the
+    directory with them). Only the entries checked are removed, as they were when checked: one
+    renamed in meanwhile stays, and the folder with it. A directory resumed into is never
+    touched. Returns whether it was removed."""
     if not created or not run_dir.is_dir() or any((run_dir / "checkpoints").glob("*.ckpt")):
         return False
     if _last_logged_step(run_dir / "metrics.csv") is not None:
         return False
-    own = {name.split("/", 1)[0] for name in RUN_FILES}  # (the folders among them: only as the run took them)
-    if any(entry.name not in own or (entry.is_dir() and entry.name not in RUN_FOLDERS) for entry in run_dir.iterdir()):
-        return False  # a folder where the run writes a file was put there by someone else
-    if any(inner.is_dir() or not any(fnmatch.fnmatchcase(inner.name, own) for own in RUN_FOLDER_FILES[folder])
-           for folder in RUN_FOLDERS if (run_dir / folder).is_dir() for inner in (run_dir / folder).iterdir()):
-        return False  # the run's folders hold the files it writes there, and nothing else
-    if any(path.name == RUN_MARKER and path.parent != run_dir for path in tree(run_dir)):
-        return False
-    if any(_not_taken(run_dir / folder) for folder in RUN_FOLDERS if (run_dir / folder).exists()):
-        return False  # a folder moved (or mounted) there that the run refused, never took, or lost: someone's
-    return remove_tree(run_dir, identity=owned_identity(run_dir))
+    entries = _run_own_entries(run_dir)
+    return entries is not None and remove_tree(run_dir, identity=owned_identity(run_dir), only=entries)
 
 
-def _not_taken(folder: Path) -> bool:
-    """Whether ``folder`` is not the folder the run took as its own (:func:`~tclightning.files.own_folder`)."""
+FILE_TIME_SLACK_NS = 50_000_000
+"""How much older than its run folder a file the run wrote may look (the filesystem stamps a
+folder's making and a file's writing from clocks of a few milliseconds' grain)."""
+
+
+def _run_own_entries(run_dir: Path) -> dict[str, tuple[int, int]] | None:
+    """The entries of a new run folder this process made (``(st_dev, st_ino)`` by path relative to
+    it) when every one is the run's own: its files by name, regular and written since the folder was
+    made, and :data:`RUN_FOLDERS` as the run took them holding only the files it writes there.
+    None when anything is not (someone's file, folder, link or mount, or a folder it never took)."""
+    since = owned_since(run_dir)
+    if since is None:
+        return None
+    own = {name.split("/", 1)[0] for name in RUN_FILES}
+    entries: dict[str, tuple[int, int]] = {}
+
+    def take(path: Path, name: str) -> bool:
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False  # gone meanwhile: the removal leaves whatever is there now
+        if stat.S_ISDIR(info.st_mode):  # a folder moved (or mounted) there that the run refused, never took, or lost
+            ours = name in RUN_FOLDERS and owned_identity(path) == (info.st_dev, info.st_ino)
+        else:  # the run writes no links; an older file was moved in, under whatever name
+            ours = stat.S_ISREG(info.st_mode) and info.st_mtime_ns >= since - FILE_TIME_SLACK_NS
+        if ours:
+            entries[name] = (info.st_dev, info.st_ino)
+        return ours
+
     try:
-        info = os.lstat(folder)
+        for entry in run_dir.iterdir():
+            if entry.name not in own or not take(entry, entry.name):
+                return None
+        for folder in RUN_FOLDERS:
+            if folder not in entries:
+                continue
+            for inner in (run_dir / folder).iterdir():
+                written_there = any(fnmatch.fnmatchcase(inner.name, pattern) for pattern in RUN_FOLDER_FILES[folder])
+                if not written_there or not take(inner, f"{folder}/{inner.name}"):
+                    return None  # the run's folders hold the files it writes there, and nothing else (no folder)
     except OSError:
-        return True
-    return owned_identity(folder) != (info.st_dev, info.st_ino)  # the folder it made: never one put in its place
+        return None
+    return entries
 
 
 def intra_op_threads(recipe: RecipeConfig) -> int:

@@ -12,7 +12,7 @@ import io
 import os
 import pickletools
 import zipfile
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import IO, Any
 
 import torch
@@ -234,7 +234,8 @@ def check_torch_file(source: str | os.PathLike | IO[bytes], *, classes: Collecti
             sizes = {key.removeprefix(f"{folder}/data/"): info.file_size for key, info in records.items()
                      if key.startswith(f"{folder}/data/")}
             with archive.open(records[name]) as pickled:
-                _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}" for c in classes}, numpy_arrays).run(pickled)
+                _PickleCheck(sizes, {f"{c.__module__} {c.__qualname__}": frozenset(f.name for f in dataclasses.fields(c))
+                                     for c in classes}, numpy_arrays).run(pickled)
             for small in (records.get(f"{folder}/{record}") for record in TORCH_READS_BY_NAME):
                 if small is not None and small.file_size > MAX_SMALL_RECORD_BYTES:
                     raise RefusedTensorFile(f"its record {small.filename[:80]!r} holds {small.file_size} bytes, where "
@@ -383,13 +384,14 @@ class _PickleCheck:
     """Runs the opcodes ``torch.load(weights_only=True)`` reads over :class:`_Value` stand-ins,
     refusing each step ``torch.save`` never writes (see :func:`check_torch_file`)."""
 
-    def __init__(self, storage_bytes: dict[str, int], classes: set[str], numpy_arrays: bool) -> None:
+    def __init__(self, storage_bytes: dict[str, int], classes: Mapping[str, frozenset[str]], numpy_arrays: bool) -> None:
         self.storage_bytes, self.classes, self.numpy_arrays = storage_bytes, classes, numpy_arrays
         self.stack: list[_Value] = []
         self.marks: list[list[_Value]] = []
         self.memo: dict[int, _Value] = {}
         self.int_keys: dict[_Value, int] = {}  # per dict
         self.not_metadata: set[_Value] = set()  # dicts holding a key other than "_metadata"
+        self.keys: dict[_Value, list[str | None]] = {}  # per dict: its str keys' text (None: another key)
 
     def run(self, pickled: IO[bytes]) -> None:
         try:
@@ -438,6 +440,7 @@ class _PickleCheck:
                 raise RefusedTensorFile(f"its pickle keys a dict by a value that can take ages to hash (a "
                                         f"{slow.kind if slow else 'key with no value'}), which torch.save never writes")
             self.int_keys[target] = self.int_keys.get(target, 0) + sum(key.kind == "int" for key in items[::2])
+            self.keys.setdefault(target, []).extend(key.text if key.kind == "str" else None for key in items[::2])
             if any(key.kind != "str" or key.text != "_metadata" or value.kind != "dict"
                    for key, value in zip(items[::2], items[1::2])):
                 self.not_metadata.add(target)  # a state dict's _metadata is a dict (of each module's version)
@@ -530,9 +533,10 @@ class _PickleCheck:
 
     def _build(self, state: _Value, target: _Value) -> None:
         fields = state.items if state.kind == "tuple" else ()
-        if target.kind == "object" and (state.kind == "dict" or (len(fields) == 2 and fields[0].kind == "dict"
-                                                                 and fields[1].kind == "none")):
-            return  # a dataclass's fields
+        given = state if state.kind == "dict" else fields[0] if len(fields) == 2 and fields[1].kind == "none" else None
+        if target.kind == "object" and given is not None and given.kind == "dict" \
+                and sorted(self.keys.get(given, []), key=str) == sorted(self.classes[target.text or ""]):
+            return  # a dataclass's fields, each once: an attribute more could hide a method (``select``)
         if target.kind == "dict" and state.kind == "dict" and state not in self.not_metadata:
             return  # a state dict's ``_metadata``; any other attribute could hide its items (``values``)
         if target.kind == "dtype" and _plain_dtype_state(fields):

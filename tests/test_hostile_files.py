@@ -138,6 +138,23 @@ def test_analyze_health_refuses_a_fifo_metrics_csv(tmp_path: Path, capsys: pytes
         assert len(err) == 1 and "is a named pipe (FIFO), not a regular file" in err[0], err
 
 
+@pytest.mark.parametrize("link", ["to-itself", "to-nowhere"])
+def test_analyze_health_of_a_run_whose_metrics_csv_is_a_link_to_no_file_is_one_line(
+        link: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A metrics.csv linked to itself was an OSError (too many levels of links) traceback."""
+    run_dir = tmp_path / "run"
+    (run_dir / "tb").mkdir(parents=True)
+    (run_dir / "metrics.csv").symlink_to("metrics.csv" if link == "to-itself" else "gone.csv")
+    (run_dir / "tb" / "metrics.csv").symlink_to("metrics.csv")  # and one below, found by the search
+    assert main(["analyze", "health", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.csv: is a link that leads to no file" in err[0], err
+    (run_dir / "metrics.csv").unlink()
+    assert main(["analyze", "health", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no metrics.csv or TensorBoard event files" in err[0], err
+
+
 def _snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` by relative path, with its SHA-256."""
     import hashlib

@@ -417,53 +417,65 @@ def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_serv
 
 
 @pytest.mark.timeout(60)  # a regression waits on the hub: fail instead
-@pytest.mark.parametrize("drip", [False, True, "endless"], ids=["keeps-the-pace", "drips", "expands-without-end"])
-def test_a_hub_dataset_download_must_keep_up_a_rate(drip: bool | str, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("drip", ["keeps-the-pace", "drips", "expands-without-end", "fails", "interrupted"])
+def test_a_hub_dataset_download_must_keep_up_a_rate_and_ends_with_its_process(
+        drip: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub dripping a dataset's data file held `tclightning run` for ever: its download must keep
-    the rate a model's does, counted on the bytes its folders gain, and goes over HTTP; and stops
-    past a task's largest data (a compressed stream expands without end at disk speed)."""
-    import threading
+    the rate a model's does, counted on the bytes its folders gain, goes over HTTP, and stops past a
+    task's largest data (a compressed stream expands without end at disk speed). It runs in a
+    process of its own, ended then (or on a Ctrl-C): datasets' download threads, given up on, held
+    the exit of a Python program that had called tclightning for ever."""
     from types import SimpleNamespace
 
     import huggingface_hub
 
+    import tclightning.limits as limits
     import tclightning.network as network
+    import tclightning.tasks.data as data_module
     from tclightning.tasks.data import _paced_download
 
-    import tclightning.limits as limits
-    import tclightning.tasks.data as data_module
-
-    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's downloads given up on: none yet
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's work given up on: none yet
     monkeypatch.setattr(network, "REMOTE_SETUP_S", 0.2)
     monkeypatch.setattr(data_module, "TASK_FILE_MAX_BYTES", 4 * 2**20)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     downloads = tmp_path / "datasets" / "downloads"
     downloads.mkdir(parents=True)
-    held = threading.Event()
-
-    def download_and_prepare() -> None:
-        assert huggingface_hub.constants.HF_HUB_DISABLE_XET  # over HTTP, where the pace holds
-        (downloads / "data.parquet.incomplete").write_bytes(b"x" * (10 if drip is True else 3 * 2**20))
-        if drip == "endless":
-            (downloads / "more.incomplete").write_bytes(b"x" * 2 * 2**20)  # past the 4 MiB set above
-        if drip:
-            held.wait(120)  # a byte every few seconds, for ever
-
-    builder = SimpleNamespace(download_and_prepare=download_and_prepare, _cache_downloaded_dir=str(downloads),
-                              cache_dir=str(tmp_path / "datasets" / "someone___rows" / "default" / "0.0.0"))
-    try:
-        if drip:
-            said = "fell below 1 MiB/s" if drip is True else "passed 5242880 bytes, more than a task's data may be"
-            with pytest.raises(TclightningError, match=f"the Hugging Face dataset someone/rows: its download .*{said}"):
-                _paced_download(builder, "someone/rows")
-        else:
-            _paced_download(builder, "someone/rows")
-    finally:
-        held.set()
-    # back on once done; left off under a download given up on (its thread may still be reading)
-    assert huggingface_hub.constants.HF_HUB_DISABLE_XET is bool(drip)
+    prepared = tmp_path / "datasets" / "someone___rows" / "default" / "0.0.0"
+    pid_file = tmp_path / "download.pid"
+    size = {"drips": 10, "expands-without-end": 5 * 2**20}.get(drip, 3 * 2**20)
+    # the download's process, as datasets' would behave against such a hub
+    monkeypatch.setattr(data_module, "_HUB_DOWNLOAD", f"""
+import os, pathlib, sys, time
+assert os.environ["HF_HUB_DISABLE_XET"] == "1"  # over HTTP, where the pace holds
+pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
+pathlib.Path({str(downloads / "data.parquet.incomplete")!r}).write_bytes(b"x" * {size})
+if {drip!r} == "fails":
+    sys.stderr.write("downloading...\\nConnectionError: the hub hung up\\n")
+    sys.exit(1)
+if {drip!r} == "keeps-the-pace":
+    pathlib.Path({str(prepared)!r}).mkdir(parents=True)
+    pathlib.Path({str(prepared / "dataset_info.json")!r}).write_text("{{}}")
+    sys.exit(0)
+time.sleep(120)  # a byte every few seconds, for ever
+""")
+    if drip == "interrupted":
+        def interrupted(received: int, started: float) -> bool:
+            raise KeyboardInterrupt
+        monkeypatch.setattr(data_module, "keeps_pace", interrupted)
+    builder = SimpleNamespace(_cache_downloaded_dir=str(downloads), cache_dir=str(prepared))
+    said = {"drips": "its download fell below 1 MiB/s", "fails": "ConnectionError: the hub hung up",
+            "expands-without-end": "its download and preparation passed 5242880 bytes, more than a task's data may be"}
+    if drip == "keeps-the-pace":
+        _paced_download(builder, "someone/rows", None, None)
+    elif drip == "interrupted":
+        with pytest.raises(KeyboardInterrupt):
+            _paced_download(builder, "someone/rows", None, None)
+    else:
+        with pytest.raises(TclightningError, match=f"someone/rows.*: .*{said[drip]}"):
+            _paced_download(builder, "someone/rows", None, None)
+    with pytest.raises(ProcessLookupError):  # ended, and nothing of it left for this process's exit
+        os.kill(int(pid_file.read_text()), 0)
+    assert not limits.abandoned_work()
 
 
 def test_a_hub_that_cannot_be_reached_at_all_leaves_a_dataset_to_the_datasets_cache(closed_port: str,

@@ -8,10 +8,12 @@ import copy
 import json
 import io
 import os
+import re
 import signal
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -407,6 +409,8 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
 
     def unfinished(name: str) -> Path:  # as mark_run_dir makes it: its folders taken as the run's
         folder = tmp_path / name
+        folder.mkdir()
+        own_folder(folder)
         for made in ("tb", "checkpoints"):
             (folder / made).mkdir(parents=True)
             own_folder(folder / made)
@@ -436,6 +440,69 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
         (written / own).parent.mkdir(exist_ok=True)
         (written / own).write_text("")
     assert discard_unfinished_run(written, created=True) and not written.exists()
+
+
+def _failed_new_run(folder: Path) -> Path:
+    """A new run folder as mark_run_dir makes it, with what a run that failed at once wrote."""
+    from tclightning.files import own_folder
+    from tclightning.run import RUN_MARKER
+
+    folder.mkdir()
+    own_folder(folder)
+    for made in ("tb", "checkpoints"):
+        (folder / made).mkdir()
+        own_folder(folder / made)
+    for written in (RUN_MARKER, "recipe.yaml", "tb/hparams.yaml", "tb/events.out.tfevents.1.host.1.0"):
+        (folder / written).write_text("written by the run")
+    return folder
+
+
+@pytest.mark.parametrize("put", ["a folder beside", "a folder in place of tb", "a file in place of one"])
+def test_what_is_renamed_into_a_failed_run_folder_after_its_check_stays(put: str, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check of a failed new run's entries was by name and its removal emptied the folder
+    whole: a folder of yours renamed in between (a Ctrl-C before the first step) went with it."""
+    import tclightning.run as run_module
+    from tclightning.run import discard_unfinished_run
+
+    run_dir = _failed_new_run(tmp_path / "run")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.csv").write_text("precious")
+    removal = run_module.remove_tree
+
+    def renamed_in_first(folder: Path, **kwargs: object) -> bool:
+        if put == "a folder beside":
+            mine.rename(run_dir / "trajectory")
+        elif put == "a folder in place of tb":
+            (run_dir / "tb").rename(tmp_path / "old-tb")
+            mine.rename(run_dir / "tb")
+        else:
+            (mine / "results.csv").rename(run_dir / "recipe.yaml")
+        return removal(folder, **kwargs)
+
+    monkeypatch.setattr(run_module, "remove_tree", renamed_in_first)
+    assert not discard_unfinished_run(run_dir, created=True)
+    kept = {"a folder beside": "trajectory/results.csv", "a folder in place of tb": "tb/results.csv",
+            "a file in place of one": "recipe.yaml"}[put]
+    assert (run_dir / kept).read_text() == "precious"
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == sorted({kept, kept.split("/")[0]})
+
+
+def test_a_file_older_than_a_failed_run_folder_under_a_name_the_run_writes_is_kept(tmp_path: Path) -> None:
+    """A file of yours moved into a failed new run's folder under a name the run writes (an events
+    file into tb/, a summary.json) was removed with it: the names were all that was checked."""
+    from tclightning.run import discard_unfinished_run
+
+    for placed in ("summary.json", "tb/events.out.tfevents.2.host.2.0"):
+        run_dir = _failed_new_run(tmp_path / placed.replace("/", "-"))
+        mine = tmp_path / f"mine-{run_dir.name}"
+        mine.write_text("precious")
+        os.utime(mine, ns=(time.time_ns() - 3600 * 10**9,) * 2)  # written an hour before the run began
+        mine.rename(run_dir / placed)
+        assert not discard_unfinished_run(run_dir, created=True)
+        assert (run_dir / placed).read_text() == "precious"
+    assert discard_unfinished_run(fresh := _failed_new_run(tmp_path / "fresh"), created=True) and not fresh.exists()
 
 
 @pytest.mark.parametrize("where", ["tb", "trajectory"])
@@ -1162,6 +1229,36 @@ def test_load_from_checkpoint_refuses_the_legacy_keys_lightning_also_reads_argum
         GRPOModule.load_from_checkpoint(str(copied / "checkpoints" / "last.ckpt"))
 
 
+def _with_metadata(checkpoint: dict, metadata: object) -> None:
+    checkpoint["state_dict"]._metadata = metadata
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda c: _with_metadata(c, {"": 5}), "_metadata is not each module's version by name"),
+    (lambda c: _with_metadata(c, [1]), "its pickle sets the state of a dict in a form torch.save never writes"),
+    (lambda c: c.__setitem__("state_dict", {i: t for i, t in enumerate(c["state_dict"].values())}),
+     "keyed by int 0, not by name"),
+], ids=["metadata-of-ints", "metadata-a-list", "int-keys"])
+def test_a_state_dict_of_another_form_is_one_line_everywhere(run_dir: Path, tmp_path: Path, edit, said: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's load_state_dict reads a state dict's ``_metadata`` and keys as torch.save writes
+    them: other values were an AttributeError traceback (load_from_checkpoint, probe coherence
+    --checkpoint, lightning fit --ckpt_path), an int key a TypeError one."""
+    copied = _crafted(run_dir, tmp_path, edit)
+    ckpt = copied / "checkpoints" / "last.ckpt"
+    with pytest.raises(TclightningError, match=said):
+        GRPOModule.load_from_checkpoint(str(ckpt))
+    for command in (["export", str(copied), str(tmp_path / "out")],
+                    ["probe", "coherence", "--recipe", "tiny", *FAST, "--checkpoint", str(ckpt), "--out",
+                     str(tmp_path / "probe")]):
+        capsys.readouterr()
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and str(ckpt) in err[0], (command, err)
+    code, err = _resume(copied, capsys)
+    assert code == 2 and len(err) == 1 and said in err[0], err
+
+
 def _expanded(value: torch.Tensor) -> torch.Tensor:
     """``value``'s shape over one stored number (stride 0): a few bytes in the file, all of it once copied."""
     return value.new_zeros(1).expand(value.shape)
@@ -1210,6 +1307,89 @@ def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path
     said = {"too-many-values": "more than", "stride-0-in-a-set": "asks to load builtins.set"}.get(nested, "stored bytes")
     with pytest.raises(CheckpointRefused, match=said):  # a set is refused before anything in it is built
         load_checkpoint(tmp_path / "x.ckpt")
+
+
+@pytest.mark.parametrize("state", ["an-attribute-more", "a-field-missing", "a-field-twice"])
+def test_a_rollouts_object_in_a_checkpoint_holds_its_fields_and_nothing_else(tmp_path: Path, state: str) -> None:
+    """A ``Rollouts`` pickled with an attribute more (``select`` set to an OrderedDict, hiding its
+    method) passed the scan, and a resume failed on it with a TypeError traceback."""
+    from collections import OrderedDict
+
+    from tclightning.callbacks.checkpointing import CheckpointRefused, load_checkpoint
+    from tclightning.sampling.base import Rollouts
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    rollouts = Rollouts(prompt_ids=ids, prompt_mask=ids, completion_ids=ids, completion_mask=ids.float(),
+                        logp_sampler=ids.float(), texts=["a", "b"], truncated=torch.zeros(2, dtype=torch.bool),
+                        group_size=2)
+    torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "plain.ckpt")
+    assert isinstance(load_checkpoint(tmp_path / "plain.ckpt")["tclightning"]["anchor"]["pending"][0]["rollouts"],
+                      Rollouts)
+    if state == "an-attribute-more":
+        rollouts.select = OrderedDict()  # type: ignore[method-assign]
+    elif state == "a-field-missing":
+        del rollouts.texts
+    torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "x.ckpt")
+    if state == "a-field-twice":  # the same key set twice in the fields' dict (torch.save never repeats one)
+        _repeat_a_field(tmp_path / "plain.ckpt", tmp_path / "x.ckpt")
+    with pytest.raises(CheckpointRefused, match="sets the state of a object in a form torch.save never writes"):
+        load_checkpoint(tmp_path / "x.ckpt")
+
+
+def _repeat_a_field(source: Path, target: Path) -> None:
+    """``source`` with its pickle's ``'group_size'`` key and value set once more in the same SETITEMS."""
+    with zipfile.ZipFile(source) as archive, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
+        for info in archive.infolist():
+            data = archive.read(info)
+            if info.filename.endswith("data.pkl"):
+                # BINUNICODE 'group_size', BINPUT n, BININT1 2
+                data, found = re.subn(rb"X\x0a\x00\x00\x00group_sizeq.K\x02", lambda m: m.group(0) * 2, data)
+                assert found == 1
+            out.writestr(info, data)
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_folder_renamed_to_an_export_s_staging_name_as_it_moves_into_place_is_put_back(
+        run_dir: Path, tmp_path: Path, overwrite: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The staging folder was moved into place by its name after a look at it: a folder of yours
+    renamed to that name in between became the export (and the next --overwrite replaced it)."""
+    import tclightning.export as export_module
+
+    out = tmp_path / "out"
+    if overwrite:
+        assert main(["export", str(run_dir), str(out)]) == 0
+    before = _snapshot(out) if overwrite else {}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.md").write_text("mine")
+    moved: list[Path] = []
+
+    def renamed_in_first(staging: Path) -> None:
+        if not moved:
+            Path(staging).rename(tmp_path / "moved-away")
+            mine.rename(staging)
+            moved.append(Path(staging))
+
+    real_rename, real_exchange = export_module.os.rename, export_module.exchange
+
+    def rename(src: Any, dst: Any) -> None:
+        if Path(dst) == out:
+            renamed_in_first(src)
+        real_rename(src, dst)
+
+    def exchange(a: Path, b: Path) -> None:
+        renamed_in_first(a)
+        real_exchange(a, b)
+
+    monkeypatch.setattr(export_module.os, "rename", rename)
+    monkeypatch.setattr(export_module, "exchange", exchange)
+    capsys.readouterr()
+    assert main(["export", str(run_dir), str(out), *(["--overwrite"] if overwrite else [])]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "Writing model shards" not in line]
+    assert len(err) == 1 and "another folder was renamed to its folder's name" in err[0], err
+    assert (moved[0] / "notes.md").read_text() == "mine" and sorted(p.name for p in moved[0].iterdir()) == ["notes.md"]
+    assert _snapshot(out) == before if overwrite else not out.exists()
 
 
 def test_an_export_through_a_folder_yet_to_be_made_is_checked_where_it_lands(

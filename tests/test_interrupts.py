@@ -5,6 +5,7 @@ duplicated rows. (tests/test_faults.py injects the faults at named points.)"""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -435,6 +436,64 @@ def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> 
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished", \
         (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_an_interrupt_while_a_finished_run_writes_its_summary_is_said_once_it_is_written(
+        signum: int, tmp_path: Path) -> None:
+    """A SIGTERM while a finished run wrote summary.json was swallowed (exit 0; a Ctrl-C gave 130):
+    the run's handler for the time before training still held it."""
+    script = ("import os, signal, sys, threading, time\n"
+              "import tclightning.grpo.summary as summary\n"
+              "real = summary.summarize\n"
+              "def slow(*args, **kwargs):\n"
+              f"    threading.Timer(0.3, lambda: os.kill(os.getpid(), {int(signum)})).start()\n"
+              "    time.sleep(1.5)\n"
+              "    return real(*args, **kwargs)\n"
+              "summary.summarize = slow\n"
+              "import tclightning.cli.main as cli\n"
+              f"sys.argv = ['tclightning', 'run', '--recipe', 'tiny', *{FAST!r}, 'trainer.steps=1', "
+              "'trainer.val_every=0', 'logging.root=runs', '--quiet']\n"
+              "sys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.strip().splitlines()[-1] == (f"interrupted as the run finished; {run_dir.relative_to(tmp_path)} "
+                                                     "keeps its checkpoints and summary.json"), done.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+
+
+def test_a_second_sigterm_while_the_first_one_s_line_is_said_is_no_traceback() -> None:
+    """A SIGTERM stopped a resume's restore; a second one, milliseconds later, came while the
+    command said so: a KeyboardInterrupt traceback after the one line."""
+    script = ("import argparse, os, signal, sys\n"
+              "import tclightning.cli.main as cli\n"
+              "class SecondSigterm:\n"
+              "    def __init__(self, stream): self.stream, self.sent = stream, False\n"
+              "    def write(self, text):\n"
+              "        if not self.sent:\n"
+              "            self.sent = True\n"
+              "            os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        return self.stream.write(text)\n"
+              "    def __getattr__(self, name): return getattr(self.stream, name)\n"
+              "def stopped(args):\n"
+              "    sys.stderr = SecondSigterm(sys.stderr)\n"
+              "    raise KeyboardInterrupt('interrupted before training started; nothing was written')\n"
+              "real = cli.build_parser\n"
+              "def build():\n"
+              "    parser = real()\n"
+              "    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))\n"
+              "    listing = next(a for a in commands.choices['recipes']._actions\n"
+              "                   if isinstance(a, argparse._SubParsersAction))\n"
+              "    listing.choices['list'].set_defaults(func=stopped)\n"
+              "    return parser\n"
+              "cli.build_parser = build\n"
+              "sys.argv = ['tclightning', 'recipes', 'list']\n"
+              "sys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
 
 
 def test_a_command_that_gave_up_on_a_download_ends_though_its_library_threads_still_read() -> None:

@@ -5,6 +5,7 @@ callbacks, and ``tclightning run --config FILE`` is ``--recipe FILE``."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shlex
 import warnings
 from pathlib import Path
@@ -202,6 +203,41 @@ def test_a_weights_only_ckpt_path_that_cannot_resume_a_fit_is_one_line(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: --ckpt_path: the checkpoint cannot be restored into this fit (KeyError: "
                                       "'Trying to restore optimizer state"), err
+
+
+def _metadata_of_ints(checkpoint: dict) -> None:
+    checkpoint["state_dict"]._metadata = {"": 5}  # torch's load_state_dict reads each value's "version"
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+@pytest.mark.parametrize("edit", [
+    _metadata_of_ints,
+    lambda c: c.__setitem__("state_dict", {7: t for t in c["state_dict"].values()}),
+    lambda c: c.__setitem__("loops", {"fit_loop": 5}),
+    lambda c: c.__setitem__("lr_schedulers", [5]),
+    lambda c: c["optimizer_states"][0].__setitem__("param_groups", []),
+], ids=["metadata-of-ints", "int-keys", "loops-of-ints", "schedulers-of-ints", "no-parameter-groups"])
+def test_a_ckpt_path_whose_state_lightning_cannot_restore_is_one_line(edit, tmp_path, monkeypatch, capsys):
+    """Only a KeyError or RuntimeError of Lightning's restore was one line; its other errors on a
+    checkpoint of another form (an AttributeError, TypeError, ValueError) were tracebacks."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    monkeypatch.chdir(tmp_path)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), BoringDataModule())
+    trainer.save_checkpoint("saved.ckpt")
+    checkpoint = torch.load("saved.ckpt", weights_only=False)
+    edit(checkpoint)
+    torch.save(checkpoint, "crafted.ckpt")
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    capsys.readouterr()
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "crafted.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and re.match(rf"error: --ckpt_path(:| crafted.ckpt)", err[-1]), err
+    assert not any("Traceback" in line for line in err), err
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")

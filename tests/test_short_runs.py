@@ -478,16 +478,20 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_is_removed_is_left_whole(
     else:
         entry.mkdir()
         (entry / "weights.pt").write_text("unreadable")
+        (entry / DirectoryCache.COMPLETE).write_text("ok\n")  # the cache's own, damaged
         _replace_entry(cache, "k", os.lstat(entry), write)
     assert landed and {p.name: p.read_text() for p in landed[0].iterdir()} == {"notes.txt": "mine"}
 
 
-@pytest.mark.parametrize("how", ["new-entry", "replacing-an-unreadable-one"])
+@pytest.mark.parametrize(("how", "blocked"), [("new-entry", False), ("new-entry", True),
+                                             ("replacing-an-unreadable-one", False)],
+                         ids=["new-entry", "new-entry-its-name-taken-again", "replacing-an-unreadable-one"])
 def test_a_folder_renamed_to_the_temporary_name_as_it_moves_into_place_is_put_back(
-        how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        how: str, blocked: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The written folder was moved into place by its name after a look at it: a folder of someone's
     renamed to that name in between became the cache entry (and the next run, finding it
-    unreadable, removed it). It is put back where it was renamed to, the entry left unwritten."""
+    unreadable, removed it). It is put back where it was renamed to, the entry left unwritten; where
+    that name is taken again meanwhile (the put-back failed, leaving it at the entry), beside it."""
     import tclightning.cache as cache_module
     import tclightning.models.warmup as warmup_module
     from tclightning.models.warmup import _replace_entry
@@ -506,6 +510,9 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_moves_into_place_is_put_ba
     def replace(src: Any, dst: Any) -> None:
         swapped_first(src)
         real_replace(src, dst)
+        if blocked and Path(src) == landed[0] and not Path(src).exists():  # taken again: the put-back fails
+            Path(src).mkdir()
+            (Path(src) / "other.txt").write_text("another's")
 
     def exchange(a: Path, b: Path) -> None:
         swapped_first(a)
@@ -525,8 +532,33 @@ def test_a_folder_renamed_to_the_temporary_name_as_it_moves_into_place_is_put_ba
         (entry / "weights.pt").write_text("unreadable")
         why = _replace_entry(cache, "k", os.lstat(entry), write)
     assert why is not None and "replaced while written" in why
-    assert landed and {p.name: p.read_text() for p in landed[0].iterdir()} == {"notes.txt": "mine"}
-    assert not (entry / "notes.txt").exists()
+    assert landed and not (entry / "notes.txt").exists()
+    kept = [folder for folder in cache.directory.glob(".k.*") if (folder / "notes.txt").exists()]
+    assert len(kept) == 1 and {p.name: p.read_text() for p in kept[0].iterdir()} == {"notes.txt": "mine"}
+    assert (kept[0] == landed[0]) != blocked
+
+
+def test_a_folder_of_yours_at_a_cache_entry_holding_an_entrys_file_names_is_kept(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreadable entry was removed when it held no name but an entry's: a folder of someone's
+    left at the entry (holding a weights.pt and a stats.json of theirs) went. The cache writes its
+    completion mark last, before the entry moves into place: a folder without it was never one."""
+    from tclightning.models.warmup import _replace_entry
+
+    cache = DirectoryCache("warmup", tmp_path / "cache")
+    entry = cache.path("k")
+    entry.mkdir(parents=True)
+    for name in ("weights.pt", "stats.json"):
+        (entry / name).write_text("mine")
+
+    def write(folder: Path) -> None:
+        (folder / "weights.pt").write_text("the warm-up's")
+
+    assert _replace_entry(cache, "k", os.lstat(entry), write) is None
+    assert (entry / "weights.pt").read_text() == "the warm-up's"
+    (kept,) = cache.directory.glob(".k.*")
+    assert {p.name: p.read_text() for p in kept.iterdir()} == {"weights.pt": "mine", "stats.json": "mine"}
+    assert f"it is kept as {kept}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("when", ["while-written", "before-it-is-held"])

@@ -215,3 +215,31 @@ def test_another_run_s_points_moved_into_a_new_run_s_trajectory_are_kept_when_it
             extra_callbacks=[MovedIn(), TrajectoryRecorder()])
     (points,) = tmp_path.glob("tiny/*/trajectory/point-00000000.pt")
     assert points.read_text() == "theirs"
+
+
+def test_a_resume_into_a_new_run_folder_refuses_points_moved_into_its_trajectory(tmp_path: Path) -> None:
+    """A resume from a checkpoint copied out of its run starts a new run folder at a later step:
+    only the first step's point made the recorder check that its trajectory/ was its own, so
+    another run's points moved in there were taken, written beside and over."""
+    import shutil
+
+    from tclightning.errors import TclightningError
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    settings = [*FAST, "trainer.val_every=0", "trainer.checkpoint_every=1"]
+    first = run("tiny", [*settings, "trainer.steps=1", f"logging.root={tmp_path / 'first'}"], quiet=True)
+    copied = tmp_path / "copied.ckpt"
+    shutil.copyfile(Path(first["run_dir"]) / "checkpoints" / "last.ckpt", copied)
+
+    class MovedIn(pl.Callback):  # another run's points, moved in after the run folder was made
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            folder = Path(trainer.default_root_dir) / "trajectory"
+            folder.mkdir()
+            (folder / "point-00000002.pt").write_text("theirs")
+
+    with pytest.raises(TclightningError, match="holds files a new run did not write"):
+        run("tiny", [*settings, "trainer.steps=3", f"logging.root={tmp_path / 'second'}"], resume=str(copied),
+            quiet=True, extra_callbacks=[MovedIn(), TrajectoryRecorder()])
+    (points,) = tmp_path.glob("second/tiny/*/trajectory/point-00000002.pt")
+    assert points.read_text() == "theirs"

@@ -579,6 +579,11 @@ class SigtermBeforeTraining(L.Callback):
         self.training = False  # the last checkpoint is being committed: SIGTERM only asks to stop
 
     def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """The handlers from before: once the fit is over, a Ctrl-C or SIGTERM is the caller's again
+        (one while the run wrote its summary was swallowed here)."""
         self.armed = False
         self.training = False
         for signum in list(self._previous):

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
-from tclightning.files import HeldFolder, SameFolder, own_folder, save_tensors
+from tclightning.files import HeldFolder, SameFolder, made_here, own_folder, save_tensors
 from tclightning.settings import check_arguments, integer, one_of, positive
 from tclightning.settings import seed as seed_rule
 
@@ -129,7 +129,8 @@ class TrajectoryRecorder(Callback):
             point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
         folder = self.directory(trainer)
         if self._folder is None or self._folder.folder != folder:
-            self._take(folder, fresh=index == 0)
+            # a new run's, or one whose run folder this process made (a resume from a copied checkpoint)
+            self._take(folder, fresh=index == 0 or made_here(folder.parent))
         self._folder.check()  # a link or folder swapped in mid-run: said, the points never carried there
         name = f"point-{index:08d}.pt"
         record: dict[str, Any] = {
@@ -141,9 +142,10 @@ class TrajectoryRecorder(Callback):
 
     def _take(self, folder: Path, fresh: bool) -> None:
         """Hold the points' folder open (made if missing, never through a link) and write every
-        point through it. The run's own ``trajectory/`` at a new run's first point is made by the
-        run: one holding files already, or a mount point, is someone's (another run's points would be
-        written over), refused in one line."""
+        point through it. The run's own ``trajectory/`` at a new run's first point, or in a run folder
+        this process made (a resume from a checkpoint copied out of its run), is made by the run: one
+        holding files already, or a mount point, is someone's (another run's points would be written
+        over), refused in one line."""
         self.teardown()
         own = self.dirpath is None
         try:

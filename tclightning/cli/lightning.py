@@ -210,31 +210,41 @@ def lightning_cli(argv: Sequence[str]) -> int:
             # (the RNG states), for Lightning too
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)
-    except (KeyError, RuntimeError) as err:
-        if _in_checkpoint_restore(err):  # a checkpoint that does not fit this fit: weights only, other weights
-            raise TclightningError(f"--ckpt_path: the checkpoint cannot be restored into this fit ({type(err).__name__}: "
-                                   f"{' '.join(str(err).split())[:200]}); nothing was trained") from None
-        if "SaveConfigCallback" not in str(err):
+    except TclightningError:
+        raise
+    except Exception as err:
+        failure = _fit_failure(err)
+        if failure is None:  # not an expected failure: shown in full
             raise
-        raise TclightningError(" ".join(str(err).split())[:300]) from None
-    except ValueError as err:  # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
-        text = " ".join(str(err).split())
-        if "ckpt_path=" in text:
-            raise TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)") from None
-        built = _class_not_built(str(err))
-        unknown = re.search(r"Protocol not known: (\S+)", str(err))
-        if built is None and unknown is None:
-            raise
-        if built is None:  # a folder fsspec reads as a URL of a protocol it does not know
-            raise TclightningError(f"a folder of the configuration names the storage protocol "
-                                   f"'{unknown.group(1)[:80]}', which fsspec does not know (nothing was trained)") from None
-        raise TclightningError(f"the configuration's {built} (nothing was trained)") from None
-    except Exception as err:  # a remote store or server that failed mid-fit: one line; anything else as it is
-        reason = remote_failure(err)
-        if reason is None:
-            raise
-        raise TclightningError(reason) from err
+        raise failure from None
     return 0
+
+
+def _fit_failure(err: Exception) -> TclightningError | None:
+    """The one line for a failure of the fit that is the input's, not a bug: a checkpoint that does
+    not fit this fit (any error Lightning's restore raised: weights only, other weights, loops or
+    schedulers of another form), an HPC checkpoint not found, a class of the configuration that
+    could not be built, an unknown storage protocol, a remote store or server that failed mid-fit.
+    None for anything else."""
+    text = " ".join(str(err).split())
+    if _in_checkpoint_restore(err):
+        return TclightningError(f"--ckpt_path: the checkpoint cannot be restored into this fit ({type(err).__name__}: "
+                                f"{text[:200]}); nothing was trained")
+    if isinstance(err, (KeyError, RuntimeError)):
+        return TclightningError(text[:300]) if "SaveConfigCallback" in str(err) else None
+    if isinstance(err, ValueError):
+        # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
+        if "ckpt_path=" in text:
+            return TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)")
+        built = _class_not_built(str(err))
+        if built is not None:
+            return TclightningError(f"the configuration's {built} (nothing was trained)")
+        unknown = re.search(r"Protocol not known: (\S+)", str(err))
+        if unknown is not None:  # a folder fsspec reads as a URL of a protocol it does not know
+            return TclightningError(f"a folder of the configuration names the storage protocol "
+                                    f"'{unknown.group(1)[:80]}', which fsspec does not know (nothing was trained)")
+    reason = remote_failure(err)
+    return None if reason is None else TclightningError(reason)
 
 
 def _in_checkpoint_restore(err: BaseException) -> bool:
@@ -302,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {shown(str(err))}", file=sys.stderr)
             code = err.exit_code
     else:
-        code = dispatch(build_parser(), args)
+        code = dispatch(build_parser(), args, console=argv is None)
     if argv is None:  # the console command: Ctrl-C during Python's shutdown must not undo its result
         exit_at_late_interrupt()
         code = finish_loggers_or_exit(code)

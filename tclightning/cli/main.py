@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """Parse ``argv``, run the chosen handler, and turn user errors into one line + exit code 2."""
+def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, console: bool = False) -> int:
+    """Parse ``argv``, run the chosen handler, and turn user errors into one line + exit code 2.
+    ``console``: the console command, whose signals are its own: once the handler is done, a
+    Ctrl-C or SIGTERM ends the process at once (a second SIGTERM while the first one's line was
+    said was a traceback)."""
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -52,6 +55,9 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
             if reason is None:
                 raise
             raise TclightningError(reason) from err
+        finally:
+            if console:
+                exit_at_late_interrupt()
     except TclightningError as err:
         if args.debug:
             raise
@@ -92,9 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while the subcommands import
         print("interrupted", file=sys.stderr)
         return 130
-    code = dispatch(parser, argv)
-    if argv is None:  # the console command (not a call from Python): Ctrl-C now must not undo its result
-        exit_at_late_interrupt()
+    code = dispatch(parser, argv, console=argv is None)  # (then Ctrl-C must not undo the console command's result)
+    if argv is None:
         code = finish_loggers_or_exit(code)
     lost = refused_output()
     if lost is not None:  # `> /dev/full`: what the command printed is incomplete, so it did not succeed

@@ -66,7 +66,7 @@ from tclightning.grpo.data import EvalBatches, PromptBatch, PromptStream
 from tclightning.models.logprobs import completion_logps
 from tclightning.grpo.update import UpdateResult, grpo_update
 from tclightning.models.config import DTYPES, ModelConfig
-from tclightning.models.loading import check_checkpoint_model, check_weights, load_model
+from tclightning.models.loading import check_checkpoint_model, check_state_dict_form, check_weights, load_model
 from tclightning.models.lora import apply_lora, base_fingerprint, frozen_parameter_names
 from tclightning.models.warmup import cached_supervised_warmup
 from tclightning.pipeline.backends import LocalBackend
@@ -844,6 +844,8 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("tclightning", {})
+        source = _LOADING.get() if self._trainer is None else str(self.trainer.ckpt_path)
+        check_state_dict_form(checkpoint.get("state_dict", {}), f"checkpoint {source}")  # read by name from here on
         if self._trainer is None:  # load_from_checkpoint: the weights only, no training state
             self._restore_frozen_reference(checkpoint.get("state_dict", {}))
             if BASE_KEY in state and self.model_cfg.lora_settings.r > 0:  # adapters alone: the base is rebuilt first

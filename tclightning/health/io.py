@@ -226,13 +226,17 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None, *, number
     direct = p / "metrics.csv"
     if direct.is_file():
         return read_csv(direct)
+    if direct.is_symlink() and not direct.exists():  # to nowhere, or to itself (a loop)
+        raise TclightningError(f"{direct}: is a link that leads to no file")
     try:
         below = list(tree(p))
-        nested = sorted((f for f in below if f.name == "metrics.csv"), key=lambda f: f.stat().st_mtime)
+        nested = sorted((f for f in below if f.name == "metrics.csv" and f.exists()), key=lambda f: f.stat().st_mtime)
         events = not nested and any(f.name.startswith(EVENT_PREFIX) for f in below)
     except FileNotFoundError as err:  # a folder below went away while it was searched (a run tidying up)
         raise TclightningError(f"{p}: changed while it was searched ({err.filename} went away); run it again, "
                                "or name the metrics.csv") from None
+    except OSError as err:
+        raise TclightningError(f"{p}: cannot be searched ({err.filename}: {err.strerror})") from None
     if nested:
         return read_csv(nested[-1])
     if events:

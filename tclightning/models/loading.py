@@ -68,6 +68,7 @@ def check_weights(expected: Mapping[str, Any], given: Mapping[str, Any], source:
     has its shape and kind (floating or not) and, floating, only finite values; else
     ``TclightningError`` naming ``source`` and the weight. ``load_state_dict`` would cast a bool or
     int tensor and copy a NaN without a word."""
+    check_state_dict_form(given, source)
     for key, value in given.items():
         want = expected.get(key)
         if want is None or not isinstance(value, torch.Tensor):
@@ -78,6 +79,24 @@ def check_weights(expected: Mapping[str, Any], given: Mapping[str, Any], source:
                                    f"the model holds a {want.dtype} one of shape {tuple(want.shape)}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise TclightningError(f"{source}: weight '{key}' holds NaN or Inf")
+
+
+def check_state_dict_form(given: Any, source: str) -> None:
+    """That ``given`` is a state dict as ``torch.save`` writes one: a mapping keyed by names, with
+    ``_metadata`` (where it has one) a mapping of module names to mappings (each module's version);
+    else ``TclightningError`` naming ``source``. ``load_state_dict`` reads both, and failed with a
+    traceback on an int key or a ``_metadata`` of other values."""
+    if not isinstance(given, Mapping):
+        raise TclightningError(f"{source}: its state_dict is a {type(given).__name__}, not weights by name")
+    key = next((key for key in given if not isinstance(key, str)), None)
+    if key is not None:
+        raise TclightningError(f"{source}: its state_dict holds a weight keyed by {type(key).__name__} {key!r}, "
+                               "not by name")
+    metadata = getattr(given, "_metadata", None)
+    if metadata is not None and not (isinstance(metadata, Mapping) and all(
+            isinstance(name, str) and isinstance(versions, Mapping) for name, versions in metadata.items())):
+        raise TclightningError(f"{source}: its state_dict's _metadata is not each module's version by name "
+                               "(as torch.save writes it)")
 
 
 def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: str = "policy.") -> None:
@@ -91,6 +110,7 @@ def check_checkpoint_model(checkpoint: Mapping[str, Any], source: str, prefix: s
     model = hparams.get("model") if isinstance(hparams, Mapping) else None
     if not isinstance(model, Mapping):
         return
+    check_state_dict_form(checkpoint.get("state_dict", {}), source)
     state = {key[len(prefix):]: value for key, value in checkpoint.get("state_dict", {}).items()
              if key.startswith(prefix)}
     if model.get("trust_remote_code") not in (None, False):

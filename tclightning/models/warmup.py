@@ -337,7 +337,7 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
                 elif now is None:
                     os.replace(tmp, target)  # gone meanwhile: a plain rename
                     if not staged.is_at(target):  # someone's renamed to tmp as it moved: put back
-                        os.replace(target, tmp)
+                        cache.put_back(key, tmp)
                         raise _Replaced
                 elif seen is not None and (now.st_ino, now.st_dev, now.st_mtime_ns) == (seen.st_ino, seen.st_dev,
                                                                                           seen.st_mtime_ns):
@@ -356,8 +356,10 @@ def _replace_entry(cache: DirectoryCache, key: str, seen: os.stat_result | None,
     except OSError as err:
         why = err.strerror or str(err)
     finally:
-        if at_tmp == "old" and not _cache_entry_layout(tmp):
+        if at_tmp == "old" and tmp.is_dir() and not tmp.is_symlink() and not _cache_entry_layout(tmp):
             at_tmp = None  # not an entry of the cache's own (a folder of yours put at its name): left as it is
+            print(f"note: {target} held what a cache entry does not (a folder of yours?); it is kept as {tmp}",
+                  file=sys.stderr, flush=True)
         if at_tmp == "ours" or (at_tmp == "old" and tmp.is_dir() and not tmp.is_symlink()):
             # that folder alone, emptied through its descriptor: one renamed to the name meanwhile is
             # someone's (a bind mount someone put inside the old entry is left alone too)
@@ -375,13 +377,17 @@ class _Replaced(Exception):
 
 def _cache_entry_layout(folder: Path) -> bool:
     """Whether ``folder`` holds only what a warm-up cache entry holds (its weights, stats and
-    completion mark, files): an unreadable entry is removed only then."""
+    completion mark, files) and its completion mark as the cache writes it, last, before the entry
+    is moved into place (a folder of someone's left at the entry never has one): an unreadable
+    entry is removed only then."""
     try:
         entries = list(os.scandir(folder))
-    except OSError:
+        with open_regular(folder / DirectoryCache.COMPLETE, DirectoryCache.COMPLETE, 16) as mark:
+            marked = mark.read() == b"ok\n"
+    except (OSError, TclightningError):
         return False
-    return all(e.name in ("weights.pt", "stats.json", DirectoryCache.COMPLETE) and not e.is_dir(follow_symlinks=False)
-               for e in entries)
+    return marked and all(e.name in ("weights.pt", "stats.json", DirectoryCache.COMPLETE)
+                          and not e.is_dir(follow_symlinks=False) for e in entries)
 
 
 def cached_supervised_warmup(

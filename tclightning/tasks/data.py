@@ -13,6 +13,9 @@ import json
 import math
 import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from abc import abstractmethod
@@ -23,9 +26,9 @@ from typing import IO, Any
 
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_file, regular_file
-from tclightning.limits import watched
-from tclightning.network import (HUB_DOWNLOAD_MIN_BYTES_S, host_of, hub_answer, hub_offline, hub_over_http, hub_url,
-                                  keeps_pace, remote_setup)
+from tclightning.network import (HUB_DOWNLOAD_MIN_BYTES_S, host_of, hub_answer, hub_offline, hub_url, keeps_pace,
+                                  remote_setup)
+from tclightning.processes import child_environment
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
 
@@ -61,9 +64,8 @@ def load_with_datasets(
                                lambda: datasets.load_dataset_builder(name, config, data_files=data_files,
                                                                      cache_dir=cache_dir))
         if data_files is None:
-            _paced_download(builder, name)
-        else:  # a local file: nothing to download
-            builder.download_and_prepare()
+            _paced_download(builder, name, config, cache_dir)
+        builder.download_and_prepare()  # a local file, or a hub dataset prepared by now: nothing downloaded
         ds = builder.as_dataset(split=split)
         # Rows are values, never files: a feature a file declares an Image (Audio, Video...), at any
         # depth (a list of them, a struct holding one), would be opened, fetched or decoded per row
@@ -76,35 +78,77 @@ def load_with_datasets(
         raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
 
 
-def _paced_download(builder: Any, name: str) -> None:
-    """``builder.download_and_prepare()`` of hub dataset ``name``, over HTTP, stopped (one line)
-    once it falls below :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S` or passes
-    :data:`TASK_FILE_MAX_BYTES`, counted on the bytes its folders gain (the dataset's folder in the
-    Hugging Face cache, ``datasets``' downloads and the prepared dataset): a hub dripping a data
-    file's body held the run for ever, and an endless compressed one would fill the disk."""
+_HUB_DOWNLOAD = """
+import sys
+from tclightning.processes import die_with_parent
+die_with_parent(int(sys.argv[4]))
+try:
+    import datasets
+    name, config, cache_dir = sys.argv[1], sys.argv[2] or None, sys.argv[3] or None
+    datasets.load_dataset_builder(name, config, cache_dir=cache_dir).download_and_prepare()
+except Exception as err:
+    sys.stderr.write(f"\\n{type(err).__name__}: {' '.join(str(err).split())[:300]}\\n")
+    sys.exit(1)
+"""
+"""Downloads and prepares a hub dataset (``name config cache_dir parent-pid``) in a process of its own."""
+
+
+def _paced_download(builder: Any, name: str, config: str | None, cache_dir: str | None) -> None:
+    """Download and prepare hub dataset ``name`` into ``builder``'s cache, over HTTP, in a child
+    process ended (one line) once the download falls below
+    :data:`~tclightning.network.HUB_DOWNLOAD_MIN_BYTES_S` or passes :data:`TASK_FILE_MAX_BYTES`,
+    counted on the bytes its folders gain (the dataset's folder in the Hugging Face cache,
+    ``datasets``' downloads and the prepared dataset), or on a Ctrl-C or SIGTERM: a hub dripping a
+    data file's body held the run for ever, an endless compressed one would fill the disk, and
+    ``datasets``' own download threads, once given up on, held the exit of whichever program had
+    called tclightning (they are joined when Python ends). A process is ended; a thread is not."""
     from huggingface_hub import constants
 
+    prepared = Path(builder.cache_dir) / "dataset_info.json"
+    if prepared.is_file():  # prepared by an earlier run: nothing to download
+        return
     folders = [Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}",
                Path(builder._cache_downloaded_dir), Path(builder.cache_dir).parent]
     before, started = _bytes_under(folders), time.monotonic()
-    gained = [0]
-
-    def keep_waiting(_: float) -> float:
-        gained[0] = _bytes_under(folders) - before
-        return 2.0 if gained[0] <= TASK_FILE_MAX_BYTES and keeps_pace(gained[0], started) else 0.0
-
-    try:
-        with hub_over_http():
-            watched(builder.download_and_prepare, keep_waiting)
-    except TimeoutError:
-        if gained[0] > TASK_FILE_MAX_BYTES:  # a compressed stream expands at disk speed: a task's rows never need it
-            raise TclightningError(f"the Hugging Face dataset {name}: its download and preparation passed "
-                                   f"{gained[0]} bytes, more than a task's data may be ({TASK_FILE_MAX_BYTES} bytes); "
-                                   "nothing more was downloaded") from None
-        raise TclightningError(
-            f"the Hugging Face dataset {name}: its download fell below {HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s "
-            f"({_bytes_under(folders) - before} bytes in {time.monotonic() - started:.0f} s); on a slower link, "
-            f"download it first (hf download --repo-type dataset {name})") from None
+    print(f"note: downloading the Hugging Face dataset {name}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryFile() as said:
+        # its own session: a Ctrl-C at the terminal reaches this process, which ends it; HTTP only
+        # (hf_xet's native writer ignores any size or pace)
+        child = subprocess.Popen([sys.executable, "-c", _HUB_DOWNLOAD, name, config or "", cache_dir or "",
+                                  str(os.getpid())], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=said,
+                                 env=child_environment(HF_HUB_DISABLE_XET="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1"),
+                                 start_new_session=True)
+        try:
+            while True:
+                try:
+                    child.wait(2.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    gained = _bytes_under(folders) - before
+                    if gained > TASK_FILE_MAX_BYTES:  # a compressed stream expands at disk speed
+                        raise TclightningError(
+                            f"the Hugging Face dataset {name}: its download and preparation passed {gained} bytes, "
+                            f"more than a task's data may be ({TASK_FILE_MAX_BYTES} bytes); nothing more was "
+                            "downloaded") from None
+                    if not keeps_pace(gained, started):
+                        raise TclightningError(
+                            f"the Hugging Face dataset {name}: its download fell below "
+                            f"{HUB_DOWNLOAD_MIN_BYTES_S / 2**20:g} MiB/s ({gained} bytes in "
+                            f"{time.monotonic() - started:.0f} s); on a slower link, download it first "
+                            f"(hf download --repo-type dataset {name})") from None
+        finally:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        if child.returncode != 0:
+            said.seek(0)
+            last = [line for line in said.read().decode(errors="replace").splitlines() if line.strip()]
+            raise TclightningError(f"cannot load {name}" + (f" ({config})" if config else "")
+                                   + f": {last[-1] if last else f'its download ended with exit code {child.returncode}'}")
+    if not prepared.is_file():  # prepared elsewhere: never downloaded in this process
+        raise TclightningError(f"the Hugging Face dataset {name}: its download ended without preparing it in "
+                               f"{builder.cache_dir}")
 
 
 def _bytes_under(folders: Sequence[Path]) -> int:
