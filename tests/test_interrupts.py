@@ -24,6 +24,12 @@ from tests.test_faults import CtrlCAt, assert_same_run
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _python(script: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a Python process of its own (signals go to it alone), this checkout importable."""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
@@ -415,8 +421,7 @@ def test_a_closed_terminal_stops_any_command_as_sigterm_does_and_its_cleanup_run
               "loader.list_recipes = listing\n"
               "sys.argv = ['tclightning', 'recipes', 'list']\n"
               "sys.exit(cli.main())\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = _python(script)
     assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
     assert marker.read_text() == "done"
 
@@ -432,8 +437,7 @@ def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> 
               "cli.refused_output = finished\n"
               "sys.argv = ['tclightning', 'recipes', 'list']\n"
               "sys.exit(cli.main())\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = _python(script)
     assert done.returncode == 130 and done.stderr.strip() == "interrupted while exiting; the command had finished", \
         (done.returncode, done.stderr[-2000:])
 
@@ -455,8 +459,7 @@ def test_an_interrupt_while_a_finished_run_writes_its_summary_is_said_once_it_is
               f"sys.argv = ['tclightning', 'run', '--recipe', 'tiny', *{FAST!r}, 'trainer.steps=1', "
               "'trainer.val_every=0', 'logging.root=runs', '--quiet']\n"
               "sys.exit(cli.main())\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = _python(script, cwd=tmp_path)
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert done.stderr.strip().splitlines()[-1] == (f"interrupted as the run finished; {run_dir.relative_to(tmp_path)} "
@@ -491,8 +494,7 @@ def test_a_second_sigterm_while_the_first_one_s_line_is_said_is_no_traceback() -
               "cli.build_parser = build\n"
               "sys.argv = ['tclightning', 'recipes', 'list']\n"
               "sys.exit(cli.main())\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    done = _python(script)
     assert done.returncode == 130 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
 
 

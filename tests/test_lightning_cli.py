@@ -185,18 +185,23 @@ def test_a_store_fsspec_cannot_make_is_one_line(option, folder, said, tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my_config.yaml"]  # nothing written
 
 
+def _boring_checkpoint(path: str, weights_only: bool = False) -> None:
+    """A checkpoint of Lightning's BoringModel after one step of a fit, saved at ``path``."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), BoringDataModule())
+    trainer.save_checkpoint(path, weights_only=weights_only)
+
+
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 def test_a_weights_only_ckpt_path_that_cannot_resume_a_fit_is_one_line(tmp_path, monkeypatch, capsys):
     """Lightning's own restore of a weights-only checkpoint (``save_weights_only``) into a fit raised
     a KeyError traceback."""
-    import lightning.pytorch as pl
-    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
-
     monkeypatch.chdir(tmp_path)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(BoringModel(), BoringDataModule())
-    trainer.save_checkpoint("weights.ckpt", weights_only=True)
+    _boring_checkpoint("weights.ckpt", weights_only=True)
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
     capsys.readouterr()
     assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "weights.ckpt"]) == 2
@@ -220,15 +225,10 @@ def _metadata_of_ints(checkpoint: dict) -> None:
 def test_a_ckpt_path_whose_state_lightning_cannot_restore_is_one_line(edit, tmp_path, monkeypatch, capsys):
     """Only a KeyError or RuntimeError of Lightning's restore was one line; its other errors on a
     checkpoint of another form (an AttributeError, TypeError, ValueError) were tracebacks."""
-    import lightning.pytorch as pl
     import torch
-    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
     monkeypatch.chdir(tmp_path)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(BoringModel(), BoringDataModule())
-    trainer.save_checkpoint("saved.ckpt")
+    _boring_checkpoint("saved.ckpt")
     checkpoint = torch.load("saved.ckpt", weights_only=False)
     edit(checkpoint)
     torch.save(checkpoint, "crafted.ckpt")
@@ -522,10 +522,8 @@ def test_a_ckpt_path_is_read_for_its_hyper_parameters_once_checked_never_again_b
     after tclightning had checked it: a crafted file renamed over it in between was unpickled
     unchecked (a quadratic ``_codecs.encode`` call ran without end). The arguments come from the
     checked read, merged as LightningCLI merges them."""
-    import lightning.pytorch as pl
     import lightning.pytorch.cli as lightning_cli_module
     import torch
-    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
     class TorchWithoutLoad:  # LightningCLI's torch, whose load by path must not be called
         def __getattr__(self, name: str):
@@ -534,10 +532,7 @@ def test_a_ckpt_path_is_read_for_its_hyper_parameters_once_checked_never_again_b
             return getattr(torch, name)
 
     monkeypatch.chdir(tmp_path)
-    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=0)
-    trainer.fit(BoringModel(), BoringDataModule())
-    trainer.save_checkpoint("boring.ckpt")
+    _boring_checkpoint("boring.ckpt")
     checkpoint = torch.load("boring.ckpt", weights_only=True)
     checkpoint["hparams_name"] = "kwargs"  # what Lightning records for any module that saves its arguments
     torch.save(checkpoint, "named.ckpt")

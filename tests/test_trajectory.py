@@ -197,6 +197,18 @@ def test_the_points_go_into_the_folder_held_whatever_its_name_leads_to(tmp_path:
     assert sorted(p.name for p in (tmp_path / "moved-away").iterdir())[-1] == "point-00000003.pt"
 
 
+class PointMovedIn(pl.Callback):
+    """Another run's point ``name``, moved into the run's trajectory/ once its run folder is made."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        folder = Path(trainer.default_root_dir) / "trajectory"
+        folder.mkdir()
+        (folder / self.name).write_text("theirs")
+
+
 def test_another_run_s_points_moved_into_a_new_run_s_trajectory_are_kept_when_it_stops(tmp_path: Path) -> None:
     """The recorder refuses a new run's trajectory/ holding another run's points; the run, stopping
     before it logged anything, then removed its folder as its own, and those points with it."""
@@ -204,15 +216,9 @@ def test_another_run_s_points_moved_into_a_new_run_s_trajectory_are_kept_when_it
     from tclightning.run import run
     from tests.conftest import FAST
 
-    class MovedIn(pl.Callback):  # another run's points, moved in after the run folder was made
-        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-            folder = Path(trainer.default_root_dir) / "trajectory"
-            folder.mkdir()
-            (folder / "point-00000000.pt").write_text("theirs")
-
     with pytest.raises(TclightningError, match="holds files a new run did not write"):
         run("tiny", [*FAST, "trainer.steps=2", "trainer.val_every=0", f"logging.root={tmp_path}"], quiet=True,
-            extra_callbacks=[MovedIn(), TrajectoryRecorder()])
+            extra_callbacks=[PointMovedIn("point-00000000.pt"), TrajectoryRecorder()])
     (points,) = tmp_path.glob("tiny/*/trajectory/point-00000000.pt")
     assert points.read_text() == "theirs"
 
@@ -232,14 +238,8 @@ def test_a_resume_into_a_new_run_folder_refuses_points_moved_into_its_trajectory
     copied = tmp_path / "copied.ckpt"
     shutil.copyfile(Path(first["run_dir"]) / "checkpoints" / "last.ckpt", copied)
 
-    class MovedIn(pl.Callback):  # another run's points, moved in after the run folder was made
-        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-            folder = Path(trainer.default_root_dir) / "trajectory"
-            folder.mkdir()
-            (folder / "point-00000002.pt").write_text("theirs")
-
     with pytest.raises(TclightningError, match="holds files a new run did not write"):
         run("tiny", [*settings, "trainer.steps=3", f"logging.root={tmp_path / 'second'}"], resume=str(copied),
-            quiet=True, extra_callbacks=[MovedIn(), TrajectoryRecorder()])
+            quiet=True, extra_callbacks=[PointMovedIn("point-00000002.pt"), TrajectoryRecorder()])
     (points,) = tmp_path.glob("second/tiny/*/trajectory/point-00000002.pt")
     assert points.read_text() == "theirs"
