@@ -832,6 +832,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             if launched_here:
                 os.environ.pop(RUN_DIR_ENV, None)
     except (WarmupInterrupted, KeyboardInterrupt) as err:
+        if not isinstance(err, WarmupInterrupted) and trainer is not None and trainer.global_step > 0:
+            _interrupted_in_training(plan, created, started, module, trainer, follower)  # (a second SIGTERM)
         gone = discard_unfinished_run(plan.run_dir, created)
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
         if follower:  # rank 0 says what became of the run directory
@@ -841,21 +843,9 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except SystemExit:
         if trainer is None or not trainer.interrupted:
             raise
-        if follower:  # rank 0 says what became of the run directory, once its checkpoint is in
-            raise RunInterrupted("interrupted") from None
         # Lightning turns a Ctrl-C it did not see coming (before the first step, or a second one
         # during a step) into exit 1 after its own graceful shutdown: say so, and exit 130
-        gone = discard_unfinished_run(plan.run_dir, created)
-        if gone:
-            kept = f"removed {plan.run_dir} (nothing was saved yet)"
-        elif any((plan.run_dir / "checkpoints").glob("*.ckpt")):
-            kept = f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)"
-            # the record of the steps it made (a resumed run's summary.json told of the earlier run's)
-            with contextlib.suppress(OSError):
-                _write_summary(plan.run_dir, started, module, trainer)
-        else:
-            kept = f"{plan.run_dir} keeps the steps it logged; no checkpoint was saved yet, so a resume cannot continue it"
-        raise RunInterrupted(f"interrupted; {kept}") from None
+        _interrupted_in_training(plan, created, started, module, trainer, follower)
     except BaseException as err:
         if isinstance(err, OSError) and not (plan.run_dir / RUN_MARKER).is_file():
             raise TclightningError(f"the run directory {plan.run_dir} went away during the run (removed, moved or "
@@ -871,9 +861,13 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             print(f"note: removed {plan.run_dir}: the run failed before it logged or saved anything",
                   file=sys.stderr, flush=True)
         raise
-    for logger in trainer.loggers:
-        logger.finalize("success")
     signals.release()  # the fit is over: a Ctrl-C or SIGTERM from here is the caller's (it was swallowed)
+    try:
+        with interrupts_held():  # said once the loggers' last rows are on disk
+            for logger in trainer.loggers:
+                logger.finalize("success")
+    except KeyboardInterrupt:
+        raise RunInterrupted(f"interrupted as the run finished; {plan.run_dir} keeps its checkpoints") from None
     if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
         return {}
     try:
@@ -891,6 +885,24 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
         print_summary(summary)
     return summary
+
+
+def _interrupted_in_training(plan: RunPlan, created: bool, started: float, module: Any, trainer: Any,
+                             follower: bool) -> None:
+    """Raise :class:`RunInterrupted` for a run interrupted once its fit began, saying what became of
+    its run directory (rank 0; the others say "interrupted")."""
+    if follower:  # rank 0 says what became of the run directory, once its checkpoint is in
+        raise RunInterrupted("interrupted") from None
+    if discard_unfinished_run(plan.run_dir, created):
+        kept = f"removed {plan.run_dir} (nothing was saved yet)"
+    elif any((plan.run_dir / "checkpoints").glob("*.ckpt")):
+        kept = f"{plan.run_dir} keeps its checkpoints (`--resume` continues it)"
+        # the record of the steps it made (a resumed run's summary.json told of the earlier run's)
+        with contextlib.suppress(OSError):
+            _write_summary(plan.run_dir, started, module, trainer)
+    else:
+        kept = f"{plan.run_dir} keeps the steps it logged; no checkpoint was saved yet, so a resume cannot continue it"
+    raise RunInterrupted(f"interrupted; {kept}") from None
 
 
 def _write_summary(run_dir: Path, started: float, module: Any, trainer: Any) -> dict[str, Any]:

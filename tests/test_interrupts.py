@@ -277,6 +277,29 @@ def test_ctrl_c_right_after_the_run_folder_is_made_removes_it(tmp_path: Path, mo
     assert not any((tmp_path / "runs" / "tiny").iterdir())
 
 
+def test_an_interrupt_that_escapes_the_fit_after_its_steps_never_says_training_had_not_started(
+        tmp_path: Path) -> None:
+    """A second SIGTERM while Lightning shut the run down after a saved step escaped as a bare
+    interrupt, said as "interrupted before training started"."""
+    import lightning.pytorch as pl
+
+    import tclightning.run as run_module
+
+    class InterruptedTwice(pl.Callback):  # the second while Lightning handles the first
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+            if trainer.global_step == 2:  # step 1's checkpoint is in
+                raise KeyboardInterrupt
+
+        def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(run_module.RunInterrupted, match=r"^interrupted; .* keeps its checkpoints \(`--resume` continues it\)"):
+        run("tiny", [*FAST, "trainer.steps=3", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                     f"logging.root={tmp_path / 'runs'}"], quiet=True, extra_callbacks=[InterruptedTwice()])
+    (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+
+
 def test_ctrl_c_while_a_finished_run_writes_its_summary_waits_for_it(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import tclightning.grpo.summary as summary_module
@@ -443,28 +466,43 @@ def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_an_interrupt_while_a_finished_run_writes_its_summary_is_said_once_it_is_written(
-        signum: int, tmp_path: Path) -> None:
-    """A SIGTERM while a finished run wrote summary.json was swallowed (exit 0; a Ctrl-C gave 130):
-    the run's handler for the time before training still held it."""
-    script = ("import os, signal, sys, threading, time\n"
-              "import tclightning.grpo.summary as summary\n"
-              "real = summary.summarize\n"
+@pytest.mark.parametrize("writing", ["summary", "loggers"])
+def test_an_interrupt_while_a_finished_run_writes_its_record_is_said_once_it_is_written(
+        writing: str, signum: int, tmp_path: Path) -> None:
+    """A SIGTERM while a finished run wrote summary.json, or its loggers their last rows, was
+    swallowed (exit 0; a Ctrl-C gave 130): the run's handler for the time before training still held it."""
+    slowed = {"summary": "tclightning.grpo.summary.summarize",
+              "loggers": "tclightning.logging.ResumableCSVLogger.finalize"}[writing]
+    owner, name = slowed.rsplit(".", 1)
+    script = ("import importlib, os, signal, sys, threading, time\n"
+              f"owner = importlib.import_module({owner!r}) if {writing!r} == 'summary' else "
+              f"getattr(importlib.import_module({owner.rsplit('.', 1)[0]!r}), {owner.rsplit('.', 1)[1]!r})\n"
+              f"real = getattr(owner, {name!r})\n"
+              "import tclightning.run as run_module\n"
+              "fit, fitted = run_module._fit, []\n"
+              "def _fit(*args, **kwargs):\n"
+              "    fit(*args, **kwargs)\n"
+              "    fitted.append(True)\n"
+              "run_module._fit = _fit\n"
               "def slow(*args, **kwargs):\n"
-              f"    threading.Timer(0.3, lambda: os.kill(os.getpid(), {int(signum)})).start()\n"
-              "    time.sleep(1.5)\n"
+              "    if fitted:  # as the finished run writes its record (Lightning finalizes its loggers in the fit too)\n"
+              f"        threading.Timer(0.3, lambda: os.kill(os.getpid(), {int(signum)})).start()\n"
+              "        time.sleep(1.5)\n"
               "    return real(*args, **kwargs)\n"
-              "summary.summarize = slow\n"
+              f"setattr(owner, {name!r}, slow)\n"
               "import tclightning.cli.main as cli\n"
               f"sys.argv = ['tclightning', 'run', '--recipe', 'tiny', *{FAST!r}, 'trainer.steps=1', "
               "'trainer.val_every=0', 'logging.root=runs', '--quiet']\n"
               "sys.exit(cli.main())\n")
     done = _python(script, cwd=tmp_path)
     (run_dir,) = (tmp_path / "runs" / "tiny").iterdir()
+    kept = "checkpoints and summary.json" if writing == "summary" else "checkpoints"
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert done.stderr.strip().splitlines()[-1] == (f"interrupted as the run finished; {run_dir.relative_to(tmp_path)} "
-                                                     "keeps its checkpoints and summary.json"), done.stderr[-2000:]
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+                                                     f"keeps its {kept}"), done.stderr[-2000:]
+    if writing == "summary":
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
+    assert len([row for row in csv.DictReader((run_dir / "metrics.csv").open()) if row.get("reward/mean")]) == 1
 
 
 def test_a_second_sigterm_while_the_first_one_s_line_is_said_is_no_traceback() -> None:
