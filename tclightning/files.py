@@ -173,10 +173,6 @@ _OWN_FOLDERS: dict[Path, tuple[int, int]] = {}
 """The folders this process writes its records into (:func:`own_folder`), by absolute path: their
 device and inode when it took them."""
 
-_OWNED_SINCE: dict[Path, int] = {}
-"""When :func:`own_folder` took each folder it found itself (its ``st_mtime_ns`` then: a folder just
-made, its making)."""
-
 _MADE_HERE: set[Path] = set()
 """The folders :func:`own_folder` was told this process made."""
 
@@ -199,7 +195,6 @@ def own_folder(folder: Path, identity: tuple[int, int] | None = None, *, made: b
     if info is None or not stat.S_ISDIR(info.st_mode):  # gone, or a link put in its place
         raise _replaced(folder)
     _OWN_FOLDERS[Path(folder).absolute()] = (info.st_dev, info.st_ino)
-    _OWNED_SINCE[Path(folder).absolute()] = info.st_mtime_ns
 
 
 def made_here(folder: Path) -> bool:
@@ -208,10 +203,22 @@ def made_here(folder: Path) -> bool:
     return Path(folder).absolute() in _MADE_HERE
 
 
-def owned_since(folder: Path) -> int | None:
-    """The filesystem's time (``st_mtime_ns``) when :func:`own_folder` took ``folder`` as it found
-    it, or None: a file in a folder this process just made that is older came from elsewhere."""
-    return _OWNED_SINCE.get(Path(folder).absolute())
+_MADE_FILES: set[tuple[int, int]] = set()
+"""The files this process made (device and inode): :func:`replace_file`'s, :func:`own_file`'s that
+it created, and those :func:`note_made` was told of."""
+
+
+def note_made(fd: int) -> None:
+    """Record the file open at ``fd``, which this process just created, as one of its own."""
+    info = os.fstat(fd)
+    _MADE_FILES.add((info.st_dev, info.st_ino))
+
+
+def made_file(info: os.stat_result) -> bool:
+    """Whether the file ``info`` describes (an ``lstat``) is one this process made: a file found
+    where the process writes that it never made was put there by someone else (under any name and
+    of any age), and is theirs."""
+    return stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) in _MADE_FILES
 
 
 def owned_identity(folder: Path) -> tuple[int, int] | None:
@@ -354,6 +361,8 @@ def own_file(path: Path, mode: str) -> IO[Any]:
         raise TclightningError(f"{path}: is no longer the run's own file (a link, a folder, a FIFO or a device was "
                                "put in its place); nothing was written through it")
     os.set_blocking(fd, True)
+    if flags & os.O_CREAT:
+        note_made(fd)
     if mode.endswith("b"):
         return os.fdopen(fd, mode, buffering=0)
     return os.fdopen(fd, "r" if mode == "r" else "w", newline="")
@@ -414,6 +423,7 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
     it was and removes the temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        note_made(fd)
         os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's file is private; the file it replaces was not
         with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")) as handle:
             write(handle)

@@ -24,7 +24,7 @@ from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.errors import TclightningError, one_line
-from tclightning.files import SameFolder, current_umask, own_file, rename_over, replace_file
+from tclightning.files import SameFolder, current_umask, note_made, own_file, rename_over, replace_file
 from tclightning.network import is_http, remote_setup
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
@@ -129,6 +129,7 @@ class _HeldEventFile:
 
     def __init__(self, path: Path) -> None:
         self._handle = own_file(path, "ab")
+        note_made(self._handle.fileno())  # (TensorBoard made it a moment ago)
 
     def write(self, data: bytes) -> None:
         self._handle.write(data)
@@ -216,6 +217,7 @@ def write_hparams(path: Path, hparams: Any) -> None:
     """Lightning's ``save_hparams_to_yaml`` into a new temporary file beside ``path``, renamed over
     it: never through a link or into a FIFO at the name, and whole or not at all."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    note_made(fd)
     os.fchmod(fd, 0o666 & ~current_umask())  # as the file Lightning would have made
     os.close(fd)
     try:

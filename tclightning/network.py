@@ -2,7 +2,7 @@
 server, a logger's remote store): whether one answers at all, asked before the run starts (the
 libraries that talk to them retry a silent host for minutes); a time limit on the setup work
 done with one (:func:`remote_setup`); and a time limit on each request afterwards
-(:func:`bound_remote_requests`), so a server that answers and then stalls ends the command."""
+(:func:`remote_requests_bounded`), so a server that answers and then stalls ends the command."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 from tclightning.errors import TclightningError
-from tclightning.limits import waited_on, within
+from tclightning.limits import waited_on
 
 T = TypeVar("T")
 
@@ -156,52 +156,72 @@ def hub_answer(path: str, timeout_s: float | None = None) -> NoAnswer | None:
 
 
 def remote_setup(what: str, work: Callable[[], T], timeout_s: float | None = None) -> T:
-    """``work()``, which talks to a remote store or server, given :data:`REMOTE_SETUP_S` (main
-    thread: elsewhere it runs unbounded); ``TclightningError`` naming ``what`` past it, or when the
-    library's own time limit ends it first (``TimeoutError``)."""
+    """``work()``, which talks to a remote store or server, given :data:`REMOTE_SETUP_S` in any
+    thread (:func:`~tclightning.limits.waited_on`: called from a thread of your program, it was
+    unbounded); ``TclightningError`` naming ``what`` past it, or when the library's own time limit
+    ends it first (``TimeoutError``)."""
     timeout_s = REMOTE_SETUP_S if timeout_s is None else timeout_s
     try:
-        return within(work, timeout_s)
+        return waited_on(work, timeout_s)
     except TimeoutError:
         raise TclightningError(f"{what} gave no answer within {timeout_s:g} s; nothing was trained") from None
 
 
-def bound_remote_requests() -> None:
-    """Give each request to a remote store or server :data:`REQUEST_TIMEOUT_S`, where the library's
-    own default waits minutes or for ever: fsspec's http(s) stores (a logger's ``save_dir``, a
-    checkpoint ``dirpath``) and MLflow's tracking server (one retry). Settings you made yourself
-    (fsspec's configuration, ``MLFLOW_HTTP_REQUEST_*``) are kept. Called once by each command."""
+@contextlib.contextmanager
+def remote_requests_bounded() -> Iterator[None]:
+    """In the block each request to a remote store or server gets :data:`REQUEST_TIMEOUT_S`, where
+    the library's own default waits minutes or for ever: fsspec's http(s) stores (a logger's
+    ``save_dir``, a checkpoint ``dirpath``) and webhdfs store, and MLflow's tracking server (one
+    retry). Settings you made yourself (fsspec's configuration, ``MLFLOW_HTTP_REQUEST_*``) are kept,
+    and what the block set is taken back after it: a program of yours that called tclightning keeps
+    its own settings."""
     import fsspec.config
 
     try:
         import aiohttp
     except ImportError:  # fsspec's http store needs it: without it there is no http store to bound
         aiohttp = None
+    added: list[tuple[dict[str, Any], str]] = []  # (mapping, key) set here, taken back after
+
+    def set_default(mapping: dict[str, Any], key: str, value: Any) -> Any:
+        if key not in mapping:
+            mapping[key] = value
+            added.append((mapping, key))
+        return mapping[key]
+
     if aiohttp is not None:
         limit = aiohttp.ClientTimeout(total=REQUEST_TOTAL_S, sock_connect=REQUEST_TIMEOUT_S,
                                       sock_read=REQUEST_TIMEOUT_S)
         for protocol in ("http", "https"):
-            client = fsspec.config.conf.setdefault(protocol, {}).setdefault("client_kwargs", {})
-            client.setdefault("timeout", limit)
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    _bound_webhdfs_requests()
+            client = set_default(set_default(fsspec.config.conf, protocol, {}), "client_kwargs", {})
+            set_default(client, "timeout", limit)
+    set_default(os.environ, "MLFLOW_HTTP_REQUEST_TIMEOUT", str(REQUEST_TIMEOUT_S))  # type: ignore[arg-type]
+    set_default(os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # type: ignore[arg-type]
+    unbound = _bound_webhdfs_requests()
+    try:
+        yield
+    finally:
+        for mapping, key in reversed(added):
+            mapping.pop(key, None)
+        if unbound is not None:
+            unbound()
 
 
-def _bound_webhdfs_requests() -> None:
+def _bound_webhdfs_requests() -> Callable[[], None] | None:
     """fsspec's webhdfs store sends every request through a ``requests`` session without a timeout:
     a server that stops answering held whatever asked it (LightningCLI resolving ``--ckpt_path
     last``, a learning-rate finder removing its checkpoint) for ever. Its sessions get
     :data:`REQUEST_TIMEOUT_S` to connect and for the next bytes, where a request names none, and
     :data:`REQUEST_TOTAL_S` for the whole request, in any thread (Lightning's ``AsyncCheckpointIO``
-    saves from its own)."""
+    saves from its own). Returns what puts the store back as it was (None: bounded already, or
+    no webhdfs store)."""
     try:
         import requests
         from fsspec.implementations.webhdfs import WebHDFS
     except ImportError:  # no requests: no webhdfs store to bound
-        return
+        return None
     if getattr(WebHDFS._connect, "requests_bounded", False):
-        return
+        return None
 
     class BoundedSession(requests.Session):
         def request(self, *args: Any, **kwargs: Any) -> Any:
@@ -216,6 +236,11 @@ def _bound_webhdfs_requests() -> None:
 
     bounded_connect.requests_bounded = True  # type: ignore[attr-defined]
     WebHDFS._connect = bounded_connect
+
+    def unbound() -> None:
+        WebHDFS._connect = connect
+
+    return unbound
 
 
 def remote_failure(err: BaseException) -> str | None:

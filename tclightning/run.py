@@ -23,13 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from tclightning.console import interrupts_held
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, own_folder, owned_identity,
-                              owned_since, refused_by_storage, regular_file, remove_tree, replace_file, replace_text,
-                              require_writable, storage_reason, tree, unused_name)
+from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, made_file, own_file,
+                              own_folder, owned_identity, refused_by_storage, regular_file, remove_tree, replace_file,
+                              replace_text, require_writable, storage_reason, tree, unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
                                  mlflow_logs_in_background, mlflow_tracking_uri)
-from tclightning.network import bound_remote_requests
+from tclightning.network import remote_requests_bounded
 from tclightning.pipeline.config import PipelineConfig
 from tclightning.recipes.loader import (
     find_recipe,
@@ -389,7 +389,8 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False,
         marker = held.path / RUN_MARKER
         if not marker.exists():
             try:
-                marker.write_text(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
+                with own_file(marker, "x") as written:
+                    written.write(f"tclightning run directory (recipe {recipe.name}); --resume may write here\n")
             except OSError:
                 if new:  # the directory this run just claimed holds nothing else
                     marker.unlink(missing_ok=True)
@@ -712,7 +713,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
     check_hub_model(recipe.model)  # an uncached hub name offline: one line now, not a minute of retries
     require_logger_servers(recipe)
-    bound_remote_requests()  # a server that answers now and stalls later: each request has a time limit
+    held.enter_context(remote_requests_bounded())  # a server that answers now and stalls later: each request
+    # has a time limit, for this run (a program of yours that called it keeps its own settings)
     if resume is None:  # a resumed run writes into the checkpoint's run directory instead
         require_pipeline_strategy_for_its_keys(recipe)
         require_writable_root(recipe)
@@ -861,30 +863,35 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             print(f"note: removed {plan.run_dir}: the run failed before it logged or saved anything",
                   file=sys.stderr, flush=True)
         raise
-    signals.release()  # the fit is over: a Ctrl-C or SIGTERM from here is the caller's (it was swallowed)
+    summary: dict[str, Any] | None = None
     try:
-        with interrupts_held():  # said once the loggers' last rows are on disk
+        signals.fit_over()  # a Ctrl-C or SIGTERM from here stops the command (one was swallowed) ...
+        with interrupts_held():  # ... once the loggers' last rows and the summary are on disk
             for logger in trainer.loggers:
                 logger.finalize("success")
+            if trainer.global_rank == 0:  # rank 0 logs, checkpoints and summarises
+                summary = _finished_summary(plan.run_dir, started, module, trainer)
     except KeyboardInterrupt:
-        raise RunInterrupted(f"interrupted as the run finished; {plan.run_dir} keeps its checkpoints") from None
-    if trainer.global_rank != 0:  # rank 0 logs, checkpoints and summarises
+        kept = "its checkpoints" + (" and summary.json" if summary is not None else "")
+        raise RunInterrupted(f"interrupted as the run finished; {plan.run_dir} keeps {kept}") from None
+    if summary is None:
         return {}
-    try:
-        summary = _write_summary(plan.run_dir, started, module, trainer)
-    except KeyboardInterrupt:  # taken while it wrote: said once it is written
-        raise RunInterrupted(f"interrupted as the run finished; {plan.run_dir} keeps its checkpoints and "
-                             "summary.json") from None
-    except OSError as err:
-        if not refused_by_storage(err):
-            raise
-        raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
-                           "its checkpoints and metrics.csv are kept") from None
     if not quiet:
         from tclightning.grpo.summary import print_summary
 
         print_summary(summary)
     return summary
+
+
+def _finished_summary(run_dir: Path, started: float, module: Any, trainer: Any) -> dict[str, Any]:
+    """:func:`_write_summary` of a finished run; a refusal of the storage is one line."""
+    try:
+        return _write_summary(run_dir, started, module, trainer)
+    except OSError as err:
+        if not refused_by_storage(err):
+            raise
+        raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
+                           "its checkpoints and metrics.csv are kept") from None
 
 
 def _interrupted_in_training(plan: RunPlan, created: bool, started: float, module: Any, trainer: Any,
@@ -1069,7 +1076,7 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     checkpoint and no logged step in ``metrics.csv`` (a run stopped after a few logged steps, by a
     NaN say, keeps its metrics for the diagnosis), and nothing but the run's own files (another
     run whose ``logging.root`` lies inside it, a user's file, a folder where the run writes a file,
-    a bind mount, a file older than the run folder under a name the run writes: all kept, and the
+    a bind mount, a file the run did not make under a name the run writes: all kept, and the
     directory with them). Only the entries checked are removed, as they were when checked: one
     renamed in meanwhile stays, and the folder with it. A directory resumed into is never
     touched. Returns whether it was removed."""
@@ -1081,19 +1088,11 @@ def discard_unfinished_run(run_dir: Path, created: bool) -> bool:
     return entries is not None and remove_tree(run_dir, identity=owned_identity(run_dir), only=entries)
 
 
-FILE_TIME_SLACK_NS = 50_000_000
-"""How much older than its run folder a file the run wrote may look (the filesystem stamps a
-folder's making and a file's writing from clocks of a few milliseconds' grain)."""
-
-
 def _run_own_entries(run_dir: Path) -> dict[str, tuple[int, int]] | None:
     """The entries of a new run folder this process made (``(st_dev, st_ino)`` by path relative to
-    it) when every one is the run's own: its files by name, regular and written since the folder was
-    made, and :data:`RUN_FOLDERS` as the run took them holding only the files it writes there.
-    None when anything is not (someone's file, folder, link or mount, or a folder it never took)."""
-    since = owned_since(run_dir)
-    if since is None:
-        return None
+    it) when every one is the run's own: its files by name, each one this process made, and
+    :data:`RUN_FOLDERS` as the run took them holding only the files it writes there. None when
+    anything is not (someone's file, folder, link or mount, or a folder it never took)."""
     own = {name.split("/", 1)[0] for name in RUN_FILES}
     entries: dict[str, tuple[int, int]] = {}
 
@@ -1104,8 +1103,8 @@ def _run_own_entries(run_dir: Path) -> dict[str, tuple[int, int]] | None:
             return False  # gone meanwhile: the removal leaves whatever is there now
         if stat.S_ISDIR(info.st_mode):  # a folder moved (or mounted) there that the run refused, never took, or lost
             ours = name in RUN_FOLDERS and owned_identity(path) == (info.st_dev, info.st_ino)
-        else:  # the run writes no links; an older file was moved in, under whatever name
-            ours = stat.S_ISREG(info.st_mode) and info.st_mtime_ns >= since - FILE_TIME_SLACK_NS
+        else:  # the run writes no links; a file it never made was moved in, under whatever name
+            ours = made_file(info)
         if ours:
             entries[name] = (info.st_dev, info.st_ino)
         return ours

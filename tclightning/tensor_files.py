@@ -392,11 +392,16 @@ class _PickleCheck:
         self.int_keys: dict[_Value, int] = {}  # per dict
         self.not_metadata: set[_Value] = set()  # dicts holding a key other than "_metadata"
         self.keys: dict[_Value, list[str | None]] = {}  # per dict: its str keys' text (None: another key)
+        self.unbuilt: set[_Value] = set()  # objects made (NEWOBJ) whose fields no BUILD has set yet
 
     def run(self, pickled: IO[bytes]) -> None:
         try:
             for opcode, arg, _ in pickletools.genops(pickled):
                 if opcode.name == "STOP":
+                    if self.unbuilt:  # an object without its fields fails wherever one is read
+                        made = (next(iter(self.unbuilt)).text or "an object").replace(" ", ".")
+                        raise RefusedTensorFile(f"its pickle builds a {made} without setting its fields, which "
+                                                "torch.save never writes")
                     return
                 self.step(opcode.name, arg)
         except (ValueError, IndexError, KeyError, EOFError) as err:  # genops: cut short; ours: a stack underflow
@@ -458,7 +463,9 @@ class _PickleCheck:
             args, cls = stack.pop(), stack.pop()
             if cls.kind != "global" or cls.text not in self.classes or args.kind != "tuple" or args.items:
                 raise RefusedTensorFile(f"its pickle builds {_named(cls)}, which torch.save never writes here")
-            push(_Value("object", cls.text))
+            made = _Value("object", cls.text)
+            self.unbuilt.add(made)
+            push(made)
         elif name == "BUILD":
             self._build(stack.pop(), stack[-1])
         elif name != "PROTO":
@@ -536,6 +543,7 @@ class _PickleCheck:
         given = state if state.kind == "dict" else fields[0] if len(fields) == 2 and fields[1].kind == "none" else None
         if target.kind == "object" and given is not None and given.kind == "dict" \
                 and sorted(self.keys.get(given, []), key=str) == sorted(self.classes[target.text or ""]):
+            self.unbuilt.discard(target)
             return  # a dataclass's fields, each once: an attribute more could hide a method (``select``)
         if target.kind == "dict" and state.kind == "dict" and state not in self.not_metadata:
             return  # a state dict's ``_metadata``; any other attribute could hide its items (``values``)

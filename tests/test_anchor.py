@@ -434,3 +434,22 @@ def test_sign_agreement_is_averaged_over_the_ticks_of_a_step(tmp_path: Path) -> 
     last = spy.per_step[-1]
     assert len(last) == 2
     assert float(module.trainer.callback_metrics["anchor/sign_agreement"]) == pytest.approx(sum(last) / 2)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda state: state["pending"][0].__setitem__("due_tick", 10**30),
+    lambda state: state["pending"][0].__setitem__("latency", -1),
+    lambda state: state["pending"].append(copy.deepcopy(state["pending"][0])),
+    lambda state: state.__setitem__("last_record_tick", 0),
+], ids=["never-due", "negative-latency", "one-tick-twice", "recorded-after-the-last-record"])
+def test_an_anchor_circuit_state_whose_schedule_no_run_writes_is_one_line(edit) -> None:  # noqa: ANN001
+    """A pending job due at tick 10^30 was never delivered, one listed three times was delivered three
+    times: each resumed without a word."""
+    saved = AnchorCircuit(AnchorSchedule(latency=5, cadence=5))
+    for tick in range(7):
+        saved.maybe_record(tick, lambda: [torch.zeros(2)])
+    state = copy.deepcopy(saved.state_dict())
+    AnchorCircuit(AnchorSchedule(latency=5, cadence=5)).load_state_dict(copy.deepcopy(state))  # as saved: taken
+    edit(state)
+    with pytest.raises(TclightningError, match="anchor circuit state is not one tclightning writes"):
+        AnchorCircuit(AnchorSchedule(latency=5, cadence=5)).load_state_dict(state)

@@ -5,6 +5,7 @@ Hugging Face Hub, W&B) that keeps silent is refused before anything is written."
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import socket
@@ -1061,17 +1062,18 @@ def test_each_request_to_a_webhdfs_store_has_a_time_limit(server: str, thread: s
 
     monkeypatch.setattr(network, "REQUEST_TIMEOUT_S", 1)
     monkeypatch.setattr(network, "REQUEST_TOTAL_S", 2)
-    network.bound_remote_requests()
-    network.bound_remote_requests()  # once is enough: bounded once
+    unbounded = WebHDFS._connect
     host, port = request.getfixturevalue(server).removeprefix("http://").split(":")
-    store = WebHDFS(host, port=int(port), skip_instance_cache=True)
-    started = time.monotonic()
-    with pytest.raises((requests.exceptions.Timeout, TimeoutError)) as stalled:
-        if thread == "main":
-            store.ls("/checkpoints")
-        else:
-            with ThreadPoolExecutor(1) as worker:
-                worker.submit(store.ls, "/checkpoints").result()
+    with network.remote_requests_bounded(), network.remote_requests_bounded():  # once is enough: bounded once
+        store = WebHDFS(host, port=int(port), skip_instance_cache=True)
+        started = time.monotonic()
+        with pytest.raises((requests.exceptions.Timeout, TimeoutError)) as stalled:
+            if thread == "main":
+                store.ls("/checkpoints")
+            else:
+                with ThreadPoolExecutor(1) as worker:
+                    worker.submit(store.ls, "/checkpoints").result()
+    assert WebHDFS._connect is unbounded  # a program that called tclightning keeps its store as it was
     assert time.monotonic() - started < 10  # the dripping server drips for 20 s
     assert network.remote_failure(stalled.value).startswith("a remote store or server stopped answering")
 
@@ -1083,16 +1085,19 @@ def test_each_request_to_a_remote_store_has_a_time_limit(silent_server: str, mon
     import fsspec
     import fsspec.config
 
-    monkeypatch.setattr(fsspec.config, "conf", {"https": {"client_kwargs": {"trust_env": True}}})
+    yours = {"https": {"client_kwargs": {"trust_env": True}}}
+    monkeypatch.setattr(fsspec.config, "conf", copy.deepcopy(yours))
     monkeypatch.setattr(network, "REQUEST_TIMEOUT_S", 1)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-    network.bound_remote_requests()
-    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "1" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
-    assert fsspec.config.conf["https"]["client_kwargs"]["trust_env"] is True
-    store = fsspec.filesystem("http", skip_instance_cache=True)
-    with pytest.raises(TimeoutError) as stalled:
-        store.cat_file(f"{silent_server}/logs/metrics.csv")
+    with network.remote_requests_bounded():
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "1" and os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "3"
+        assert fsspec.config.conf["https"]["client_kwargs"]["trust_env"] is True
+        store = fsspec.filesystem("http", skip_instance_cache=True)
+        with pytest.raises(TimeoutError) as stalled:
+            store.cat_file(f"{silent_server}/logs/metrics.csv")
+    # a program of yours that called tclightning keeps its own settings, as they were
+    assert fsspec.config.conf == yours and "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
     reason = network.remote_failure(stalled.value)
     assert reason is not None and reason.startswith("a remote store or server stopped answering")
     assert network.remote_failure(ValueError("a bug")) is None
@@ -1149,3 +1154,30 @@ def test_a_gguf_file_rewritten_in_place_between_its_reads_is_never_what_is_read(
     monkeypatch.setattr(loading, "_gguf_metadata", then_rewritten)
     model, _ = load_model(ModelConfig(source="gguf", gguf_file=str(path)))
     assert model.config.num_hidden_layers == 1 and model.config._name_or_path == str(path)
+
+
+def test_a_remote_setup_is_bounded_in_a_thread_of_your_program_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run(...)`` called from a thread of a program waited without end on a hub that answered
+    once and then dripped: the setup's limit was an alarm, which only the main thread gets."""
+    import threading
+
+    import tclightning.limits as limits
+    from tclightning.network import remote_setup
+
+    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's work given up on: none yet
+    stalled = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def setup_in_a_thread() -> None:
+        try:
+            remote_setup("the Hugging Face dataset foo/bar's files", lambda: stalled.wait(60), timeout_s=0.5)
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(err)
+
+    caller = threading.Thread(target=setup_in_a_thread)
+    caller.start()
+    caller.join(30)
+    stalled.set()
+    assert outcome and isinstance(outcome[0], TclightningError), outcome
+    assert "foo/bar's files gave no answer within 0.5 s" in str(outcome[0])

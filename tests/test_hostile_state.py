@@ -414,8 +414,8 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
         for made in ("tb", "checkpoints"):
             (folder / made).mkdir(parents=True)
             own_folder(folder / made)
-        (folder / RUN_MARKER).write_text("")
-        (folder / "recipe.yaml").write_text("name: tiny\n")
+        _made_by_the_run(folder / RUN_MARKER)
+        _made_by_the_run(folder / "recipe.yaml", "name: tiny\n")
         return folder
 
     alone = unfinished("alone")
@@ -438,8 +438,16 @@ def test_a_failed_run_keeps_its_folder_when_another_run_or_a_file_lies_inside(tm
     written = unfinished("written")  # what the run itself writes there goes with it
     for own in ("tb/events.out.tfevents.1.host.1.0", "tb/hparams.yaml", "checkpoints/.last.ckpt.tmp"):
         (written / own).parent.mkdir(exist_ok=True)
-        (written / own).write_text("")
+        _made_by_the_run(written / own)
     assert discard_unfinished_run(written, created=True) and not written.exists()
+
+
+def _made_by_the_run(path: Path, text: str = "written by the run") -> None:
+    """``path`` written as the run writes its files (this process made it)."""
+    from tclightning.files import own_file
+
+    with own_file(path, "x") as handle:
+        handle.write(text)
 
 
 def _failed_new_run(folder: Path) -> Path:
@@ -453,7 +461,7 @@ def _failed_new_run(folder: Path) -> Path:
         (folder / made).mkdir()
         own_folder(folder / made)
     for written in (RUN_MARKER, "recipe.yaml", "tb/hparams.yaml", "tb/events.out.tfevents.1.host.1.0"):
-        (folder / written).write_text("written by the run")
+        _made_by_the_run(folder / written)
     return folder
 
 
@@ -489,17 +497,21 @@ def test_what_is_renamed_into_a_failed_run_folder_after_its_check_stays(put: str
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*")) == sorted({kept, kept.split("/")[0]})
 
 
-def test_a_file_older_than_a_failed_run_folder_under_a_name_the_run_writes_is_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("written", ["before-the-run", "during-the-run"])
+def test_a_file_of_yours_moved_into_a_failed_run_folder_under_a_name_the_run_writes_is_kept(
+        written: str, tmp_path: Path) -> None:
     """A file of yours moved into a failed new run's folder under a name the run writes (an events
-    file into tb/, a summary.json) was removed with it: the names were all that was checked."""
+    file into tb/, a summary.json) was removed with it: the names were all that was checked (then
+    its age, and one written during the run was still removed)."""
     from tclightning.run import discard_unfinished_run
 
-    for placed in ("summary.json", "tb/events.out.tfevents.2.host.2.0"):
+    for placed in ("summary.json", "tb/events.out.tfevents.2.host.2.0", "recipe.yaml"):
         run_dir = _failed_new_run(tmp_path / placed.replace("/", "-"))
         mine = tmp_path / f"mine-{run_dir.name}"
         mine.write_text("precious")
-        os.utime(mine, ns=(time.time_ns() - 3600 * 10**9,) * 2)  # written an hour before the run began
-        mine.rename(run_dir / placed)
+        if written == "before-the-run":
+            os.utime(mine, ns=(time.time_ns() - 3600 * 10**9,) * 2)
+        mine.replace(run_dir / placed)
         assert not discard_unfinished_run(run_dir, created=True)
         assert (run_dir / placed).read_text() == "precious"
     assert discard_unfinished_run(fresh := _failed_new_run(tmp_path / "fresh"), created=True) and not fresh.exists()
@@ -1238,7 +1250,8 @@ def _with_metadata(checkpoint: dict, metadata: object) -> None:
     (lambda c: _with_metadata(c, [1]), "its pickle sets the state of a dict in a form torch.save never writes"),
     (lambda c: c.__setitem__("state_dict", {i: t for i, t in enumerate(c["state_dict"].values())}),
      "keyed by int 0, not by name"),
-], ids=["metadata-of-ints", "metadata-a-list", "int-keys"])
+    (lambda c: c["state_dict"].__setitem__(None, torch.zeros(1)), "keyed by NoneType None, not by name"),
+], ids=["metadata-of-ints", "metadata-a-list", "int-keys", "a-none-key"])
 def test_a_state_dict_of_another_form_is_one_line_everywhere(run_dir: Path, tmp_path: Path, edit, said: str,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """torch's load_state_dict reads a state dict's ``_metadata`` and keys as torch.save writes
@@ -1309,7 +1322,7 @@ def test_a_rollouts_object_in_a_checkpoint_is_walked_like_any_container(tmp_path
         load_checkpoint(tmp_path / "x.ckpt")
 
 
-@pytest.mark.parametrize("state", ["an-attribute-more", "a-field-missing", "a-field-twice"])
+@pytest.mark.parametrize("state", ["an-attribute-more", "a-field-missing", "a-field-twice", "no-fields-at-all"])
 def test_a_rollouts_object_in_a_checkpoint_holds_its_fields_and_nothing_else(tmp_path: Path, state: str) -> None:
     """A ``Rollouts`` pickled with an attribute more (``select`` set to an OrderedDict, hiding its
     method) passed the scan, and a resume failed on it with a TypeError traceback."""
@@ -1329,10 +1342,14 @@ def test_a_rollouts_object_in_a_checkpoint_holds_its_fields_and_nothing_else(tmp
         rollouts.select = OrderedDict()  # type: ignore[method-assign]
     elif state == "a-field-missing":
         del rollouts.texts
+    elif state == "no-fields-at-all":  # torch.save writes no BUILD for an empty __dict__
+        rollouts = object.__new__(Rollouts)
     torch.save({"tclightning": {"anchor": {"pending": [{"rollouts": rollouts}]}}}, tmp_path / "x.ckpt")
     if state == "a-field-twice":  # the same key set twice in the fields' dict (torch.save never repeats one)
         _repeat_a_field(tmp_path / "plain.ckpt", tmp_path / "x.ckpt")
-    with pytest.raises(CheckpointRefused, match="sets the state of a object in a form torch.save never writes"):
+    said = ("builds a tclightning.sampling.base.Rollouts without setting its fields" if state == "no-fields-at-all"
+            else "sets the state of a object in a form torch.save never writes")
+    with pytest.raises(CheckpointRefused, match=said):
         load_checkpoint(tmp_path / "x.ckpt")
 
 

@@ -505,6 +505,29 @@ def test_an_interrupt_while_a_finished_run_writes_its_record_is_said_once_it_is_
     assert len([row for row in csv.DictReader((run_dir / "metrics.csv").open()) if row.get("reward/mean")]) == 1
 
 
+@pytest.mark.parametrize("command", [["tclightning", "recipes", "list"], ["lightning", "fit", "--help"]])
+def test_an_interrupt_while_torch_loads_is_said_once_it_is_loaded(command: list[str], tmp_path: Path) -> None:
+    """A SIGTERM or Ctrl-C while torch's C++ start-up ran aborted the command with a C++ stack
+    (SIGABRT), or was swallowed there and the command went on (or failed on a half-imported module)."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import os, signal, time\n"
+        "try:  # what torch's C++ start-up does with an interrupt raised inside it: it cannot pass it on\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(1)\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n")
+    main = "tclightning.cli.main" if command[0] == "tclightning" else "tclightning.cli.lightning"
+    script = (f"import signal, sys\nimport {main} as cli\n"
+              "signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C is, before a command holds it\n"
+              f"sys.argv = {command!r}\nsys.exit(cli.main())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"})
+    assert done.returncode == 130 and done.stderr.strip().splitlines()[-1] == "interrupted", \
+        (done.returncode, done.stderr[-2000:])
+
+
 def test_a_second_sigterm_while_the_first_one_s_line_is_said_is_no_traceback() -> None:
     """A SIGTERM stopped a resume's restore; a second one, milliseconds later, came while the
     command said so: a KeyboardInterrupt traceback after the one line."""

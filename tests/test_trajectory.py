@@ -243,3 +243,16 @@ def test_a_resume_into_a_new_run_folder_refuses_points_moved_into_its_trajectory
             quiet=True, extra_callbacks=[PointMovedIn("point-00000002.pt"), TrajectoryRecorder()])
     (points,) = tmp_path.glob("second/tiny/*/trajectory/point-00000002.pt")
     assert points.read_text() == "theirs"
+
+
+def test_a_new_fit_never_writes_over_the_points_in_a_folder_you_named(tmp_path: Path) -> None:
+    """``TrajectoryRecorder(dirpath=X)``: a second fit from step 0 wrote its points over the first
+    fit's in X without a word."""
+    from tclightning.errors import TclightningError
+
+    points = tmp_path / "points"
+    _fit(tmp_path / "first", TrajectoryRecorder(every=3, dirpath=points))
+    before = {p.name: p.read_bytes() for p in points.iterdir()}
+    with pytest.raises(TclightningError, match="holds files a new run did not write"):
+        _fit(tmp_path / "second", TrajectoryRecorder(every=3, dirpath=points))
+    assert {p.name: p.read_bytes() for p in points.iterdir()} == before

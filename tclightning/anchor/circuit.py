@@ -231,7 +231,27 @@ class AnchorCircuit:
             raise TclightningError(f"the checkpoint's anchor circuit state is not one tclightning writes "
                                    f"({type(err).__name__}: {' '.join(str(err).split())[:120]}); resume with the "
                                    "recipe that saved it") from None
+        problem = _schedule_problem(pending, last_record_tick)
+        if problem is not None:
+            raise TclightningError(f"the checkpoint's anchor circuit state is not one tclightning writes ({problem}); "
+                                   "resume with the recipe that saved it")
         self.pending, self.last_record_tick, self.recorded, self.delivered = pending, last_record_tick, recorded, delivered
+
+
+def _schedule_problem(pending: Sequence[AnchorJob], last_record_tick: int | None) -> str | None:
+    """What no run writes in ``pending`` jobs: a job due other than ``latency`` ticks after it was
+    recorded (never delivered, or delivered at once), a negative latency or a cadence below 1, two
+    jobs of one tick (delivered twice), or a job recorded after the last record tick."""
+    ticks = [job.tick for job in pending]
+    for job in pending:
+        if job.latency < 0 or job.cadence < 1 or job.tick < 0 or job.due_tick != job.tick + job.latency:
+            return (f"the job of tick {job.tick} has latency {job.latency}, cadence {job.cadence} and is due at tick "
+                    f"{job.due_tick}")
+        if last_record_tick is None or job.tick > last_record_tick:
+            return f"the job of tick {job.tick} was recorded after the last record tick {last_record_tick}"
+    if len(set(ticks)) < len(ticks):
+        return "two pending jobs of one tick"
+    return None
 
 
 def rank_share(state: Any, rank: int, world_size: int) -> Any:

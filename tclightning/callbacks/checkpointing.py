@@ -527,6 +527,7 @@ class SigtermBeforeTraining(L.Callback):
         self.armed = False
         self.received = False
         self.training = False
+        self.over = False  # the fit has ended
         self._in_training = 0  # SIGTERMs since training started (Lightning calls this handler after its own)
         self._previous: dict[int, Any] = {}
 
@@ -540,7 +541,7 @@ class SigtermBeforeTraining(L.Callback):
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.armed:
+        if self.armed or self.over:
             self.received = True
             interrupt(signum, frame)
         elif signum == signal.SIGINT:  # after training started (its handler is back by then, but a race)
@@ -578,12 +579,12 @@ class SigtermBeforeTraining(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.training = False  # the last checkpoint is being committed: SIGTERM only asks to stop
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    def fit_over(self) -> None:
+        """From now on a Ctrl-C or SIGTERM stops the command as it does before training (one after the
+        fit, while the run wrote its summary, was swallowed here)."""
+        self.over = True
 
-    def release(self) -> None:
-        """The handlers from before: once the fit is over, a Ctrl-C or SIGTERM is the caller's again
-        (one while the run wrote its summary was swallowed here)."""
+    def __exit__(self, *exc: object) -> None:
         self.armed = False
         self.training = False
         for signum in list(self._previous):

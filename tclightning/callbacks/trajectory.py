@@ -130,7 +130,7 @@ class TrajectoryRecorder(Callback):
         folder = self.directory(trainer)
         if self._folder is None or self._folder.folder != folder:
             # a new run's, or one whose run folder this process made (a resume from a copied checkpoint)
-            self._take(folder, fresh=index == 0 or made_here(folder.parent))
+            self._take(folder, fresh=index == 0 or (self.dirpath is None and made_here(folder.parent)))
         self._folder.check()  # a link or folder swapped in mid-run: said, the points never carried there
         name = f"point-{index:08d}.pt"
         record: dict[str, Any] = {
@@ -142,18 +142,18 @@ class TrajectoryRecorder(Callback):
 
     def _take(self, folder: Path, fresh: bool) -> None:
         """Hold the points' folder open (made if missing, never through a link) and write every
-        point through it. The run's own ``trajectory/`` at a new run's first point, or in a run folder
-        this process made (a resume from a checkpoint copied out of its run), is made by the run: one
-        holding files already, or a mount point, is someone's (another run's points would be written
-        over), refused in one line."""
+        point through it. At a new run's first point the folder (the run's own ``trajectory/``, or
+        ``dirpath``) holding files already is someone's (another run's points would be written over),
+        refused in one line; so is the run's own ``trajectory/`` in a run folder this process made (a
+        resume from a checkpoint copied out of its run), and one that is a mount point."""
         self.teardown()
         own = self.dirpath is None
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            held = HeldFolder(folder, empty=own and fresh)
+            held = HeldFolder(folder, empty=fresh)
         except OSError as err:
-            reason = ("holds files a new run did not write (another run's points?)" if err.errno == errno.ENOTEMPTY
-                      else "is a link, a file or no longer a folder")
+            reason = ("holds files a new run did not write (another run's points? a new run needs an empty folder)"
+                      if err.errno == errno.ENOTEMPTY else "is a link, a file or no longer a folder")
             raise TclightningError(f"TrajectoryRecorder: {folder} {reason}; no point was written there") from None
         if own and held.mount_point:
             held.close()

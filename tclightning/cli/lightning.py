@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tclightning.cli import run as run_cli
 from tclightning.cli.formatting import HelpFormatter
-from tclightning.cli.main import dispatch, finish_loggers_or_exit
+from tclightning.cli.main import dispatch, finish_loggers_or_exit, load_torch_holding_interrupts
 from tclightning.console import exit_at_late_interrupt, shown
 from tclightning.errors import TclightningError
 
@@ -132,9 +132,7 @@ def lightning_cli(argv: Sequence[str]) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     from tclightning.callbacks.checkpointing import checkpoint_allow_list
-    from tclightning.network import bound_remote_requests, remote_failure
-
-    bound_remote_requests()  # a store or server that stalls mid-fit: each request has a time limit
+    from tclightning.network import remote_failure, remote_requests_bounded
 
     class CheckedCheckpointCLI(LightningCLI):
         """LightningCLI, whose ``--ckpt_path`` hyper-parameters (which it merges into the model's
@@ -206,8 +204,9 @@ def lightning_cli(argv: Sequence[str]) -> int:
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
     try:  # LightningCLI's own default: a config.yaml already there (yours, with no logger) is never overwritten
-        with checkpoint_allow_list(), _configuration_bounded():  # a tclightning checkpoint's few data objects
-            # (the RNG states), for Lightning too
+        # a tclightning checkpoint's few data objects (the RNG states), for Lightning too; a store or
+        # server that stalls mid-fit: each request has a time limit
+        with checkpoint_allow_list(), _configuration_bounded(), remote_requests_bounded():
             CheckedCheckpointCLI(LightningModule, LightningDataModule, subclass_mode_model=True,
                                  subclass_mode_data=True, args=args)
     except TclightningError:
@@ -302,6 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = bool(args) and args[0] == "--debug"
     rest = args[1:] if debug else args
+    if argv is None:
+        try:
+            load_torch_holding_interrupts()
+        except KeyboardInterrupt:  # Ctrl-C while the command starts
+            print("interrupted", file=sys.stderr)
+            return 130
     if rest and rest[0] in CLI_COMMANDS:  # LightningCLI parses its own options (argparse would refuse them)
         _hangup_is_sigterm()
         try:
@@ -311,6 +316,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(f"error: {shown(str(err))}", file=sys.stderr)
             code = err.exit_code
+        except KeyboardInterrupt:  # a Ctrl-C before Lightning's fit holds it (while the command starts)
+            if debug:
+                raise
+            print("interrupted", file=sys.stderr)
+            code = 130
     else:
         code = dispatch(build_parser(), args, console=argv is None)
     if argv is None:  # the console command: Ctrl-C during Python's shutdown must not undo its result

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from tclightning import __version__
-from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_teardown, outlive_console,
-                                 refused_output, shown, sigterm_interrupts)
+from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_teardown, interrupts_held,
+                                 outlive_console, refused_output, shown, sigterm_interrupts)
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
 from tclightning.network import remote_failure
@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (run, recipes, analyze, probe, bench, export):
         module.register(subparsers)
     return parser
+
+
+def load_torch_holding_interrupts() -> None:
+    """Import torch (the commands' parser loads it) with Ctrl-C, SIGTERM and SIGHUP held until it is done:
+    raised inside its C++ start-up, an interrupt aborts the process with a C++ stack, or is swallowed
+    and leaves a module half imported."""
+    with interrupts_held():
+        import torch  # noqa: F401
 
 
 def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, console: bool = False) -> int:
@@ -94,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sigterm_interrupts()
     outlive_console()  # `| head -1`, stdout or stderr closed or full: the command goes on, never a traceback
     try:
+        if argv is None:
+            load_torch_holding_interrupts()
         parser = build_parser()
     except KeyboardInterrupt:  # Ctrl-C while the subcommands import
         print("interrupted", file=sys.stderr)

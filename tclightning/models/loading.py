@@ -23,6 +23,7 @@ from transformers import (
 )
 
 from tclightning import network
+from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_files, refused_by_storage, regular_file, tree
 from tclightning.limits import watched, within
@@ -88,10 +89,10 @@ def check_state_dict_form(given: Any, source: str) -> None:
     traceback on an int key or a ``_metadata`` of other values."""
     if not isinstance(given, Mapping):
         raise TclightningError(f"{source}: its state_dict is a {type(given).__name__}, not weights by name")
-    key = next((key for key in given if not isinstance(key, str)), None)
-    if key is not None:
-        raise TclightningError(f"{source}: its state_dict holds a weight keyed by {type(key).__name__} {key!r}, "
-                               "not by name")
+    for key in given:
+        if not isinstance(key, str):
+            raise TclightningError(f"{source}: its state_dict holds a weight keyed by {type(key).__name__} "
+                                   f"{shown(repr(key))[:80]}, not by name")
     metadata = getattr(given, "_metadata", None)
     if metadata is not None and not (isinstance(metadata, Mapping) and all(
             isinstance(name, str) and isinstance(versions, Mapping) for name, versions in metadata.items())):
