@@ -14,6 +14,7 @@ checkpoint records. Checkpoints are read as data only
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -372,6 +373,9 @@ def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: An
             except OSError as err:
                 if refused_by_storage(err) or not target.is_dir():
                     raise
+                if err.errno == errno.EBUSY:  # an empty folder a volume is mounted on: nothing moves onto it
+                    raise TclightningError(f"export: {target} is a mount point, which the export cannot be moved "
+                                           f"onto; export into a new folder inside it ({target / 'policy'})") from None
                 raise TclightningError(f"export: {target} was written by another export meanwhile; nothing was "
                                        "replaced (--overwrite replaces it)") from None
         with contextlib.suppress(OSError):

@@ -185,6 +185,8 @@ def own_folder(folder: Path, identity: tuple[int, int] | None = None, *, made: b
     made it (:func:`made_here`). ``TclightningError`` where it is a link or no folder already."""
     if made:
         _MADE_HERE.add(Path(folder).absolute())
+    else:  # taken again as found (a resume in place, in the process that made it)
+        _MADE_HERE.discard(Path(folder).absolute())
     if identity is not None:
         _OWN_FOLDERS[Path(folder).absolute()] = identity
         return

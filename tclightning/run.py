@@ -783,13 +783,20 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         raise RunInterrupted(f"{what}; nothing was written") from None
     # only a directory this run made is ever removed (a named one its peers may have made first)
     created = plan.new_dir and not follower and not (named_by_env and plan.run_dir.exists())
+    run_dir = plan.run_dir
     try:  # rank 0 makes and records the run directory; the other ranks write nothing there
-        run_dir = plan.run_dir if follower else mark_run_dir(plan.run_dir, recipe, new=plan.new_dir and not named_by_env,
-                                                             locked=locked_folder)
+        with interrupts_held():  # made and taken whole (a Ctrl-C between the two left it behind): said after
+            run_dir = plan.run_dir if follower else mark_run_dir(plan.run_dir, recipe,
+                                                                 new=plan.new_dir and not named_by_env,
+                                                                 locked=locked_folder)
     except OSError as err:
         if not refused_by_storage(err):
             raise
         raise StorageError(f"cannot create the run directory {plan.run_dir}: {err.strerror}; nothing was saved") from None
+    except KeyboardInterrupt:
+        gone = not follower and discard_unfinished_run(run_dir, created)
+        raise RunInterrupted("interrupted before training started; " + (
+            f"removed {run_dir} (nothing was saved yet)" if gone else f"{run_dir} is kept")) from None
     if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
         notices = plan.notices
         if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in

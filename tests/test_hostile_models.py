@@ -1181,3 +1181,15 @@ def test_a_remote_setup_is_bounded_in_a_thread_of_your_program_too(monkeypatch: 
     stalled.set()
     assert outcome and isinstance(outcome[0], TclightningError), outcome
     assert "foo/bar's files gave no answer within 0.5 s" in str(outcome[0])
+
+
+def test_a_hub_dataset_name_that_names_a_local_folder_is_refused(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """datasets reads a local folder named like the hub dataset first: a cloned repository's
+    ``openai/gsm8k/`` in the working folder was trained on, unchecked, in place of the dataset."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "openai" / "gsm8k").mkdir(parents=True)
+    (tmp_path / "openai" / "gsm8k" / "train.jsonl").write_text('{"question": "1+1", "answer": "#### 2"}\n')
+    with pytest.raises(TclightningError, match="task.hf_name openai/gsm8k: names .*openai/gsm8k, which datasets "
+                                               "would read instead of the Hugging Face dataset"):
+        DataSource.from_config(TaskConfig(name="gsm8k", hf_name="openai/gsm8k"), "gsm8k")

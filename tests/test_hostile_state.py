@@ -547,6 +547,23 @@ def _bind_mount(source: Path, target: Path) -> None:
         pytest.skip(f"mount --bind refused here: {done.stderr.decode().strip()}")
 
 
+def test_an_export_into_an_empty_mount_point_names_it(run_dir: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty volume mounted at OUT was refused as "written by another export meanwhile"."""
+    volume, out = tmp_path / "volume", tmp_path / "out"
+    volume.mkdir()
+    _bind_mount(volume, out)
+    try:
+        capsys.readouterr()
+        assert main(["export", str(run_dir), str(out)]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert err == [f"error: export: {out} is a mount point, which the export cannot be moved onto; export into "
+                       f"a new folder inside it ({out / 'policy'})"], err
+        assert not any(volume.iterdir())
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+
+
 @pytest.mark.parametrize("remove", ["remove_tree", "export --overwrite"])
 def test_a_removal_never_reaches_into_a_bind_mount(run_dir: Path, tmp_path: Path, remove: str) -> None:
     from tclightning.files import remove_tree

@@ -300,6 +300,22 @@ def test_an_interrupt_that_escapes_the_fit_after_its_steps_never_says_training_h
     assert json.loads((run_dir / "summary.json").read_text())["steps"] >= 1
 
 
+def test_a_ctrl_c_as_the_run_folder_is_made_takes_it_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C between the run folder's making and the run taking it as its own left the empty folder."""
+    import tclightning.run as run_module
+
+    taken = run_module.own_folder
+
+    def interrupted_first(folder: Path, *args: object, **kwargs: object) -> None:
+        signal.raise_signal(signal.SIGINT)
+        taken(folder, *args, **kwargs)
+
+    monkeypatch.setattr(run_module, "own_folder", interrupted_first)
+    with pytest.raises(run_module.RunInterrupted, match="interrupted before training started; removed"):
+        run("tiny", [*FAST, "trainer.steps=1", f"logging.root={tmp_path / 'runs'}"], quiet=True)
+    assert not any((tmp_path / "runs" / "tiny").iterdir())
+
+
 def test_ctrl_c_while_a_finished_run_writes_its_summary_waits_for_it(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import tclightning.grpo.summary as summary_module
@@ -505,10 +521,12 @@ def test_an_interrupt_while_a_finished_run_writes_its_record_is_said_once_it_is_
     assert len([row for row in csv.DictReader((run_dir / "metrics.csv").open()) if row.get("reward/mean")]) == 1
 
 
-@pytest.mark.parametrize("command", [["tclightning", "recipes", "list"], ["lightning", "fit", "--help"]])
+@pytest.mark.parametrize("command", [["tclightning", "recipes", "list"], ["lightning", "fit", "--help"],
+                                     ["lightning", "run", "--help"]])
 def test_an_interrupt_while_torch_loads_is_said_once_it_is_loaded(command: list[str], tmp_path: Path) -> None:
     """A SIGTERM or Ctrl-C while torch's C++ start-up ran aborted the command with a C++ stack
-    (SIGABRT), or was swallowed there and the command went on (or failed on a half-imported module)."""
+    (SIGABRT), or was swallowed there and the command went on (or failed on a half-imported module);
+    ``lightning`` died by a SIGTERM while it started, without a word."""
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(
@@ -519,9 +537,7 @@ def test_an_interrupt_while_torch_loads_is_said_once_it_is_loaded(command: list[
         "except KeyboardInterrupt:\n"
         "    pass\n")
     main = "tclightning.cli.main" if command[0] == "tclightning" else "tclightning.cli.lightning"
-    script = (f"import signal, sys\nimport {main} as cli\n"
-              "signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C is, before a command holds it\n"
-              f"sys.argv = {command!r}\nsys.exit(cli.main())\n")
+    script = f"import sys\nimport {main} as cli\nsys.argv = {command!r}\nsys.exit(cli.main())\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}"})
     assert done.returncode == 130 and done.stderr.strip().splitlines()[-1] == "interrupted", \

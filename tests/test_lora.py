@@ -419,3 +419,21 @@ def test_two_stage_processes_checkpoint_the_adapters_alone_and_resume_exactly(tm
     assert len(want["state_dict"]) == 12 == len(want["optimizer_states"][0]["state"])
     assert_same_checkpoint(load_checkpoint(again / "checkpoints" / "last.ckpt"), want)
     assert_same_metrics(read_metrics(again / "metrics.csv"), read_metrics(run_dir / "metrics.csv"), 3)
+
+
+@pytest.mark.parametrize("record", ["abc", [1, 2], 0], ids=["a-str", "a-list", "an-int"])
+def test_a_base_fingerprint_of_another_form_is_one_line_on_resume(lora_run: Any, tmp_path: Path, record: Any,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A LoRA checkpoint whose base fingerprint is not a dict was an AttributeError traceback on
+    ``run --resume`` (export and load_from_checkpoint said one line)."""
+    from tclightning.grpo.module import BASE_KEY
+
+    run_dir, _ = lora_run
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+    ckpt["tclightning"][BASE_KEY] = record
+    torch.save(ckpt, tmp_path / "crafted.ckpt")
+    capsys.readouterr()
+    assert main(["run", "--recipe", "tiny", *LORA_RUN, "trainer.steps=4", f"logging.root={tmp_path / 'runs'}",
+                 "--quiet", "--resume", str(tmp_path / "crafted.ckpt")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert len(err) == 1 and f"its fingerprint of the LoRA base ({BASE_KEY}) is a" in err[0], err

@@ -256,3 +256,18 @@ def test_a_new_fit_never_writes_over_the_points_in_a_folder_you_named(tmp_path: 
     with pytest.raises(TclightningError, match="holds files a new run did not write"):
         _fit(tmp_path / "second", TrajectoryRecorder(every=3, dirpath=points))
     assert {p.name: p.read_bytes() for p in points.iterdir()} == before
+
+
+def test_a_resume_in_place_in_the_process_that_made_the_run_keeps_its_trajectory(tmp_path: Path) -> None:
+    """A program that trains a run and then resumes it in place: the resume was taken for the new
+    run folder the process had made, whose trajectory/ must be empty, and refused."""
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    settings = [*FAST, "callback_presets=[trajectory]", "trainer.val_every=0", "trainer.checkpoint_every=1",
+                f"logging.root={tmp_path}"]
+    first = run("tiny", [*settings, "trainer.steps=2"], quiet=True)
+    resumed = run("tiny", [*settings, "trainer.steps=5"], resume=str(first["run_dir"]), quiet=True)
+    assert resumed["run_dir"] == first["run_dir"]
+    steps, _, _ = load_trajectory(Path(first["run_dir"]) / "trajectory")
+    assert steps == [0, 5]

@@ -9,6 +9,7 @@ import argparse
 import importlib.util
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,7 +19,8 @@ from pathlib import Path
 from tclightning.cli import run as run_cli
 from tclightning.cli.formatting import HelpFormatter
 from tclightning.cli.main import dispatch, finish_loggers_or_exit, load_torch_holding_interrupts
-from tclightning.console import exit_at_late_interrupt, shown
+from tclightning.console import exit_at_late_interrupt, ignore_interrupts_at_teardown, shown, sigterm_interrupts
+from tclightning.limits import interrupt
 from tclightning.errors import TclightningError
 
 CLI_COMMANDS = ("fit", "validate", "test", "predict")
@@ -156,6 +158,8 @@ def lightning_cli(argv: Sequence[str]) -> int:
             ask_remote_stores(trainer)
             if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: ours checks each read
                 trainer.strategy.checkpoint_io = OwnFileCheckpointIO()  # (--ckpt_path hpc|last|best resolve there)
+            if signal.getsignal(signal.SIGTERM) is interrupt:  # the fit's SIGTERM is Lightning's (its handler
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # would call this one too: a stop without a checkpoint)
             return trainer
 
         def _parse_ckpt_path(self) -> None:
@@ -301,7 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = bool(args) and args[0] == "--debug"
     rest = args[1:] if debug else args
-    if argv is None:
+    if argv is None:  # the console command: while it starts, a SIGTERM or SIGHUP is a Ctrl-C (one line, 130)
+        ignore_interrupts_at_teardown()
+        sigterm_interrupts()
         try:
             load_torch_holding_interrupts()
         except KeyboardInterrupt:  # Ctrl-C while the command starts

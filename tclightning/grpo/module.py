@@ -423,6 +423,9 @@ class GRPOModule(L.LightningModule):
     def verify_base(self, record: Mapping[str, Any], source: str | os.PathLike) -> None:
         """Refuse (``TclightningError``, one line naming ``source``) a checkpoint whose recorded base
         fingerprint ``record`` is not the base this module rebuilt from the recipe."""
+        if not isinstance(record, Mapping):  # (a str, a list: what no run writes)
+            raise TclightningError(f"checkpoint {source}: its fingerprint of the LoRA base ({BASE_KEY}) is a "
+                                   f"{type(record).__name__}, not one tclightning writes; nothing was loaded")
         got = self.base_record()
         if record.get("sha256") == got["sha256"]:
             return

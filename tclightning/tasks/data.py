@@ -294,6 +294,10 @@ class DataSource:
         """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``. A hub that keeps
         silent is refused here, in one line (``datasets`` would retry it for minutes)."""
         if cfg.hf_name:
+            if os.path.lexists(cfg.hf_name):  # datasets reads a local path of that name first, unchecked
+                raise TclightningError(f"task.hf_name {cfg.hf_name}: names {os.path.abspath(cfg.hf_name)}, which "
+                                       "datasets would read instead of the Hugging Face dataset: give local data "
+                                       "as task.path, or run from another folder")
             silent = None if hub_offline() else hub_answer(f"api/datasets/{cfg.hf_name}")
             if silent is not None and silent.timed_out:  # unreachable at once: datasets falls back to its cache
                 raise TclightningError(f"task.hf_name {cfg.hf_name}: the Hugging Face Hub ({host_of(hub_url())}) "
