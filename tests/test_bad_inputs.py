@@ -169,6 +169,9 @@ CASES: dict[str, Case] = {
     "bench-traffic-config-negative-width": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("hidden_size -64",),
         {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": -64}'}),
+    "bench-traffic-config-without-a-width": Case(  # a KeyError traceback
+        ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("c.json: no hidden_size",),
+        {"c.json": b'{"model_type": "qwen2", "num_hidden_layers": 4}'}),
     "bench-traffic-config-heads-do-not-divide": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("no model can be built",),
         {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 3}'}),

@@ -84,6 +84,21 @@ def test_filters_by_solve_rate_and_source(tmp_path: Path) -> None:
         BigMathTask(TaskConfig(name="bigmath", path=path, solve_rate=[0.8, 0.2]))
 
 
+@pytest.mark.parametrize("column, value, setting", [
+    ("llama8b_solve_rate", "0.5", {"solve_rate": [0.1, 0.9]}),
+    ("llama8b_solve_rate", [0.5], {"solve_rate": [0.1, 0.9]}),
+    ("source", ["MATH"], {"sources": ["MATH"]}),
+], ids=["rate-a-text", "rate-a-list", "source-a-list"])
+def test_a_filter_column_of_another_type_is_one_line(tmp_path: Path, column: str, value: object,
+                                                     setting: dict) -> None:
+    """A text or list where a filter reads a number or a name was a TypeError traceback."""
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps({**row, column: value} if i == 0 else row) + "\n" for i, row in enumerate(ROWS)))
+    with pytest.raises(TclightningError, match=f"task data: a row's {column} is .*, not a"):
+        task = build_task(TaskConfig(name="bigmath", path=str(path), eval_size=1, **setting))
+        task.train_examples()
+
+
 def test_hub_name_by_default_and_a_clear_offline_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from tclightning.tasks import data
 

@@ -276,3 +276,12 @@ def test_monitors_build_their_rules_from_the_families():
     assert reprs(length.detector.rules) == reprs(length_rules(12, 0.1, 0.3, 0.07, 0.4, nonfinite=True))
     gap = GapMonitor(abs_mean_band=0.3, k3_band=0.1, rise_warn=0.4, window=12)
     assert reprs(gap.detector.rules) == reprs(gap_rules(0.3, 0.1, 0.4, 12, nonfinite=True, coupling=True))
+
+
+def test_a_tolerated_rule_no_rule_has_is_refused() -> None:
+    """``tolerated_rules=["gap.levle"]`` (a typo of ``gap.level``) tolerated nothing, without a word."""
+    from tclightning.errors import TclightningError
+
+    with pytest.raises(TclightningError, match=r"CollapseDetector: tolerated_rules names 'gap.levle', which no rule has"):
+        CollapseDetector(tolerated_rules=["gap.levle"])
+    assert CollapseDetector(tolerated_rules=["gap.level"]).tolerated_rules == ("gap.level",)

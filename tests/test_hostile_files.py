@@ -149,10 +149,13 @@ def test_analyze_health_of_a_run_whose_metrics_csv_is_a_link_to_no_file_is_one_l
     assert main(["analyze", "health", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "metrics.csv: is a link that leads to no file" in err[0], err
-    (run_dir / "metrics.csv").unlink()
+    (run_dir / "metrics.csv").unlink()  # the one below, found by the search, is the newest: never an older one
+    (run_dir / "version_0").mkdir()
+    (run_dir / "version_0" / "metrics.csv").write_text("step,reward/mean\n0,0.5\n")
+    os.utime(run_dir / "version_0" / "metrics.csv", (1, 1))
     assert main(["analyze", "health", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no metrics.csv or TensorBoard event files" in err[0], err
+    assert len(err) == 1 and "tb/metrics.csv: is a link that leads to no file (the newest" in err[0], err
 
 
 def _snapshot(folder: Path) -> dict[str, str]:

@@ -106,6 +106,8 @@ def read_model_config(name_or_path: str) -> dict[str, Any]:
                 raise TclightningError(f"{candidate}: not a readable config.json ({type(err).__name__})") from None
             if not isinstance(data, dict) or "model_type" not in data:
                 raise TclightningError(f"{candidate}: not a model config.json (no model_type)")
+            if "hidden_size" not in data:  # what the traffic at a cut is counted from
+                raise TclightningError(f"{candidate}: no hidden_size, the width every cut's traffic is counted from")
             layers = data.get("num_hidden_layers", 0)
             if not isinstance(layers, int) or not 0 <= layers <= MAX_LAYERS:
                 raise TclightningError(f"{candidate}: num_hidden_layers {layers!r} is not a layer count in [0, {MAX_LAYERS}]")

@@ -51,6 +51,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.callbacks.steps import rl_step
+from tclightning.console import shown as printable
 from tclightning.errors import TclightningError
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
 from tclightning.health.names import (
@@ -60,7 +61,7 @@ from tclightning.health.names import (
     resolve_metric_names,
     to_user_names,
 )
-from tclightning.health.rules import HealthState, Rule
+from tclightning.health.rules import HealthState, Rule, default_rules
 from tclightning.health.rules.base import INFO, parse_severity
 from tclightning.settings import check_arguments, flag, integer, list_of, number, positive, text
 
@@ -147,6 +148,11 @@ class HealthMonitor(Callback):
         })
         self.name = name
         self.detector = HealthDetector(rules, clear_after=clear_after)
+        known = {rule.name for rule in (*default_rules(), *self.detector.rules)}
+        unknown = next((rule for rule in tolerated_rules if rule not in known), None)
+        if unknown is not None:  # a typo would tolerate nothing, without a word
+            raise TclightningError(f"{type(self).__name__}: tolerated_rules names {printable(repr(unknown))[:80]}, "
+                                   f"which no rule has (rules: {', '.join(sorted(known))})")
         self._explicit_names = metric_names is not None
         self._set_names(resolve_metric_names(metric_names, f"{type(self).__name__}: metric_names")
                         if metric_names is not None else default_metric_names())

@@ -230,7 +230,7 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None, *, number
         raise TclightningError(f"{direct}: is a link that leads to no file")
     try:
         below = list(tree(p))
-        nested = sorted((f for f in below if f.name == "metrics.csv" and f.exists()), key=lambda f: f.stat().st_mtime)
+        nested = sorted((f for f in below if f.name == "metrics.csv"), key=lambda f: f.lstat().st_mtime)
         events = not nested and any(f.name.startswith(EVENT_PREFIX) for f in below)
     except FileNotFoundError as err:  # a folder below went away while it was searched (a run tidying up)
         raise TclightningError(f"{p}: changed while it was searched ({err.filename} went away); run it again, "
@@ -238,6 +238,8 @@ def read_run(path: str | Path, names: Mapping[str, str] | None = None, *, number
     except OSError as err:
         raise TclightningError(f"{p}: cannot be searched ({err.filename}: {err.strerror})") from None
     if nested:
+        if nested[-1].is_symlink() and not nested[-1].exists():  # the newest: never an older one in its place
+            raise TclightningError(f"{nested[-1]}: is a link that leads to no file (the newest metrics.csv here)")
         return read_csv(nested[-1])
     if events:
         return read_tensorboard(p, names)

@@ -22,6 +22,7 @@ import copy
 import math
 from typing import Any
 
+from tclightning.console import shown as printable
 from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example
 from tclightning.tasks.config import TaskConfig
@@ -60,13 +61,22 @@ class BigMathTask(MathTask):
         self.sources = set(cfg.sources) if cfg.sources else None
 
     def keep(self, row: dict[str, Any]) -> bool:
-        """The row passes the source and solve-rate filters."""
-        if self.sources is not None and row.get("source") not in self.sources:
-            return False
+        """The row passes the source and solve-rate filters; a filter column of another type (a
+        list, a text) is one line naming it."""
+        source = row.get("source")
+        if self.sources is not None:
+            if source is not None and not isinstance(source, str):
+                raise TclightningError(f"task data: a row's source is {printable(repr(source))[:80]}, not a name "
+                                       "(task.sources filters on it)")
+            if source not in self.sources:
+                return False
         low, high = solve_rate_bounds(self.cfg)
         if low is None and high is None:
             return True
         rate = row.get("llama8b_solve_rate")
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))):
+            raise TclightningError(f"task data: a row's llama8b_solve_rate is {printable(repr(rate))[:80]}, not a "
+                                   "number (task.solve_rate filters on it)")
         if rate is None or math.isnan(rate):
             return False
         return (low is None or rate >= low) and (high is None or rate <= high)
