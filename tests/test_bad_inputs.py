@@ -169,6 +169,11 @@ CASES: dict[str, Case] = {
     "bench-traffic-config-negative-width": Case(
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("hidden_size -64",),
         {"c.json": b'{"model_type": "llama", "num_hidden_layers": 4, "hidden_size": -64}'}),
+    # datasets' own log line and progress bars came first, and the line named a private view of the file
+    "task-csv-not-utf8": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
+                               "task.path={tmp}/mine.csv"),
+                              ("cannot load split 'train' of {tmp}/mine.csv", "UnicodeDecodeError"),
+                              {"mine.csv": b"question,answer\ncaf\xe9,1\n"}),
     "bench-traffic-config-without-a-width": Case(  # a KeyError traceback
         ("bench", "traffic", "--recipe", "tiny", "--model-config", "{tmp}/c.json"), ("c.json: no hidden_size",),
         {"c.json": b'{"model_type": "qwen2", "num_hidden_layers": 4}'}),

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -51,10 +51,12 @@ def shared_data_dir() -> Path:
 
 
 def load_with_datasets(
-    name: str, config: str | None = None, *, split: str, data_files: str | None = None, cache_dir: str | None = None
+    name: str, config: str | None = None, *, split: str, data_files: str | None = None, cache_dir: str | None = None,
+    named: str | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of one split as ``datasets.load_dataset`` gives them (hub name, or a builder such as
-    ``"parquet"`` with ``data_files``). Imported lazily: ``datasets`` costs a second to import."""
+    ``"parquet"`` with ``data_files``; ``named``: the file as you named it, for a refusal, where
+    ``data_files`` is a private view of it). Imported lazily: ``datasets`` costs a second to import."""
     import datasets
 
     try:
@@ -74,8 +76,10 @@ def load_with_datasets(
     except TclightningError:
         raise
     except Exception as exc:  # turn any loader failure into one clear line
-        where = data_files or f"{name}" + (f" ({config})" if config else "")
-        raise TclightningError(f"cannot load split '{split}' of {where}: {exc}") from exc
+        where = named or data_files or f"{name}" + (f" ({config})" if config else "")
+        cause = exc.__cause__ if exc.__cause__ is not None and str(exc.__cause__) else None
+        detail = f"{exc}" + (f" ({type(cause).__name__}: {cause})" if cause is not None else "")
+        raise TclightningError(f"cannot load split '{split}' of {where}: {detail}") from exc
 
 
 _HUB_DOWNLOAD = """
@@ -192,7 +196,25 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
                                "filesystems naming another file; rename it")
     with pinned_file(path, "task data", TASK_FILE_MAX_BYTES) as pinned, \
             tempfile.TemporaryDirectory(prefix="tclightning-rows-") as cache:  # a cache for this one read
-        return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache)
+        with _datasets_quiet():  # a file it cannot read is the one line below, not its log and bars too
+            return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache, named=str(path))
+
+
+@contextlib.contextmanager
+def _datasets_quiet() -> Iterator[None]:
+    """``datasets``' log (critical only) and its progress bars off for the block, as they were after."""
+    import datasets
+    from datasets.utils import logging as datasets_logging
+
+    verbosity, bars = datasets_logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)  # its "Failed to read file" is an error
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def _first_byte(handle: IO[bytes]) -> bytes:
