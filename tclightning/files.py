@@ -205,22 +205,55 @@ def made_here(folder: Path) -> bool:
     return Path(folder).absolute() in _MADE_HERE
 
 
-_MADE_FILES: set[tuple[int, int]] = set()
-"""The files this process made (device and inode): :func:`replace_file`'s, :func:`own_file`'s that
-it created, and those :func:`note_made` was told of."""
+_MADE_FILES: set[tuple[int, int, int | None]] = set()
+"""The files this process made since :func:`forget_made_files` (device, inode and the inode's
+generation): :func:`replace_file`'s, :func:`own_file`'s that it created, and those :func:`note_made`
+was told of."""
+
+_FS_IOC_GETVERSION = 0x80087601  # Linux: an inode's generation, new each time its number is handed out again
+
+
+def _made_identity(fd: int) -> tuple[int, int, int | None]:
+    """The open file's device, inode and (where the filesystem tells it) the inode's generation: an
+    inode number freed and handed out again to a file of someone else's has another generation."""
+    import array
+    import fcntl
+
+    info = os.fstat(fd)
+    generation = array.array("l", [0])
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETVERSION, generation, True)
+    except OSError:  # a filesystem that keeps none (or no Linux): the device and inode alone
+        return info.st_dev, info.st_ino, None
+    return info.st_dev, info.st_ino, generation[0]
 
 
 def note_made(fd: int) -> None:
     """Record the file open at ``fd``, which this process just created, as one of its own."""
-    info = os.fstat(fd)
-    _MADE_FILES.add((info.st_dev, info.st_ino))
+    _MADE_FILES.add(_made_identity(fd))
 
 
-def made_file(info: os.stat_result) -> bool:
-    """Whether the file ``info`` describes (an ``lstat``) is one this process made: a file found
-    where the process writes that it never made was put there by someone else (under any name and
-    of any age), and is theirs."""
-    return stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) in _MADE_FILES
+def forget_made_files() -> None:
+    """Forget the files made so far (a new run begins): one deleted since, whose inode number a
+    file of someone else's got, is never taken for the run's own."""
+    _MADE_FILES.clear()
+
+
+def made_file(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the regular file at ``path`` (never through a link) when it is one
+    this process made, else None: a file found where the process writes that it never made was put
+    there by someone else (under any name and of any age), and is theirs."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        made = _made_identity(fd)
+    finally:
+        os.close(fd)
+    return made[:2] if made in _MADE_FILES else None
 
 
 def owned_identity(folder: Path) -> tuple[int, int] | None:

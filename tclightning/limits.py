@@ -100,17 +100,12 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
 
 
-def within(fn: Callable[[], T], timeout_s: float) -> T:
-    """``fn()`` under :func:`run_with_alarm` where an alarm works (the main thread), else as it
-    is: the bound for work that only a crafted input makes slow."""
-    return run_with_alarm(fn, timeout_s) if can_use_alarm() else fn()
-
-
 def waited_on(fn: Callable[[], T], timeout_s: float) -> T:
-    """``fn()``, which waits on a remote peer, given ``timeout_s`` in any thread: under the alarm in
-    the main thread (:func:`run_with_alarm`), elsewhere in a daemon thread that this one stops
-    waiting for past the limit (:func:`watched`). ``TimeoutError`` past the limit; what ``fn``
-    raises otherwise."""
+    """``fn()`` given ``timeout_s`` in any thread (a remote peer that stalls, or work only a crafted
+    input makes slow: a chat template's loops): under the alarm in the main thread
+    (:func:`run_with_alarm`), elsewhere in a daemon thread that this one stops waiting for past the
+    limit (:func:`watched`; called from a thread of your program, such work was unbounded).
+    ``TimeoutError`` past the limit; what ``fn`` raises otherwise."""
     if can_use_alarm():
         return run_with_alarm(fn, timeout_s)
     return watched(fn, lambda elapsed_s: timeout_s - elapsed_s)

@@ -767,10 +767,10 @@ PROFILER_CALLS = ("setup", "describe", "teardown")
 
 
 def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) -> None:
-    """Give each of ``owner``'s methods ``names`` ``limit_s`` seconds (main thread), after which it is
+    """Give each of ``owner``'s methods ``names`` ``limit_s`` seconds (in any thread), after which it is
     one ``TclightningError`` naming ``what``; what the store raises in one (a store that took a file
     and then keeps none: Lightning's "Missing folder") is one line naming ``what`` too."""
-    from tclightning.limits import within
+    from tclightning.limits import waited_on
 
     for name in names:
         method = getattr(owner, name, None)
@@ -779,7 +779,7 @@ def _bound_calls(owner: Any, names: Iterable[str], what: str, limit_s: float) ->
 
         def bounded(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
             try:
-                return within(lambda: _method(*args, **kwargs), limit_s)
+                return waited_on(lambda: _method(*args, **kwargs), limit_s)
             except TimeoutError:
                 raise TclightningError(f"{what} gave no answer within {limit_s:g} s") from None
             except TclightningError:

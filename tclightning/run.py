@@ -10,6 +10,7 @@ import contextlib
 import fnmatch
 import os
 import re
+import signal
 import stat
 import sys
 import time
@@ -23,9 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from tclightning.console import interrupts_held
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, hold_lock, made_file, own_file,
-                              own_folder, owned_identity, refused_by_storage, regular_file, remove_tree, replace_file,
-                              replace_text, require_writable, storage_reason, tree, unused_name)
+from tclightning.files import (HeldFolder, SameFolder, by_descriptor, copy_file, forget_made_files, hold_lock,
+                              made_file, own_file, own_folder, owned_identity, refused_by_storage, regular_file,
+                              remove_tree, replace_file, replace_text, require_writable, storage_reason, tree,
+                              unused_name)
 from tclightning.health.io import METRICS_MAX_BYTES
 from tclightning.logging import (RUN_FOLDER_FILES, RUN_FOLDERS, RUN_MARKER, ask_remote_stores,
                                  mlflow_logs_in_background, mlflow_tracking_uri)
@@ -370,6 +372,8 @@ def mark_run_dir(run_dir: Path, recipe: RecipeConfig, new: bool = False,
     its name now is refused, one line, nothing written (it would be resumed instead).
     """
     made = new or not run_dir.exists()
+    if made:
+        forget_made_files()  # the files this run makes from here on are its own (an earlier run's are not)
     if new:
         run_dir = claim_run_dir(run_dir)
     else:
@@ -694,7 +698,28 @@ def run(
     """
     with contextlib.ExitStack() as held:
         held.enter_context(_signal_handlers_kept())
+        held.enter_context(_process_settings_kept())
         return _run(recipe_ref, overrides, resume, quiet, extra_callbacks, held)
+
+
+@contextlib.contextmanager
+def _process_settings_kept() -> Any:
+    """The environment, torch's thread count and the threads' exception hook as they were before
+    the run, put back however it ends: a program of yours that calls :func:`run` keeps its own (an
+    MLflow tracking URI left set sent its next run's logs to another store)."""
+    import threading
+
+    import torch
+
+    environment, threads, hook = dict(os.environ), torch.get_num_threads(), threading.excepthook
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(environment):
+            os.environ.pop(name, None)
+        os.environ.update({name: value for name, value in environment.items() if os.environ.get(name) != value})
+        torch.set_num_threads(threads)
+        threading.excepthook = hook
 
 
 def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: bool,
@@ -872,8 +897,10 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
         raise
     summary: dict[str, Any] | None = None
     try:
-        signals.fit_over()  # a Ctrl-C or SIGTERM from here stops the command (one was swallowed) ...
+        late = signals.fit_over()  # a Ctrl-C or SIGTERM from here stops the command (one was swallowed) ...
         with interrupts_held():  # ... once the loggers' last rows and the summary are on disk
+            if late is not None:  # (one taken as the fit ended too)
+                signal.raise_signal(late)
             for logger in trainer.loggers:
                 logger.finalize("success")
             if trainer.global_rank == 0:  # rank 0 logs, checkpoints and summarises
@@ -1111,7 +1138,7 @@ def _run_own_entries(run_dir: Path) -> dict[str, tuple[int, int]] | None:
         if stat.S_ISDIR(info.st_mode):  # a folder moved (or mounted) there that the run refused, never took, or lost
             ours = name in RUN_FOLDERS and owned_identity(path) == (info.st_dev, info.st_ino)
         else:  # the run writes no links; a file it never made was moved in, under whatever name
-            ours = made_file(info)
+            ours = made_file(path) == (info.st_dev, info.st_ino)
         if ours:
             entries[name] = (info.st_dev, info.st_ino)
         return ours

@@ -178,6 +178,37 @@ def test_a_chat_template_that_loops_raises_or_grows_is_one_error_naming_the_toke
         assert said in str(refused.value)
 
 
+def test_a_chat_template_that_loops_is_bounded_in_a_thread_of_your_program_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run(...)`` called from a thread of a program rendered a looping chat template for ever: the
+    limit was an alarm, which only the main thread gets."""
+    import threading
+
+    import tclightning.limits as limits
+    import tclightning.sampling.base as sampling_base
+
+    monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's work given up on: none yet
+    monkeypatch.setattr(sampling_base, "TEMPLATE_TIME_S", 0.2)
+    tokenizer = build_char_tokenizer()  # loops for seconds (not for ever: the test's process goes on)
+    tokenizer.chat_template = ("{%- for a in range(3000) %}{%- for b in range(3000) %}{%- endfor %}{%- endfor %}"
+                               "{{ messages[0]['content'] }}")
+    formatter = PromptFormatter(tokenizer, "be brief", True)
+    outcome: list[BaseException | None] = []
+
+    def render_in_a_thread() -> None:
+        try:
+            formatter.render("1+1=")
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(err)
+
+    caller = threading.Thread(target=render_in_a_thread)
+    caller.start()
+    caller.join(30)
+    assert outcome and isinstance(outcome[0], TclightningError), outcome
+    assert "its chat template took more than" in str(outcome[0])
+
+
 def test_a_run_on_a_model_whose_chat_template_loops_is_refused_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = _model_folder(tmp_path / "model", LOOPS)
@@ -1193,3 +1224,6 @@ def test_a_hub_dataset_name_that_names_a_local_folder_is_refused(tmp_path: Path,
     with pytest.raises(TclightningError, match="task.hf_name openai/gsm8k: names .*openai/gsm8k, which datasets "
                                                "would read instead of the Hugging Face dataset"):
         DataSource.from_config(TaskConfig(name="gsm8k", hf_name="openai/gsm8k"), "gsm8k")
+    for reader in ("json", "CSV", "parquet"):  # datasets' readers of files, of the working folder's
+        with pytest.raises(TclightningError, match=f"task.hf_name {reader}: is the name of datasets' {reader} reader"):
+            DataSource.from_config(TaskConfig(name="gsm8k", hf_name=reader), "gsm8k")

@@ -517,6 +517,48 @@ def test_a_file_of_yours_moved_into_a_failed_run_folder_under_a_name_the_run_wri
     assert discard_unfinished_run(fresh := _failed_new_run(tmp_path / "fresh"), created=True) and not fresh.exists()
 
 
+def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path) -> None:
+    """``run(...)`` left the MLflow tracking URI, Lightning's seed variables, torch's thread count and
+    the threads' exception hook as the run set them: the program's next run logged elsewhere."""
+    import threading
+
+    from tclightning.run import run
+
+    pytest.importorskip("mlflow")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the run sets 1 (trainer.num_threads)
+    try:
+        environment, hook = dict(os.environ), threading.excepthook
+        run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path}",
+                     "logging.loggers=[csv,mlflow]"], quiet=True)
+        assert dict(os.environ) == environment
+        assert torch.get_num_threads() == 2 and threading.excepthook is hook
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_file_that_got_the_inode_number_of_one_the_run_made_is_not_the_run_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's file deleted, its inode number handed out again to a file of yours (ext4 does at once),
+    moved into a failed new run's folder: taken for the run's own by its device and inode, and deleted."""
+    from tclightning import files
+
+    monkeypatch.setattr(files, "_MADE_FILES", set())
+    made = tmp_path / "made"
+    _made_by_the_run(made)
+    identity = os.lstat(made)
+    assert files.made_file(made) == (identity.st_dev, identity.st_ino)
+    (entry,) = files._MADE_FILES
+    if entry[2] is None:
+        pytest.skip("this filesystem keeps no inode generations")
+    files._MADE_FILES.clear()  # as if the run's file was deleted and its number handed to this one
+    files._MADE_FILES.add((entry[0], entry[1], entry[2] + 1))
+    assert files.made_file(made) is None
+    files._MADE_FILES.add(entry)
+    files.forget_made_files()  # a new run: an earlier run's files are not its own
+    assert files.made_file(made) is None
+
+
 @pytest.mark.parametrize("where", ["tb", "trajectory"])
 def test_a_file_of_yours_where_a_new_run_makes_a_folder_is_one_line_and_kept(where: str, tmp_path: Path) -> None:
     """A file at a new run's tb/ or trajectory/ was a FileExistsError traceback, and the run's

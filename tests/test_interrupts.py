@@ -482,13 +482,15 @@ def test_a_sigterm_once_the_command_has_finished_is_one_line(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-@pytest.mark.parametrize("writing", ["summary", "loggers"])
+@pytest.mark.parametrize("writing", ["summary", "loggers", "teardown"])
 def test_an_interrupt_while_a_finished_run_writes_its_record_is_said_once_it_is_written(
         writing: str, signum: int, tmp_path: Path) -> None:
-    """A SIGTERM while a finished run wrote summary.json, or its loggers their last rows, was
-    swallowed (exit 0; a Ctrl-C gave 130): the run's handler for the time before training still held it."""
+    """A SIGTERM while a finished run wrote summary.json, or its loggers their last rows, or while
+    Lightning tore the fit down, was swallowed (exit 0; a Ctrl-C gave 130, or was lost in the
+    teardown): the run's handler for the time before training still held it."""
     slowed = {"summary": "tclightning.grpo.summary.summarize",
-              "loggers": "tclightning.logging.ResumableCSVLogger.finalize"}[writing]
+              "loggers": "tclightning.logging.ResumableCSVLogger.finalize",
+              "teardown": "tclightning.callbacks.checkpointing.GracefulStop.teardown"}[writing]  # Lightning's, at the end
     owner, name = slowed.rsplit(".", 1)
     script = ("import importlib, os, signal, sys, threading, time\n"
               f"owner = importlib.import_module({owner!r}) if {writing!r} == 'summary' else "
@@ -501,7 +503,7 @@ def test_an_interrupt_while_a_finished_run_writes_its_record_is_said_once_it_is_
               "    fitted.append(True)\n"
               "run_module._fit = _fit\n"
               "def slow(*args, **kwargs):\n"
-              "    if fitted:  # as the finished run writes its record (Lightning finalizes its loggers in the fit too)\n"
+              f"    if fitted or {writing!r} == 'teardown':  # as the run ends (Lightning finalizes its loggers in the fit too)\n"
               f"        threading.Timer(0.3, lambda: os.kill(os.getpid(), {int(signum)})).start()\n"
               "        time.sleep(1.5)\n"
               "    return real(*args, **kwargs)\n"

@@ -528,6 +528,7 @@ class SigtermBeforeTraining(L.Callback):
         self.received = False
         self.training = False
         self.over = False  # the fit has ended
+        self.late: int | None = None  # a Ctrl-C or SIGTERM taken as the fit ended
         self._in_training = 0  # SIGTERMs since training started (Lightning calls this handler after its own)
         self._previous: dict[int, Any] = {}
 
@@ -544,9 +545,11 @@ class SigtermBeforeTraining(L.Callback):
         if self.armed or self.over:
             self.received = True
             interrupt(signum, frame)
+        elif not self.training:  # the fit is ending (its last checkpoint, Lightning's teardown): said once
+            self.late = signum  # the run's record is written (it was lost here)
         elif signum == signal.SIGINT:  # after training started (its handler is back by then, but a race)
             interrupt(signum, frame)
-        elif self.training:  # Lightning, holding SIGTERM, called it after its own: it stops after the step
+        else:  # Lightning, holding SIGTERM, called it after its own: it stops after the step
             self._in_training += 1
             if self._in_training > 1:
                 interrupt(signum, frame)
@@ -579,10 +582,12 @@ class SigtermBeforeTraining(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.training = False  # the last checkpoint is being committed: SIGTERM only asks to stop
 
-    def fit_over(self) -> None:
+    def fit_over(self) -> int | None:
         """From now on a Ctrl-C or SIGTERM stops the command as it does before training (one after the
-        fit, while the run wrote its summary, was swallowed here)."""
+        fit, while the run wrote its summary, was swallowed here). Returns the signal taken as the fit
+        ended, if any, for the run to raise again once its record is written."""
         self.over = True
+        return self.late
 
     def __exit__(self, *exc: object) -> None:
         self.armed = False

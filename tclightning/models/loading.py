@@ -26,7 +26,7 @@ from tclightning import network
 from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_files, refused_by_storage, regular_file, tree
-from tclightning.limits import watched, within
+from tclightning.limits import waited_on, watched
 from tclightning.models.char_tokenizer import build_char_tokenizer
 from tclightning.models.config import DTYPES, ModelConfig, TinyModelConfig
 from tclightning.network import host_of, hub_answer, hub_offline, hub_url, remote_setup
@@ -632,7 +632,7 @@ read where it lies."""
 
 def _gguf_metadata(read: Callable[[], T], what: str) -> T:
     try:
-        return within(read, GGUF_METADATA_TIME_S)
+        return waited_on(read, GGUF_METADATA_TIME_S)
     except TimeoutError:
         raise TclightningError(f"{what}: reading its metadata took more than {GGUF_METADATA_TIME_S:g} s (an array of "
                                "millions of entries?); nothing was allocated") from None

@@ -14,7 +14,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tclightning.errors import TclightningError
-from tclightning.limits import within
+from tclightning.limits import waited_on
 from tclightning.processes import child_environment
 
 
@@ -219,7 +219,7 @@ class PromptFormatter:
     def _bounded(self, prompts: Sequence) -> list[str]:
         limit = TEMPLATE_TIME_S + TEMPLATE_TIME_PER_PROMPT_S * len(prompts)
         try:
-            return within(lambda: [self._render_one(p) for p in prompts], limit)
+            return waited_on(lambda: [self._render_one(p) for p in prompts], limit)
         except TclightningError:
             raise
         except TimeoutError:
@@ -274,7 +274,7 @@ class PromptFormatter:
             return measured
         limit = TOKENIZE_TIME_S + TOKENIZE_TIME_PER_CHAR_S * sum(len(t) for t in texts)
         try:
-            return within(lambda: [len(row) for row in self.tokenize(texts, add_special_tokens=special)["input_ids"]],
+            return waited_on(lambda: [len(row) for row in self.tokenize(texts, add_special_tokens=special)["input_ids"]],
                           limit)
         except TimeoutError:
             raise self._refusal(f"it took more than {limit:.3g} s to tokenize {len(texts)} prompt(s)") from None

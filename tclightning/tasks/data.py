@@ -316,6 +316,12 @@ class DataSource:
         """``hf_name`` > ``path`` > ``shared_data_dir() / default_subdir``. A hub that keeps
         silent is refused here, in one line (``datasets`` would retry it for minutes)."""
         if cfg.hf_name:
+            from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+            if cfg.hf_name.lower() in _PACKAGED_DATASETS_MODULES:  # a file format: it reads the working folder
+                raise TclightningError(f"task.hf_name {cfg.hf_name}: is the name of datasets' {cfg.hf_name} reader, "
+                                       "which would read the files of the working folder, unchecked; give local "
+                                       "data as task.path")
             if os.path.lexists(cfg.hf_name):  # datasets reads a local path of that name first, unchecked
                 raise TclightningError(f"task.hf_name {cfg.hf_name}: names {os.path.abspath(cfg.hf_name)}, which "
                                        "datasets would read instead of the Hugging Face dataset: give local data "
