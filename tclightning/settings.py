@@ -174,6 +174,8 @@ def list_of(item: Rule, length: int | None = None, *, optional: bool = False, no
     def rule(value: Any) -> str | None:
         if value is None:
             return None if optional else "expected a list, got null"
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):  # a text is no list of its letters
+            return f"expected a list, got {type(value).__name__} {value!r}"[:200]
         items = list(value)
         if nonempty and not items:
             return "expected at least one value, got []"

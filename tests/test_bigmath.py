@@ -87,8 +87,9 @@ def test_filters_by_solve_rate_and_source(tmp_path: Path) -> None:
 @pytest.mark.parametrize("column, value, setting", [
     ("llama8b_solve_rate", "0.5", {"solve_rate": [0.1, 0.9]}),
     ("llama8b_solve_rate", [0.5], {"solve_rate": [0.1, 0.9]}),
+    ("llama8b_solve_rate", 10**400, {"solve_rate": [0.1, 0.9]}),
     ("source", ["MATH"], {"sources": ["MATH"]}),
-], ids=["rate-a-text", "rate-a-list", "source-a-list"])
+], ids=["rate-a-text", "rate-a-list", "rate-past-any-float", "source-a-list"])
 def test_a_filter_column_of_another_type_is_one_line(tmp_path: Path, column: str, value: object,
                                                      setting: dict) -> None:
     """A text or list where a filter reads a number or a name was a TypeError traceback."""

@@ -285,3 +285,15 @@ def test_a_tolerated_rule_no_rule_has_is_refused() -> None:
     with pytest.raises(TclightningError, match=r"CollapseDetector: tolerated_rules names 'gap.levle', which no rule has"):
         CollapseDetector(tolerated_rules=["gap.levle"])
     assert CollapseDetector(tolerated_rules=["gap.level"]).tolerated_rules == ("gap.level",)
+
+
+def test_a_metric_name_mapped_from_a_name_no_rule_reads_is_refused() -> None:
+    """``metric_names={"reward/mena": "train/reward"}`` (a typo of ``reward/mean``) left the reward
+    rules without data: a reward collapse was trained through without a word."""
+    from tclightning.errors import TclightningError
+
+    with pytest.raises(TclightningError, match=r"CollapseDetector: metric_names maps 'reward/mena', which no health "
+                                               "rule reads"):
+        CollapseDetector(metric_names={"reward/mena": "train/reward"})
+    assert LengthFeedbackMonitor(metric_names={"reward/mean": "train/reward"})  # one mapping serves every monitor
+    assert GapMonitor(metric_names="trl")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,12 +178,30 @@ def test_a_chat_template_that_loops_raises_or_grows_is_one_error_naming_the_toke
         assert said in str(refused.value)
 
 
+def _raised_in_a_thread(call: Callable[[], object]) -> BaseException | None:
+    """What ``call()`` raises in a thread of its own (as a program of yours calls tclightning from
+    one), waited for at most 30 s; None if it returned (or is still running)."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def called() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(err)
+
+    caller = threading.Thread(target=called)
+    caller.start()
+    caller.join(30)
+    return outcome[0] if outcome else None
+
+
 def test_a_chat_template_that_loops_is_bounded_in_a_thread_of_your_program_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``run(...)`` called from a thread of a program rendered a looping chat template for ever: the
     limit was an alarm, which only the main thread gets."""
-    import threading
-
     import tclightning.limits as limits
     import tclightning.sampling.base as sampling_base
 
@@ -193,20 +211,8 @@ def test_a_chat_template_that_loops_is_bounded_in_a_thread_of_your_program_too(
     tokenizer.chat_template = ("{%- for a in range(3000) %}{%- for b in range(3000) %}{%- endfor %}{%- endfor %}"
                                "{{ messages[0]['content'] }}")
     formatter = PromptFormatter(tokenizer, "be brief", True)
-    outcome: list[BaseException | None] = []
-
-    def render_in_a_thread() -> None:
-        try:
-            formatter.render("1+1=")
-            outcome.append(None)
-        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(err)
-
-    caller = threading.Thread(target=render_in_a_thread)
-    caller.start()
-    caller.join(30)
-    assert outcome and isinstance(outcome[0], TclightningError), outcome
-    assert "its chat template took more than" in str(outcome[0])
+    raised = _raised_in_a_thread(lambda: formatter.render("1+1="))
+    assert isinstance(raised, TclightningError) and "its chat template took more than" in str(raised), raised
 
 
 def test_a_run_on_a_model_whose_chat_template_loops_is_refused_in_one_line(
@@ -1197,21 +1203,10 @@ def test_a_remote_setup_is_bounded_in_a_thread_of_your_program_too(monkeypatch: 
 
     monkeypatch.setattr(limits, "_ABANDONED", [])  # this process's work given up on: none yet
     stalled = threading.Event()
-    outcome: list[BaseException | None] = []
-
-    def setup_in_a_thread() -> None:
-        try:
-            remote_setup("the Hugging Face dataset foo/bar's files", lambda: stalled.wait(60), timeout_s=0.5)
-            outcome.append(None)
-        except BaseException as err:  # noqa: BLE001 - handed to the test's thread
-            outcome.append(err)
-
-    caller = threading.Thread(target=setup_in_a_thread)
-    caller.start()
-    caller.join(30)
+    raised = _raised_in_a_thread(lambda: remote_setup("the Hugging Face dataset foo/bar's files",
+                                                      lambda: stalled.wait(60), timeout_s=0.5))
     stalled.set()
-    assert outcome and isinstance(outcome[0], TclightningError), outcome
-    assert "foo/bar's files gave no answer within 0.5 s" in str(outcome[0])
+    assert isinstance(raised, TclightningError) and "foo/bar's files gave no answer within 0.5 s" in str(raised), raised
 
 
 def test_a_hub_dataset_name_that_names_a_local_folder_is_refused(tmp_path: Path,

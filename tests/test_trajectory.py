@@ -271,3 +271,11 @@ def test_a_resume_in_place_in_the_process_that_made_the_run_keeps_its_trajectory
     assert resumed["run_dir"] == first["run_dir"]
     steps, _, _ = load_trajectory(Path(first["run_dir"]) / "trajectory")
     assert steps == [0, 5]
+
+
+def test_parameters_given_as_a_text_is_refused() -> None:
+    """``parameters="layer"`` was read as the prefixes l, a, y, e, r: every parameter starting with
+    one of those letters was recorded."""
+    with pytest.raises(ValueError, match="TrajectoryRecorder: parameters: expected a list, got str 'layer'"):
+        TrajectoryRecorder(parameters="layer")  # type: ignore[arg-type]
+    assert TrajectoryRecorder(parameters=["layers.0"]).parameters == ["layers.0"]

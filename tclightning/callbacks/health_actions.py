@@ -154,8 +154,14 @@ class HealthMonitor(Callback):
             raise TclightningError(f"{type(self).__name__}: tolerated_rules names {printable(repr(unknown))[:80]}, "
                                    f"which no rule has (rules: {', '.join(sorted(known))})")
         self._explicit_names = metric_names is not None
-        self._set_names(resolve_metric_names(metric_names, f"{type(self).__name__}: metric_names")
-                        if metric_names is not None else default_metric_names())
+        names = (resolve_metric_names(metric_names, f"{type(self).__name__}: metric_names")
+                 if metric_names is not None else default_metric_names())
+        read = self.detector.metrics_read() | HealthDetector().metrics_read()  # (one mapping serves every monitor)
+        unread = next((canonical for canonical in names if canonical not in read), None)
+        if isinstance(metric_names, Mapping) and unread is not None:  # a typo would leave its rule without data
+            raise TclightningError(f"{type(self).__name__}: metric_names maps {printable(repr(unread))[:80]}, which no "
+                                   f"health rule reads (they read {', '.join(sorted(read))})")
+        self._set_names(names)
         self.no_data_after = no_data_after
         self._steps_seen = 0
         self._logged_names: set[str] = set()

@@ -34,7 +34,7 @@ from torch import Tensor
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
 from tclightning.files import HeldFolder, SameFolder, made_here, own_folder, save_tensors
-from tclightning.settings import check_arguments, integer, one_of, positive
+from tclightning.settings import check_arguments, integer, list_of, one_of, positive, text
 from tclightning.settings import seed as seed_rule
 
 _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
@@ -102,6 +102,7 @@ class TrajectoryRecorder(Callback):
         check_arguments("TrajectoryRecorder", {
             "every": (every, positive()), "unit": (unit, one_of(("step", "tick"))),
             "dim": (dim, integer(2)), "seed": (seed, seed_rule()),
+            "parameters": (parameters, list_of(text(nonempty=True), optional=True, nonempty=True)),
         })
         self.every, self.unit, self.dim, self.seed = int(every), unit, int(dim), int(seed)
         self.dirpath = None if dirpath is None else Path(dirpath)

@@ -93,7 +93,7 @@ def run_health(args: argparse.Namespace) -> int:
 
     names = {**reader_names(getattr(args, "names", None), "--names"), **_names(args.name)}
     detector = HealthDetector()
-    rows = read_run(args.path, names, numbers=_rule_inputs(detector))
+    rows = read_run(args.path, names, numbers=detector.metrics_read())
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
     _require_names_read(args.path, rows, detector, _names(args.name))
@@ -106,23 +106,10 @@ def run_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rule_inputs(detector) -> set[str]:
-    """The canonical metrics the detector's rules read (the non-finite rule's counters included;
-    that rule also looks at every other metric, but only for NaN/Inf)."""
-    from tclightning.health.rules import NonFiniteRule
-
-    reads: set[str] = set()
-    for rule in detector.rules:
-        reads.update(rule.inputs)
-        if isinstance(rule, NonFiniteRule):
-            reads.update((*rule.skip_metrics, rule.skipped_step))
-    return reads
-
-
 def _require_names_read(path: str, rows: list, detector, yours_to_canonical: dict[str, str]) -> None:
     """Refuse a ``--name CANONICAL=YOURS`` that maps nothing: a CANONICAL no rule reads (a typo would
     leave that rule without data, and the replay "healthy"), or a YOURS the file does not have."""
-    reads = _rule_inputs(detector)
+    reads = detector.metrics_read()
     logged = {name for _, metrics in rows for name in metrics}
     for yours, canonical in yours_to_canonical.items():
         if canonical not in reads:
@@ -137,7 +124,7 @@ def _require_read_metrics(path: str, rows: list, detector, shown: dict[str, str]
     data. ``shown``: canonical -> the column name the file has, for the message."""
     from tclightning.health.names import matching_preset
 
-    reads = _rule_inputs(detector)
+    reads = detector.metrics_read()
     logged = sorted({name for _, metrics in rows for name in metrics})
     if reads.intersection(logged):
         return

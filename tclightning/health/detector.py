@@ -123,6 +123,18 @@ class HealthDetector:
         """The current verdict without feeding anything."""
         return Verdict(self._step if self._step is not None else -1, self._state, self.findings, ())
 
+    def metrics_read(self) -> set[str]:
+        """The canonical metrics the rules read (the non-finite rule's counters included; that rule
+        also looks at every other metric, but only for NaN/Inf)."""
+        from tclightning.health.rules import NonFiniteRule
+
+        reads: set[str] = set()
+        for rule in self.rules:
+            reads.update(rule.inputs)
+            if isinstance(rule, NonFiniteRule):
+                reads.update((*rule.skip_metrics, rule.skipped_step))
+        return reads
+
     def update(self, step: int, metrics: Mapping[str, float]) -> Verdict:
         """Feed one update and return the verdict (see the class docstring)."""
         step = int(step)

@@ -74,10 +74,16 @@ class BigMathTask(MathTask):
         if low is None and high is None:
             return True
         rate = row.get("llama8b_solve_rate")
-        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))):
+        if rate is None:
+            return False
+        try:
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)):
+                raise TypeError
+            rate = float(rate)  # an int past any float: OverflowError
+        except (TypeError, OverflowError):
             raise TclightningError(f"task data: a row's llama8b_solve_rate is {printable(repr(rate))[:80]}, not a "
-                                   "number (task.solve_rate filters on it)")
-        if rate is None or math.isnan(rate):
+                                   "number (task.solve_rate filters on it)") from None
+        if math.isnan(rate):
             return False
         return (low is None or rate >= low) and (high is None or rate <= high)
 
