@@ -279,3 +279,18 @@ def test_parameters_given_as_a_text_is_refused() -> None:
     with pytest.raises(ValueError, match="TrajectoryRecorder: parameters: expected a list, got str 'layer'"):
         TrajectoryRecorder(parameters="layer")  # type: ignore[arg-type]
     assert TrajectoryRecorder(parameters=["layers.0"]).parameters == ["layers.0"]
+
+
+def test_two_fits_that_find_a_folder_empty_together_never_both_write_into_it(tmp_path: Path) -> None:
+    """Two new fits of a sweep with one ``dirpath``, at their first point together: both found it
+    empty, and each point file was whichever run wrote last."""
+    from tclightning.errors import TclightningError
+
+    points = tmp_path / "points"
+    first, second = TrajectoryRecorder(dirpath=points), TrajectoryRecorder(dirpath=points)
+    first._take(points, fresh=True)  # found empty, held: no point written yet
+    with pytest.raises(TclightningError, match="another fit is writing its points into"):
+        second._take(points, fresh=True)
+    first.teardown()  # the first fit ended: the folder is free again (empty still, so a new fit may take it)
+    second._take(points, fresh=True)
+    second.teardown()

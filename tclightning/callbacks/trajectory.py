@@ -160,6 +160,14 @@ class TrajectoryRecorder(Callback):
             held.close()
             raise TclightningError(f"TrajectoryRecorder: {folder} is a mount point (someone's folder mounted where the "
                                    "run keeps its points); no point was written there")
+        import fcntl
+
+        try:  # held for the fit: two fits that found it empty together never both write into it
+            fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held.close()
+            raise TclightningError(f"TrajectoryRecorder: another fit is writing its points into {folder}; no point was "
+                                   "written there") from None
         if own:  # the run's own trajectory/ is the folder held, whatever its name leads to later
             own_folder(folder, identity=held.identity)
         self._held, self._folder = held, SameFolder(folder)
