@@ -228,9 +228,12 @@ def _made_identity(fd: int) -> tuple[int, int, int | None]:
     return info.st_dev, info.st_ino, generation[0]
 
 
-def note_made(fd: int) -> None:
-    """Record the file open at ``fd``, which this process just created, as one of its own."""
-    _MADE_FILES.add(_made_identity(fd))
+def note_made(fd: int) -> tuple[int, int, int | None]:
+    """Record the file open at ``fd``, which this process just created, as one of its own; returns
+    its identity as recorded."""
+    made = _made_identity(fd)
+    _MADE_FILES.add(made)
+    return made
 
 
 def forget_made_files() -> None:
@@ -457,18 +460,25 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
     over ``path``. Any failure (a full disk, a kill, a folder put at ``path``) leaves ``path`` as
     it was and removes the temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    made = note_made(fd)
     try:
-        note_made(fd)
         os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's file is private; the file it replaces was not
         with (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", newline="")) as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        try:
+            replaced: os.stat_result | None = os.lstat(path)
+        except OSError:
+            replaced = None
         rename_over(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        _MADE_FILES.discard(made)  # its inode number is free again
         raise
+    if replaced is not None:  # the file replaced: its inode number is free, a file of someone else's may get it
+        _MADE_FILES.difference_update({known for known in _MADE_FILES if known[:2] == (replaced.st_dev, replaced.st_ino)})
 
 
 def rename_over(new: str | Path, path: Path) -> None:

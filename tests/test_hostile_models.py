@@ -1222,3 +1222,5 @@ def test_a_hub_dataset_name_that_names_a_local_folder_is_refused(tmp_path: Path,
     for reader in ("json", "CSV", "parquet"):  # datasets' readers of files, of the working folder's
         with pytest.raises(TclightningError, match=f"task.hf_name {reader}: is the name of datasets' {reader} reader"):
             DataSource.from_config(TaskConfig(name="gsm8k", hf_name=reader), "gsm8k")
+    with pytest.raises(TclightningError, match="task.hf_name hf://datasets/json: a URL"):
+        DataSource.from_config(TaskConfig(name="gsm8k", hf_name="hf://datasets/json"), "gsm8k")

@@ -517,6 +517,25 @@ def test_a_file_of_yours_moved_into_a_failed_run_folder_under_a_name_the_run_wri
     assert discard_unfinished_run(fresh := _failed_new_run(tmp_path / "fresh"), created=True) and not fresh.exists()
 
 
+def test_a_file_the_run_replaced_or_gave_up_is_forgotten_where_no_generation_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a filesystem that keeps no inode generations (overlayfs), a file of yours handed the inode
+    number of one the run had replaced was taken for the run's: the numbers the run frees are forgotten."""
+    from tclightning import files
+
+    monkeypatch.setattr(files, "_MADE_FILES", set())
+    monkeypatch.setattr(files, "_made_identity", lambda fd: (*(lambda i: (i.st_dev, i.st_ino))(os.fstat(fd)), None))
+    record = tmp_path / "recipe.yaml"
+    files.replace_text(record, "first")
+    first = os.lstat(record)
+    files.replace_text(record, "second")  # the first file's number is free now
+    assert (first.st_dev, first.st_ino, None) not in files._MADE_FILES
+    assert files.made_file(record) is not None
+    with pytest.raises(RuntimeError):
+        files.replace_file(tmp_path / "other.yaml", lambda handle: (_ for _ in ()).throw(RuntimeError("full")))
+    assert len(files._MADE_FILES) == 1  # the temporary file given up: its number forgotten too
+
+
 def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path) -> None:
     """``run(...)`` left the MLflow tracking URI, Lightning's seed variables, torch's thread count and
     the threads' exception hook as the run set them: the program's next run logged elsewhere."""

@@ -294,3 +294,13 @@ def test_two_fits_that_find_a_folder_empty_together_never_both_write_into_it(tmp
     first.teardown()  # the first fit ended: the folder is free again (empty still, so a new fit may take it)
     second._take(points, fresh=True)
     second.teardown()
+
+
+def test_a_failed_fit_lets_its_folder_go(tmp_path: Path) -> None:
+    """Lightning calls no ``teardown`` on a failed fit: the folder stayed held (locked), and a resume
+    in the same program was refused as "another fit is writing its points"."""
+    points = tmp_path / "points"
+    recorder = TrajectoryRecorder(dirpath=points)
+    recorder._take(points, fresh=True)
+    recorder.on_exception(None, None, RuntimeError("boom"))  # type: ignore[arg-type]
+    TrajectoryRecorder(dirpath=points)._take(points, fresh=False)  # the resume takes it

@@ -178,6 +178,9 @@ class TrajectoryRecorder(Callback):
             self._held.close()
         self._held, self._folder = None, None
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown()  # Lightning calls no teardown on a failed fit: the folder (and its lock) is let go here
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         index = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
         if index == 0:

@@ -318,6 +318,9 @@ class DataSource:
         if cfg.hf_name:
             from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
 
+            if "://" in cfg.hf_name:  # hf://datasets/json is datasets' json reader too
+                raise TclightningError(f"task.hf_name {cfg.hf_name}: a URL; give the dataset's name (org/name), or "
+                                       "local data as task.path")
             if cfg.hf_name.lower() in _PACKAGED_DATASETS_MODULES:  # a file format: it reads the working folder
                 raise TclightningError(f"task.hf_name {cfg.hf_name}: is the name of datasets' {cfg.hf_name} reader, "
                                        "which would read the files of the working folder, unchecked; give local "
