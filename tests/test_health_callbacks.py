@@ -297,3 +297,15 @@ def test_a_metric_name_mapped_from_a_name_no_rule_reads_is_refused() -> None:
         CollapseDetector(metric_names={"reward/mena": "train/reward"})
     assert LengthFeedbackMonitor(metric_names={"reward/mean": "train/reward"})  # one mapping serves every monitor
     assert GapMonitor(metric_names="trl")
+
+
+def test_a_second_fit_in_one_folder_never_writes_over_the_first_s_healthy_checkpoint(tmp_path: Path) -> None:
+    """Two fits with one ``default_root_dir`` (``logger=False``): the second wrote its
+    ``last-healthy.ckpt`` over the first's, which the first's own checkpoint names to roll back to."""
+    paths = []
+    for _ in range(2):
+        monitor = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=5)
+        trainer(tmp_path, [monitor], 12, logger=False).fit(TinyModule(healthy), loader())
+        paths.append(monitor.last_healthy_path)
+    assert paths[0] != paths[1] and all(Path(p).is_file() for p in paths), paths
+    assert Path(paths[1]).name == "last-healthy-1.ckpt"

@@ -40,6 +40,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,6 +54,7 @@ from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.callbacks.steps import rl_step
 from tclightning.console import shown as printable
 from tclightning.errors import TclightningError
+from tclightning.files import unused_name
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
 from tclightning.health.names import (
     MetricNames,
@@ -405,7 +407,10 @@ class HealthMonitor(Callback):
                 "nothing was loaded")
 
     def _save_healthy(self, trainer: pl.Trainer, step: int) -> None:
-        path = self._checkpoint_path(trainer)
+        path, here = self.last_healthy_path, self._checkpoint_path(trainer)
+        if path is None or os.path.realpath(os.path.dirname(path)) != os.path.realpath(os.path.dirname(here)):
+            # this fit's first: an earlier fit's in the same folder is never written over (the next free name)
+            path = str(unused_name(Path(here)))
         self.last_healthy_path, self.last_healthy_step = path, step
         trainer.save_checkpoint(path, weights_only=False)
 
