@@ -549,12 +549,13 @@ def remove_tree(folder: Path, identity: tuple[int, int] | None = None,
             return [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
         return []
 
-    def checked(fd: int, path: str) -> bool:
-        """Whether the entry ``path`` (open in ``fd``'s folder by its last part) is one of ``only``."""
+    def checked(fd: int, name: str, path: str) -> bool:
+        """Whether the entry ``name`` of the folder open at ``fd`` (``path`` below ``folder``) is one
+        of ``only``, as it is now."""
         if only is None:
             return True
         try:
-            info = os.stat(path.rsplit("/", 1)[-1], dir_fd=fd, follow_symlinks=False)
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
             return False
         return only.get(path) == (info.st_dev, info.st_ino)
@@ -577,7 +578,7 @@ def remove_tree(folder: Path, identity: tuple[int, int] | None = None,
                 inside = f"{path}/{child}" if path else child
                 with contextlib.suppress(OSError):
                     if not is_dir:
-                        if checked(fd, inside):
+                        if checked(fd, child, inside):
                             os.unlink(child, dir_fd=fd)  # a link is removed itself; a folder put here meanwhile stays
                         continue
                     inner = os.open(child, opening, dir_fd=fd)  # a link swapped in meanwhile is refused (ELOOP)

@@ -819,9 +819,7 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
             raise
         raise StorageError(f"cannot create the run directory {plan.run_dir}: {err.strerror}; nothing was saved") from None
     except KeyboardInterrupt:
-        gone = not follower and discard_unfinished_run(run_dir, created)
-        raise RunInterrupted("interrupted before training started; " + (
-            f"removed {run_dir} (nothing was saved yet)" if gone else f"{run_dir} is kept")) from None
+        _interrupted_before_training("interrupted before training started", run_dir, created, follower)
     if run_dir != plan.run_dir:  # another run took the planned name since plan_run: this run's is next
         notices = plan.notices
         if plan.ckpt_path is not None:  # the resume's notice names the directory it continues in
@@ -868,12 +866,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     except (WarmupInterrupted, KeyboardInterrupt) as err:
         if not isinstance(err, WarmupInterrupted) and trainer is not None and trainer.global_step > 0:
             _interrupted_in_training(plan, created, started, module, trainer, follower)  # (a second SIGTERM)
-        gone = discard_unfinished_run(plan.run_dir, created)
         what = str(err) if isinstance(err, WarmupInterrupted) else "interrupted before training started"
-        if follower:  # rank 0 says what became of the run directory
-            raise RunInterrupted(what) from None
-        raise RunInterrupted(f"{what}; " + (f"removed {plan.run_dir} (nothing was saved yet)" if gone
-                                            else f"{plan.run_dir} is kept")) from None
+        _interrupted_before_training(what, plan.run_dir, created, follower)
     except SystemExit:
         if trainer is None or not trainer.interrupted:
             raise
@@ -926,6 +920,16 @@ def _finished_summary(run_dir: Path, started: float, module: Any, trainer: Any) 
             raise
         raise StorageError(f"the run finished, but the storage refused its summary ({storage_reason(err)}); "
                            "its checkpoints and metrics.csv are kept") from None
+
+
+def _interrupted_before_training(what: str, run_dir: Path, created: bool, follower: bool) -> None:
+    """Raise :class:`RunInterrupted` for a run stopped before its fit began: ``what`` stopped it, and
+    (rank 0) what became of its run directory, removed if it holds nothing of anyone's."""
+    if follower:  # rank 0 says what became of the run directory
+        raise RunInterrupted(what) from None
+    gone = discard_unfinished_run(run_dir, created)
+    raise RunInterrupted(f"{what}; " + (f"removed {run_dir} (nothing was saved yet)" if gone
+                                        else f"{run_dir} is kept")) from None
 
 
 def _interrupted_in_training(plan: RunPlan, created: bool, started: float, module: Any, trainer: Any,
