@@ -38,6 +38,8 @@ from tclightning.recipes.loader import (
     instantiate_callbacks,
     load_recipe,
     read_record,
+    same_state_message,
+    state_key_clash,
     to_dataclass,
     to_yaml,
     wandb_offline,
@@ -727,6 +729,11 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
     cfg: DictConfig = load_recipe(recipe_ref, overrides)
     recipe = to_dataclass(cfg)
     user_callbacks = [*instantiate_callbacks(cfg, str(find_recipe(recipe_ref)), overrides), *extra_callbacks]
+    clash = state_key_clash(user_callbacks)
+    if clash is not None:  # only extra_callbacks can still clash: the recipe's own were checked as it was read
+        first, second = (i - (len(user_callbacks) - len(extra_callbacks)) for i in clash)
+        other = f"extra_callbacks[{first}]" if first >= 0 else f"the recipe's callbacks[{clash[0]}]"
+        raise TclightningError(f"extra_callbacks[{second}]: {same_state_message(user_callbacks[clash[1]], other)}")
     from tclightning.callbacks.checkpointing import SigtermBeforeTraining
 
     signals = held.enter_context(SigtermBeforeTraining())

@@ -346,6 +346,12 @@ CASES: dict[str, Case] = {
                                       "key 'description'", "U+202E"),
     "logging-name-bell": override("logging.name=\"x\\ay\"", names=("override 'logging.name=", "U+0007")),
     "logging-name-too-long": override("logging.name=" + "n" * 256, names=("256 bytes", "at most 255")),
+    # two callbacks of one checkpoint state: Lightning's "more than one stateful callback" traceback before
+    "callback-twice-beside-its-preset": recipe(
+        BASE + "callbacks:\n  - class_path: tclightning.callbacks.CollapseDetector\n", "callbacks[",
+        "a second CollapseDetector with the same checkpoint state", "its own `name`"),
+    "callback-preset-twice": recipe(BASE + "callback_presets: [monitoring, monitoring]\n",
+                                    "a second LengthFeedbackMonitor with the same checkpoint state as callbacks[0]"),
     # callback arguments out of their range, and rules a recipe cannot build
     "collapse-rules-text": recipe(
         NO_PRESETS + "callbacks:\n  - class_path: tclightning.callbacks.collapse.CollapseDetector\n"
@@ -727,3 +733,17 @@ def test_an_uncached_hub_model_without_a_hub_is_refused_before_anything_is_writt
     assert len(err) == 1 and "model.name 'nobody/not-cached-anywhere': not in the Hugging Face cache" in err[0], err
     assert "HF_HUB_OFFLINE is set" in err[0] if "HF_HUB_OFFLINE" in env else "127.0.0.1 does not answer" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_callback_of_yours_with_the_state_of_one_the_recipe_lists_is_one_error(tmp_path: Path) -> None:
+    """``run(extra_callbacks=[CollapseDetector()])`` beside the recipe's own: refused before anything is
+    written (Lightning's "more than one stateful callback" traceback before), naming both."""
+    from tclightning.callbacks import CollapseDetector
+    from tclightning.errors import TclightningError
+    from tclightning.run import run
+
+    with pytest.raises(TclightningError, match=r"extra_callbacks\[1\]: a second CollapseDetector with the same "
+                                               r"checkpoint state as the recipe's callbacks\[\d\]"):
+        run("tiny", [f"logging.root={tmp_path}/runs"], quiet=True,
+            extra_callbacks=[CollapseDetector(name="mine"), CollapseDetector()])
+    assert not (tmp_path / "runs").exists()

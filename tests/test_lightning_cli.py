@@ -109,6 +109,21 @@ def test_a_config_yaml_of_yours_is_never_overwritten(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_second_callback_with_one_checkpoint_state_is_one_line(tmp_path, monkeypatch, capsys):
+    """A preset's CollapseDetector and one more: one line naming both (Lightning's RuntimeError
+    traceback as the Trainer was made, before), nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    argv = ["fit", "--config", "my_config.yaml", f"--trainer.callbacks={REPO / 'callbacks' / 'monitoring.yaml'}",
+            "--trainer.callbacks+=tclightning.callbacks.CollapseDetector"]
+    assert lightning_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --trainer.callbacks[3]: a second CollapseDetector with the same checkpoint "
+                              "state as --trainer.callbacks[2]"), err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
 @pytest.mark.parametrize("hparams, said", [
     ({"_class_path": "antigravity.Nothing"}, "by name (_class_path)"),
     ({"class_path": "antigravity.Nothing"}, "by name (class_path)"),

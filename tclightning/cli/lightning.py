@@ -147,8 +147,16 @@ def lightning_cli(argv: Sequence[str]) -> int:
 
             from tclightning.callbacks.checkpointing import OwnFileCheckpointIO
             from tclightning.logging import ask_remote_stores, open_store
+            from tclightning.recipes.loader import same_state_message, state_key_clash
             from tclightning.run import require_launcher
 
+            given = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+            given = given if isinstance(given, list) else [given]
+            clash = state_key_clash(given)
+            if clash is not None:  # else Lightning's RuntimeError traceback as the Trainer is made
+                first, second = clash
+                raise TclightningError(f"--trainer.callbacks[{second}]: "
+                                       f"{same_state_message(given[second], f'--trainer.callbacks[{first}]')}")
             # the Trainer builds its default logger there: a store that cannot be made would be a traceback
             open_store("trainer.default_root_dir", self._get(self.config_init, "trainer", default={}).get("default_root_dir"))
             trainer = super().instantiate_trainer(**kwargs)

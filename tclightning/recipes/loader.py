@@ -16,6 +16,7 @@ import difflib
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -812,7 +813,40 @@ def instantiate_callbacks(cfg: DictConfig, source: str = "recipe", overrides: Se
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             raise RecipeError(reason, file=COMMAND_LINE if override else source, key=f"callbacks[{i}].init_args",
                               override=override) from None
+    clash = state_key_clash(callbacks)
+    if clash is not None:
+        first, second = clash
+        raise RecipeError(f"{same_state_message(callbacks[second], f'callbacks[{first}]')} (the list counts the "
+                          "callbacks its defaults and presets bring first)", file=COMMAND_LINE if override else source,
+                          key=f"callbacks[{second}]", override=override)
     return callbacks
+
+
+def state_key_clash(callbacks: Sequence[Any]) -> tuple[int, int] | None:
+    """The first two stateful callbacks (a ``state_dict`` of their own) that share a ``state_key``,
+    as indices: a checkpoint keeps one state per key, and Lightning refuses such a list with a
+    traceback when the fit starts."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    seen: dict[str, int] = {}
+    for i, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback) or not is_overridden("state_dict", instance=callback, parent=Callback):
+            continue
+        if callback.state_key in seen:
+            return seen[callback.state_key], i
+        seen[callback.state_key] = i
+    return None
+
+
+def same_state_message(callback: Any, other: str) -> str:
+    """What a user reads about ``callback`` sharing its checkpoint state with ``other``."""
+    try:
+        named = "name" in inspect.signature(type(callback)).parameters  # a health monitor's state is its name's
+    except (TypeError, ValueError):
+        named = False
+    way = "remove one, or give it its own `name`" if named else "remove one"
+    return f"a second {type(callback).__name__} with the same checkpoint state as {other}: {way}"
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -820,4 +854,5 @@ def to_yaml(cfg: DictConfig) -> str:
 
 
 __all__ = ["RecipeInfo", "apply_overrides", "find_recipe", "instantiate_callbacks", "list_recipes", "load_recipe",
-           "resolve_callback_class", "resolve_logger_class", "to_dataclass", "to_yaml", "validate", "ListConfig"]
+           "resolve_callback_class", "resolve_logger_class", "same_state_message", "state_key_clash", "to_dataclass",
+           "to_yaml", "validate", "ListConfig"]
