@@ -190,6 +190,15 @@ def list_of(item: Rule, length: int | None = None, *, optional: bool = False, no
     return rule
 
 
+def read_once(value: Any) -> Any:
+    """A list argument read into a tuple once, so that its check and its use see the same values (a
+    generator checked first would be used up); a text, a mapping or a value that is no iterable is
+    given back as it is, for :func:`list_of` to refuse (``list("gap.level")`` is its letters)."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        return value
+    return tuple(value)
+
+
 # --------------------------------------------------------------------------- fields and walks
 def setting(default: Any, rule: Rule, help: str) -> Any:  # noqa: A002 - the word the docs use
     """A dataclass field with its range and its help. A list or dict default is copied per

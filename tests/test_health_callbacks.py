@@ -256,10 +256,19 @@ def test_validation_metrics_are_read_at_validation_end(tmp_path):
 
 
 def test_bad_action_is_a_user_error():
-    from tclightning.errors import TclightningError
-
-    with pytest.raises(TclightningError, match="unknown action"):
+    with pytest.raises(ValueError, match="CollapseDetector: actions: entry 1: expected one of log, warn"):
         CollapseDetector(actions=["log", "explode"])
+
+
+@pytest.mark.parametrize("argument", ["actions", "tolerated_rules", "validation_metrics"])
+def test_a_list_argument_given_a_text_is_refused_and_a_generator_is_read_once(argument: str) -> None:
+    """``validation_metrics="val/accuracy"`` was read as twelve one-letter metric names (and
+    ``tolerated_rules="gap.level"`` said it named 'g'); a generator was used up by the check."""
+    given = {"actions": "warn", "tolerated_rules": "gap.level", "validation_metrics": "val/accuracy"}[argument]
+    with pytest.raises(ValueError, match=f"CollapseDetector: {argument}: expected a list, got str '{given}'"):
+        CollapseDetector(**{argument: given})
+    monitor = CollapseDetector(**{argument: (name for name in [given])})
+    assert getattr(monitor, argument) == ({"log", "warn"} if argument == "actions" else (given,))
 
 
 def test_monitors_build_their_rules_from_the_families():

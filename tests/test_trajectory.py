@@ -279,6 +279,7 @@ def test_parameters_given_as_a_text_is_refused() -> None:
     with pytest.raises(ValueError, match="TrajectoryRecorder: parameters: expected a list, got str 'layer'"):
         TrajectoryRecorder(parameters="layer")  # type: ignore[arg-type]
     assert TrajectoryRecorder(parameters=["layers.0"]).parameters == ["layers.0"]
+    assert TrajectoryRecorder(parameters=(p for p in ["layers.0"])).parameters == ["layers.0"]  # checked, not used up
 
 
 def test_two_fits_that_find_a_folder_empty_together_never_both_write_into_it(tmp_path: Path) -> None:

@@ -65,7 +65,7 @@ from tclightning.health.names import (
 )
 from tclightning.health.rules import HealthState, Rule, default_rules
 from tclightning.health.rules.base import INFO, parse_severity
-from tclightning.settings import check_arguments, flag, integer, list_of, number, positive, text
+from tclightning.settings import check_arguments, flag, integer, list_of, number, one_of, positive, read_once, text
 
 ACTIONS = ("log", "warn", "checkpoint", "stop", "rollback")
 
@@ -131,9 +131,8 @@ class HealthMonitor(Callback):
         clear_after: int = 5,
         no_data_after: int = 5,
     ) -> None:
-        unknown = set(actions) - set(ACTIONS)
-        if unknown:
-            raise TclightningError(f"{type(self).__name__}: unknown action(s) {sorted(unknown)}; choose from {ACTIONS}")
+        rules, actions, tolerated_rules = read_once(rules), read_once(actions), read_once(tolerated_rules)
+        validation_metrics = read_once(validation_metrics)
         if act_on not in ("warning", "collapsing"):
             raise TclightningError(f"{type(self).__name__}: act_on must be 'warning' or 'collapsing', got {act_on!r}")
         if rules is not None and not all(isinstance(rule, Rule) for rule in rules):
@@ -145,8 +144,9 @@ class HealthMonitor(Callback):
             "rollback_lr_scale": (rollback_lr_scale, number(0.0, low_open=True)),
             "clear_after": (clear_after, positive()),
             "no_data_after": (no_data_after, positive()),
-            "tolerated_rules": (list(tolerated_rules), list_of(text())),
-            "validation_metrics": (list(validation_metrics), list_of(text(nonempty=True))),
+            "actions": (actions, list_of(one_of(ACTIONS))),
+            "tolerated_rules": (tolerated_rules, list_of(text())),
+            "validation_metrics": (validation_metrics, list_of(text(nonempty=True))),
         })
         self.name = name
         self.detector = HealthDetector(rules, clear_after=clear_after)

@@ -34,7 +34,7 @@ from torch import Tensor
 from tclightning.callbacks.steps import completed_steps
 from tclightning.errors import TclightningError
 from tclightning.files import HeldFolder, SameFolder, made_here, own_folder, save_tensors
-from tclightning.settings import check_arguments, integer, list_of, one_of, positive, text
+from tclightning.settings import check_arguments, integer, list_of, one_of, positive, read_once, text
 from tclightning.settings import seed as seed_rule
 
 _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
@@ -99,6 +99,7 @@ class TrajectoryRecorder(Callback):
         self, every: int = 1, unit: str = "step", dim: int = 4096, seed: int = 0,
         dirpath: str | os.PathLike[str] | None = None, parameters: list[str] | None = None,
     ) -> None:
+        parameters = read_once(parameters)
         check_arguments("TrajectoryRecorder", {
             "every": (every, positive()), "unit": (unit, one_of(("step", "tick"))),
             "dim": (dim, integer(2)), "seed": (seed, seed_rule()),
@@ -106,7 +107,7 @@ class TrajectoryRecorder(Callback):
         })
         self.every, self.unit, self.dim, self.seed = int(every), unit, int(dim), int(seed)
         self.dirpath = None if dirpath is None else Path(dirpath)
-        self.parameters = parameters
+        self.parameters = None if parameters is None else list(parameters)
         self._folder: SameFolder | None = None  # the points' folder as first seen
         self._held: HeldFolder | None = None  # ... held open: every point is written into it
 
