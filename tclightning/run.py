@@ -706,22 +706,40 @@ def run(
 
 @contextlib.contextmanager
 def _process_settings_kept() -> Any:
-    """The environment, torch's thread count and the threads' exception hook as they were before
-    the run, put back however it ends: a program of yours that calls :func:`run` keeps its own (an
-    MLflow tracking URI left set sent its next run's logs to another store)."""
+    """What the run changes of its process, put back however it ends, so that a program of yours
+    that calls :func:`run` keeps its own: the environment variables the run's thread set (an MLflow
+    tracking URI left set sent the program's next run's logs to another store; a variable another
+    thread of the program set meanwhile stays), torch's thread count, the threads' exception hook,
+    the random number generators the run seeds (Python's, NumPy's, torch's) and the console's
+    quieting (:func:`quiet_lightning`)."""
     import threading
 
     import torch
 
-    environment, threads, hook = dict(os.environ), torch.get_num_threads(), threading.excepthook
+    from tclightning.environment import own_writes_undone
+
+    threads, hook = torch.get_num_threads(), threading.excepthook
+    with own_writes_undone(), torch.random.fork_rng(devices=[]), _python_random_kept(), quiet_lightning():
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            threading.excepthook = hook
+
+
+@contextlib.contextmanager
+def _python_random_kept() -> Any:
+    """Python's and NumPy's global random state as they were (``seed_everything`` seeds both)."""
+    import random
+
+    import numpy as np
+
+    python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
         yield
     finally:
-        for name in set(os.environ) - set(environment):
-            os.environ.pop(name, None)
-        os.environ.update({name: value for name, value in environment.items() if os.environ.get(name) != value})
-        torch.set_num_threads(threads)
-        threading.excepthook = hook
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: bool,
@@ -801,7 +819,6 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
 
     from tclightning.models.warmup import WarmupInterrupted
 
-    quiet_lightning()
     torch.set_num_threads(intra_op_threads(recipe))  # before any warm-up: its float sums depend on it
     L.seed_everything(recipe.trainer.seed, workers=True, verbose=False)
     started = time.perf_counter()
@@ -1185,17 +1202,30 @@ def intra_op_threads(recipe: RecipeConfig) -> int:
     return 1 if cores <= 4 else cores - 1
 
 
-def quiet_lightning() -> None:
+@contextlib.contextmanager
+def quiet_lightning() -> Any:
     """Keep the console for the progress bar and the summary: no hardware banners, tips, or
-    deprecation notices Lightning raises against newer torch."""
+    deprecation notices Lightning raises against newer torch, for the block (the level of
+    Lightning's logger and the warnings filter are put back after it)."""
     import logging
     import warnings
 
     from tclightning.console import install_warning_format
 
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    before = list(warnings.filters)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    install_warning_format()  # health warnings as "health: ...", no file:line (idempotent)
+    added = warnings.filters[0] if warnings.filters[0] not in before else None  # a program's own is its
+    install_warning_format()  # health warnings as "health: ...", no file:line (once per process, as on import)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if added in warnings.filters:  # the filter this block added, if still there (the list is the process's)
+            warnings.filters.remove(added)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # else a call site's cached verdict stays
 
 
 def resolved_yaml(recipe_ref: str, overrides: Sequence[str] = ()) -> str:

@@ -65,11 +65,20 @@ def test_a_spawned_process_runs_nothing_from_the_working_folder(tmp_path: Path, 
 
 
 def test_the_command_hands_the_safe_path_to_every_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console command sets it for its process; ``main([...])`` from a program of yours puts the
+    program's environment and standard streams back (it left ``PYTHONSAFEPATH=1`` for every
+    ``python`` the program started later)."""
     from tclightning.cli.main import main
 
+    console = ("import os, sys; os.environ['PYTHONSAFEPATH'] = ''; sys.argv = ['tclightning', 'recipes', 'list']\n"
+               "from tclightning.cli.main import main\nmain(); print(repr(os.environ.get('PYTHONSAFEPATH')))")
+    done = subprocess.run([sys.executable, "-c", console], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    assert done.stdout.strip().splitlines()[-1] == "'1'", done.stderr[-2000:]
     monkeypatch.setenv("PYTHONSAFEPATH", "")
+    streams = sys.stdout, sys.stderr
     assert main(["recipes", "list"]) == 0
-    assert os.environ.get("PYTHONSAFEPATH") == "1"
+    assert os.environ.get("PYTHONSAFEPATH") == "" and (sys.stdout, sys.stderr) == streams
 
 
 def test_a_launcher_pid_that_is_not_the_parent_is_one_line(tmp_path: Path) -> None:

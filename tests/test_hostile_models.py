@@ -288,8 +288,8 @@ def test_a_python_tokenizer_is_measured_under_the_same_budget(monkeypatch: pytes
 
 
 def test_the_cli_runs_tokenizers_on_one_thread() -> None:
-    code = ("import os; os.environ['TOKENIZERS_PARALLELISM'] = 'true'\nfrom tclightning.cli.main import main\n"
-            "main(['recipes', 'list']); print(os.environ['TOKENIZERS_PARALLELISM'])")
+    code = ("import os, sys; os.environ['TOKENIZERS_PARALLELISM'] = 'true'; sys.argv = ['tclightning', 'recipes', "
+            "'list']\nfrom tclightning.cli.main import main\nmain(); print(os.environ['TOKENIZERS_PARALLELISM'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.stdout.strip().splitlines()[-1] == "false", done.stderr[-2000:]

@@ -537,23 +537,80 @@ def test_a_file_the_run_replaced_or_gave_up_is_forgotten_where_no_generation_is_
 
 
 def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path) -> None:
-    """``run(...)`` left the MLflow tracking URI, Lightning's seed variables, torch's thread count and
-    the threads' exception hook as the run set them: the program's next run logged elsewhere."""
+    """``run(...)`` left the MLflow tracking URI, Lightning's seed variables, torch's thread count,
+    the threads' exception hook, the random generators it seeds, Lightning's logger level and a
+    warnings filter as the run set them (the program's next run logged elsewhere); and it put back
+    the whole environment, undoing what another thread of the program changed meanwhile."""
+    import logging
+    import random
     import threading
+    import warnings
+
+    import lightning.pytorch as pl
+    import numpy as np
 
     from tclightning.run import run
 
+    class ProgramThread(pl.Callback):  # another thread of the program, busy while the run trains
+        def on_train_batch_end(self, *args: Any) -> None:
+            worker = threading.Thread(target=lambda: (os.environ.__setitem__("TCL_TEST_MINE", "set"),
+                                                      os.environ.pop("TCL_TEST_GONE", None)))
+            worker.start()
+            worker.join()
+
     pytest.importorskip("mlflow")
-    threads = torch.get_num_threads()
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    threads, level = torch.get_num_threads(), lightning_log.level
     torch.set_num_threads(2)  # the run sets 1 (trainer.num_threads)
+    os.environ["TCL_TEST_GONE"] = "removed by the program"
     try:
-        environment, hook = dict(os.environ), threading.excepthook
+        environment, hook, filters = dict(os.environ), threading.excepthook, list(warnings.filters)
+        generators = torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()
         run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path}",
-                     "logging.loggers=[csv,mlflow]"], quiet=True)
-        assert dict(os.environ) == environment
+                     "logging.loggers=[csv,mlflow]"], quiet=True, extra_callbacks=[ProgramThread()])
+        kept = {name: value for name, value in environment.items() if name != "TCL_TEST_GONE"}
+        assert dict(os.environ) == {**kept, "TCL_TEST_MINE": "set"}  # the program's thread's changes, none of the run's
         assert torch.get_num_threads() == 2 and threading.excepthook is hook
+        assert torch.equal(torch.random.get_rng_state(), generators[0]) and random.getstate() == generators[1]
+        assert np.random.get_state()[1].tolist() == generators[2]
+        assert lightning_log.level == level
+        assert [f for f in warnings.filters if f[1] is not None and "LeafSpec" in f[1].pattern] == \
+            [f for f in filters if f[1] is not None and "LeafSpec" in f[1].pattern] == []
     finally:
         torch.set_num_threads(threads)
+        os.environ.pop("TCL_TEST_MINE", None)
+
+
+def test_the_environment_a_thread_changes_in_the_block_is_put_back_another_thread_s_stays() -> None:
+    """:func:`own_writes_undone`: this thread's sets and removals undone (nested blocks each their own),
+    another thread's kept, and ``os.environ`` its own class again once no block is open."""
+    import threading
+
+    from tclightning.environment import own_writes_undone
+
+    environ_type = type(os.environ)
+    plain = environ_type.__setitem__
+    os.environ["TCL_TEST_OLD"] = "old"
+    try:
+        with own_writes_undone():
+            os.environ["TCL_TEST_NEW"] = "new"
+            del os.environ["TCL_TEST_OLD"]
+            with own_writes_undone():
+                os.environ["TCL_TEST_OLD"] = "inner"
+                os.environb[b"TCL_TEST_BYTES"] = b"b"
+            assert "TCL_TEST_OLD" not in os.environ and "TCL_TEST_BYTES" not in os.environ
+            other = threading.Thread(target=lambda: os.environ.update(TCL_TEST_OTHER="kept"))
+            other.start()
+            other.join()
+        assert os.environ["TCL_TEST_OLD"] == "old" and "TCL_TEST_NEW" not in os.environ
+        assert os.environ["TCL_TEST_OTHER"] == "kept" and environ_type.__setitem__ is plain
+        with pytest.raises(RuntimeError), own_writes_undone():
+            os.environ["TCL_TEST_NEW"] = "new"
+            raise RuntimeError("the run failed")
+        assert "TCL_TEST_NEW" not in os.environ
+    finally:
+        for name in ("TCL_TEST_OLD", "TCL_TEST_OTHER", "TCL_TEST_NEW"):
+            os.environ.pop(name, None)
 
 
 def test_a_file_that_got_the_inode_number_of_one_the_run_made_is_not_the_run_s(

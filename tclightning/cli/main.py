@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from tclightning import __version__
 from tclightning.console import (exit_at_late_interrupt, ignore_interrupts_at_teardown, interrupts_held,
                                  outlive_console, refused_output, shown, sigterm_interrupts)
+from tclightning.environment import own_writes_undone
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import refused_by_storage, storage_reason
 from tclightning.network import remote_failure
@@ -92,6 +93,20 @@ def dispatch(parser: argparse.ArgumentParser, argv: Sequence[str] | None, consol
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``tclightning`` command (``argv`` None: the console's, from ``sys.argv``). Called from a
+    program of yours with ``argv``, it leaves the program's environment variables and standard
+    streams as they were (the command sets ``PYTHONSAFEPATH`` for the processes it starts)."""
+    if argv is None:
+        return _command(None)
+    streams = sys.stdout, sys.stderr
+    with own_writes_undone():
+        try:
+            return _command(argv)
+        finally:
+            sys.stdout, sys.stderr = streams
+
+
+def _command(argv: Sequence[str] | None) -> int:
     # One tokenizer thread: a Rust tokenizer that panics on a prompt (a regex past its backtracking
     # limit) deadlocks its thread pool; on one thread the panic is an error the run reports.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
