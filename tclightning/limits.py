@@ -63,41 +63,76 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     Only ``TimeoutError`` (or what ``fn`` itself raises) leaves this function, wherever the
     alarm lands. The timer repeats every ``_ALARM_REPEAT_S`` past the limit until ``fn`` has
     unwound, so code that catches and drops the first timeout is interrupted again. Nests with
-    a timer armed by someone else: ours never outlives theirs, and theirs is re-armed
-    afterwards with its remaining time (so it still fires, just after us). A signal cannot
-    interrupt one long C-level operation: callers keep those out by capping inputs.
+    a timer armed by someone else (a program's heartbeat, an enclosing limit): at its moments its
+    own handler runs, as it would have (an enclosing limit's exception ends ``fn`` then; a
+    heartbeat only counts), and it is re-armed afterwards with its remaining time and interval; a
+    timer whose action is the default (ending the process) ends ``fn`` at its moment and fires
+    just after. A signal cannot interrupt one long C-level operation: callers keep those out by
+    capping inputs.
     """
     armed = [True]  # cleared before disarming, so a late repeat raises nothing
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        if armed[0] and not in_unraisable_context(frame):
-            raise _Timeout()
-
+    ours = _Timeout()
     previous_handler = signal.getsignal(signal.SIGALRM)
     outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     started = time.monotonic()
+    deadline = started + timeout_s
+    theirs = [started + outer_delay if outer_delay > 0 else None]  # the outer timer's next moment
+    period = [outer_interval]
+    ends_fn = not callable(previous_handler) and previous_handler != signal.SIG_IGN
+
+    def next_alarm(now: float) -> None:
+        due = deadline if now < deadline else now + _ALARM_REPEAT_S
+        if theirs[0] is not None:
+            due = min(due, theirs[0])
+        signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-6), _ALARM_REPEAT_S)
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        if not armed[0] or in_unraisable_context(frame):
+            return  # the interval's repeat comes back
+        now = time.monotonic()
+        if theirs[0] is not None and now >= theirs[0] and not ends_fn:
+            signal.setitimer(signal.ITIMER_REAL, 0)  # what their handler arms is theirs
+            theirs[0] = None
+            try:
+                if callable(previous_handler):
+                    previous_handler(signum, frame)  # may raise: an enclosing limit ends fn here
+            finally:
+                delay, interval = signal.getitimer(signal.ITIMER_REAL)
+                now = time.monotonic()
+                if delay > 0:
+                    theirs[0], period[0] = now + delay, interval
+                elif period[0] > 0:
+                    theirs[0] = now + period[0]
+                if armed[0]:
+                    next_alarm(now)
+            return
+        if now >= deadline or (theirs[0] is not None and now >= theirs[0]):
+            raise ours
+        next_alarm(now)
+
     try:
         try:
             # Both inside the try: an (outer) alarm landing between them is caught below.
             signal.signal(signal.SIGALRM, on_alarm)
-            first = min(timeout_s, outer_delay) if outer_delay > 0 else timeout_s
-            signal.setitimer(signal.ITIMER_REAL, max(first, 1e-6), _ALARM_REPEAT_S)
+            next_alarm(time.monotonic())
             return fn()
         finally:
             # If the alarm lands before this line, the except below still catches it.
             armed[0] = False
             signal.setitimer(signal.ITIMER_REAL, 0)
-    except _Timeout:
+    except _Timeout as timeout:
         armed[0] = False
+        if timeout is not ours:  # an enclosing limit's
+            raise
         raise TimeoutError(f"timed out after {timeout_s} s") from None
     finally:
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         if previous_handler is not None:  # None: set outside Python, cannot be restored
             signal.signal(signal.SIGALRM, previous_handler)
-        if outer_delay > 0:
-            left = outer_delay - (time.monotonic() - started)
-            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
+        if theirs[0] is not None:
+            left = theirs[0] - time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), period[0])
 
 
 def waited_on(fn: Callable[[], T], timeout_s: float) -> T:

@@ -290,18 +290,58 @@ def test_timeout_nests_with_an_outer_alarm() -> None:
         remaining = signal.getitimer(signal.ITIMER_REAL)[0]
         assert 20.0 < remaining < 30.0
         assert signal.getsignal(signal.SIGALRM) is outer and not fired
-        # An outer timer shorter than ours cuts the verification short, then still fires.
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
-        start = time.monotonic()
-        assert verify_math(PATHOLOGICAL, "1", timeout_s=10.0) == 0.0
-        assert time.monotonic() - start < 2.0
-        deadline = time.monotonic() + 2.0
-        while not fired and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert fired
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _busy(seconds: float) -> str:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        pass
+    return "done"
+
+
+def test_a_program_s_own_repeating_timer_keeps_its_ticks_and_ends_nothing() -> None:
+    """A program's heartbeat (``setitimer(ITIMER_REAL, p, p)`` with its own handler) was taken for the
+    limit's alarm: each tick ended the work as a timeout, and right answers were scored 0.0."""
+    ticks: list[float] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: ticks.append(time.monotonic()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+        assert [verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) for _ in range(20)] == [1.0] * 20
+        ticks.clear()
+        assert run_with_alarm(lambda: _busy(0.5), 5.0) == "done"
+        assert len(ticks) >= 5  # its handler ran on its ticks meanwhile (100 of them at most, at its period)
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.01)  # and it goes on ticking
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
+    """A program's own limit (its handler raises) and an enclosing :func:`run_with_alarm` shorter than
+    ours end the work at their moment, with their exception."""
+    class ProgramLimit(Exception):
+        pass
+
+    def program_limit(signum: int, frame: object) -> None:
+        raise ProgramLimit
+
+    previous = signal.signal(signal.SIGALRM, program_limit)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        start = time.monotonic()
+        with pytest.raises(ProgramLimit):
+            run_with_alarm(lambda: _busy(10.0), 5.0)
+        assert time.monotonic() - start < 3.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="after 0.3 s"):
+        run_with_alarm(lambda: run_with_alarm(lambda: _busy(10.0), 5.0), 0.3)
+    assert time.monotonic() - start < 3.0 and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
 def test_a_swallowed_timeout_is_raised_again() -> None:
