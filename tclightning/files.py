@@ -9,12 +9,15 @@ never blocks) before anything opens the path.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
+import itertools
 import os
 import re
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -205,10 +208,13 @@ def made_here(folder: Path) -> bool:
     return Path(folder).absolute() in _MADE_HERE
 
 
-_MADE_FILES: set[tuple[int, int, int | None]] = set()
-"""The files this process made since :func:`forget_made_files` (device, inode and the inode's
-generation): :func:`replace_file`'s, :func:`own_file`'s that it created, and those :func:`note_made`
-was told of."""
+_MADE_FILES: dict[tuple[int, int, int | None], int] = {}
+"""The files this process made (device, inode and the inode's generation), each with the record it
+belongs to (:func:`forget_made_files` begins a new one in its thread): :func:`replace_file`'s,
+:func:`own_file`'s that it created, and those :func:`note_made` was told of."""
+_MADE_LOCK = threading.Lock()
+_RECORD: contextvars.ContextVar[int] = contextvars.ContextVar("tclightning_made_files", default=0)
+_NEXT_RECORD = itertools.count(1)
 
 _FS_IOC_GETVERSION = 0x80087601  # Linux: an inode's generation, new each time its number is handed out again
 
@@ -229,17 +235,27 @@ def _made_identity(fd: int) -> tuple[int, int, int | None]:
 
 
 def note_made(fd: int) -> tuple[int, int, int | None]:
-    """Record the file open at ``fd``, which this process just created, as one of its own; returns
-    its identity as recorded."""
+    """Record the file open at ``fd``, which this thread just created, as one of its own (of the run
+    it works for); returns its identity as recorded."""
     made = _made_identity(fd)
-    _MADE_FILES.add(made)
+    with _MADE_LOCK:
+        _MADE_FILES[made] = _RECORD.get()
     return made
 
 
+def _forget(identities: Callable[[tuple[int, int, int | None]], bool]) -> None:
+    with _MADE_LOCK:
+        for made in [made for made in _MADE_FILES if identities(made)]:
+            del _MADE_FILES[made]
+
+
 def forget_made_files() -> None:
-    """Forget the files made so far (a new run begins): one deleted since, whose inode number a
-    file of someone else's got, is never taken for the run's own."""
-    _MADE_FILES.clear()
+    """A new run begins in this thread: the files this thread made so far are no longer taken for its
+    own (one deleted since, whose inode number a file of someone else's got, or an earlier run's
+    file moved into the new run's folder); a run going on in another thread keeps its record."""
+    previous = _RECORD.get()
+    _RECORD.set(next(_NEXT_RECORD))
+    _forget(lambda made: _MADE_FILES.get(made) == previous)
 
 
 def made_file(path: Path) -> tuple[int, int] | None:
@@ -256,7 +272,7 @@ def made_file(path: Path) -> tuple[int, int] | None:
         made = _made_identity(fd)
     finally:
         os.close(fd)
-    return made[:2] if made in _MADE_FILES else None
+    return made[:2] if _MADE_FILES.get(made, -1) == _RECORD.get() else None
 
 
 def owned_identity(folder: Path) -> tuple[int, int] | None:
@@ -475,10 +491,11 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        _MADE_FILES.discard(made)  # its inode number is free again
+        _forget(lambda known: known == made)  # its inode number is free again
         raise
     if replaced is not None:  # the file replaced: its inode number is free, a file of someone else's may get it
-        _MADE_FILES.difference_update({known for known in _MADE_FILES if known[:2] == (replaced.st_dev, replaced.st_ino)})
+        freed = (replaced.st_dev, replaced.st_ino)
+        _forget(lambda known: known[:2] == freed)
 
 
 def rename_over(new: str | Path, path: Path) -> None:

@@ -523,7 +523,7 @@ def test_a_file_the_run_replaced_or_gave_up_is_forgotten_where_no_generation_is_
     number of one the run had replaced was taken for the run's: the numbers the run frees are forgotten."""
     from tclightning import files
 
-    monkeypatch.setattr(files, "_MADE_FILES", set())
+    monkeypatch.setattr(files, "_MADE_FILES", {})
     monkeypatch.setattr(files, "_made_identity", lambda fd: (*(lambda i: (i.st_dev, i.st_ino))(os.fstat(fd)), None))
     record = tmp_path / "recipe.yaml"
     files.replace_text(record, "first")
@@ -619,7 +619,7 @@ def test_a_file_that_got_the_inode_number_of_one_the_run_made_is_not_the_run_s(
     moved into a failed new run's folder: taken for the run's own by its device and inode, and deleted."""
     from tclightning import files
 
-    monkeypatch.setattr(files, "_MADE_FILES", set())
+    monkeypatch.setattr(files, "_MADE_FILES", {})
     made = tmp_path / "made"
     _made_by_the_run(made)
     identity = os.lstat(made)
@@ -628,11 +628,46 @@ def test_a_file_that_got_the_inode_number_of_one_the_run_made_is_not_the_run_s(
     if entry[2] is None:
         pytest.skip("this filesystem keeps no inode generations")
     files._MADE_FILES.clear()  # as if the run's file was deleted and its number handed to this one
-    files._MADE_FILES.add((entry[0], entry[1], entry[2] + 1))
+    files._MADE_FILES[(entry[0], entry[1], entry[2] + 1)] = files._RECORD.get()
     assert files.made_file(made) is None
-    files._MADE_FILES.add(entry)
+    files._MADE_FILES[entry] = files._RECORD.get()
     files.forget_made_files()  # a new run: an earlier run's files are not its own
     assert files.made_file(made) is None
+
+
+def test_a_run_in_another_thread_keeps_the_record_of_the_files_it_made(tmp_path: Path) -> None:
+    """Two new runs in two threads of one program: the second's start forgot the first's files, so
+    the first, failing before its first step, kept its empty run folder."""
+    import threading
+
+    from tclightning import files
+
+    steps: list[tuple[str, object]] = []
+    second_began = threading.Event()
+
+    def first_run() -> None:
+        files.forget_made_files()
+        files.replace_text(tmp_path / "first.yaml", "first")
+        steps.append(("mine", files.made_file(tmp_path / "first.yaml")))
+        second_began.wait(60)
+        steps.append(("after the second began", files.made_file(tmp_path / "first.yaml")))
+        steps.append(("the second's", files.made_file(tmp_path / "second.yaml")))
+
+    def second_run() -> None:
+        files.forget_made_files()
+        files.replace_text(tmp_path / "second.yaml", "second")
+        second_began.set()
+
+    threads = [threading.Thread(target=first_run), threading.Thread(target=second_run)]
+    threads[0].start()
+    while not steps:
+        time.sleep(0.01)
+    threads[1].start()
+    for thread in threads:
+        thread.join(60)
+    first = os.lstat(tmp_path / "first.yaml")
+    assert steps == [("mine", (first.st_dev, first.st_ino)), ("after the second began", (first.st_dev, first.st_ino)),
+                     ("the second's", None)]
 
 
 @pytest.mark.parametrize("where", ["tb", "trajectory"])
