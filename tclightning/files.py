@@ -345,6 +345,18 @@ def by_descriptor(fd: int, folder: Path) -> Path:
     return Path(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else Path(folder)
 
 
+def named(path: Path) -> Path:
+    """``path`` by its folder's name where it leads through a descriptor (:func:`by_descriptor`): what
+    a message shows (``/proc/self/fd/5/point.pt`` told the user nothing)."""
+    parts = Path(path).parts
+    if parts[:4] != ("/", "proc", "self", "fd") or len(parts) < 5:
+        return Path(path)
+    try:
+        return Path(os.readlink(Path(*parts[:5])), *parts[5:])
+    except OSError:
+        return Path(path)
+
+
 class HeldFolder:
     """A folder held open by a descriptor (opened never through a link), for a writer that must
     write into the folder it made and nowhere else: its files, reached through :attr:`path`
@@ -488,10 +500,12 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
         except OSError:
             replaced = None
         rename_over(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         _forget(lambda known: known == made)  # its inode number is free again
+        if isinstance(err, OSError) and err.filename is None:  # a write or fsync: the file it was for
+            err.filename = str(named(path))
         raise
     if replaced is not None:  # the file replaced: its inode number is free, a file of someone else's may get it
         freed = (replaced.st_dev, replaced.st_ino)

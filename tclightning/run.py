@@ -904,7 +904,8 @@ def _run(recipe_ref: str, overrides: Sequence[str], resume: str | None, quiet: b
                                    f"replaced: {storage_reason(err)}); nothing more was saved") from None
         gone = discard_unfinished_run(plan.run_dir, created)
         if refused_by_storage(err):  # full, read-only, over quota: the machine's state, not a bug
-            raise StorageError(f"the storage refused a write in {plan.run_dir} ({storage_reason(err)}); "
+            where = "" if getattr(err, "filename", None) else f" in {plan.run_dir}"  # a callback's folder is named
+            raise StorageError(f"the storage refused a write{where} ({storage_reason(err)}); "
                                + (f"removed {plan.run_dir} (nothing was saved yet)" if gone else
                                   f"what {plan.run_dir} saved is kept: once the storage takes writes again (space, "
                                   "permissions), resume with "

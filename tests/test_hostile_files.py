@@ -236,20 +236,25 @@ def test_tensors_onto_a_full_disk_raise_the_storage_error(tmp_path: Path) -> Non
 
     import torch
 
-    from tclightning.files import refused_by_storage, save_tensors
+    from tclightning.files import HeldFolder, refused_by_storage, save_tensors, storage_reason
 
     path = tmp_path / "point.pt"
     save_tensors({"w": torch.ones(3)}, path)
     before = path.read_bytes()
+    held = HeldFolder(tmp_path)  # the points are written through the folder's descriptor
     limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 100, limits[1]))  # a disk that fills at once
     try:
         with pytest.raises(OSError) as caught:
-            save_tensors({"w": torch.zeros(100_000)}, path)
+            save_tensors({"w": torch.zeros(100_000)}, held.path / "point.pt")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         signal.signal(signal.SIGXFSZ, handler)
+        held.close()
     assert refused_by_storage(caught.value), caught.value
+    # the refusal names the file by its folder's name (a run said its run folder's storage refused it,
+    # for a TrajectoryRecorder dirpath elsewhere; /proc/self/fd/N told nothing)
+    assert storage_reason(caught.value).startswith(f"{path}: "), storage_reason(caught.value)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["point.pt"]
     full = tmp_path / "full.pt"
     full.symlink_to("/dev/full")  # a link at the name is replaced, never written through
