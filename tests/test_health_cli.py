@@ -67,6 +67,12 @@ def test_timeline_output_and_name_mapping(tmp_path, capsys):
         run_cli(["health", str(path), "--name", "gap/abs_men=my_gap"])  # a typo would leave the rule no data
     with pytest.raises(TclightningError, match="has no metric 'my_gpa'"):
         run_cli(["health", str(path), "--name", "gap/abs_mean=my_gap", "--name", "reward/mean=my_gpa"])
+    # a typo of YOURS where the file has the canonical column too: its canonical column was replayed
+    both = tmp_path / "both.csv"
+    both.write_text("step,reward/mean,train/reward\n" + "".join(f"{s},0.3,0.3\n" for s in range(5)))
+    with pytest.raises(TclightningError, match="has no metric 'train/rewrad'"):
+        run_cli(["health", str(both), "--name", "reward/mean=train/rewrad"])
+    assert run_cli(["health", str(both), "--name", "reward/mean=train/reward"]) == 0
 
 
 def test_tensorboard_event_files(tmp_path, capsys):

@@ -96,7 +96,8 @@ def run_health(args: argparse.Namespace) -> int:
     rows = read_run(args.path, names, numbers=detector.metrics_read())
     if not rows:
         raise TclightningError(f"{args.path}: no metric rows")
-    _require_names_read(args.path, rows, detector, _names(args.name))
+    if args.name:  # each YOURS among the file's own names: its canonical column may be there too
+        _require_names_read(args.path, read_run(args.path, numbers=()), detector, _names(args.name))
     _require_read_metrics(args.path, rows, detector, {c: y for y, c in names.items()})
     result = replay(rows, detector)
     if args.json:
@@ -108,14 +109,15 @@ def run_health(args: argparse.Namespace) -> int:
 
 def _require_names_read(path: str, rows: list, detector, yours_to_canonical: dict[str, str]) -> None:
     """Refuse a ``--name CANONICAL=YOURS`` that maps nothing: a CANONICAL no rule reads (a typo would
-    leave that rule without data, and the replay "healthy"), or a YOURS the file does not have."""
+    leave that rule without data, and the replay "healthy"), or a YOURS the file does not have
+    (``rows`` read under the file's own names: a typo replayed its canonical column instead)."""
     reads = detector.metrics_read()
-    logged = {name for _, metrics in rows for name in metrics}
+    logged = {name for _, metrics in rows for name in metrics}  # the file's own names
     for yours, canonical in yours_to_canonical.items():
         if canonical not in reads:
             raise TclightningError(f"--name {canonical}={yours}: no health rule reads {canonical!r} (they read "
                                    f"{', '.join(sorted(reads))})")
-        if canonical not in logged:
+        if yours not in logged:
             raise TclightningError(f"--name {canonical}={yours}: {path} has no metric {yours!r} with a value")
 
 
