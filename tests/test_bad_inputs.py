@@ -93,6 +93,8 @@ CASES: dict[str, Case] = {
         "the system prompt and chat template alone",)),
     "instruction-too-long": override("task.instruction=" + "x" * 40_000, names=("task.instruction", "at most 32768 characters")),
     # YAML 1.1 numbers a reader would not see: 010 is 8, 1:30 is 90
+    "override-line-break": override("logging.root={tmp}/a\nb", names=("/a\\nb'", "holds a line break")),
+    "override-carriage-return": override("logging.name=a\rb", names=("holds a line break",)),
     "override-octal-number": override("trainer.steps=010", names=("trainer.steps=010", "octal number 8")),
     "file-base-60-number": recipe(BASE + "trainer: {steps: 1:30}\n", "base-60 number"),
     "override-integer-past-4300-digits": override("trainer.seed=1" + "0" * 5000, names=("trainer.seed=1", "a number of 5001 characters")),
