@@ -89,6 +89,19 @@ def test_tensorboard_event_files(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["first_warning_step"] == 0
 
 
+@pytest.mark.parametrize("step", [-3, 2**62])
+def test_an_event_file_step_out_of_range_is_refused_as_a_csv_one_is(step, tmp_path):
+    """A negative step was replayed first, and one near 2^62 as the last of a run that long."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer.add_scalar("reward/mean", 0.3, 0)
+    writer.add_scalar("reward/mean", 0.3, step)
+    writer.close()
+    with pytest.raises(TclightningError, match=f"reward/mean at step {step}, not a whole number in"):
+        read_run(tmp_path)
+
+
 def test_a_damaged_event_file_is_refused_and_a_tail_cut_short_is_read(tmp_path, capsys):
     """TensorBoard's reader stops at a damaged record without a word: one flipped byte made the
     replay judge the first 2 of 60 steps and call the run healthy (its collapse at step 40 unseen)."""

@@ -199,6 +199,9 @@ def read_tensorboard(path: str | Path, names: Mapping[str, str] | None = None) -
             if tag in _SKIP_COLUMNS:
                 continue
             for event in acc.Scalars(tag):
+                if not 0 <= event.step <= MAX_STEPS:  # as a metrics.csv's: a replay over 2^62 steps never ends
+                    raise TclightningError(f"{file}: {tag} at step {event.step}, not a whole number in "
+                                           f"[0, {MAX_STEPS}]")
                 merged.setdefault(int(event.step), {})[names.get(tag, tag)] = float(event.value)
     return [(step, merged[step]) for step in sorted(merged)]
 
