@@ -136,6 +136,20 @@ def test_cli_writes_json_markdown_and_png(tmp_path: Path, capsys: pytest.Capture
     assert json.loads(capsys.readouterr().out)["evr1"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("field, other", [("seed", 1), ("unit", "tick"), ("num_params", 999), ("method", "sketch")])
+def test_points_of_different_sketches_are_refused(field: str, other: object, tmp_path: Path) -> None:
+    """Points of another seed lie in another random projection (another model's, in another space):
+    they were analysed as one trajectory, with the first point's settings reported."""
+    from tclightning.errors import TclightningError
+
+    _write(tmp_path / "mixed", torch.stack([k * torch.ones(5) for k in range(4)]))
+    point = torch.load(tmp_path / "mixed" / "point-00000002.pt")
+    torch.save({**point, field: other}, tmp_path / "mixed" / "point-00000002.pt")
+    with pytest.raises(TclightningError, match=f"points of different sketches \\(step 0 has {field} .*, step 2 has "
+                                               f"{field} {other!r}\\)"):
+        analyze_run(tmp_path / "mixed")
+
+
 def test_cli_errors_and_health_still_registered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", "trajectory", str(tmp_path)]) == 2  # no points: a user error
     assert "TrajectoryRecorder" in capsys.readouterr().err

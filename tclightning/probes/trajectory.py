@@ -78,6 +78,12 @@ def load_trajectory(path: str | Path) -> tuple[list[int], Tensor, dict[str, Any]
         raise TclightningError(f"{folder}: two points of step {twice}; record one run into one folder")
     first = records[0]
     meta = {k: first.get(k) for k in POINT_FIELDS}
+    for record in records[1:]:  # another seed is another random projection; another model, another space
+        other = next((k for k in POINT_FIELDS if record.get(k) != meta[k]), None)
+        if other is not None:
+            raise TclightningError(f"{folder}: points of different sketches (step {first['step']} has {other} "
+                                   f"{meta[other]!r}, step {record['step']} has {other} {record.get(other)!r}); "
+                                   "record one run with one setting into one folder")
     return steps, torch.stack([r["point"].double() for r in records]), meta
 
 
