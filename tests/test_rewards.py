@@ -509,3 +509,62 @@ def test_the_math_reward_reads_a_number_an_expression_continues_whole(completion
     from tclightning.tasks.rewards import verify_math
 
     assert verify_math(completion, gold) == reward
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("The answer is 10².", "10", 0.0), ("The answer is 3×10^3", "3", 0.0), ("The answer is 3 \\times 10^3", "3", 0.0),
+    ("The answer is 0x1F", "0", 0.0), ("The answer is 1/2", "1", 0.0), ("The answer is 12,34", "12", 0.0),
+    ("#### 5/2", "5", 0.0), ("So we get 12,3456", "12345", 0.0), ("85,000", "85", 0.0), ("85,000", "85000", 1.0),
+    ("The answer is 1/2", "0.5", 1.0), ("#### 6/3", "2", 1.0), ("#### 5/2", "2.5", 1.0), ("1/0", "0", 0.0),
+    ("5 * 3 = 15", "15", 1.0), ("10 - 5", "5", 1.0)],
+    ids=["superscript", "product", "latex-product", "hex", "fraction-is-not-one", "list", "hashes-fraction",
+         "bad-grouping", "thousands-not-85", "thousands", "fraction-exact", "fraction-whole", "hashes-fraction-exact",
+         "zero-denominator", "equation", "subtraction"])
+def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completion: str, gold: str,
+                                                                       reward: float) -> None:
+    """Each was read by its first part (10, 3, 0, 1, 12, 5) and scored 1.0 against it."""
+    assert verify_gsm8k(completion, gold) == reward
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("#### 1/2", "1/2"), ("#### 3×10^3", None), ("#### 1,5", None), ("#### 10²", None), ("#### 1,500", "1500"),
+    ("1,5", None), ("1,500", "1500")])
+def test_a_gsm8k_gold_is_read_whole_or_the_row_is_skipped(answer: str, gold: str | None) -> None:
+    """A task file's ``#### 1/2`` was gold 1, ``#### 3×10^3`` 3, ``#### 1,5`` 1, ``#### 10²`` 10."""
+    from tclightning.tasks import TaskConfig, build_task
+
+    parsed = build_task(TaskConfig(name="gsm8k")).parse_row({"question": "q", "answer": answer})
+    assert (parsed[1] if parsed else None) == gold
+
+
+@pytest.mark.parametrize("answer_at", ["first", "last"])
+def test_the_arithmetic_reward_reads_a_number_an_expression_continues_as_no_integer(answer_at: str) -> None:
+    from tclightning.tasks import Example, TaskConfig, build_task
+
+    task = build_task(TaskConfig(answer_at=answer_at))
+    gold = Example("arithmetic/x/0", "40+45=", "85", "85")
+    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85"]
+    if answer_at == "last":
+        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85"]
+    for completion in wrong:
+        assert task.reward(completion, gold) == 0.0, completion
+    assert task.reward("85, then 86" if answer_at == "first" else "86, then 85", gold) == 1.0
+    assert task.reward("85000", Example("arithmetic/x/1", "85000+0=", "85000", "85000")) == 1.0
+    assert task.reward("85,000", Example("arithmetic/x/1", "85000+0=", "85000", "85000")) == 1.0
+
+
+@pytest.mark.parametrize("completion", ["The answer is \u2212 5.", "- 5", "-\u200b5", "#### - 5", "The answer is -  5",
+                                        "\\boxed{- 5}", "x = - 5"])
+def test_a_spaced_off_minus_is_the_number_s_sign(completion: str) -> None:
+    """The sign was dropped: each scored 1.0 against 5."""
+    assert verify_gsm8k(completion, "5") == 0.0
+    assert verify_gsm8k(completion, "-5") == 1.0
+
+
+def test_a_minus_after_an_operand_is_still_a_subtraction() -> None:
+    from tclightning.tasks.arithmetic import first_integer, last_integer
+
+    assert verify_gsm8k("10 - 5", "5") == 1.0
+    assert verify_gsm8k("(3 + 7) - 5", "5") == 1.0
+    assert first_integer("- 85") == -85 and first_integer("-\u200b85") == -85 and last_integer("so - 85") == -85
+    assert last_integer("100 - 15") == 15

@@ -67,9 +67,24 @@ _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 # A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
 # completion wrote is all of it, not its first digits.
-# ".5" is a half (an ellipsis "...5" is not a decimal point)
-_NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*",
-                     re.ASCII)
+# ".5" is a half (an ellipsis "...5" is not a decimal point); a comma groups thousands only in threes.
+_NUMERAL_CORE = r"(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*"
+# A numeral an expression continues is read whole, continuation and all: a product, quotient or
+# power of numerals ("3×10^3", "3 \times 10^3", "1/2"), superscript digits ("10²"), a hex prefix
+# ("0x1F") or a comma that groups no thousands ("12,34"). Read by its first part it scored 1.0
+# against that part (3, 10, 1, 0, 12). Such a run equals no plain number (``numbers_equal``),
+# except a plain fraction "a/b", which is compared exactly.
+_NUMBER = re.compile(
+    rf"-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
+    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
+    re.ASCII)
+NUMBER_PATTERN = _NUMBER
+"""A number as the rewards read it, whole (``tasks.arithmetic`` reads its integers with it)."""
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A minus that follows no operand (no digit or closing bracket before it, spaces skipped) and is
+# followed by spaces or zero-width spaces before a digit is that number's sign: "- 5" is -5 (its
+# digits alone scored 1.0 against 5), while "10 - 5" stays a subtraction.
+_SPACED_SIGN = re.compile(r"-[\s\u200b\u200c\u200d\u2060\ufeff]+(?=\.?\d)")
 _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
@@ -92,10 +107,29 @@ def normalize_minus(text: str) -> str:
     return _DASH_SIGN.sub("-", text) if any(c in text for c in "\u2013\u2010\u2011") else text
 
 
+def join_signs(text: str) -> str:
+    """``text`` with every spaced-off sign minus joined to its digits (``"= - 5"`` -> ``"= -5"``;
+    ``"10 - 5"`` is left alone), see ``_SPACED_SIGN``. Expects ``normalize_minus``'d text."""
+    if "-" not in text:
+        return text
+
+    def join(match: re.Match[str]) -> str:
+        before = text[: match.start()].rstrip()
+        return match.group() if before and (before[-1].isdigit() or before[-1] in ")]}") else "-"
+
+    return _SPACED_SIGN.sub(join, text)
+
+
+def _plain(numeral: str) -> str:
+    """A numeral as the extractors return it: thousands commas dropped ("1,234.5" -> "1234.5");
+    any other run (an expression: "1,5", "3×10^3") as written."""
+    return numeral.replace(",", "") if _GROUPED.fullmatch(numeral) else numeral
+
+
 def _number_text(text: str) -> str:
     """``text`` as the number extractors read it: every minus sign ASCII, no currency sign between
     a minus and its digits (``"-$5"`` is -5) and LaTeX's ``{,}`` a thousands comma."""
-    text = _SIGN_THEN_CURRENCY.sub("-", normalize_minus(text))
+    text = _SIGN_THEN_CURRENCY.sub("-", join_signs(normalize_minus(text)))
     return text.replace("{,}", ",")
 
 
@@ -138,7 +172,7 @@ def last_number(text: str) -> str | None:
     found = None
     for found in _NUMBER.finditer(_number_text(text)):
         pass
-    return found.group().replace(",", "") if found else None
+    return _plain(found.group()) if found else None
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -152,7 +186,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
     tail = text.rsplit("####", 1)[1].strip()
     line = tail.splitlines()[0] if tail else ""
     match = _NUMBER.search(_number_text(line).replace("$", ""))
-    return match.group().replace(",", "") if match else None
+    return _plain(match.group()) if match else None
 
 
 def extract_answer_is(text: str) -> str | None:
@@ -166,7 +200,7 @@ def extract_answer_is(text: str) -> str | None:
         return None
     # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
     match = _NUMBER.search(_number_text(text[found.end() : found.end() + 32]))
-    return match.group().replace(",", "") if match else None
+    return _plain(match.group()) if match else None
 
 
 def gsm8k_completion_answer(text: str) -> str | None:
@@ -215,12 +249,27 @@ def _to_decimal(text: str) -> Decimal | None:
     return value
 
 
+# A plain fraction of integers, as the number extractors return one ("1/2", "-6 / 3").
+_PLAIN_FRACTION = re.compile(r"([+-]?\d{1,30})[ \t]*/[ \t]*([+-]?\d{1,30})", re.ASCII)
+
+
+def _to_exact(text: str) -> Decimal | Fraction | None:
+    """``text`` as an exact number: a plain numeral (``_to_decimal``) or a plain fraction of
+    integers of at most 30 digits each (``"1/2"``, a zero denominator is no number); else None."""
+    fraction = _PLAIN_FRACTION.fullmatch(text.strip().replace("$", "").rstrip("."))
+    if fraction is None:
+        return _to_decimal(text)
+    denominator = int(fraction.group(2))
+    return Fraction(int(fraction.group(1)), denominator) if denominator else None
+
+
 def numbers_equal(a: str | None, b: str | None) -> bool:
-    """Exact numeric equality of number strings (``"18.00"`` == ``"18"``); False for non-numbers."""
+    """Exact numeric equality of number strings (``"18.00"`` == ``"18"``, ``"1/2"`` == ``"0.5"``,
+    ``"6/3"`` == ``"2"``); False for non-numbers, an expression (``"3×10^3"``) or a list (``"1,5"``)."""
     if a is None or b is None:
         return False
-    x, y = _to_decimal(a), _to_decimal(b)
-    return x is not None and y is not None and x == y
+    x, y = _to_exact(a), _to_exact(b)
+    return x is not None and y is not None and Fraction(x) == Fraction(y)
 
 
 def verify_gsm8k(completion: str, gold: str) -> float:
