@@ -568,3 +568,16 @@ def test_a_minus_after_an_operand_is_still_a_subtraction() -> None:
     assert verify_gsm8k("(3 + 7) - 5", "5") == 1.0
     assert first_integer("- 85") == -85 and first_integer("-\u200b85") == -85 and last_integer("so - 85") == -85
     assert last_integer("100 - 15") == 15
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{\frac{1}{2}}", "2", 0.0), (r"\boxed{5 - 3}", "3", 0.0), (r"\boxed{\sqrt{16}}", "16", 0.0),
+    (r"\boxed{2^{-1}}", "1", 0.0), (r"\boxed{3 \times 10^3}", "3", 0.0), (r"\boxed{x = 5}", "5", 0.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0), (r"\boxed{-\dfrac{6}{3}}", "-2", 1.0), (r"\boxed{\tfrac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{1/2}", "0.5", 1.0), (r"\boxed{\$18.}", "18", 1.0), (r"\boxed{18 \text{ dollars}}", "18", 1.0),
+    (r"\boxed{25\%}", "25", 1.0), (r"\boxed{\text{18}}", "18", 1.0), (r"$\boxed{1{,}000}$", "1000", 1.0)],
+    ids=["frac-is-not-2", "difference", "root", "power-expression", "product", "equation", "frac", "dfrac", "tfrac",
+         "slash", "currency", "unit", "percent", "text", "latex-thousands"])
+def test_the_gsm8k_reward_reads_a_box_whole(completion: str, gold: str, reward: float) -> None:
+    """A box was read by its last number: \\frac{1}{2} as 2, 5 - 3 as 3, \\sqrt{16} as 16."""
+    assert verify_gsm8k(completion, gold) == reward

@@ -203,16 +203,39 @@ def extract_answer_is(text: str) -> str | None:
     return _plain(match.group()) if match else None
 
 
+# A boxed gsm8k answer is read whole: a number, with a currency sign, a percent sign or a unit in
+# words around it at most, or a \frac of integers. By its last number, \boxed{\frac{1}{2}} was 2,
+# \boxed{5 - 3} was 3 and \boxed{\sqrt{16}} was 16.
+_BOX_WRAPPER = re.compile(r"\\(?:text|textbf|mathbf|mathrm|mbox)\{([^{}]*)\}")
+_BOX_UNIT = re.compile(r"(?:\s|\\[,;: ])*(?:\\text|\\mbox|\\mathrm)\{\s*[A-Za-z][A-Za-z .]*\}$")
+_BOX_FRAC = re.compile(r"(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}", re.ASCII)
+
+
+def _boxed_number(boxed: str) -> str | None:
+    """The number a gsm8k ``\\boxed{...}`` holds, read whole (``"1{,}000"`` -> ``"1000"``,
+    ``"\\frac{1}{2}"`` -> ``"1/2"``), or None when it holds anything else (``"5 - 3"``)."""
+    text = _BOX_UNIT.sub("", boxed.strip())
+    if (whole := _BOX_WRAPPER.fullmatch(text.strip())) is not None:
+        text = whole.group(1)
+    text = _number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    text = text.removesuffix(".").strip()  # the sentence's full stop
+    if (frac := _BOX_FRAC.fullmatch(text)) is not None:
+        negative = frac.group(1) == "-"
+        return f"{'-' if negative else ''}{frac.group(2)}/{frac.group(3)}"
+    return _plain(text) if _NUMBER.fullmatch(text) else None
+
+
 def gsm8k_completion_answer(text: str) -> str | None:
     """The final number a GSM8K completion commits to, by priority:
 
-    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text. A box left
-    open (a truncated final answer) is no answer. A numeral with an exponent or a power is read
+    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text. A box is read
+    whole (``_boxed_number``: ``\\boxed{5 - 3}`` is no answer); one left open (a truncated final
+    answer) is no answer. A numeral with an exponent or a power is read
     whole (``"10**10**10"`` is not 10).
     """
     boxed = extract_boxed(text)
     if boxed is not None:
-        return last_number(boxed)
+        return _boxed_number(boxed)
     if isinstance(text, str) and _BOX_OPENER.search(text):
         return None
     for extract in (extract_gsm8k_answer, extract_answer_is, last_number):
