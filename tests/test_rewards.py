@@ -581,3 +581,40 @@ def test_a_minus_after_an_operand_is_still_a_subtraction() -> None:
 def test_the_gsm8k_reward_reads_a_box_whole(completion: str, gold: str, reward: float) -> None:
     """A box was read by its last number: \\frac{1}{2} as 2, 5 - 3 as 3, \\sqrt{16} as 16."""
     assert verify_gsm8k(completion, gold) == reward
+
+
+@pytest.mark.parametrize("completion", [
+    r"\boxed{2 \ast 5}", r"\boxed{2 \uparrow 5}", r"\boxed{7 \bmod 5}", r"\boxed{2 \wedge 5}", r"\boxed{2 \setminus 5}",
+    r"\boxed{\neg 5}", r"\boxed{x \mapsto 5}", r"\boxed{2 \to 5}"])
+def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: str) -> None:
+    """math-verify dropped the unknown command and read what followed it: each scored 1.0 against 5."""
+    assert verify_math(completion, "5") == 0.0
+    assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{1 5}", "15", 0.0), (r"\boxed{1\,5}", "15", 0.0), (r"\boxed{1\ 5}", "15", 0.0), (r"\boxed{1\!5}", "15", 0.0),
+    (r"\boxed{\text{5}\text{6}}", "56", 0.0), (r"\boxed{1~5}", "15", 0.0), (r"\boxed{1\,000}", "1000", 1.0),
+    (r"\boxed{12\,345\,678}", "12345678", 1.0), (r"\boxed{15}", "15", 1.0), (r"\boxed{2 \sqrt{3}}", r"2\sqrt{3}", 1.0)],
+    ids=["space", "thin-space", "control-space", "negative-thin-space", "two-texts", "tie", "thin-thousands",
+         "thin-millions", "plain", "coefficient"])
+def test_the_math_reward_reads_digits_spacing_separates_as_two_numbers(completion: str, gold: str,
+                                                                       reward: float) -> None:
+    """``normalize_math_answer`` dropped every space, and math-verify joins them too: each scored 1.0 against 15 (56)."""
+    assert verify_math(completion, gold) == reward
+
+
+def test_every_shared_math_gold_scores_one_against_itself() -> None:
+    """The refusals above (an unknown command, spaced digit runs) never refuse a MATH-500 gold,
+    so a right answer in a gold's notation still reaches the checks."""
+    from tclightning.tasks.rewards import _DIGIT_GAP, _foreign_command, _mark_digit_gaps
+
+    path = DATA / "math500" / "test.jsonl"
+    require_shared_data(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) >= 500
+    for row in rows:
+        gold = _math500_gold(row)
+        assert _foreign_command(gold) is None, gold
+        assert _DIGIT_GAP not in _mark_digit_gaps(gold), gold
+        assert verify_math(f"so the answer is $\\boxed{{{gold}}}$.", gold) == 1.0, gold

@@ -308,15 +308,32 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$|^(-?\d+)/(-?\d+)$", re.ASCII)
 
 
+# Spacing between two digit runs: they are two numbers, not one ("1 5", "1\\,5", "\\text{5}\\text{6}"
+# were read as 15 and 56). Only a thin space grouping thousands in threes joins digits: "1\\,000" is 1000.
+_SPACING = r"(?:\s|\\[,;:! ]|~|\\q?quad)+"
+_SPACED_DIGITS = re.compile(rf"(\d){_SPACING}(?=\d)", re.ASCII)
+_THIN_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\\,\d{3})+(?![\d])", re.ASCII)
+_DIGIT_GAP = "\u2423"  # stands for the spacing between two digit runs in a normalised answer
+
+
+def _mark_digit_gaps(text: str) -> str:
+    """``text`` with its ``\\text{}`` wrappers unwrapped, thin-space thousands groups joined and
+    the spacing between any other two digit runs as ``_DIGIT_GAP``."""
+    text = _TEXT_WRAPPER.sub(r" \1 ", text)  # a wrapper's edge separates as a space does
+    text = _THIN_THOUSANDS.sub(lambda m: m.group().replace("\\,", ""), text)
+    return _SPACED_DIGITS.sub(rf"\1{_DIGIT_GAP}", text)
+
+
 def normalize_math_answer(text: str) -> str:
     """A conservative canonical form for string comparison of final answers.
 
     Drops ``$``, ``\\left``/``\\right``, thin spaces, degrees, percent signs, whitespace,
     a trailing period and ``\\text{}`` wrappers; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``.
-    Never merges answers that differ in value.
+    Never merges answers that differ in value: spacing between two digit runs stays (as
+    ``_DIGIT_GAP``), except a thin space grouping thousands (``1\\,000`` is ``1000``).
     """
     s = text.strip().rstrip(".").strip().strip("$").strip()
-    s = _TEXT_WRAPPER.sub(r"\1", s)
+    s = _mark_digit_gaps(s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = _LATEX_NOISE.sub("", s)
     return s.rstrip(".")
@@ -581,6 +598,34 @@ _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
 
 
+# The LaTeX commands math-verify reads as part of a value. Any other one it may drop, keeping only
+# what follows (\boxed{2 \ast 5}, \boxed{7 \bmod 5}, \boxed{\neg 5}, \boxed{2 \to 5} were 5), so
+# a boxed answer holding one is refused unless it is written as the gold is (simple_math_equal).
+# An allow-list: a command missing here costs a right answer in that notation, a deny-list's gap
+# a wrong answer scored right.
+_KNOWN_COMMANDS = frozenset("""
+    frac dfrac tfrac cfrac sqrt binom dbinom tbinom pi infty circ cdot times div pm mp
+    left right text textbf mathrm mathbf mbox
+    displaystyle quad qquad boxed
+    sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp min max gcd lcm
+    le leq ge geq lt gt ne neq cup cap in subset subseteq emptyset varnothing mathbb
+    begin end matrix pmatrix bmatrix vmatrix cases array ldots cdots prime
+    alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi
+    rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi Sigma Phi Psi Omega
+""".split())
+_COMMAND = re.compile(r"\\(?:([A-Za-z]+)|.)", re.DOTALL)
+_KNOWN_ESCAPES = frozenset({"\\,", "\\;", "\\:", "\\!", "\\ ", "\\$", "\\%", "\\{", "\\}", "\\\\"})
+
+
+def _foreign_command(text: str) -> str | None:
+    """The first LaTeX command (or escape) in ``text`` that is not in ``_KNOWN_COMMANDS``, or None."""
+    for match in _COMMAND.finditer(text):
+        name = match.group(1)
+        if (name not in _KNOWN_COMMANDS) if name is not None else (match.group() not in _KNOWN_ESCAPES):
+            return match.group()
+    return None
+
+
 def _final_token(text: str) -> str | None:
     """The last whitespace-separated word of ``text`` that holds a digit, without the punctuation
     and markdown around it (``"**3e3**."`` -> ``"3e3"``)."""
@@ -611,6 +656,10 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 1.0
             if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
+            if _DIGIT_GAP in _mark_digit_gaps(boxed):
+                return 0.0  # "1 5", "1\\,5": two numbers; math-verify reads them as 15
+            if _foreign_command(boxed) is not None:
+                return 0.0  # math-verify drops what it does not know: \boxed{2 \ast 5} was 5
             pred_text = "\\boxed{" + boxed + "}"
         else:
             pred_text = completion[-MAX_TAIL_CHARS:]
