@@ -509,3 +509,112 @@ def test_the_math_reward_reads_a_number_an_expression_continues_whole(completion
     from tclightning.tasks.rewards import verify_math
 
     assert verify_math(completion, gold) == reward
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("The answer is 10².", "10", 0.0), ("The answer is 3×10^3", "3", 0.0), ("The answer is 3 \\times 10^3", "3", 0.0),
+    ("The answer is 0x1F", "0", 0.0), ("The answer is 1/2", "1", 0.0), ("The answer is 12,34", "12", 0.0),
+    ("#### 5/2", "5", 0.0), ("So we get 12,3456", "12345", 0.0), ("85,000", "85", 0.0), ("85,000", "85000", 1.0),
+    ("The answer is 1/2", "0.5", 1.0), ("#### 6/3", "2", 1.0), ("#### 5/2", "2.5", 1.0), ("1/0", "0", 0.0),
+    ("5 * 3 = 15", "15", 1.0), ("10 - 5", "5", 1.0)],
+    ids=["superscript", "product", "latex-product", "hex", "fraction-is-not-one", "list", "hashes-fraction",
+         "bad-grouping", "thousands-not-85", "thousands", "fraction-exact", "fraction-whole", "hashes-fraction-exact",
+         "zero-denominator", "equation", "subtraction"])
+def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completion: str, gold: str,
+                                                                       reward: float) -> None:
+    """Each was read by its first part (10, 3, 0, 1, 12, 5) and scored 1.0 against it."""
+    assert verify_gsm8k(completion, gold) == reward
+
+
+@pytest.mark.parametrize("answer, gold", [
+    ("#### 1/2", "1/2"), ("#### 3×10^3", None), ("#### 1,5", None), ("#### 10²", None), ("#### 1,500", "1500"),
+    ("1,5", None), ("1,500", "1500")])
+def test_a_gsm8k_gold_is_read_whole_or_the_row_is_skipped(answer: str, gold: str | None) -> None:
+    """A task file's ``#### 1/2`` was gold 1, ``#### 3×10^3`` 3, ``#### 1,5`` 1, ``#### 10²`` 10."""
+    from tclightning.tasks import TaskConfig, build_task
+
+    parsed = build_task(TaskConfig(name="gsm8k")).parse_row({"question": "q", "answer": answer})
+    assert (parsed[1] if parsed else None) == gold
+
+
+@pytest.mark.parametrize("answer_at", ["first", "last"])
+def test_the_arithmetic_reward_reads_a_number_an_expression_continues_as_no_integer(answer_at: str) -> None:
+    from tclightning.tasks import Example, TaskConfig, build_task
+
+    task = build_task(TaskConfig(answer_at=answer_at))
+    gold = Example("arithmetic/x/0", "40+45=", "85", "85")
+    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85"]
+    if answer_at == "last":
+        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85"]
+    for completion in wrong:
+        assert task.reward(completion, gold) == 0.0, completion
+    assert task.reward("85, then 86" if answer_at == "first" else "86, then 85", gold) == 1.0
+    assert task.reward("85000", Example("arithmetic/x/1", "85000+0=", "85000", "85000")) == 1.0
+    assert task.reward("85,000", Example("arithmetic/x/1", "85000+0=", "85000", "85000")) == 1.0
+
+
+@pytest.mark.parametrize("completion", ["The answer is \u2212 5.", "- 5", "-\u200b5", "#### - 5", "The answer is -  5",
+                                        "\\boxed{- 5}", "x = - 5"])
+def test_a_spaced_off_minus_is_the_number_s_sign(completion: str) -> None:
+    """The sign was dropped: each scored 1.0 against 5."""
+    assert verify_gsm8k(completion, "5") == 0.0
+    assert verify_gsm8k(completion, "-5") == 1.0
+
+
+def test_a_minus_after_an_operand_is_still_a_subtraction() -> None:
+    from tclightning.tasks.arithmetic import first_integer, last_integer
+
+    assert verify_gsm8k("10 - 5", "5") == 1.0
+    assert verify_gsm8k("(3 + 7) - 5", "5") == 1.0
+    assert first_integer("- 85") == -85 and first_integer("-\u200b85") == -85 and last_integer("so - 85") == -85
+    assert last_integer("100 - 15") == 15
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{\frac{1}{2}}", "2", 0.0), (r"\boxed{5 - 3}", "3", 0.0), (r"\boxed{\sqrt{16}}", "16", 0.0),
+    (r"\boxed{2^{-1}}", "1", 0.0), (r"\boxed{3 \times 10^3}", "3", 0.0), (r"\boxed{x = 5}", "5", 0.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0), (r"\boxed{-\dfrac{6}{3}}", "-2", 1.0), (r"\boxed{\tfrac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{1/2}", "0.5", 1.0), (r"\boxed{\$18.}", "18", 1.0), (r"\boxed{18 \text{ dollars}}", "18", 1.0),
+    (r"\boxed{25\%}", "25", 1.0), (r"\boxed{\text{18}}", "18", 1.0), (r"$\boxed{1{,}000}$", "1000", 1.0)],
+    ids=["frac-is-not-2", "difference", "root", "power-expression", "product", "equation", "frac", "dfrac", "tfrac",
+         "slash", "currency", "unit", "percent", "text", "latex-thousands"])
+def test_the_gsm8k_reward_reads_a_box_whole(completion: str, gold: str, reward: float) -> None:
+    """A box was read by its last number: \\frac{1}{2} as 2, 5 - 3 as 3, \\sqrt{16} as 16."""
+    assert verify_gsm8k(completion, gold) == reward
+
+
+@pytest.mark.parametrize("completion", [
+    r"\boxed{2 \ast 5}", r"\boxed{2 \uparrow 5}", r"\boxed{7 \bmod 5}", r"\boxed{2 \wedge 5}", r"\boxed{2 \setminus 5}",
+    r"\boxed{\neg 5}", r"\boxed{x \mapsto 5}", r"\boxed{2 \to 5}"])
+def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: str) -> None:
+    """math-verify dropped the unknown command and read what followed it: each scored 1.0 against 5."""
+    assert verify_math(completion, "5") == 0.0
+    assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{1 5}", "15", 0.0), (r"\boxed{1\,5}", "15", 0.0), (r"\boxed{1\ 5}", "15", 0.0), (r"\boxed{1\!5}", "15", 0.0),
+    (r"\boxed{\text{5}\text{6}}", "56", 0.0), (r"\boxed{1~5}", "15", 0.0), (r"\boxed{1\,000}", "1000", 1.0),
+    (r"\boxed{12\,345\,678}", "12345678", 1.0), (r"\boxed{15}", "15", 1.0), (r"\boxed{2 \sqrt{3}}", r"2\sqrt{3}", 1.0)],
+    ids=["space", "thin-space", "control-space", "negative-thin-space", "two-texts", "tie", "thin-thousands",
+         "thin-millions", "plain", "coefficient"])
+def test_the_math_reward_reads_digits_spacing_separates_as_two_numbers(completion: str, gold: str,
+                                                                       reward: float) -> None:
+    """``normalize_math_answer`` dropped every space, and math-verify joins them too: each scored 1.0 against 15 (56)."""
+    assert verify_math(completion, gold) == reward
+
+
+def test_every_shared_math_gold_scores_one_against_itself() -> None:
+    """The refusals above (an unknown command, spaced digit runs) never refuse a MATH-500 gold,
+    so a right answer in a gold's notation still reaches the checks."""
+    from tclightning.tasks.rewards import _DIGIT_GAP, _foreign_command, _mark_digit_gaps
+
+    path = DATA / "math500" / "test.jsonl"
+    require_shared_data(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert len(rows) >= 500
+    for row in rows:
+        gold = _math500_gold(row)
+        assert _foreign_command(gold) is None, gold
+        assert _DIGIT_GAP not in _mark_digit_gaps(gold), gold
+        assert verify_math(f"so the answer is $\\boxed{{{gold}}}$.", gold) == 1.0, gold

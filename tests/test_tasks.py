@@ -465,3 +465,14 @@ def test_a_split_gone_between_its_listing_and_its_read_is_one_line(tmp_path: Pat
     (tmp_path / "train.jsonl").unlink()
     with pytest.raises(TclightningError, match="its split 'train' is gone"):
         source.rows("train")
+
+
+def test_a_csv_task_file_s_integer_answers_keep_every_digit(tmp_path: Path) -> None:
+    """An empty cell made pandas infer the answer column as float64: 9007199254740993 became
+    9007199254740992.0 and 123456789012345678 became 1.2345678901234568e+17."""
+    from tclightning.tasks.data import read_rows
+
+    (tmp_path / "rows.csv").write_text("question,answer\nq1,9007199254740993\nq2,\nq3,123456789012345678\n")
+    rows = read_rows(tmp_path / "rows.csv")
+    assert [row["answer"] for row in rows] == ["9007199254740993", None, "123456789012345678"]
+    assert [row["question"] for row in rows] == ["q1", "q2", "q3"]

@@ -25,7 +25,7 @@ from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import ANSWER_AT, TaskConfig
 from tclightning.tasks.data import build_prompt, check_template
-from tclightning.tasks.rewards import normalize_minus
+from tclightning.tasks.rewards import NUMBER_PATTERN, join_signs, normalize_minus
 
 ALPHABET = frozenset("0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()")
 OPERATIONS: dict[str, Callable[[int, int], int]] = {
@@ -39,8 +39,11 @@ _ENUMERATE_LIMIT = 200_000
 _MAX_DIGITS = 9
 # ASCII digits only: int() would also read other scripts' digits, which the answers never use.
 # Digit runs are capped before int() (first_integer), so no completion makes int() slow.
-# A numeral with a fraction or an exponent ("85.9", "85e3") is not the integer of its first digits.
-_FIRST_INTEGER = re.compile(r"-?\d+(?:\.\d+|[eE][+-]?\d+)*", re.ASCII)
+# A numeral is read whole, as the gsm8k reward reads it (``NUMBER_PATTERN``): one with a fraction or
+# an exponent ("85.9", "85e3") or one an expression continues ("85²", "85/2", "3×85", "10^85") is not
+# the integer of its first or last digits; "85,000" is 85000 (groups of three).
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+", re.ASCII)
+_INTEGER = re.compile(r"-?[0-9]+")  # not str.isdigit, which takes "85²" for digits
 # reverse_answer: the digit string the completion starts with, whatever follows it (a character-level
 # model writes on until its token limit; the documented runs of the embedded recipes were scored so).
 _FIRST_DIGITS = re.compile(r"\s*(\d+)", re.ASCII)
@@ -48,21 +51,28 @@ _FIRST_DIGITS = re.compile(r"\s*(\d+)", re.ASCII)
 
 def first_integer(text: str) -> int | None:
     """The first integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
-    reads), or None. A first numeral with a fraction or an exponent ("85.9") or a giant digit run -> None."""
-    match = _FIRST_INTEGER.search(normalize_minus(text.strip()))
+    reads, also spaced off: "- 85"), or None. A first numeral with a fraction or an exponent ("85.9"), one an
+    expression continues ("85²", "85/2") or a giant digit run -> None."""
+    match = NUMBER_PATTERN.search(join_signs(normalize_minus(text.strip())))
     return _as_integer(match.group()) if match else None
 
 
 def last_integer(text: str) -> int | None:
     """The last integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
-    reads), or None. A last numeral with a fraction or an exponent or a giant digit run -> None."""
-    matches = _FIRST_INTEGER.findall(normalize_minus(text))
-    return _as_integer(matches[-1]) if matches else None
+    reads, also spaced off), or None. A last numeral with a fraction or an exponent, one an expression
+    continues ("2/85", "3×85") or a giant digit run -> None."""
+    last = None
+    for last in NUMBER_PATTERN.finditer(join_signs(normalize_minus(text))):
+        pass
+    return _as_integer(last.group()) if last else None
 
 
 def _as_integer(numeral: str) -> int | None:
-    """A numeral as an int; None for a fraction or an exponent ("85.9"), or a giant digit run."""
-    if len(numeral) > 30 or not numeral.lstrip("-").isdigit():
+    """A numeral as an int; None for a fraction, an exponent or an expression ("85.9", "85/2"), or a
+    giant digit run. Thousands commas in groups of three are dropped ("85,000" is 85000)."""
+    if _THOUSANDS.fullmatch(numeral):
+        numeral = numeral.replace(",", "")
+    if len(numeral) > 30 or not _INTEGER.fullmatch(numeral):
         return None
     return int(numeral)
 

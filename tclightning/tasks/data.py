@@ -52,11 +52,11 @@ def shared_data_dir() -> Path:
 
 def load_with_datasets(
     name: str, config: str | None = None, *, split: str, data_files: str | None = None, cache_dir: str | None = None,
-    named: str | None = None,
+    named: str | None = None, config_kwargs: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of one split as ``datasets.load_dataset`` gives them (hub name, or a builder such as
     ``"parquet"`` with ``data_files``; ``named``: the file as you named it, for a refusal, where
-    ``data_files`` is a private view of it). Imported lazily: ``datasets`` costs a second to import."""
+    ``data_files`` is a private view of it; ``config_kwargs``: the builder's options). Imported lazily: ``datasets`` costs a second to import."""
     import datasets
 
     try:
@@ -64,7 +64,7 @@ def load_with_datasets(
         # question and then stalls was waited on for minutes, request after request)
         builder = remote_setup(f"the Hugging Face dataset {name}'s files" if data_files is None else data_files,
                                lambda: datasets.load_dataset_builder(name, config, data_files=data_files,
-                                                                     cache_dir=cache_dir))
+                                                                     cache_dir=cache_dir, **(config_kwargs or {})))
         if data_files is None:
             _paced_download(builder, name, config, cache_dir)
         builder.download_and_prepare()  # a local file, or a hub dataset prepared by now: nothing downloaded
@@ -197,7 +197,28 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     with pinned_file(path, "task data", TASK_FILE_MAX_BYTES) as pinned, \
             tempfile.TemporaryDirectory(prefix="tclightning-rows-") as cache:  # a cache for this one read
         with _datasets_quiet():  # a file it cannot read is the one line below, not its log and bars too
-            return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache, named=str(path))
+            # a csv's cells are read as text: pandas' type inference goes through float64 when a column has
+            # an empty cell, and an integer answer past 2**53 lost its last digits (9007199254740993 -> ...992.0)
+            options = _csv_as_text(pinned) if builder == "csv" else None
+            return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache, named=str(path),
+                                      config_kwargs=options)
+
+
+def _csv_as_text(path: Path | str) -> dict[str, Any] | None:
+    """``datasets``' csv options that read every column of the file at ``path`` as text (its header
+    names them), or None (the builder's own inference) when the header cannot be read."""
+    import csv
+
+    import datasets
+
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            header = next(csv.reader(handle), None)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return None
+    if not header or len(set(header)) != len(header):  # duplicate names: pandas renames them
+        return None
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header})}
 
 
 @contextlib.contextmanager

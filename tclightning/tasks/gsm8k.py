@@ -11,7 +11,7 @@ import re
 
 from tclightning.tasks.base import Example
 from tclightning.tasks.data import DatasetTask, Row, first_field
-from tclightning.tasks.rewards import extract_gsm8k_answer, last_number, verify_gsm8k
+from tclightning.tasks.rewards import extract_gsm8k_answer, last_number, numbers_equal, verify_gsm8k
 
 INSTRUCTION = (
     "Solve the problem step by step. End with the final number in the form: The answer is N."
@@ -41,9 +41,11 @@ class GSM8KTask(DatasetTask):
             return None
         gold = extract_gsm8k_answer(answer_text)
         if gold is None:  # no "####": accept a bare number as the answer itself
-            bare = answer_text.strip().replace(",", "")
-            gold = bare if last_number(bare) == bare else None
-        if gold is None:
+            bare = answer_text.strip()
+            gold = last_number(bare) if last_number(bare) in (bare, bare.replace(",", "")) else None
+        # an answer read whole that is no number ("#### 3×10^3", "#### 1,5") is an unusable row, not
+        # a gold no completion can match (it was read as 3 or 1)
+        if gold is None or not numbers_equal(gold, gold):
             return None
         return question, gold, gsm8k_solution(answer_text, gold)
 

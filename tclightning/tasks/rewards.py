@@ -67,9 +67,24 @@ _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 # A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
 # completion wrote is all of it, not its first digits.
-# ".5" is a half (an ellipsis "...5" is not a decimal point)
-_NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*",
-                     re.ASCII)
+# ".5" is a half (an ellipsis "...5" is not a decimal point); a comma groups thousands only in threes.
+_NUMERAL_CORE = r"(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+|(?:\*\*|\^)\{?-?\d+\}?)*"
+# A numeral an expression continues is read whole, continuation and all: a product, quotient or
+# power of numerals ("3×10^3", "3 \times 10^3", "1/2"), superscript digits ("10²"), a hex prefix
+# ("0x1F") or a comma that groups no thousands ("12,34"). Read by its first part it scored 1.0
+# against that part (3, 10, 1, 0, 12). Such a run equals no plain number (``numbers_equal``),
+# except a plain fraction "a/b", which is compared exactly.
+_NUMBER = re.compile(
+    rf"-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
+    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
+    re.ASCII)
+NUMBER_PATTERN = _NUMBER
+"""A number as the rewards read it, whole (``tasks.arithmetic`` reads its integers with it)."""
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A minus that follows no operand (no digit or closing bracket before it, spaces skipped) and is
+# followed by spaces or zero-width spaces before a digit is that number's sign: "- 5" is -5 (its
+# digits alone scored 1.0 against 5), while "10 - 5" stays a subtraction.
+_SPACED_SIGN = re.compile(r"-[\s\u200b\u200c\u200d\u2060\ufeff]+(?=\.?\d)")
 _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
@@ -92,10 +107,29 @@ def normalize_minus(text: str) -> str:
     return _DASH_SIGN.sub("-", text) if any(c in text for c in "\u2013\u2010\u2011") else text
 
 
+def join_signs(text: str) -> str:
+    """``text`` with every spaced-off sign minus joined to its digits (``"= - 5"`` -> ``"= -5"``;
+    ``"10 - 5"`` is left alone), see ``_SPACED_SIGN``. Expects ``normalize_minus``'d text."""
+    if "-" not in text:
+        return text
+
+    def join(match: re.Match[str]) -> str:
+        before = text[: match.start()].rstrip()
+        return match.group() if before and (before[-1].isdigit() or before[-1] in ")]}") else "-"
+
+    return _SPACED_SIGN.sub(join, text)
+
+
+def _plain(numeral: str) -> str:
+    """A numeral as the extractors return it: thousands commas dropped ("1,234.5" -> "1234.5");
+    any other run (an expression: "1,5", "3×10^3") as written."""
+    return numeral.replace(",", "") if _GROUPED.fullmatch(numeral) else numeral
+
+
 def _number_text(text: str) -> str:
     """``text`` as the number extractors read it: every minus sign ASCII, no currency sign between
     a minus and its digits (``"-$5"`` is -5) and LaTeX's ``{,}`` a thousands comma."""
-    text = _SIGN_THEN_CURRENCY.sub("-", normalize_minus(text))
+    text = _SIGN_THEN_CURRENCY.sub("-", join_signs(normalize_minus(text)))
     return text.replace("{,}", ",")
 
 
@@ -138,7 +172,7 @@ def last_number(text: str) -> str | None:
     found = None
     for found in _NUMBER.finditer(_number_text(text)):
         pass
-    return found.group().replace(",", "") if found else None
+    return _plain(found.group()) if found else None
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -152,7 +186,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
     tail = text.rsplit("####", 1)[1].strip()
     line = tail.splitlines()[0] if tail else ""
     match = _NUMBER.search(_number_text(line).replace("$", ""))
-    return match.group().replace(",", "") if match else None
+    return _plain(match.group()) if match else None
 
 
 def extract_answer_is(text: str) -> str | None:
@@ -166,19 +200,42 @@ def extract_answer_is(text: str) -> str | None:
         return None
     # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
     match = _NUMBER.search(_number_text(text[found.end() : found.end() + 32]))
-    return match.group().replace(",", "") if match else None
+    return _plain(match.group()) if match else None
+
+
+# A boxed gsm8k answer is read whole: a number, with a currency sign, a percent sign or a unit in
+# words around it at most, or a \frac of integers. By its last number, \boxed{\frac{1}{2}} was 2,
+# \boxed{5 - 3} was 3 and \boxed{\sqrt{16}} was 16.
+_BOX_WRAPPER = re.compile(r"\\(?:text|textbf|mathbf|mathrm|mbox)\{([^{}]*)\}")
+_BOX_UNIT = re.compile(r"(?:\s|\\[,;: ])*(?:\\text|\\mbox|\\mathrm)\{\s*[A-Za-z][A-Za-z .]*\}$")
+_BOX_FRAC = re.compile(r"(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}", re.ASCII)
+
+
+def _boxed_number(boxed: str) -> str | None:
+    """The number a gsm8k ``\\boxed{...}`` holds, read whole (``"1{,}000"`` -> ``"1000"``,
+    ``"\\frac{1}{2}"`` -> ``"1/2"``), or None when it holds anything else (``"5 - 3"``)."""
+    text = _BOX_UNIT.sub("", boxed.strip())
+    if (whole := _BOX_WRAPPER.fullmatch(text.strip())) is not None:
+        text = whole.group(1)
+    text = _number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    text = text.removesuffix(".").strip()  # the sentence's full stop
+    if (frac := _BOX_FRAC.fullmatch(text)) is not None:
+        negative = frac.group(1) == "-"
+        return f"{'-' if negative else ''}{frac.group(2)}/{frac.group(3)}"
+    return _plain(text) if _NUMBER.fullmatch(text) else None
 
 
 def gsm8k_completion_answer(text: str) -> str | None:
     """The final number a GSM8K completion commits to, by priority:
 
-    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text. A box left
-    open (a truncated final answer) is no answer. A numeral with an exponent or a power is read
+    ``\\boxed{N}`` > ``#### N`` > ``The answer is N`` > the last number in the text. A box is read
+    whole (``_boxed_number``: ``\\boxed{5 - 3}`` is no answer); one left open (a truncated final
+    answer) is no answer. A numeral with an exponent or a power is read
     whole (``"10**10**10"`` is not 10).
     """
     boxed = extract_boxed(text)
     if boxed is not None:
-        return last_number(boxed)
+        return _boxed_number(boxed)
     if isinstance(text, str) and _BOX_OPENER.search(text):
         return None
     for extract in (extract_gsm8k_answer, extract_answer_is, last_number):
@@ -215,12 +272,27 @@ def _to_decimal(text: str) -> Decimal | None:
     return value
 
 
+# A plain fraction of integers, as the number extractors return one ("1/2", "-6 / 3").
+_PLAIN_FRACTION = re.compile(r"([+-]?\d{1,30})[ \t]*/[ \t]*([+-]?\d{1,30})", re.ASCII)
+
+
+def _to_exact(text: str) -> Decimal | Fraction | None:
+    """``text`` as an exact number: a plain numeral (``_to_decimal``) or a plain fraction of
+    integers of at most 30 digits each (``"1/2"``, a zero denominator is no number); else None."""
+    fraction = _PLAIN_FRACTION.fullmatch(text.strip().replace("$", "").rstrip("."))
+    if fraction is None:
+        return _to_decimal(text)
+    denominator = int(fraction.group(2))
+    return Fraction(int(fraction.group(1)), denominator) if denominator else None
+
+
 def numbers_equal(a: str | None, b: str | None) -> bool:
-    """Exact numeric equality of number strings (``"18.00"`` == ``"18"``); False for non-numbers."""
+    """Exact numeric equality of number strings (``"18.00"`` == ``"18"``, ``"1/2"`` == ``"0.5"``,
+    ``"6/3"`` == ``"2"``); False for non-numbers, an expression (``"3×10^3"``) or a list (``"1,5"``)."""
     if a is None or b is None:
         return False
-    x, y = _to_decimal(a), _to_decimal(b)
-    return x is not None and y is not None and x == y
+    x, y = _to_exact(a), _to_exact(b)
+    return x is not None and y is not None and Fraction(x) == Fraction(y)
 
 
 def verify_gsm8k(completion: str, gold: str) -> float:
@@ -236,15 +308,32 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _FRAC = re.compile(r"^(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}$|^(-?\d+)/(-?\d+)$", re.ASCII)
 
 
+# Spacing between two digit runs: they are two numbers, not one ("1 5", "1\\,5", "\\text{5}\\text{6}"
+# were read as 15 and 56). Only a thin space grouping thousands in threes joins digits: "1\\,000" is 1000.
+_SPACING = r"(?:\s|\\[,;:! ]|~|\\q?quad)+"
+_SPACED_DIGITS = re.compile(rf"(\d){_SPACING}(?=\d)", re.ASCII)
+_THIN_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:\\,\d{3})+(?![\d])", re.ASCII)
+_DIGIT_GAP = "\u2423"  # stands for the spacing between two digit runs in a normalised answer
+
+
+def _mark_digit_gaps(text: str) -> str:
+    """``text`` with its ``\\text{}`` wrappers unwrapped, thin-space thousands groups joined and
+    the spacing between any other two digit runs as ``_DIGIT_GAP``."""
+    text = _TEXT_WRAPPER.sub(r" \1 ", text)  # a wrapper's edge separates as a space does
+    text = _THIN_THOUSANDS.sub(lambda m: m.group().replace("\\,", ""), text)
+    return _SPACED_DIGITS.sub(rf"\1{_DIGIT_GAP}", text)
+
+
 def normalize_math_answer(text: str) -> str:
     """A conservative canonical form for string comparison of final answers.
 
     Drops ``$``, ``\\left``/``\\right``, thin spaces, degrees, percent signs, whitespace,
     a trailing period and ``\\text{}`` wrappers; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``.
-    Never merges answers that differ in value.
+    Never merges answers that differ in value: spacing between two digit runs stays (as
+    ``_DIGIT_GAP``), except a thin space grouping thousands (``1\\,000`` is ``1000``).
     """
     s = text.strip().rstrip(".").strip().strip("$").strip()
-    s = _TEXT_WRAPPER.sub(r"\1", s)
+    s = _mark_digit_gaps(s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = _LATEX_NOISE.sub("", s)
     return s.rstrip(".")
@@ -509,6 +598,34 @@ _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
 
 
+# The LaTeX commands math-verify reads as part of a value. Any other one it may drop, keeping only
+# what follows (\boxed{2 \ast 5}, \boxed{7 \bmod 5}, \boxed{\neg 5}, \boxed{2 \to 5} were 5), so
+# a boxed answer holding one is refused unless it is written as the gold is (simple_math_equal).
+# An allow-list: a command missing here costs a right answer in that notation, a deny-list's gap
+# a wrong answer scored right.
+_KNOWN_COMMANDS = frozenset("""
+    frac dfrac tfrac cfrac sqrt binom dbinom tbinom pi infty circ cdot times div pm mp
+    left right text textbf mathrm mathbf mbox
+    displaystyle quad qquad boxed
+    sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log ln lg exp min max gcd lcm
+    le leq ge geq lt gt ne neq cup cap in subset subseteq emptyset varnothing mathbb
+    begin end matrix pmatrix bmatrix vmatrix cases array ldots cdots prime
+    alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi
+    rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi Sigma Phi Psi Omega
+""".split())
+_COMMAND = re.compile(r"\\(?:([A-Za-z]+)|.)", re.DOTALL)
+_KNOWN_ESCAPES = frozenset({"\\,", "\\;", "\\:", "\\!", "\\ ", "\\$", "\\%", "\\{", "\\}", "\\\\"})
+
+
+def _foreign_command(text: str) -> str | None:
+    """The first LaTeX command (or escape) in ``text`` that is not in ``_KNOWN_COMMANDS``, or None."""
+    for match in _COMMAND.finditer(text):
+        name = match.group(1)
+        if (name not in _KNOWN_COMMANDS) if name is not None else (match.group() not in _KNOWN_ESCAPES):
+            return match.group()
+    return None
+
+
 def _final_token(text: str) -> str | None:
     """The last whitespace-separated word of ``text`` that holds a digit, without the punctuation
     and markdown around it (``"**3e3**."`` -> ``"3e3"``)."""
@@ -539,6 +656,10 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 1.0
             if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
+            if _DIGIT_GAP in _mark_digit_gaps(boxed):
+                return 0.0  # "1 5", "1\\,5": two numbers; math-verify reads them as 15
+            if _foreign_command(boxed) is not None:
+                return 0.0  # math-verify drops what it does not know: \boxed{2 \ast 5} was 5
             pred_text = "\\boxed{" + boxed + "}"
         else:
             pred_text = completion[-MAX_TAIL_CHARS:]
