@@ -84,8 +84,24 @@ def test_filters_by_solve_rate_and_source(tmp_path: Path) -> None:
         BigMathTask(TaskConfig(name="bigmath", path=path, solve_rate=[0.8, 0.2]))
 
 
+def test_a_csv_task_file_s_rates_filter_as_numbers(tmp_path: Path) -> None:
+    """A .csv file's cells are read as text (its integer answers keep every digit): its solve rates
+    still filter as the numbers they are, and an empty one is a missing rate."""
+    import csv
+
+    path = tmp_path / "b.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["problem", "answer", "source", "llama8b_solve_rate"])
+        writer.writeheader()
+        for row in ROWS:
+            writer.writerow({**{k: row[k] for k in ("problem", "answer", "source")},
+                             "llama8b_solve_rate": "" if row["llama8b_solve_rate"] is None else row["llama8b_solve_rate"]})
+    hard = build_task(TaskConfig(name="bigmath", path=str(path), eval_size=1, solve_rate=[None, 0.6]))
+    assert sorted(e.answer for e in [*hard.train_examples(), *hard.eval_examples()]) == ["2", "\\frac{1}{2}"]
+
+
 @pytest.mark.parametrize("column, value, setting", [
-    ("llama8b_solve_rate", "0.5", {"solve_rate": [0.1, 0.9]}),
+    ("llama8b_solve_rate", "about half", {"solve_rate": [0.1, 0.9]}),
     ("llama8b_solve_rate", [0.5], {"solve_rate": [0.1, 0.9]}),
     ("llama8b_solve_rate", 10**400, {"solve_rate": [0.1, 0.9]}),
     ("source", ["MATH"], {"sources": ["MATH"]}),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from typing import Any
 
 from tclightning.console import shown as printable
@@ -29,6 +30,8 @@ from tclightning.tasks.config import TaskConfig
 from tclightning.tasks.math import MathTask
 
 HF_NAME = "SynthLabsAI/Big-Math-RL-Verified"
+_PLAIN_RATE = re.compile(r"\s*[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?\s*", re.ASCII)
+
 COLUMNS = ("problem", "answer", "source", "domain", "llama8b_solve_rate")
 
 
@@ -74,7 +77,9 @@ class BigMathTask(MathTask):
         if low is None and high is None:
             return True
         rate = row.get("llama8b_solve_rate")
-        if rate is None:
+        if isinstance(rate, str) and _PLAIN_RATE.fullmatch(rate):  # a .csv task file's cells are read as text
+            rate = float(rate)
+        if rate is None or rate == "":
             return False
         try:
             if isinstance(rate, bool) or not isinstance(rate, (int, float)):
