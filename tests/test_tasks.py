@@ -405,10 +405,35 @@ def test_a_task_file_s_declared_image_column_is_never_opened(tmp_path: Path, nes
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert rows == [{"question": "q", "answer": "#### 1", "picture": value}]
-    chained = tmp_path / "a::b.parquet"  # fsspec would read "…/a", then "b.parquet" inside it
-    chained.write_bytes((tmp_path / "rows.parquet").read_bytes())
+    chained = tmp_path / "a::b.csv"  # fsspec would read "…/a", then "b.csv" inside it (datasets reads a csv)
+    chained.write_text("question,answer\nq,#### 1\n")
     with pytest.raises(TclightningError, match="holds '::'"):
         read_rows(chained)
+
+
+def test_a_parquet_file_that_expands_past_the_bounds_is_refused_as_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight rows of a 105 KB parquet file held 3.2 GB once read, and the run was killed without a
+    word: a row past ROW_MAX_BYTES decoded, or rows past TASK_FILE_MAX_BYTES in all, are one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tclightning.tasks import data
+    from tclightning.tasks.data import read_rows
+
+    long = "x" * (data.ROW_MAX_BYTES + 1)
+    pq.write_table(pa.table({"question": [long] * 4, "answer": ["#### 1"] * 4}), tmp_path / "bomb.parquet",
+                   compression="zstd")
+    assert (tmp_path / "bomb.parquet").stat().st_size < 100_000
+    with pytest.raises(TclightningError, match=r"bomb.parquet: row 1 holds \d+ bytes decoded, more than a row may"):
+        read_rows(tmp_path / "bomb.parquet")
+    pq.write_table(pa.table({"question": ["y" * 100_000] * 40, "answer": ["#### 1"] * 40}), tmp_path / "many.parquet",
+                   compression="zstd")
+    monkeypatch.setattr(data, "TASK_FILE_MAX_BYTES", 2_000_000)
+    with pytest.raises(TclightningError, match="many.parquet: its rows hold more than 2000000 bytes decoded"):
+        read_rows(tmp_path / "many.parquet")
+    monkeypatch.setattr(data, "TASK_FILE_MAX_BYTES", 8_000_000)
+    assert len(read_rows(tmp_path / "many.parquet")) == 40
 
 
 def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:

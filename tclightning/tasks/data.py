@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_file, regular_file
 from tclightning.network import (HUB_DOWNLOAD_MIN_BYTES_S, host_of, hub_answer, hub_offline, hub_url, keeps_pace,
@@ -35,7 +36,7 @@ from tclightning.tasks.config import TaskConfig
 Row = Mapping[str, Any]
 # Local formats, in the order preferred when a directory holds several files of one split.
 LOCAL_EXTENSIONS = (".jsonl", ".parquet", ".json", ".csv")
-_DATASETS_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
+_DATASETS_BUILDERS = {".csv": "csv"}
 
 
 def shared_data_dir() -> Path:
@@ -180,8 +181,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     file is opened once and read from that open file (``datasets`` through a private link to it):
     a FIFO renamed over it meanwhile is never opened."""
     regular_file(path, "task data", TASK_FILE_MAX_BYTES)
-    if path.suffix in (".jsonl", ".json"):
+    if path.suffix in (".jsonl", ".json", ".parquet"):
         with open_regular(path, "task data", TASK_FILE_MAX_BYTES) as handle:
+            if path.suffix == ".parquet":
+                return _parquet_rows(path, handle)
             if path.suffix == ".json" and _first_byte(handle) == b"[":
                 return _json_array_rows(path, handle)
             return _jsonl_rows(path, handle)  # datasets reads any other .json as JSON lines too
@@ -202,6 +205,33 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
             options = _csv_as_text(pinned) if builder == "csv" else None
             return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache, named=str(path),
                                       config_kwargs=options)
+
+
+def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
+    """The rows of a ``.parquet`` file, read by pyarrow one row at a time from the open file: its
+    compression (or a dictionary repeating one long value) expands in memory, so a row past
+    :data:`ROW_MAX_BYTES` or rows past :data:`TASK_FILE_MAX_BYTES` in all are refused as they are
+    decoded (eight rows of a 105 KB file held 3.2 GB, and the run was killed without a word)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows: list[dict[str, Any]] = []
+    total = 0
+    try:
+        for batch in pq.ParquetFile(handle).iter_batches(batch_size=1):
+            size = batch.nbytes
+            if size > ROW_MAX_BYTES:
+                raise TclightningError(f"task data {path}: row {len(rows) + 1} holds {size} bytes decoded, more than "
+                                       f"a row may ({ROW_MAX_BYTES})")
+            total += size
+            if total > TASK_FILE_MAX_BYTES:
+                raise TclightningError(f"task data {path}: its rows hold more than {TASK_FILE_MAX_BYTES} bytes "
+                                       "decoded, more than a task's data may")
+            rows.extend(batch.to_pylist())
+    except (pa.ArrowException, OSError, ValueError) as err:  # not parquet, cut short, a codec it lacks
+        raise TclightningError(f"task data {path}: not a readable parquet file "
+                               f"({shown(str(err).splitlines()[0] if str(err) else type(err).__name__)[:120]})") from None
+    return rows
 
 
 def _csv_as_text(path: Path | str) -> dict[str, Any] | None:
