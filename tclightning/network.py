@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
+from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.limits import waited_on
 
@@ -53,6 +55,33 @@ def keeps_pace(received: int, started: float) -> bool:
     return late_s <= 0 or received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S
 
 
+_PLAIN_ETAG = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,199}")
+
+
+def refuse_path_etags() -> None:
+    """From now on in this process, huggingface_hub refuses a file's ETag that is not a plain token
+    (letters, digits, ``-``, ``_``): it names each download ``blobs/<ETag>`` in the cache, unchecked,
+    so a hub answering an ETag that is a path (``/home/you/.local/lib/.../x.pth``, ``../../x``) had
+    its bytes written there, code Python ran at its next start. The Hugging Face Hub's ETags are
+    hashes. Idempotent; it only adds the check."""
+    from huggingface_hub import file_download
+
+    normalize = file_download._normalize_etag
+    if getattr(normalize, "refuses_paths", False):
+        return
+
+    def checked(etag: str | None) -> str | None:
+        normalized = normalize(etag)
+        if normalized is not None and not _PLAIN_ETAG.fullmatch(normalized):
+            raise TclightningError(f"the Hugging Face Hub at {hub_url()} answered a file's ETag "
+                                   f"{shown(normalized[:80])!r}, which is no hash but names a path; nothing was "
+                                   "written from its answer")
+        return normalized
+
+    checked.refuses_paths = True  # type: ignore[attr-defined]
+    file_download._normalize_etag = checked
+
+
 @contextlib.contextmanager
 def hub_over_http() -> Iterator[None]:
     """huggingface_hub's downloads in the block go over HTTP, never through Xet storage: ``hf_xet``
@@ -63,6 +92,7 @@ def hub_over_http() -> Iterator[None]:
 
     from tclightning.limits import abandoned_work
 
+    refuse_path_etags()
     before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
     try:
         yield

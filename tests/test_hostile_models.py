@@ -435,6 +435,56 @@ def test_no_answer_limits_the_whole_answer_not_each_read(dripping_server: str) -
     assert time.monotonic() - started < 5  # the limit is 0.5 s; the server drips for 20
 
 
+@pytest.mark.parametrize("etag", ["absolute", "up-and-out"])
+def test_a_hub_etag_that_names_a_path_writes_nothing_there(etag: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub names a download ``blobs/<ETag>``, unchecked: a hub answering an ETag that is
+    a path had the file written there (a ``.pth`` in your site folder ran at every later ``python``)."""
+    import hashlib
+
+    from tclightning.models.loading import download_hub_model
+
+    planted = tmp_path / "site-packages" / "zz_hub.pth"
+    files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"import os\n"}
+    commit = hashlib.sha1(b"commit").hexdigest()
+    named = {"absolute": str(planted), "up-and-out": "../../../../site-packages/zz_hub.pth"}[etag]
+
+    class Hub(_NotFound):
+        def do_GET(self) -> None:  # noqa: N802
+            path = self.path.split("?")[0]
+            if path.startswith("/api/models/"):
+                listed = [{"rfilename": n, "size": len(b)} for n, b in files.items()]
+                body = json.dumps({"id": "someone/tiny", "sha": commit, "siblings": listed}).encode()
+                headers = {"Content-Type": "application/json"}
+            elif "/resolve/" in path and (name := path.split("/resolve/", 1)[1].split("/", 1)[1]) in files:
+                body = files[name]
+                tag = named if name == "model.safetensors" else hashlib.sha1(body).hexdigest()
+                headers = {"X-Repo-Commit": commit, "ETag": f'"{tag}"'}
+            else:
+                return super().do_GET()
+            self.send_response(200)
+            for key, value in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+    hub = _serve(Hub)
+    monkeypatch.setenv("HF_ENDPOINT", next(hub))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", os.environ["HF_ENDPOINT"])  # read at its import
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        os.environ["HF_ENDPOINT"] + "/{repo_id}/resolve/{revision}/{filename}")
+    try:
+        with pytest.raises(TclightningError, match="answered a file's ETag .* which is no hash but names a path"):
+            download_hub_model("someone/tiny")
+    finally:
+        next(hub, None)
+    assert not planted.exists() and not list(tmp_path.rglob("zz_hub.pth*"))
+
+
 @pytest.mark.parametrize("how", ["silent", "answers-head-only", "through-a-silent-all-proxy"])
 def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_server: str, head_only_server: str,
                                                             answering_server: str, request: pytest.FixtureRequest,
