@@ -55,16 +55,34 @@ def keeps_pace(received: int, started: float) -> bool:
     return late_s <= 0 or received >= late_s * HUB_DOWNLOAD_MIN_BYTES_S
 
 
-_PLAIN_ETAG = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,199}")
+_PLAIN_TOKEN = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,199}")
 
 
-def refuse_path_etags() -> None:
-    """From now on in this process, huggingface_hub refuses a file's ETag that is not a plain token
-    (letters, digits, ``-``, ``_``): it names each download ``blobs/<ETag>`` in the cache, unchecked,
-    so a hub answering an ETag that is a path (``/home/you/.local/lib/.../x.pth``, ``../../x``) had
-    its bytes written there, code Python ran at its next start. The Hugging Face Hub's ETags are
-    hashes. Idempotent; it only adds the check."""
+def _refused_path(what: str, value: str) -> TclightningError:
+    return TclightningError(f"the Hugging Face Hub at {hub_url()} answered a file's {what} {shown(value[:80])!r}, "
+                            "which is no hash but names a path; nothing was written from its answer")
+
+
+def _refuse_path_commit(response: Any) -> None:
+    """huggingface_hub's response hook: a commit (``X-Repo-Commit``) that is not a plain token."""
+    commit = response.headers.get("X-Repo-Commit")
+    if commit is not None and not _PLAIN_TOKEN.fullmatch(commit):
+        raise _refused_path("commit", commit)
+
+
+async def _refuse_path_commit_async(response: Any) -> None:
+    _refuse_path_commit(response)
+
+
+def refuse_hub_paths() -> None:
+    """From now on in this process, huggingface_hub refuses a file's ETag or commit that is not a
+    plain token (letters, digits, ``-``, ``_``). It names each download ``blobs/<ETag>`` in the
+    cache and a file the hub says is missing ``.no_exist/<commit>/<name>``, unchecked: a hub answering
+    one that is a path (``/home/you/.local/lib/.../x.pth``, ``../../x``) had its bytes (or an empty
+    file) written there, code Python ran at its next start. The Hugging Face Hub's are hashes.
+    Idempotent; it only adds the checks (your own client factory is kept, wrapped)."""
     from huggingface_hub import file_download
+    from huggingface_hub.utils import _http
 
     normalize = file_download._normalize_etag
     if getattr(normalize, "refuses_paths", False):
@@ -72,14 +90,21 @@ def refuse_path_etags() -> None:
 
     def checked(etag: str | None) -> str | None:
         normalized = normalize(etag)
-        if normalized is not None and not _PLAIN_ETAG.fullmatch(normalized):
-            raise TclightningError(f"the Hugging Face Hub at {hub_url()} answered a file's ETag "
-                                   f"{shown(normalized[:80])!r}, which is no hash but names a path; nothing was "
-                                   "written from its answer")
+        if normalized is not None and not _PLAIN_TOKEN.fullmatch(normalized):
+            raise _refused_path("ETag", normalized)
         return normalized
+
+    def with_hook(factory: Callable[[], Any], hook: Callable[[Any], Any]) -> Callable[[], Any]:
+        def made() -> Any:
+            client = factory()
+            client.event_hooks["response"] = [*client.event_hooks.get("response", []), hook]
+            return client
+        return made
 
     checked.refuses_paths = True  # type: ignore[attr-defined]
     file_download._normalize_etag = checked
+    _http.set_client_factory(with_hook(_http._GLOBAL_CLIENT_FACTORY, _refuse_path_commit))  # the next session
+    _http.set_async_client_factory(with_hook(_http._GLOBAL_ASYNC_CLIENT_FACTORY, _refuse_path_commit_async))
 
 
 @contextlib.contextmanager
@@ -92,7 +117,7 @@ def hub_over_http() -> Iterator[None]:
 
     from tclightning.limits import abandoned_work
 
-    refuse_path_etags()
+    refuse_hub_paths()
     before, constants.HF_HUB_DISABLE_XET = constants.HF_HUB_DISABLE_XET, True
     try:
         yield

@@ -435,31 +435,44 @@ def test_no_answer_limits_the_whole_answer_not_each_read(dripping_server: str) -
     assert time.monotonic() - started < 5  # the limit is 0.5 s; the server drips for 20
 
 
-@pytest.mark.parametrize("etag", ["absolute", "up-and-out"])
-def test_a_hub_etag_that_names_a_path_writes_nothing_there(etag: str, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """huggingface_hub names a download ``blobs/<ETag>``, unchecked: a hub answering an ETag that is
-    a path had the file written there (a ``.pth`` in your site folder ran at every later ``python``)."""
+@pytest.mark.parametrize("answer", ["etag-absolute", "etag-up-and-out", "commit-of-a-missing-file"])
+def test_a_hub_answer_that_names_a_path_writes_nothing_there(answer: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub names a download ``blobs/<ETag>`` and a missing file's mark
+    ``.no_exist/<commit>/<name>``, unchecked: a hub answering an ETag or a commit that is a path had
+    a file written there (a ``.pth`` in your site folder ran at every later ``python``)."""
     import hashlib
+
+    from huggingface_hub.utils._http import close_session
 
     from tclightning.models.loading import download_hub_model
 
     planted = tmp_path / "site-packages" / "zz_hub.pth"
     files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"import os\n"}
+    missing = "tokenizer.json"  # listed, then answered 404 with the commit a path
     commit = hashlib.sha1(b"commit").hexdigest()
-    named = {"absolute": str(planted), "up-and-out": "../../../../site-packages/zz_hub.pth"}[etag]
+    named = {"etag-absolute": str(planted), "etag-up-and-out": "../../../../site-packages/zz_hub.pth",
+             "commit-of-a-missing-file": commit}[answer]
 
     class Hub(_NotFound):
         def do_GET(self) -> None:  # noqa: N802
             path = self.path.split("?")[0]
             if path.startswith("/api/models/"):
                 listed = [{"rfilename": n, "size": len(b)} for n, b in files.items()]
+                listed += [{"rfilename": missing, "size": 10}] if answer == "commit-of-a-missing-file" else []
                 body = json.dumps({"id": "someone/tiny", "sha": commit, "siblings": listed}).encode()
                 headers = {"Content-Type": "application/json"}
             elif "/resolve/" in path and (name := path.split("/resolve/", 1)[1].split("/", 1)[1]) in files:
                 body = files[name]
                 tag = named if name == "model.safetensors" else hashlib.sha1(body).hexdigest()
                 headers = {"X-Repo-Commit": commit, "ETag": f'"{tag}"'}
+            elif path.endswith(f"/{missing}"):
+                self.send_response(404)
+                for key, value in {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": str(planted.parent),
+                                   "Content-Length": "0"}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                return None
             else:
                 return super().do_GET()
             self.send_response(200)
@@ -477,12 +490,14 @@ def test_a_hub_etag_that_names_a_path_writes_nothing_there(etag: str, tmp_path: 
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", os.environ["HF_ENDPOINT"])  # read at its import
     monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
                         os.environ["HF_ENDPOINT"] + "/{repo_id}/resolve/{revision}/{filename}")
+    close_session()  # a session of an earlier test's factory
     try:
-        with pytest.raises(TclightningError, match="answered a file's ETag .* which is no hash but names a path"):
+        with pytest.raises(TclightningError, match="answered a file's (ETag|commit) .* which is no hash but names a "
+                                                   "path"):
             download_hub_model("someone/tiny")
     finally:
         next(hub, None)
-    assert not planted.exists() and not list(tmp_path.rglob("zz_hub.pth*"))
+    assert not list(tmp_path.rglob("zz_hub.pth*")) and not (planted.parent / missing).exists()
 
 
 @pytest.mark.parametrize("how", ["silent", "answers-head-only", "through-a-silent-all-proxy"])

@@ -28,7 +28,7 @@ from tclightning.console import shown
 from tclightning.errors import TclightningError
 from tclightning.files import open_regular, pinned_file, regular_file
 from tclightning.network import (HUB_DOWNLOAD_MIN_BYTES_S, host_of, hub_answer, hub_offline, hub_url, keeps_pace,
-                                  refuse_path_etags, remote_setup)
+                                  refuse_hub_paths, remote_setup)
 from tclightning.processes import child_environment
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import TaskConfig
@@ -60,7 +60,7 @@ def load_with_datasets(
     ``data_files`` is a private view of it; ``config_kwargs``: the builder's options). Imported lazily: ``datasets`` costs a second to import."""
     import datasets
 
-    refuse_path_etags()  # its README and scripts come through huggingface_hub too
+    refuse_hub_paths()  # its README and scripts come through huggingface_hub too
     try:
         # a hub dataset's files are resolved under a time limit (a hub that answered the run's first
         # question and then stalls was waited on for minutes, request after request)
@@ -90,8 +90,8 @@ from tclightning.processes import die_with_parent
 die_with_parent(int(sys.argv[4]))
 try:
     import datasets
-    from tclightning.network import refuse_path_etags
-    refuse_path_etags()
+    from tclightning.network import refuse_hub_paths
+    refuse_hub_paths()
     name, config, cache_dir = sys.argv[1], sys.argv[2] or None, sys.argv[3] or None
     datasets.load_dataset_builder(name, config, cache_dir=cache_dir).download_and_prepare()
 except Exception as err:
