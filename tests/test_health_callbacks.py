@@ -318,3 +318,72 @@ def test_a_second_fit_in_one_folder_never_writes_over_the_first_s_healthy_checkp
         paths.append(monitor.last_healthy_path)
     assert paths[0] != paths[1] and all(Path(p).is_file() for p in paths), paths
     assert Path(paths[1]).name == "last-healthy-1.ckpt"
+
+
+def test_a_monitor_used_for_a_second_fit_never_writes_over_the_first_fit_s_healthy_checkpoint(tmp_path: Path) -> None:
+    """One monitor object for two fits in one folder (a loop over seeds): the second fit wrote over the
+    first's ``last-healthy.ckpt``, the path the monitor kept from it."""
+    monitor = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=5)
+    paths, written = [], []
+    for _ in range(2):
+        trainer(tmp_path, [monitor], 12, logger=False).fit(TinyModule(healthy), loader())
+        paths.append(monitor.last_healthy_path)
+        written.append(Path(paths[-1]).read_bytes())
+    assert [Path(p).name for p in paths] == ["last-healthy.ckpt", "last-healthy-1.ckpt"]
+    assert Path(paths[0]).read_bytes() == written[0]  # the first fit's, as it wrote it
+
+
+@pytest.mark.parametrize("named", ["a-file-of-yours", "another-fit-s"])
+def test_a_resumed_fit_never_writes_over_the_file_its_checkpoint_s_state_names(named: str, tmp_path: Path) -> None:
+    """A resumed fit wrote its healthy checkpoint over whatever file of its folder the checkpoint's
+    saved ``last_healthy_path`` named: a file of yours, or the healthy checkpoint a later fit wrote
+    at a name the first had given up."""
+    first = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=5)
+    fit = trainer(tmp_path, [first], 6, logger=False)
+    fit.fit(TinyModule(healthy), loader())
+    resume = tmp_path / "resume.ckpt"
+    fit.save_checkpoint(resume)
+    checkpoints = tmp_path / "checkpoints"
+    if named == "a-file-of-yours":
+        state = torch.load(resume, weights_only=False)
+        (key,) = [k for k in state["callbacks"] if "CollapseDetector" in k]
+        state["callbacks"][key]["last_healthy_path"] = str(checkpoints / "best-model.ckpt")
+        torch.save(state, resume)
+        mine = checkpoints / "best-model.ckpt"
+    else:  # the first fit's healthy checkpoint moved away, a new fit wrote its own at that name
+        (checkpoints / "last-healthy.ckpt").rename(tmp_path / "moved.ckpt")
+        trainer(tmp_path, [CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=5)], 6,
+                logger=False).fit(TinyModule(healthy), loader())
+        mine = checkpoints / "last-healthy.ckpt"
+    if not mine.exists():
+        mine.write_bytes(b"mine")
+    before = mine.read_bytes()
+    resumed = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=5)
+    trainer(tmp_path, [resumed], 12, logger=False).fit(TinyModule(healthy), loader(), ckpt_path=resume)
+    assert mine.read_bytes() == before
+    assert resumed.last_healthy_path is not None and Path(resumed.last_healthy_path) != mine
+
+
+def test_a_monitor_with_no_data_writes_no_healthy_checkpoint(tmp_path: Path) -> None:
+    """A module that logs none of the monitor's metrics got a "healthy" checkpoint every
+    ``checkpoint_every`` steps, which a rollback would return to, never judged."""
+    monitor = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=2)
+    trainer(tmp_path, [monitor], 8, logger=False, enable_checkpointing=False).fit(TinyModule(lambda step: {}), loader())
+    assert monitor.last_healthy_path is None and not (tmp_path / "checkpoints").exists()
+
+
+
+def test_two_fits_that_find_the_healthy_name_free_together_each_take_their_own(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two fits started together in one folder both found ``last-healthy.ckpt`` free (Lightning makes
+    the file only once the checkpoint is serialised) and wrote over each other's: the name is taken
+    by a file made at once, and one found taken meanwhile is passed over."""
+    from tclightning import files
+    from tclightning.callbacks import health_actions
+
+    here = tmp_path / "checkpoints" / "last-healthy.ckpt"
+    found = iter([here, here])  # both looked before either made the file
+    monkeypatch.setattr(health_actions, "unused_name", lambda path: next(found, None) or files.unused_name(path))
+    first, second = health_actions._claim_free_name(here), health_actions._claim_free_name(here)
+    assert (first.name, second.name) == ("last-healthy.ckpt", "last-healthy-1.ckpt")
+    assert first.is_file() and second.is_file()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -184,6 +185,7 @@ class HealthMonitor(Callback):
         self.last_healthy_step: int | None = None
         self.stopped_at: int | None = None
         self._lr_factor = 1.0
+        self._written: tuple[str, tuple[int, int] | None] | None = None  # this fit's healthy checkpoint, as written
 
     def _set_names(self, names: Mapping[str, str]) -> None:
         self.metric_names = dict(names)
@@ -197,7 +199,10 @@ class HealthMonitor(Callback):
 
     @property
     def has_data(self) -> bool:
-        """Whether any of :attr:`inputs` has arrived (a monitor without data claims no verdict)."""
+        """Whether any of :attr:`inputs` has arrived, or any metric for a rule that reads them all
+        (the non-finite one); a monitor without data claims no verdict."""
+        if any(not rule.inputs for rule in self.detector.rules):
+            return not self.detector.history.empty
         return any(self.detector.history.has(name) for name in self.inputs)
 
     @property
@@ -249,6 +254,8 @@ class HealthMonitor(Callback):
         """A monitor given no ``metric_names`` reads with the mappings the trainer's other monitors
         were given, merged (one mapping serves all), else the one set with ``set_metric_names``.
         Two of them renaming one canonical name differently is a user error."""
+        if stage == "fit":  # a monitor used for a second fit writes no file of the first's
+            self._written = None
         if self._explicit_names:
             return
         merged: dict[str, str] = {}
@@ -369,7 +376,8 @@ class HealthMonitor(Callback):
     ) -> None:
         strategy = trainer.strategy
         if "checkpoint" in self.actions and allow_checkpoint and step % self.checkpoint_every == 0:
-            healthy = verdict.state_ignoring(self.tolerated_rules) == HealthState.HEALTHY
+            # a monitor that has seen none of its metrics calls nothing healthy (a rollback would return to it)
+            healthy = self.has_data and verdict.state_ignoring(self.tolerated_rules) == HealthState.HEALTHY
             if strategy.reduce_boolean_decision(healthy, all=True):
                 self._save_healthy(trainer, step)
         if "rollback" in self.actions or "stop" in self.actions:
@@ -407,12 +415,20 @@ class HealthMonitor(Callback):
                 "nothing was loaded")
 
     def _save_healthy(self, trainer: pl.Trainer, step: int) -> None:
-        path, here = self.last_healthy_path, self._checkpoint_path(trainer)
-        if path is None or os.path.realpath(os.path.dirname(path)) != os.path.realpath(os.path.dirname(here)):
-            # this fit's first: an earlier fit's in the same folder is never written over (the next free name)
-            path = str(unused_name(Path(here)))
+        """Write this fit's healthy checkpoint: over the one it wrote before while that file is still
+        the one it wrote, else at the next free name beside :meth:`_checkpoint_path`. A file this fit
+        did not write is never written over: an earlier fit's (this monitor's too), one a resumed
+        checkpoint's state names, one put at the name."""
+        path = None
+        if trainer.is_global_zero:  # one name for every rank: rank 0's
+            if self._written is not None and _file_identity(self._written[0]) == self._written[1]:
+                path = self._written[0]
+            else:
+                path = str(_claim_free_name(Path(self._checkpoint_path(trainer)).absolute()))
+        path = trainer.strategy.broadcast(path, src=0)
         self.last_healthy_path, self.last_healthy_step = path, step
         trainer.save_checkpoint(path, weights_only=False)
+        self._written = (path, _file_identity(path))
 
     def _stop(self, trainer: pl.Trainer, verdict: Verdict, step: int, why: str) -> None:
         if not trainer.should_stop:
@@ -467,3 +483,26 @@ class HealthMonitor(Callback):
             scheduler = config.scheduler
             if hasattr(scheduler, "base_lrs"):
                 scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+
+def _claim_free_name(path: Path) -> Path:
+    """The first free name of :func:`~tclightning.files.unused_name` for ``path``, taken at once by an
+    empty file made there (never through a link): two fits starting together in one folder each get
+    their own (both found ``last-healthy.ckpt`` free and wrote over each other's)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        free = unused_name(path)
+        try:
+            os.close(os.open(free, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+        except FileExistsError:  # taken since it was found free: the next one
+            continue
+        return free
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the regular file at ``path`` (never through a link), or None."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) else None

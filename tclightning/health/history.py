@@ -134,6 +134,11 @@ class MetricHistory:
         self.last_update = update
         self.last_step = step
 
+    @property
+    def empty(self) -> bool:
+        """Whether no metric has arrived yet."""
+        return not self._values
+
     def has(self, name: str) -> bool:
         """Whether ``name`` was ever recorded."""
         return name in self._values
