@@ -271,6 +271,10 @@ CASES: dict[str, Case] = {
                                    "task.path={tmp}/rows.jsonl"), ("rows.jsonl:2: field 'answer' given twice",),
                                   {"rows.jsonl": b'{"question": "1+1?", "answer": "#### 2"}\n'
                                                  b'{"question": "2+2?", "answer": "#### 4", "answer": "#### 5"}\n'}),
+    # pandas took the first and renamed the second (answer.1): every gold was the first column's
+    "task-csv-column-twice": Case(("run", "--recipe", "tiny", "logging.root={tmp}/runs", "task.name=gsm8k",
+                                   "task.path={tmp}/rows.csv"), ("rows.csv: the column 'answer' appears twice",),
+                                  {"rows.csv": b"question,answer,answer\n3+1,#### 99,#### 4\n" * 8}),
     "reward-timeout-zero": override("task.reward_timeout_s=0"),
     "hf-without-name": override("model.source=hf", names=("command line: override 'model.source=hf'", "model.name")),
     "gguf-file-missing": override("model.source=gguf", "model.gguf_file={tmp}/none.gguf"),

@@ -443,11 +443,30 @@ def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
     rows = [{"question": f"What is {i} + {i}?", "answer": 2 * i} for i in range(6)]
     rows.append({"question": "Is it?", "answer": True})  # a boolean is no answer
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    task = build_task(TaskConfig(name="gsm8k", path=str(tmp_path / "rows.jsonl"), eval_size=1))
+    task = build_task(TaskConfig(name="gsm8k", path=str(tmp_path / "rows.jsonl"), eval_size=2))
     examples = [*task.train_examples(), *task.eval_examples()]
-    assert sorted(int(example.answer) for example in examples) == [0, 2, 4, 6, 8, 10]
+    assert task.eval_examples() and sorted(int(example.answer) for example in examples) == [0, 2, 4, 6, 8, 10]
     assert task.reward("The answer is 10.", next(e for e in examples if e.answer == "10")) == 1.0
     assert task.skipped is not None and "1 of the rows read had no usable question or answer" in task.skipped
+    # an integer past any float (309 digits and more) is an answer too: it was an OverflowError traceback
+    big = 10**400
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"question": f"q{i}", "answer": big + i}) + "\n"
+                                                for i in range(4)) + json.dumps({"question": big, "answer": 1}) + "\n")
+    task = build_task(TaskConfig(name="math", path=str(tmp_path / "big.jsonl"), eval_size=1))
+    assert sorted(e.answer for e in [*task.train_examples(), *task.eval_examples()]) == \
+        sorted([str(big + i) for i in range(4)] + ["1"])
+
+
+def test_a_test_split_without_usable_rows_is_one_line(tmp_path: Path) -> None:
+    """An empty (or answerless) test split ended the run in a torch.cat traceback at its first validation."""
+    from tclightning.tasks import TaskConfig, build_task
+
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"{i}+1", "answer": f"#### {i + 1}"}) + "\n"
+                                                  for i in range(20)))
+    for test in ("", json.dumps({"question": "1+1"}) + "\n"):
+        (tmp_path / "test.jsonl").write_text(test)
+        with pytest.raises(TclightningError, match="no usable held-out rows for task 'gsm8k' \\(its split 'test'\\)"):
+            build_task(TaskConfig(name="gsm8k", path=str(tmp_path), eval_size=4)).eval_examples()
 
 
 def test_a_run_says_how_many_rows_of_its_data_it_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

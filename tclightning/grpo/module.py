@@ -365,6 +365,9 @@ class GRPOModule(L.LightningModule):
         if not kept[0]:
             raise TclightningError(f"task: every training prompt is {where}; lower sampler.max_new_tokens or use "
                                    "shorter prompts")
+        if evals and not kept[1]:  # validation would have nothing to score
+            raise TclightningError(f"task: every held-out prompt is {where}; lower sampler.max_new_tokens or use "
+                                   "shorter prompts")
         if dropped:
             print(f"note: {dropped} of {len(train) + len(evals)} prompts are {where}: left out", file=sys.stderr,
                   flush=True)

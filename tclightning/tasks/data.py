@@ -205,7 +205,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         with _datasets_quiet():  # a file it cannot read is the one line below, not its log and bars too
             # a csv's cells are read as text: pandas' type inference goes through float64 when a column has
             # an empty cell, and an integer answer past 2**53 lost its last digits (9007199254740993 -> ...992.0)
-            options = _csv_as_text(pinned) if builder == "csv" else None
+            options = _csv_as_text(pinned, path) if builder == "csv" else None
             return load_with_datasets(builder, split="train", data_files=str(pinned), cache_dir=cache, named=str(path),
                                       config_kwargs=options)
 
@@ -237,9 +237,11 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
     return rows
 
 
-def _csv_as_text(path: Path | str) -> dict[str, Any] | None:
-    """``datasets``' csv options that read every column of the file at ``path`` as text (its header
-    names them), or None (the builder's own inference) when the header cannot be read."""
+def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
+    """``datasets``' csv options that read every column of the file at ``path`` (``named`` as you
+    named it) as text (its header names them), or None (the builder's own inference, and its one
+    line) when the header cannot be read. A column named twice is refused: pandas took the first
+    and renamed the second (``answer.1``), silently."""
     import csv
 
     import datasets
@@ -249,8 +251,11 @@ def _csv_as_text(path: Path | str) -> dict[str, Any] | None:
             header = next(csv.reader(handle), None)
     except (OSError, UnicodeDecodeError, csv.Error):
         return None
-    if not header or len(set(header)) != len(header):  # duplicate names: pandas renames them
+    if not header:
         return None
+    twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+    if twice is not None:  # which of the two is meant is a guess, as for a .jsonl row's field given twice
+        raise TclightningError(f"task data {named}: the column {shown(twice)[:80]!r} appears twice in its header")
     return {"features": datasets.Features({name: datasets.Value("string") for name in header})}
 
 
@@ -546,6 +551,10 @@ class DatasetTask(Task):
             train = train[: cfg.train_size]
         if not train:
             raise TclightningError(f"{source}: no usable training rows for task '{self.name}'")
+        if cfg.eval_size > 0 and not evals:  # validation would have nothing to score
+            raise TclightningError(f"{source}: no usable held-out rows for task '{self.name}' (its split "
+                                   f"'{eval_split or train_split}'); give the split rows, or set task.eval_size=0 and "
+                                   "trainer.val_every=0")
         if skipped:
             self.skipped = (f"{source}: {len(skipped)} of the rows read had no usable question or answer for task "
                             f"'{self.name}' and were left out")
@@ -566,6 +575,8 @@ def first_field(row: Row, *keys: str) -> str | None:
         value = row.get(key)
         if isinstance(value, str) and value.strip():
             return value
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        if isinstance(value, int) and not isinstance(value, bool):  # any size: math.isfinite overflowed past 1e308
+            return str(value)
+        if isinstance(value, float) and math.isfinite(value):
             return str(value)
     return None
