@@ -444,8 +444,10 @@ def clear_abandoned_staging(target: Path) -> None:
             remove_export(folder, export_files(folder) | {REPLACED_MARKER, STAGING_MARKER})
         elif (folder / STAGING_MARKER).is_file():
             remove_export(folder)
-        elif not any(folder.iterdir()):  # killed between making it and marking it: empty, nothing to lose
-            folder.rmdir()
+        else:  # killed between making it and marking it: empty, nothing to lose
+            with contextlib.suppress(OSError):  # another export tidied it first, or it
+                if not any(folder.iterdir()):  # holds something now: either way, not this one's to remove
+                    folder.rmdir()
 
 
 def export_files(folder: Path) -> frozenset[str]:

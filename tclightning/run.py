@@ -71,6 +71,15 @@ class RunPlan:
     new_dir: bool = True  # run_dir is created by this run (not an earlier run's, resumed in place)
 
 
+def _modified_or_never(path: Path) -> float:
+    """``path``'s modification time; -inf for one gone since it was listed (a run pruning its step
+    files while ``--resume last`` looks: a FileNotFoundError traceback)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("-inf")
+
+
 def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     """Decide where the run writes and which checkpoint it continues from; reads, never writes.
 
@@ -93,7 +102,7 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
                  and not p.parent.parent.is_symlink() and not p.parent.is_symlink()]
         if not files:
             raise TclightningError(f"--resume last: no checkpoint under {root}/*/checkpoints/")
-        newest = max(files, key=lambda p: p.stat().st_mtime).parent
+        newest = max(files, key=_modified_or_never).parent
         requested = newest / "last.ckpt"
     else:
         requested = Path(resume).expanduser()

@@ -890,6 +890,45 @@ def test_resume_last_never_picks_a_linked_run_folder(run_dir: Path, tmp_path: Pa
     assert _snapshot(elsewhere) == before
 
 
+def test_resume_last_while_another_run_prunes_its_checkpoints_is_no_traceback(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--resume last`` while another run of the recipe prunes its step files: one listed and gone
+    before its time was read was a FileNotFoundError traceback."""
+    from tclightning.recipes.loader import load_recipe, to_dataclass
+    from tclightning.run import plan_run
+
+    for name, step in (("20260101-000000", 1), ("20260101-000001", 2)):
+        (tmp_path / "runs" / "tiny" / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / "runs" / "tiny" / name / "checkpoints" / f"step-{step:06d}.ckpt").write_bytes(b"x")
+    pruned = tmp_path / "runs" / "tiny" / "20260101-000001" / "checkpoints" / "step-000002.ckpt"
+    listed = Path.is_file
+
+    def pruned_once_listed(path: Path) -> bool:
+        found = listed(path)
+        if path == pruned and found:
+            path.unlink()  # the other run prunes it now
+        return found
+
+    monkeypatch.setattr(Path, "is_file", pruned_once_listed)
+    recipe = to_dataclass(load_recipe("tiny", [f"logging.root={tmp_path / 'runs'}"]))
+    with pytest.raises(TclightningError) as refused:  # the older run's folder, which has no last.ckpt
+        plan_run(recipe, "last")
+    assert "20260101-000000" in str(refused.value)
+
+
+def test_an_abandoned_staging_folder_another_export_tidied_first_is_passed_over(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two exports tidying the same abandoned staging folder: the second's rmdir of one the first had
+    removed was a FileNotFoundError traceback."""
+    from tclightning import export
+
+    abandoned = tmp_path / ".policy.export-999999-abc"
+    abandoned.mkdir()
+    monkeypatch.setattr(export, "_running", lambda pid: abandoned.rmdir())  # the other export, just before
+    export.clear_abandoned_staging(tmp_path / "policy")
+    assert not abandoned.exists()
+
+
 @pytest.mark.timeout(120)
 def test_prompts_that_leave_no_room_to_answer_are_left_out_with_a_note(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
