@@ -1655,6 +1655,31 @@ def test_a_probe_never_writes_over_files_in_a_folder_you_named(tmp_path: Path,
     assert sorted(p.name for p in mine.iterdir()) == ["cuts.md"] and (mine / "cuts.md").read_text() == "my notes\n"
 
 
+def test_two_commands_given_one_out_folder_together_never_both_write_it(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Two ``analyze trajectory --out OUT`` (or ``probe cuts``) started together both found OUT empty
+    and both wrote it, one report silently replacing the other: the folder is held while written,
+    and checked again then."""
+    from tclightning.cli.options import output_claimed, output_folder
+
+    out = tmp_path / "out"
+    writes = ("trajectory.json", "trajectory.md")
+    assert output_folder("analyze trajectory", out, writes, named=True) == out  # both looked: empty
+    with output_claimed("analyze trajectory", out, writes, named=True):  # the first writes
+        (out / "trajectory.json").write_text("the first's")
+        with pytest.raises(TclightningError, match="another command is writing into it now; nothing was written"):
+            with output_claimed("analyze trajectory", out, writes, named=True):
+                pytest.fail("the second wrote too")
+    with pytest.raises(TclightningError, match="already holds trajectory.json"):  # the second, once it is done
+        with output_claimed("analyze trajectory", out, writes, named=True):
+            pytest.fail("the second wrote over the first's report")
+    assert (out / "trajectory.json").read_text() == "the first's"
+    new = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError), output_claimed("analyze trajectory", new, writes, named=True):
+        raise RuntimeError("the analysis failed")
+    assert not (tmp_path / "a").exists()  # the folders it made go with a failure
+
+
 def test_analyze_health_refuses_more_tensorboard_events_than_it_reads(tmp_path: Path,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     """A million scalars in an event file took TensorBoard's reader minutes: refused by size, unread."""

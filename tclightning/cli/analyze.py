@@ -58,13 +58,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_trajectory(args: argparse.Namespace) -> int:
     """Handler of ``analyze trajectory``: writes the three outputs, prints the table or JSON."""
-    from tclightning.cli.options import output_folder
+    from tclightning.cli.options import output_claimed, output_folder
     from tclightning.probes.trajectory import to_markdown, write_report
 
     out = Path(args.out) if args.out is not None else Path(args.run_dir) / "analysis"
-    out = output_folder("analyze trajectory", out, ("trajectory.json", "trajectory.md", "trajectory.png"),
-                        named=args.out is not None, overwrite=args.overwrite)
-    report, paths = write_report(args.run_dir, out)
+    writes = ("trajectory.json", "trajectory.md", "trajectory.png")
+    out = output_folder("analyze trajectory", out, writes, named=args.out is not None, overwrite=args.overwrite)
+    with output_claimed("analyze trajectory", out, writes, named=args.out is not None, overwrite=args.overwrite):
+        report, paths = write_report(args.run_dir, out)
     if args.json:
         print(json.dumps(report, allow_nan=False))
         return 0

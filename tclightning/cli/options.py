@@ -3,8 +3,11 @@ value past them would hang the command or exhaust the machine, never measure any
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from tclightning.errors import TclightningError
@@ -55,3 +58,32 @@ def output_folder(command: str, path: Path, writes: tuple[str, ...] = (), *, nam
                                f"{f' (and {len(there) - 1} more)' if len(there) > 1 else ''}, which this command "
                                "writes; nothing was written: --overwrite replaces them, or choose a new folder")
     return path
+
+
+@contextlib.contextmanager
+def output_claimed(command: str, path: Path, writes: tuple[str, ...] = (), *, named: bool = False,
+                   overwrite: bool = False) -> Iterator[Path]:
+    """For the block that writes the files: the folder :func:`output_folder` accepted, made if
+    missing, held (a ``flock``) and checked again while held: two commands given one ``--out`` and
+    started together both found it empty and both wrote, one report silently replacing the other;
+    now the second is refused in one line, nothing written. The folders it made are removed again,
+    where still empty, when the block fails."""
+    made = [folder for folder in (path.absolute(), *path.absolute().parents) if not os.path.lexists(folder)]
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TclightningError(f"{command}: --out {path}: another command is writing into it now; nothing was "
+                                   "written: wait for it, or choose another folder") from None
+        output_folder(command, path, writes, named=named, overwrite=overwrite)
+        yield path
+    except BaseException:
+        for folder in made:  # deepest first; one holding anything (another command's files) stays
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+    finally:
+        os.close(fd)
+

@@ -18,10 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tclightning.cli.options import MAX_THREADS, output_folder, within
+from tclightning.cli.options import MAX_THREADS, output_claimed, output_folder, within
 from tclightning.errors import TclightningError
 from tclightning.files import replace_file, replace_text, save_figure
 from tclightning.settings import MAX_STEPS
+
+
+CUTS_FILES = ("cuts.csv", "cuts.md", "cuts.png")
+INFERENCE_FILES = ("inference.csv", "generations.jsonl", "inference.md", "inference.png")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +81,7 @@ def run_cuts(args: argparse.Namespace) -> int:
     within("probe cuts", "--warmup-steps", args.warmup_steps, 1, 10000)
     recipe = to_dataclass(load_recipe(args.recipe, args.overrides))
     out = output_folder("probe cuts", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-cuts"),
-                        ("cuts.csv", "cuts.md", "cuts.png"), named=args.out is not None, overwrite=args.overwrite)
+                        CUTS_FILES, named=args.out is not None, overwrite=args.overwrite)
 
 
     from tclightning.pipeline.cuts import find_decoder_layers
@@ -140,11 +144,11 @@ def run_cuts(args: argparse.Namespace) -> int:
         "warmup_tokens": int(warmup.attention_mask.sum()) if warmup is not None else 0,
         "timing": f"load {loaded - started:.0f} s, sample {sampled - loaded:.0f} s, score {scored - sampled:.0f} s",
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, out / "cuts.csv")
     table = markdown_table(rows)
-    replace_text(out / "cuts.md", markdown_header(meta) + "\n" + table)
-    plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}")
+    with output_claimed("probe cuts", out, CUTS_FILES, named=args.out is not None, overwrite=args.overwrite):
+        write_csv(rows, out / "cuts.csv")
+        replace_text(out / "cuts.md", markdown_header(meta) + "\n" + table)
+        plot(rows, out / "cuts.png", title=f"{meta['recipe']}: {meta['codec']} k={meta['k']}/{meta['d']}")
     print(markdown_header(meta))
     print(table)
     print(f"wrote {out / 'cuts.csv'}, {out / 'cuts.md'}, {out / 'cuts.png'}")
@@ -348,8 +352,7 @@ def run_inference(args: argparse.Namespace) -> int:
     recipe = to_dataclass(load_recipe(args.recipe, [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in chosen.items())]))
     dataclasses.replace(recipe.pipeline, layout=args.layout).validate()
     out = output_folder("probe inference", Path(args.out or Path("runs") / "probes" / f"{recipe.name}-inference"),
-                        ("inference.csv", "generations.jsonl", "inference.md", "inference.png"),
-                        named=args.out is not None, overwrite=args.overwrite)
+                        INFERENCE_FILES, named=args.out is not None, overwrite=args.overwrite)
 
 
     from tclightning.probes.inference import (
@@ -388,18 +391,19 @@ def run_inference(args: argparse.Namespace) -> int:
         "dtype": recipe.model.dtype,
         "timing": f"load {loaded - started:.0f} s, sweep {finished - loaded:.0f} s",
     }
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(result.rows, out / "inference.csv", INFERENCE_COLUMNS)
     lines = []
     for row in result.rows:
         rewards = task.rewards(row["texts"], examples)
         for example, text, reward in zip(examples, row["texts"], rewards):
             lines.append(json.dumps({"point": row["point"], "uid": example.uid, "reward": reward, "text": text}) + "\n")
-    replace_text(out / "generations.jsonl", "".join(lines))
     header = inference_header(meta)
     table = markdown_table(result.rows)
-    replace_text(out / "inference.md", header + "\n" + table + "\n" + markdown_continuations(result))
-    plot_inference(result.rows, out / "inference.png", title=f"{meta['model']}: {meta['task']}, layout {meta['layout']}")
+    with output_claimed("probe inference", out, INFERENCE_FILES, named=args.out is not None, overwrite=args.overwrite):
+        write_csv(result.rows, out / "inference.csv", INFERENCE_COLUMNS)
+        replace_text(out / "generations.jsonl", "".join(lines))
+        replace_text(out / "inference.md", header + "\n" + table + "\n" + markdown_continuations(result))
+        plot_inference(result.rows, out / "inference.png",
+                       title=f"{meta['model']}: {meta['task']}, layout {meta['layout']}")
     print(header)
     print(table)
     print(f"wrote {out / 'inference.csv'}, {out / 'inference.md'}, {out / 'inference.png'}, {out / 'generations.jsonl'}")
