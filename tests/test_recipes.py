@@ -174,6 +174,20 @@ def test_recipes_list_and_show(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "steps: 3" in out and "warmup:" in out
 
 
+def test_a_recipe_is_listed_under_the_name_that_selects_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A recipe of yours with ``name: tiny`` was listed as a second ``tiny``, which selects the shipped
+    one (a file's name is matched first): it is listed under its file's name, saying so."""
+    (tmp_path / "mytiny.yaml").write_text("name: tiny\ndescription: mine\ndefaults: [tiny]\ntrainer: {steps: 7}\n")
+    monkeypatch.setenv("TCLIGHTNING_RECIPES", str(tmp_path))
+    code, out, _ = _main(capsys, "recipes", "list")
+    listed = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert code == 0 and "mytiny" in listed and "its name: tiny selects another recipe" in listed["mytiny"]
+    assert [line.split()[0] for line in out.splitlines() if line.strip()].count("tiny") == 1
+    code, out, _ = _main(capsys, "recipes", "show", "mytiny")
+    assert code == 0 and "steps: 7" in out
+
+
 # ------------------------------------------------------------------ bounded reading: nothing hangs
 ALIAS_BOMB = "\n".join(
     ["name: bomb", "defaults: [tiny]", "description: x", "a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]

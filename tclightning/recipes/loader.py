@@ -87,7 +87,13 @@ def list_recipes() -> list[RecipeInfo]:
             name = str(data.get("name") or path.stem) if isinstance(data, dict) else path.stem
             description = str(data.get("description", "")) if isinstance(data, dict) else ""
             seen[path.name] = RecipeInfo(shown(name), path, shown(" ".join(description.split())))
-    return sorted(seen.values(), key=lambda r: r.name.lower())
+    infos = sorted(seen.values(), key=lambda r: r.name.lower())
+    stems = {info.path.stem.lower(): info.path for info in infos}
+    for i, info in enumerate(infos):  # listed under the name that selects it (a file's name is matched first)
+        if stems.get(info.name.lower(), info.path) != info.path:
+            infos[i] = RecipeInfo(shown(info.path.stem), info.path,
+                                  f"{info.description} (its name: {info.name} selects another recipe)".strip())
+    return sorted(infos, key=lambda r: r.name.lower())
 
 
 def _names_a_path(ref: str) -> bool:
