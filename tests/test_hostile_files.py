@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -136,6 +138,16 @@ def test_analyze_health_refuses_a_fifo_metrics_csv(tmp_path: Path, capsys: pytes
         assert main(["analyze", "health", str(given)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is a named pipe (FIFO), not a regular file" in err[0], err
+
+
+def test_a_recipe_piped_to_dev_stdin_is_named_as_given(tmp_path: Path) -> None:
+    """``--recipe /dev/stdin`` fed by a pipe was "/proc/<pid>/fd/pipe:[N]: No such file or directory":
+    a path never given, and a false reason."""
+    done = subprocess.run([sys.executable, "-m", "tclightning", "recipes", "show", "/dev/stdin"], input="name: x\n",
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 2 and done.stderr.strip() == \
+        "error: /dev/stdin: is a named pipe (FIFO), not a regular file; nothing was read", done.stderr
 
 
 @pytest.mark.parametrize("link", ["to-itself", "to-nowhere"])

@@ -109,7 +109,8 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
     if _names_a_path(ref):
         for candidate in ([relative_to / as_path] if relative_to else []) + [as_path]:
             if candidate.exists() and not candidate.is_dir():  # a FIFO is named as one when it is read
-                return candidate.resolve()
+                resolved = candidate.resolve()  # /dev/stdin of a pipe resolves to no path ("pipe:[N]")
+                return resolved if resolved.exists() else candidate.absolute()
         hint = _installed_recipe_hint(as_path.stem, in_file=relative_to is not None)
         raise RecipeError(f"no such recipe file: {ref}{hint}", file=str(relative_to) if relative_to else None)
     recipes = list_recipes()
