@@ -43,8 +43,8 @@ def refused_by_storage(err: BaseException) -> bool:
 
 def storage_reason(err: BaseException) -> str:
     """What the storage said, on one line: ``No space left on device``, with the file when known."""
-    if isinstance(err, OSError):
-        return f"{os.fsdecode(err.filename)}: {err.strerror}" if err.filename else str(err.strerror or err)
+    if isinstance(err, OSError):  # a file reached through a held folder by its folder's name (named)
+        return f"{named(Path(os.fsdecode(err.filename)))}: {err.strerror}" if err.filename else str(err.strerror or err)
     return next(os.strerror(code) for code in STORAGE_ERRNOS if os.strerror(code) in str(err))
 
 
