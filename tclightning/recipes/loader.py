@@ -550,7 +550,8 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> tuple[DictConf
                               "write a recipe that lists them (defaults: [...])", file=COMMAND_LINE, override=override)
         if "\n" in override or "\r" in override:  # YAML folds a line break to a space: another folder, silently
             raise RecipeError("holds a line break; a value on the command line is one line (a recipe file can hold "
-                              "several)", file=COMMAND_LINE, override=override.replace("\n", "\\n").replace("\r", "\\r"))
+                              "several)", file=COMMAND_LINE,
+                              override=override.replace("\n", "\\n").replace("\r", "\\r"))
         try:
             data = OmegaConf.to_container(parse_overrides([override]))
             key, _, text = (part.strip() for part in override.partition("="))

@@ -57,7 +57,8 @@ def load_with_datasets(
 ) -> list[dict[str, Any]]:
     """Rows of one split as ``datasets.load_dataset`` gives them (hub name, or a builder such as
     ``"parquet"`` with ``data_files``; ``named``: the file as you named it, for a refusal, where
-    ``data_files`` is a private view of it; ``config_kwargs``: the builder's options). Imported lazily: ``datasets`` costs a second to import."""
+    ``data_files`` is a private view of it; ``config_kwargs``: the builder's options). Imported
+    lazily: ``datasets`` costs a second to import."""
     import datasets
 
     refuse_hub_paths()  # its README and scripts come through huggingface_hub too
@@ -232,8 +233,8 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
                                        "decoded, more than a task's data may")
             rows.extend(batch.to_pylist())
     except (pa.ArrowException, OSError, ValueError) as err:  # not parquet, cut short, a codec it lacks
-        raise TclightningError(f"task data {path}: not a readable parquet file "
-                               f"({shown(str(err).splitlines()[0] if str(err) else type(err).__name__)[:120]})") from None
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise TclightningError(f"task data {path}: not a readable parquet file ({shown(reason)[:120]})") from None
     return rows
 
 

@@ -76,7 +76,8 @@ _NUMERAL_CORE = r"(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+
 # except a plain fraction "a/b", which is compared exactly.
 _NUMBER = re.compile(
     rf"-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
-    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
+    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+"
+    rf"|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
     re.ASCII)
 NUMBER_PATTERN = _NUMBER
 """A number as the rewards read it, whole (``tasks.arithmetic`` reads its integers with it)."""
