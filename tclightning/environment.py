@@ -1,9 +1,10 @@
-"""The environment variables a block of code sets or removes in its own thread, put back when the
-block ends (:func:`own_writes_undone`), while what other threads change meanwhile stays.
+"""The environment variables a block of code sets or removes, put back when the block ends
+(:func:`own_writes_undone`), while what the program's other threads change meanwhile stays.
 
 :func:`tclightning.run.run` trains inside such a block: the variables it, its libraries (MLflow's
-tracking URI, Lightning's seed) and your callbacks set in the run's thread are the run's, and a
-program of yours that goes on working in another thread keeps its own changes.
+tracking URI, Lightning's seed) and your callbacks set, in the run's thread or in a thread started
+while it runs (a library's worker, a time limit's watcher), are the run's; a program of yours that
+goes on working in a thread it had before the run keeps its own changes.
 """
 
 from __future__ import annotations
@@ -12,9 +13,21 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Block:
+    owner: threading.Thread  # the thread that opened the block
+    before: frozenset[threading.Thread]  # the other threads alive then (objects: a number is handed out again)
+    found: dict[str, str | None] = field(default_factory=dict)  # name -> its value before the block's first write
+
+    def writes(self, thread: threading.Thread) -> bool:
+        return thread is self.owner or thread not in self.before
+
 
 _lock = threading.Lock()
-_records: dict[int, list[dict[str, str | None]]] = {}  # thread -> one record per open block: name -> value before
+_blocks: list[_Block] = []
 _ENVIRON = type(os.environ)
 _SET, _DELETE = _ENVIRON.__setitem__, _ENVIRON.__delitem__  # its own, put back when the last block ends
 
@@ -28,13 +41,13 @@ def _name(mapping: object, key: object) -> str | None:
 
 
 def _note(mapping: object, key: object) -> None:
-    records = _records.get(threading.get_ident())
-    name = _name(mapping, key) if records else None
+    name = _name(mapping, key) if _blocks else None
     if name is None:
         return
-    for record in records:  # each open block of this thread remembers the value it found first
-        if name not in record:
-            record[name] = os.environ.get(name)
+    thread = threading.current_thread()
+    for block in list(_blocks):  # each open block that counts this thread's writes keeps the value found first
+        if block.writes(thread) and name not in block.found:
+            block.found[name] = os.environ.get(name)
 
 
 def _setitem(self: object, key: object, value: object) -> None:
@@ -49,26 +62,24 @@ def _delitem(self: object, key: object) -> None:
 
 @contextlib.contextmanager
 def own_writes_undone() -> Iterator[None]:
-    """Every variable this thread sets or removes through ``os.environ`` in the block has its value
-    from before (or none) again when the block ends, however it ends. Writes of other threads are
-    not recorded (nor those of threads this one starts), and a write made with ``os.putenv``
-    directly is not seen (``os.environ`` does not see it either)."""
-    record: dict[str, str | None] = {}
+    """Every variable set or removed through ``os.environ`` in the block, by this thread or by a
+    thread started meanwhile, has its value from before (or none) again when the block ends, however
+    it ends. Writes of the threads that were alive before (the program's) are not recorded; a write
+    made with ``os.putenv`` directly is not seen (``os.environ`` does not see it either)."""
+    owner = threading.current_thread()
+    block = _Block(owner, frozenset(thread for thread in threading.enumerate() if thread is not owner))
     with _lock:
-        if not _records:
+        if not _blocks:
             _ENVIRON.__setitem__, _ENVIRON.__delitem__ = _setitem, _delitem  # type: ignore[method-assign]
-        _records.setdefault(threading.get_ident(), []).append(record)
+        _blocks.append(block)
     try:
         yield
     finally:
         with _lock:
-            mine = _records[threading.get_ident()]
-            del mine[next(i for i, open_record in enumerate(mine) if open_record is record)]
-            if not mine:
-                del _records[threading.get_ident()]
-            if not _records:
+            del _blocks[next(i for i, open_block in enumerate(_blocks) if open_block is block)]
+            if not _blocks:
                 _ENVIRON.__setitem__, _ENVIRON.__delitem__ = _SET, _DELETE  # type: ignore[method-assign]
-        for name, value in record.items():  # outer blocks of this thread see these writes as theirs too
+        for name, value in block.found.items():  # an outer block of this thread sees these writes as its own too
             if value is None:
                 os.environ.pop(name, None)
             elif os.environ.get(name) != value:

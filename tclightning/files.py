@@ -504,7 +504,7 @@ def replace_file(path: Path, write: Callable[[IO[Any]], Any], *, binary: bool = 
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         _forget(lambda known: known == made)  # its inode number is free again
-        if isinstance(err, OSError) and err.filename is None:  # a write or fsync: the file it was for
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:  # a write's: name its file
             err.filename = str(named(path))
         raise
     if replaced is not None:  # the file replaced: its inode number is free, a file of someone else's may get it

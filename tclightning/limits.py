@@ -80,10 +80,8 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     period = [outer_interval]
     ends_fn = not callable(previous_handler) and previous_handler != signal.SIG_IGN
 
-    def next_alarm(now: float) -> None:
-        due = deadline if now < deadline else now + _ALARM_REPEAT_S
-        if theirs[0] is not None:
-            due = min(due, theirs[0])
+    def next_alarm(now: float) -> None:  # past the deadline: at once (then the interval repeats it)
+        due = deadline if theirs[0] is None else min(deadline, theirs[0])
         signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-6), _ALARM_REPEAT_S)
 
     def on_alarm(signum: int, frame: Any) -> None:

@@ -536,7 +536,8 @@ def test_a_file_the_run_replaced_or_gave_up_is_forgotten_where_no_generation_is_
     assert len(files._MADE_FILES) == 1  # the temporary file given up: its number forgotten too
 
 
-def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path) -> None:
+def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """``run(...)`` left the MLflow tracking URI, Lightning's seed variables, torch's thread count,
     the threads' exception hook, the random generators it seeds, Lightning's logger level and a
     warnings filter as the run set them (the program's next run logged elsewhere); and it put back
@@ -551,23 +552,36 @@ def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path)
 
     from tclightning.run import run
 
-    class ProgramThread(pl.Callback):  # another thread of the program, busy while the run trains
+    go, done = threading.Event(), threading.Event()
+
+    def program_thread() -> None:  # a thread of the program, busy while the run trains
+        if go.wait(300):
+            os.environ["TCL_TEST_MINE"] = "set"
+            os.environ.pop("TCL_TEST_GONE", None)
+        done.set()
+
+    class ProgramThread(pl.Callback):
         def on_train_batch_end(self, *args: Any) -> None:
-            worker = threading.Thread(target=lambda: (os.environ.__setitem__("TCL_TEST_MINE", "set"),
-                                                      os.environ.pop("TCL_TEST_GONE", None)))
-            worker.start()
-            worker.join()
+            go.set()
+            done.wait(60)
+            library = threading.Thread(target=lambda: os.environ.__setitem__("TCL_TEST_LIBRARY", "run's"))
+            library.start()  # a thread the run starts (a library's worker): its writes are the run's
+            library.join()
 
     pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # an earlier test's abandoned request may set it late
     lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     threads, level = torch.get_num_threads(), lightning_log.level
     torch.set_num_threads(2)  # the run sets 1 (trainer.num_threads)
     os.environ["TCL_TEST_GONE"] = "removed by the program"
     try:
         environment, hook, filters = dict(os.environ), threading.excepthook, list(warnings.filters)
+        program = threading.Thread(target=program_thread)
+        program.start()
         generators = torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist()
         run("tiny", [*FAST, "trainer.steps=1", "trainer.val_every=0", f"logging.root={tmp_path}",
                      "logging.loggers=[csv,mlflow]"], quiet=True, extra_callbacks=[ProgramThread()])
+        program.join(60)
         kept = {name: value for name, value in environment.items() if name != "TCL_TEST_GONE"}
         assert dict(os.environ) == {**kept, "TCL_TEST_MINE": "set"}  # the program's thread's changes, none of the run's
         assert torch.get_num_threads() == 2 and threading.excepthook is hook
@@ -577,13 +591,15 @@ def test_a_program_that_calls_run_keeps_its_own_process_settings(tmp_path: Path)
         assert [f for f in warnings.filters if f[1] is not None and "LeafSpec" in f[1].pattern] == \
             [f for f in filters if f[1] is not None and "LeafSpec" in f[1].pattern] == []
     finally:
+        go.set()
         torch.set_num_threads(threads)
         os.environ.pop("TCL_TEST_MINE", None)
 
 
 def test_the_environment_a_thread_changes_in_the_block_is_put_back_another_thread_s_stays() -> None:
     """:func:`own_writes_undone`: this thread's sets and removals undone (nested blocks each their own),
-    another thread's kept, and ``os.environ`` its own class again once no block is open."""
+    and a thread's it started meanwhile; a thread's that was alive before kept; and ``os.environ`` its
+    own class again once no block is open."""
     import threading
 
     from tclightning.environment import own_writes_undone
@@ -591,6 +607,9 @@ def test_the_environment_a_thread_changes_in_the_block_is_put_back_another_threa
     environ_type = type(os.environ)
     plain = environ_type.__setitem__
     os.environ["TCL_TEST_OLD"] = "old"
+    go = threading.Event()
+    program = threading.Thread(target=lambda: go.wait(60) and os.environ.update(TCL_TEST_OTHER="kept"))
+    program.start()
     try:
         with own_writes_undone():
             os.environ["TCL_TEST_NEW"] = "new"
@@ -599,10 +618,13 @@ def test_the_environment_a_thread_changes_in_the_block_is_put_back_another_threa
                 os.environ["TCL_TEST_OLD"] = "inner"
                 os.environb[b"TCL_TEST_BYTES"] = b"b"
             assert "TCL_TEST_OLD" not in os.environ and "TCL_TEST_BYTES" not in os.environ
-            other = threading.Thread(target=lambda: os.environ.update(TCL_TEST_OTHER="kept"))
-            other.start()
-            other.join()
+            go.set()
+            program.join(60)
+            worker = threading.Thread(target=lambda: os.environ.update(TCL_TEST_WORKER="undone"))
+            worker.start()
+            worker.join()
         assert os.environ["TCL_TEST_OLD"] == "old" and "TCL_TEST_NEW" not in os.environ
+        assert "TCL_TEST_WORKER" not in os.environ
         assert os.environ["TCL_TEST_OTHER"] == "kept" and environ_type.__setitem__ is plain
         with pytest.raises(RuntimeError), own_writes_undone():
             os.environ["TCL_TEST_NEW"] = "new"
