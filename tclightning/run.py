@@ -716,9 +716,10 @@ def run(
 @contextlib.contextmanager
 def _process_settings_kept() -> Any:
     """What the run changes of its process, put back however it ends, so that a program of yours
-    that calls :func:`run` keeps its own: the environment variables the run's thread set (an MLflow
-    tracking URI left set sent the program's next run's logs to another store; a variable another
-    thread of the program set meanwhile stays), torch's thread count, the threads' exception hook,
+    that calls :func:`run` keeps its own: the environment variables the run set, in its thread or in
+    threads started meanwhile (an MLflow tracking URI left set sent the program's next run's logs to
+    another store; what a thread the program had before the run set stays:
+    :func:`~tclightning.environment.own_writes_undone`), torch's thread count, the threads' exception hook,
     the random number generators the run seeds (Python's, NumPy's, torch's) and the console's
     quieting (:func:`quiet_lightning`)."""
     import threading
