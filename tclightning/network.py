@@ -7,6 +7,7 @@ done with one (:func:`remote_setup`); and a time limit on each request afterward
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import urllib.error
@@ -63,21 +64,38 @@ def _refused_path(what: str, value: str) -> TclightningError:
                             "which is no hash but names a path; nothing was written from its answer")
 
 
-def _refuse_path_commit(response: Any) -> None:
-    """huggingface_hub's response hook: a commit (``X-Repo-Commit``) that is not a plain token."""
+def _is_api_answer(response: Any) -> bool:
+    return response.request.url.path.startswith("/api/") and "json" in response.headers.get("content-type", "")
+
+
+def _refuse_path_commit(response: Any, body: bytes | None = None) -> None:
+    """huggingface_hub's response hook: a commit that is not a plain token, as ``X-Repo-Commit`` or
+    as the ``sha`` of a repository's info (``datasets`` and a model's download take it for the
+    revision, and ``refs/<revision>`` was written, over any file it named)."""
     commit = response.headers.get("X-Repo-Commit")
     if commit is not None and not _PLAIN_TOKEN.fullmatch(commit):
         raise _refused_path("commit", commit)
+    if body is None and _is_api_answer(response):
+        body = response.read()
+    if body:
+        try:
+            info = json.loads(body)
+        except ValueError:  # not JSON after all: the library says so
+            return
+        sha = info.get("sha") if isinstance(info, dict) else None
+        if isinstance(sha, str) and not _PLAIN_TOKEN.fullmatch(sha):
+            raise _refused_path("commit", sha)
 
 
 async def _refuse_path_commit_async(response: Any) -> None:
-    _refuse_path_commit(response)
+    _refuse_path_commit(response, await response.aread() if _is_api_answer(response) else None)
 
 
 def refuse_hub_paths() -> None:
-    """From now on in this process, huggingface_hub refuses a file's ETag or commit that is not a
-    plain token (letters, digits, ``-``, ``_``). It names each download ``blobs/<ETag>`` in the
-    cache and a file the hub says is missing ``.no_exist/<commit>/<name>``, unchecked: a hub answering
+    """From now on in this process, huggingface_hub refuses a file's ETag or a commit (a header's, a
+    repository info's ``sha``) that is not a plain token (letters, digits, ``-``, ``_``). It names
+    each download ``blobs/<ETag>`` in the cache, a file the hub says is missing
+    ``.no_exist/<commit>/<name>`` and a revision's record ``refs/<revision>``, unchecked: a hub answering
     one that is a path (``/home/you/.local/lib/.../x.pth``, ``../../x``) had its bytes (or an empty
     file) written there, code Python ran at its next start. The Hugging Face Hub's are hashes.
     Idempotent; it only adds the checks (your own client factory is kept, wrapped)."""

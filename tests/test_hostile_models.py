@@ -435,12 +435,14 @@ def test_no_answer_limits_the_whole_answer_not_each_read(dripping_server: str) -
     assert time.monotonic() - started < 5  # the limit is 0.5 s; the server drips for 20
 
 
-@pytest.mark.parametrize("answer", ["etag-absolute", "etag-up-and-out", "commit-of-a-missing-file"])
+@pytest.mark.parametrize("answer", ["etag-absolute", "etag-up-and-out", "commit-of-a-missing-file", "info-sha"])
 def test_a_hub_answer_that_names_a_path_writes_nothing_there(answer: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """huggingface_hub names a download ``blobs/<ETag>`` and a missing file's mark
-    ``.no_exist/<commit>/<name>``, unchecked: a hub answering an ETag or a commit that is a path had
-    a file written there (a ``.pth`` in your site folder ran at every later ``python``)."""
+    """huggingface_hub names a download ``blobs/<ETag>``, a missing file's mark
+    ``.no_exist/<commit>/<name>`` and the revision asked for (a repository info's ``sha``)
+    ``refs/<revision>``, unchecked: a hub answering an ETag or a commit that is a path had a file
+    written there (a ``.pth`` in your site folder ran at every later ``python``; a file of yours
+    overwritten with the commit)."""
     import hashlib
 
     from huggingface_hub.utils._http import close_session
@@ -451,8 +453,8 @@ def test_a_hub_answer_that_names_a_path_writes_nothing_there(answer: str, tmp_pa
     files = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"import os\n"}
     missing = "tokenizer.json"  # listed, then answered 404 with the commit a path
     commit = hashlib.sha1(b"commit").hexdigest()
-    named = {"etag-absolute": str(planted), "etag-up-and-out": "../../../../site-packages/zz_hub.pth",
-             "commit-of-a-missing-file": commit}[answer]
+    named = {"etag-absolute": str(planted), "etag-up-and-out": "../../../../site-packages/zz_hub.pth"}.get(answer)
+    sha = f"../../../../../../../../../../..{planted}" if answer == "info-sha" else commit
 
     class Hub(_NotFound):
         def do_GET(self) -> None:  # noqa: N802
@@ -460,11 +462,11 @@ def test_a_hub_answer_that_names_a_path_writes_nothing_there(answer: str, tmp_pa
             if path.startswith("/api/models/"):
                 listed = [{"rfilename": n, "size": len(b)} for n, b in files.items()]
                 listed += [{"rfilename": missing, "size": 10}] if answer == "commit-of-a-missing-file" else []
-                body = json.dumps({"id": "someone/tiny", "sha": commit, "siblings": listed}).encode()
+                body = json.dumps({"id": "someone/tiny", "sha": sha, "siblings": listed}).encode()
                 headers = {"Content-Type": "application/json"}
             elif "/resolve/" in path and (name := path.split("/resolve/", 1)[1].split("/", 1)[1]) in files:
                 body = files[name]
-                tag = named if name == "model.safetensors" else hashlib.sha1(body).hexdigest()
+                tag = named if name == "model.safetensors" and named else hashlib.sha1(body).hexdigest()
                 headers = {"X-Repo-Commit": commit, "ETag": f'"{tag}"'}
             elif path.endswith(f"/{missing}"):
                 self.send_response(404)

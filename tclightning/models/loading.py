@@ -511,6 +511,7 @@ def download_hub_model(name: str, trust_remote_code: bool = False) -> Path:
 
     what = f"model.name {name}"
     read_whole = READ_WHOLE_SUFFIXES + ((".py",) if trust_remote_code else ())
+    network.refuse_hub_paths()  # its info's sha is the revision asked for, recorded as refs/<revision>
     with _loader_errors(what, downloading=True):
         info = remote_setup(f"{what}: the Hugging Face Hub's list of its files",
                             lambda: HfApi().model_info(name, files_metadata=True))

@@ -418,6 +418,7 @@ class DataSource:
         if self.hf_name:
             import datasets
 
+            refuse_hub_paths()  # listing them reads the repository's info and card through huggingface_hub
             try:
                 return list(remote_setup(f"the Hugging Face dataset {self.hf_name}'s splits",
                                          lambda: datasets.get_dataset_split_names(self.hf_name, self.hf_config)))
