@@ -436,6 +436,28 @@ def test_a_parquet_file_that_expands_past_the_bounds_is_refused_as_it_is_read(
     assert len(read_rows(tmp_path / "many.parquet")) == 40
 
 
+def test_a_parquet_or_csv_file_read_here_only_in_part_is_one_line(tmp_path: Path) -> None:
+    """A .parquet date past Python's range was an OverflowError traceback; a .parquet column named
+    twice kept the second silently; a .csv header field past the csv module's limit let datasets
+    guess the columns' types (integer answers through float64 again)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tclightning.tasks.data import read_rows
+
+    pq.write_table(pa.table({"question": ["q"], "answer": pa.array([2**31 - 1], pa.int32()).cast(pa.date32())}),
+                   tmp_path / "date.parquet")
+    with pytest.raises(TclightningError, match="date.parquet: not a readable parquet file"):
+        read_rows(tmp_path / "date.parquet")
+    pq.write_table(pa.Table.from_arrays([pa.array(["q"]), pa.array(["#### 1"]), pa.array(["#### 2"])],
+                                        names=["question", "answer", "answer"]), tmp_path / "twice.parquet")
+    with pytest.raises(TclightningError, match="twice.parquet: the column 'answer' appears twice"):
+        read_rows(tmp_path / "twice.parquet")
+    (tmp_path / "long.csv").write_text(f"question,answer,{'x' * 200_000}\nq,9007199254740993,\n")
+    with pytest.raises(TclightningError, match="long.csv: its header is no CSV line read here"):
+        read_rows(tmp_path / "long.csv")
+
+
 def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
     """``"answer": 42`` (a JSON number, as many exports write it) was skipped as a row without an answer."""
     from tclightning.tasks import TaskConfig, build_task

@@ -222,7 +222,12 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     total = 0
     try:
-        for batch in pq.ParquetFile(handle).iter_batches(batch_size=1):
+        parquet = pq.ParquetFile(handle)
+        names = parquet.schema_arrow.names
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:  # a row keeps one of the two: which one is meant is a guess
+            raise TclightningError(f"task data {path}: the column {shown(twice)[:80]!r} appears twice")
+        for batch in parquet.iter_batches(batch_size=1):
             size = batch.nbytes
             if size > ROW_MAX_BYTES:
                 raise TclightningError(f"task data {path}: row {len(rows) + 1} holds {size} bytes decoded, more than "
@@ -232,7 +237,8 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
                 raise TclightningError(f"task data {path}: its rows hold more than {TASK_FILE_MAX_BYTES} bytes "
                                        "decoded, more than a task's data may")
             rows.extend(batch.to_pylist())
-    except (pa.ArrowException, OSError, ValueError) as err:  # not parquet, cut short, a codec it lacks
+    except (pa.ArrowException, OSError, ValueError, OverflowError) as err:  # not parquet, cut short, a
+        # codec it lacks, a date past Python's range
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise TclightningError(f"task data {path}: not a readable parquet file ({shown(reason)[:120]})") from None
     return rows
@@ -250,8 +256,10 @@ def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
     try:
         with open(path, encoding="utf-8-sig", newline="") as handle:
             header = next(csv.reader(handle), None)
-    except (OSError, UnicodeDecodeError, csv.Error):
+    except (OSError, UnicodeDecodeError):  # datasets' own line says what it is
         return None
+    except csv.Error as err:  # a header field past the csv module's limit: its columns would be guessed
+        raise TclightningError(f"task data {named}: its header is no CSV line read here ({err})") from None
     if not header:
         return None
     twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
