@@ -630,6 +630,30 @@ def test_the_environment_a_thread_changes_in_the_block_is_put_back_another_threa
             os.environ["TCL_TEST_NEW"] = "new"
             raise RuntimeError("the run failed")
         assert "TCL_TEST_NEW" not in os.environ
+        # a name the block wrote and the program's thread wrote after it: the program's value stays
+        go.clear()
+        program = threading.Thread(target=lambda: go.wait(60) and os.environ.update(TCL_TEST_NEW="program's"))
+        program.start()
+        with own_writes_undone():
+            os.environ["TCL_TEST_NEW"] = "run's"
+            go.set()
+            program.join(60)
+        assert os.environ["TCL_TEST_NEW"] == "program's"
+        # a hook of the program's on os.environ, put there between two blocks: it runs in a block and stays
+        seen: list[object] = []
+
+        def hook(self: object, key: object, value: object) -> None:
+            seen.append(key)
+            plain(self, key, value)
+
+        environ_type.__setitem__ = hook  # type: ignore[method-assign]
+        try:
+            with own_writes_undone():
+                os.environ["TCL_TEST_NEW"] = "again"
+            assert environ_type.__setitem__ is hook and seen == ["TCL_TEST_NEW"] * 2  # the write and its undoing
+            assert os.environ["TCL_TEST_NEW"] == "program's"
+        finally:
+            environ_type.__setitem__ = plain  # type: ignore[method-assign]
     finally:
         for name in ("TCL_TEST_OLD", "TCL_TEST_OTHER", "TCL_TEST_NEW"):
             os.environ.pop(name, None)
