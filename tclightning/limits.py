@@ -80,15 +80,22 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     period = [outer_interval]
     ends_fn = not callable(previous_handler) and previous_handler != signal.SIG_IGN
 
-    def next_alarm(now: float) -> None:  # past the deadline: at once (then the interval repeats it)
-        due = deadline if theirs[0] is None else min(deadline, theirs[0])
+    def next_alarm(now: float, after_timeout: bool = False) -> None:
+        """Arm the timer for the next moment: the deadline (at once when past it), theirs if sooner;
+        once the timeout is raised, its repeat (a timeout dropped by a bare ``except:``)."""
+        due = now + _ALARM_REPEAT_S if after_timeout else deadline
+        if theirs[0] is not None:
+            due = min(due, theirs[0])
         signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-6), _ALARM_REPEAT_S)
 
     def on_alarm(signum: int, frame: Any) -> None:
         if not armed[0] or in_unraisable_context(frame):
             return  # the interval's repeat comes back
         now = time.monotonic()
-        if theirs[0] is not None and now >= theirs[0] and not ends_fn:
+        if theirs[0] is not None and now >= theirs[0]:  # their moment: their handler runs, as it would have
+            if ends_fn:
+                next_alarm(now, after_timeout=True)
+                raise ours
             signal.setitimer(signal.ITIMER_REAL, 0)  # what their handler arms is theirs
             theirs[0] = None
             try:
@@ -101,10 +108,8 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
                     theirs[0], period[0] = now + delay, interval
                 elif period[0] > 0:
                     theirs[0] = now + period[0]
-                if armed[0]:
-                    next_alarm(now)
-            return
-        if now >= deadline or (theirs[0] is not None and now >= theirs[0]):
+        if now >= deadline:  # checked at every alarm, theirs too: a timer of theirs faster than ours
+            next_alarm(now, after_timeout=True)
             raise ours
         next_alarm(now)
 

@@ -319,6 +319,28 @@ def test_a_program_s_own_repeating_timer_keeps_its_ticks_and_ends_nothing() -> N
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() -> None:
+    """A 50 Hz heartbeat of the program's: once its moments came with every alarm, the limit's own
+    was never checked, and the work ran on past it (C-level chunks, the alarm handled late)."""
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+        start = time.monotonic()
+
+        def chunks() -> str:
+            while time.monotonic() - start < 20:
+                sum(range(3 * 10**6))  # one C-level call of tens of milliseconds
+            return "ran on"
+
+        with pytest.raises(TimeoutError):
+            run_with_alarm(chunks, 0.5)
+        assert time.monotonic() - start < 5.0
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.02)  # its heartbeat goes on
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
     """A program's own limit (its handler raises) and an enclosing :func:`run_with_alarm` shorter than
     ours end the work at their moment, with their exception."""
