@@ -186,6 +186,12 @@ def test_a_recipe_is_listed_under_the_name_that_selects_it(tmp_path: Path, monke
     assert [line.split()[0] for line in out.splitlines() if line.strip()].count("tiny") == 1
     code, out, _ = _main(capsys, "recipes", "show", "mytiny")
     assert code == 0 and "steps: 7" in out
+    # names are matched whatever their case: a file Tiny.yaml of yours is what `tiny` selects now
+    (tmp_path / "mytiny.yaml").unlink()
+    (tmp_path / "Tiny.yaml").write_text("name: Tiny\ndescription: mine\ntrainer: {steps: 7}\n")
+    code, out, _ = _main(capsys, "recipes", "list")
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    assert code == 0 and "Tiny" in names and "tiny" not in names and str(REPO / "recipes" / "tiny.yaml") in names
 
 
 # ------------------------------------------------------------------ bounded reading: nothing hangs

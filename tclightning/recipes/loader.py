@@ -88,12 +88,22 @@ def list_recipes() -> list[RecipeInfo]:
             description = str(data.get("description", "")) if isinstance(data, dict) else ""
             seen[path.name] = RecipeInfo(shown(name), path, shown(" ".join(description.split())))
     infos = sorted(seen.values(), key=lambda r: r.name.lower())
-    stems = {info.path.stem.lower(): info.path for info in infos}
-    for i, info in enumerate(infos):  # listed under the name that selects it (a file's name is matched first)
-        if stems.get(info.name.lower(), info.path) != info.path:
-            infos[i] = RecipeInfo(shown(info.path.stem), info.path,
+    for i, info in enumerate(infos):  # listed under a name that selects it (a file's name is matched first)
+        if _selected(infos, info.name) != info.path:
+            listed = info.path.stem if _selected(infos, info.path.stem) == info.path else str(info.path)
+            infos[i] = RecipeInfo(shown(listed), info.path,
                                   f"{info.description} (its name: {info.name} selects another recipe)".strip())
     return sorted(infos, key=lambda r: r.name.lower())
+
+
+def _selected(recipes: Sequence[RecipeInfo], ref: str) -> Path | None:
+    """The recipe ``--recipe ref`` selects among ``recipes`` (in :func:`list_recipes`' order): a
+    file's name first, on the whole search path, then a recipe's ``name:``; case is ignored."""
+    for key in (lambda info: info.path.stem, lambda info: info.name):
+        found = next((info.path for info in recipes if key(info).lower() == ref.lower()), None)
+        if found is not None:
+            return found
+    return None
 
 
 def _names_a_path(ref: str) -> bool:
@@ -114,11 +124,9 @@ def find_recipe(ref: str, relative_to: Path | None = None) -> Path:
         hint = _installed_recipe_hint(as_path.stem, in_file=relative_to is not None)
         raise RecipeError(f"no such recipe file: {ref}{hint}", file=str(relative_to) if relative_to else None)
     recipes = list_recipes()
-    # a file's name first, on the whole search path: another file's `name:` never stands in for it
-    for key in (lambda info: info.path.stem, lambda info: info.name):
-        found = next((info.path for info in recipes if key(info).lower() == ref.lower()), None)
-        if found is not None:
-            return found
+    found = _selected(recipes, ref)  # a file's name first: another file's `name:` never stands in for it
+    if found is not None:
+        return found
     names = [r.name for r in recipes]
     close = difflib.get_close_matches(ref, names, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
