@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import stat
 import tempfile
 from glob import escape as glob_escape
 from collections.abc import Mapping
@@ -253,25 +254,10 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
     if target.is_dir() and any(target.iterdir()):
         if not overwrite:
             raise TclightningError(f"export: {target} is not empty (choose a new folder, or --overwrite to replace it)")
-        if not (target / PROVENANCE_FILE).is_file():  # a run, its tb/, another run: never replaced
-            raise TclightningError(f"export: {target} is not an export (no {PROVENANCE_FILE}); --overwrite replaces only "
-                                   "an earlier export, so nothing was touched: choose a new folder")
-        foreign = next((p for p in target.iterdir() if p.is_dir()), None)
-        if foreign is not None:  # an export is flat files: a folder in it (a run?) is someone's
-            raise TclightningError(f"export: {target} holds {foreign.name}/, which no export writes (a run?); "
-                                   "--overwrite replaces only an earlier export's own files, so nothing was touched")
-        own = export_files(target)
-        if not own:
-            raise TclightningError(f"export: {target}/{PROVENANCE_FILE} lists no files the export wrote, so which "
-                                   "are yours cannot be told; nothing was touched: remove the folder yourself, or "
-                                   "choose a new one")
-        # an export killed around its swap may leave its own marker in the folder: its own too
-        added = sorted(p.name for p in target.iterdir() if p.name not in own | {REPLACED_MARKER, STAGING_MARKER})
-        if added:  # a model card, notes: the user's, and an export never deletes what it did not write
-            raise TclightningError(f"export: {target} holds {added[0]}"
-                                   f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}, which the earlier "
-                                   "export did not write; --overwrite replaces only an export's own files, so "
-                                   "nothing was touched: move it out first, or choose a new folder")
+        _require_only_an_export(target, target)
+    # the folder as checked: the one swapped out later must be it (one renamed to its name while the
+    # checkpoint loaded was swapped away to a hidden name, without a word)
+    checked = _folder_identity(target)
     require_writable(next(p for p in target.absolute().parents if p.is_dir()), "export", TclightningError)
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
@@ -301,15 +287,17 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         raise TclightningError(f"export: its folder {staging} was replaced as soon as made ({err.strerror or err}); "
                                f"nothing was written to {target}") from None
     with held as new:
-        _write_staged_export(new, staging, target, model, tokenizer, checkpoint, found, overwrite, adapter_only)
+        _write_staged_export(new, staging, target, model, tokenizer, checkpoint, found, overwrite, adapter_only,
+                             checked)
     return target
 
 
 def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: Any, tokenizer: Any,
                          checkpoint: Mapping[str, Any], found: ExportSource, overwrite: bool,
-                         adapter_only: bool) -> None:
+                         adapter_only: bool, checked: tuple[int, int] | None) -> None:
     """Write the export into the staging folder ``new`` (made at ``staging``) and move it into place
-    at ``target``: see :func:`export_policy`."""
+    at ``target`` (where ``checked`` is the folder found there and checked, if any): see
+    :func:`export_policy`."""
     from tclightning.models.lora import save_adapter
 
     umask = current_umask()
@@ -338,16 +326,21 @@ def _write_staged_export(new: HeldFolder, staging: Path, target: Path, model: An
         if overwrite and target.exists():
             # swap in one step, then delete the old export: a kill in between leaves the new export
             # in place and the old one under the staging name, marked for the next export to remove
-            replaced = target / REPLACED_MARKER
-            with contextlib.suppress(FileNotFoundError):  # one a killed export left (or a link, a FIFO of that
-                replaced.unlink()                          # name): replaced, never written through or waited on
-            with own_file(replaced, "x") as marker:
-                marker.write(f"{os.getpid()}\n")
             try:
                 old = HeldFolder(target)
             except OSError as err:
                 raise TclightningError(f"export: {target} was replaced meanwhile ({err.strerror or err}); nothing "
                                        "was replaced") from None
+            if old.identity != checked:  # (held: closed below with the rest)
+                raise TclightningError(f"export: {target} was replaced while the export was made (another folder is "
+                                       "at its name now); nothing was replaced or written there")
+            if any(os.listdir(old.fd)):  # checked again, as held: a file of yours added while the export was made
+                _require_only_an_export(old.path, target)
+            replaced = target / REPLACED_MARKER
+            with contextlib.suppress(FileNotFoundError):  # one a killed export left (or a link, a FIFO of that
+                replaced.unlink()                          # name): replaced, never written through or waited on
+            with own_file(replaced, "x") as marker:
+                marker.write(f"{os.getpid()}\n")
             try:
                 exchange(staging, target)
                 if not new.is_at(target):  # someone's folder was renamed to the staging name as it swapped
@@ -421,6 +414,41 @@ writer's pid): under the staging name, it is the old export, for the next export
 
 def _staging_prefix(target: Path, pid: int) -> str:
     return f".{target.name}.export-{pid}-"
+
+
+def _require_only_an_export(folder: Path, target: Path) -> None:
+    """Refuse (one line naming ``target``, nothing touched) to replace the folder at ``folder`` (the
+    target, or the target held open) unless it holds an earlier export's own files alone: those its
+    :data:`PROVENANCE_FILE` lists (a run, its ``tb/``, another run, a model card you added: never
+    replaced)."""
+    if not (folder / PROVENANCE_FILE).is_file():  # a run, its tb/, another run: never replaced
+        raise TclightningError(f"export: {target} is not an export (no {PROVENANCE_FILE}); --overwrite replaces only "
+                               "an earlier export, so nothing was touched: choose a new folder")
+    foreign = next((p for p in folder.iterdir() if p.is_dir()), None)
+    if foreign is not None:  # an export is flat files: a folder in it (a run?) is someone's
+        raise TclightningError(f"export: {target} holds {foreign.name}/, which no export writes (a run?); "
+                               "--overwrite replaces only an earlier export's own files, so nothing was touched")
+    own = export_files(folder)
+    if not own:
+        raise TclightningError(f"export: {target}/{PROVENANCE_FILE} lists no files the export wrote, so which "
+                               "are yours cannot be told; nothing was touched: remove the folder yourself, or "
+                               "choose a new one")
+    # an export killed around its swap may leave its own marker in the folder: its own too
+    added = sorted(p.name for p in folder.iterdir() if p.name not in own | {REPLACED_MARKER, STAGING_MARKER})
+    if added:  # a model card, notes: the user's, and an export never deletes what it did not write
+        raise TclightningError(f"export: {target} holds {added[0]}"
+                               f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}, which the earlier "
+                               "export did not write; --overwrite replaces only an export's own files, so "
+                               "nothing was touched: move it out first, or choose a new folder")
+
+
+def _folder_identity(path: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the folder at ``path`` (never through a link), or None."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
 
 
 def clear_abandoned_staging(target: Path) -> None:

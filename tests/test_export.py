@@ -271,6 +271,43 @@ def test_export_refuses_to_overwrite_its_own_source(run_dir: Path, inside: str) 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
 
+
+def test_a_folder_renamed_to_out_while_the_export_is_made_is_never_swapped_away(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``export --overwrite OUT``: the earlier export moved aside and a folder of yours renamed to OUT
+    while the checkpoint loaded was swapped away to a hidden name, without a word (exit 0)."""
+    import tclightning.callbacks.checkpointing as checkpointing
+
+    out = tmp_path / "policy"
+    export_policy(run_dir, out, step=1)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    loading = checkpointing.load_checkpoint
+
+    def renamed_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if user.exists():  # once, as the checkpoint loads
+            out.rename(tmp_path / "earlier-export")
+            user.rename(out)
+        return loading(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "load_checkpoint", renamed_meanwhile)
+    with pytest.raises(TclightningError, match="was replaced while the export was made .* nothing was replaced"):
+        export_policy(run_dir, out, step=2, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert not list(tmp_path.glob(".policy.export-*"))  # nothing of the new export left beside it
+    # a model card of yours added to the earlier export while the new one was made: checked again, kept
+    (tmp_path / "earlier-export").rename(mine := tmp_path / "mine")
+
+    def card_added_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        (mine / "README.md").write_text("my card")
+        return loading(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "load_checkpoint", card_added_meanwhile)
+    with pytest.raises(TclightningError, match="holds README.md, which the earlier export did not write"):
+        export_policy(run_dir, mine, step=2, overwrite=True)
+    assert (mine / "README.md").read_text() == "my card" and (mine / "tclightning_export.json").is_file()
+
 @pytest.mark.parametrize("then", ["write-fails", "write-succeeds", "overwrite", "swapped-before-it-is-held"])
 def test_a_link_put_in_place_of_the_staging_folder_is_never_written_or_removed_through(
         then: str, run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
