@@ -458,6 +458,21 @@ def test_a_parquet_or_csv_file_read_here_only_in_part_is_one_line(tmp_path: Path
         read_rows(tmp_path / "long.csv")
 
 
+def test_a_task_file_of_more_columns_than_read_is_one_line(tmp_path: Path) -> None:
+    """A 2 MB .csv of 160,000 columns held the reader for many minutes (a task reads a few)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tclightning.tasks.data import MAX_COLUMNS, read_rows
+
+    names = ["question", "answer", *(f"c{i}" for i in range(MAX_COLUMNS))]
+    (tmp_path / "wide.csv").write_text(",".join(names) + "\n" + ",".join(["q", "#### 1"] + ["x"] * MAX_COLUMNS) + "\n")
+    pq.write_table(pa.table({name: ["x"] for name in names}), tmp_path / "wide.parquet")
+    for wide in ("wide.csv", "wide.parquet"):
+        with pytest.raises(TclightningError, match=f"{wide}: {MAX_COLUMNS + 2} columns, more than the {MAX_COLUMNS}"):
+            read_rows(tmp_path / wide)
+
+
 def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
     """``"answer": 42`` (a JSON number, as many exports write it) was skipped as a row without an answer."""
     from tclightning.tasks import TaskConfig, build_task

@@ -177,6 +177,10 @@ TASK_FILE_MAX_BYTES = 4 * 2**30
 ROW_MAX_BYTES = 16 * 2**20
 """The longest ``.jsonl`` row read: a file without line breaks is refused, not read whole."""
 
+MAX_COLUMNS = 1024
+"""The most columns a ``.csv`` or ``.parquet`` task file may have (a task reads a few): 160,000 of
+them in a 2 MB file held the reader for many minutes."""
+
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
     """All rows of one local file (.jsonl, .json, .parquet, .csv); a FIFO, a device, a file over
@@ -224,6 +228,8 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
     try:
         parquet = pq.ParquetFile(handle)
         names = parquet.schema_arrow.names
+        if len(names) > MAX_COLUMNS:
+            raise TclightningError(f"task data {path}: {len(names)} columns, more than the {MAX_COLUMNS} read here")
         twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
         if twice is not None:  # a row keeps one of the two: which one is meant is a guess
             raise TclightningError(f"task data {path}: the column {shown(twice)[:80]!r} appears twice")
@@ -262,6 +268,8 @@ def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
         raise TclightningError(f"task data {named}: its header is no CSV line read here ({err})") from None
     if not header:
         return None
+    if len(header) > MAX_COLUMNS:
+        raise TclightningError(f"task data {named}: {len(header)} columns, more than the {MAX_COLUMNS} read here")
     twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
     if twice is not None:  # which of the two is meant is a guess, as for a .jsonl row's field given twice
         raise TclightningError(f"task data {named}: the column {shown(twice)[:80]!r} appears twice in its header")
