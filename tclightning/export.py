@@ -18,7 +18,6 @@ import errno
 import json
 import os
 import re
-import stat
 import tempfile
 from glob import escape as glob_escape
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.errors import StorageError, TclightningError
-from tclightning.files import (HeldFolder, current_umask, exchange, in_the_way, open_regular, own_file,
+from tclightning.files import (HeldFolder, current_umask, entry_identity, exchange, in_the_way, open_regular, own_file,
                               refused_by_storage, require_writable, storage_reason)
 
 POLICY_PREFIX = "policy."
@@ -257,7 +256,7 @@ def export_policy(path: str | os.PathLike, out: str | os.PathLike, step: int | N
         _require_only_an_export(target, target)
     # the folder as checked: the one swapped out later must be it (one renamed to its name while the
     # checkpoint loaded was swapped away to a hidden name, without a word)
-    checked = _folder_identity(target)
+    checked = entry_identity(target, folder=True)
     require_writable(next(p for p in target.absolute().parents if p.is_dir()), "export", TclightningError)
     found = find_checkpoint(path, step)
     source = found.checkpoint.resolve()
@@ -440,15 +439,6 @@ def _require_only_an_export(folder: Path, target: Path) -> None:
                                f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}, which the earlier "
                                "export did not write; --overwrite replaces only an export's own files, so "
                                "nothing was touched: move it out first, or choose a new folder")
-
-
-def _folder_identity(path: Path) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of the folder at ``path`` (never through a link), or None."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
 
 
 def clear_abandoned_staging(target: Path) -> None:

@@ -345,6 +345,17 @@ def by_descriptor(fd: int, folder: Path) -> Path:
     return Path(f"/proc/self/fd/{fd}") if Path("/proc/self/fd").is_dir() else Path(folder)
 
 
+def entry_identity(path: str | os.PathLike, *, folder: bool = False) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of the regular file (or the ``folder``) at ``path``, never through a
+    link; None when there is none: what a later look compares to tell it is still the same one."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    kind = stat.S_ISDIR if folder else stat.S_ISREG
+    return (info.st_dev, info.st_ino) if kind(info.st_mode) else None
+
+
 def named(path: Path) -> Path:
     """``path`` by its folder's name where it leads through a descriptor (:func:`by_descriptor`): what
     a message shows (``/proc/self/fd/5/point.pt`` told the user nothing)."""

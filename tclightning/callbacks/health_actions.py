@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,7 +54,7 @@ from tclightning.callbacks.checkpointing import load_checkpoint
 from tclightning.callbacks.steps import rl_step
 from tclightning.console import shown as printable
 from tclightning.errors import TclightningError
-from tclightning.files import unused_name
+from tclightning.files import entry_identity, unused_name
 from tclightning.health.detector import HealthDetector, HealthEvent, Verdict
 from tclightning.health.names import (
     MetricNames,
@@ -421,14 +420,14 @@ class HealthMonitor(Callback):
         checkpoint's state names, one put at the name."""
         path = None
         if trainer.is_global_zero:  # one name for every rank: rank 0's
-            if self._written is not None and _file_identity(self._written[0]) == self._written[1]:
+            if self._written is not None and entry_identity(self._written[0]) == self._written[1]:
                 path = self._written[0]
             else:
                 path = str(_claim_free_name(Path(self._checkpoint_path(trainer)).absolute()))
         path = trainer.strategy.broadcast(path, src=0)
         self.last_healthy_path, self.last_healthy_step = path, step
         trainer.save_checkpoint(path, weights_only=False)
-        self._written = (path, _file_identity(path))
+        self._written = (path, entry_identity(path))
 
     def _stop(self, trainer: pl.Trainer, verdict: Verdict, step: int, why: str) -> None:
         if not trainer.should_stop:
@@ -498,11 +497,3 @@ def _claim_free_name(path: Path) -> Path:
             continue
         return free
 
-
-def _file_identity(path: str) -> tuple[int, int] | None:
-    """``(st_dev, st_ino)`` of the regular file at ``path`` (never through a link), or None."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return (info.st_dev, info.st_ino) if stat.S_ISREG(info.st_mode) else None
