@@ -94,7 +94,7 @@ async def _refuse_path_commit_async(response: Any) -> None:
 def refuse_hub_paths() -> None:
     """From now on in this process, huggingface_hub refuses a file's ETag or a commit (a header's, a
     repository info's ``sha``) that is not a plain token (letters, digits, ``-``, ``_``). It names
-    each download ``blobs/<ETag>`` in the cache, a file the hub says is missing
+    each download ``blobs/<ETag>`` in the cache, a file the Hugging Face Hub says is missing
     ``.no_exist/<commit>/<name>`` and a revision's record ``refs/<revision>``, unchecked: a hub answering
     one that is a path (``/home/you/.local/lib/.../x.pth``, ``../../x``) had its bytes (or an empty
     file) written there, code Python ran at its next start. The Hugging Face Hub's are hashes.
