@@ -72,13 +72,15 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     """
     armed = [True]  # cleared before disarming, so a late repeat raises nothing
     ours = _Timeout()
-    previous_handler = signal.getsignal(signal.SIGALRM)
+    handler = [signal.getsignal(signal.SIGALRM)]  # theirs: the one found, or the one their handler put in its place
     outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
     started = time.monotonic()
     deadline = started + timeout_s
     theirs = [started + outer_delay if outer_delay > 0 else None]  # the outer timer's next moment
     period = [outer_interval]
-    ends_fn = not callable(previous_handler) and previous_handler != signal.SIG_IGN
+
+    def ends_fn() -> bool:  # their action is the default (ending the process), or set outside Python
+        return not callable(handler[0]) and handler[0] != signal.SIG_IGN
 
     def next_alarm(now: float, after_timeout: bool = False) -> None:
         """Arm the timer for the next moment: the deadline (at once when past it), theirs if sooner;
@@ -93,15 +95,19 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
             return  # the interval's repeat comes back
         now = time.monotonic()
         if theirs[0] is not None and now >= theirs[0]:  # their moment: their handler runs, as it would have
-            if ends_fn:
+            if ends_fn():
                 next_alarm(now, after_timeout=True)
                 raise ours
             signal.setitimer(signal.ITIMER_REAL, 0)  # what their handler arms is theirs
             theirs[0] = None
             try:
-                if callable(previous_handler):
-                    previous_handler(signum, frame)  # may raise: an enclosing limit ends fn here
+                if callable(handler[0]):
+                    handler[0](signum, frame)  # may raise: an enclosing limit ends fn here
             finally:
+                installed = signal.getsignal(signal.SIGALRM)
+                if installed is not on_alarm:  # their handler put itself (or another) back in: theirs from now
+                    handler[0] = installed
+                    signal.signal(signal.SIGALRM, on_alarm)
                 delay, interval = signal.getitimer(signal.ITIMER_REAL)
                 now = time.monotonic()
                 if delay > 0:
@@ -131,8 +137,8 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     finally:
         armed[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
-        if previous_handler is not None:  # None: set outside Python, cannot be restored
-            signal.signal(signal.SIGALRM, previous_handler)
+        if handler[0] is not None:  # None: set outside Python, cannot be restored
+            signal.signal(signal.SIGALRM, handler[0])
         if theirs[0] is not None:
             left = theirs[0] - time.monotonic()
             signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), period[0])

@@ -341,6 +341,34 @@ def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() ->
         signal.signal(signal.SIGALRM, previous)
 
 
+def test_a_program_s_handler_that_puts_a_handler_back_never_holds_off_the_limit() -> None:
+    """A heartbeat handler that installs itself again (``signal.signal`` in the handler, the System V
+    way), or another handler of the program's: the limit's own handler was no longer called, and the
+    work ran on; and the handler the program switched to was undone afterwards."""
+    ticks: list[str] = []
+
+    def slow_mode(signum: int, frame: object) -> None:
+        ticks.append("slow")
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+
+    def heartbeat(signum: int, frame: object) -> None:
+        ticks.append("beat")
+        signal.signal(signal.SIGALRM, slow_mode if len(ticks) > 3 else heartbeat)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+
+    previous = signal.signal(signal.SIGALRM, heartbeat)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            run_with_alarm(lambda: _busy(20.0), 1.0)
+        assert time.monotonic() - start < 5.0
+        assert "beat" in ticks and "slow" in ticks and signal.getsignal(signal.SIGALRM) is slow_mode
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
     """A program's own limit (its handler raises) and an enclosing :func:`run_with_alarm` shorter than
     ours end the work at their moment, with their exception."""
