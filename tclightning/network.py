@@ -65,7 +65,10 @@ def _refused_path(what: str, value: str) -> TclightningError:
 
 
 def _is_api_answer(response: Any) -> bool:
-    return response.request.url.path.startswith("/api/") and "json" in response.headers.get("content-type", "")
+    """An answer of the hub's API (under a mirror's path too), whatever its content type says, of a
+    size told and small (a file's download is never read here)."""
+    path, length = response.request.url.path, response.headers.get("content-length", "")
+    return "/api/" in path and "/resolve/" not in path and length.isdigit() and int(length) <= 2**24
 
 
 def _refuse_path_commit(response: Any, body: bytes | None = None) -> None:
@@ -77,7 +80,7 @@ def _refuse_path_commit(response: Any, body: bytes | None = None) -> None:
         raise _refused_path("commit", commit)
     if body is None and _is_api_answer(response):
         body = response.read()
-    if body:
+    if body and body.lstrip()[:1] == b"{":
         try:
             info = json.loads(body)
         except ValueError:  # not JSON after all: the library says so
@@ -119,8 +122,23 @@ def refuse_hub_paths() -> None:
             return client
         return made
 
+    record_ref = file_download._cache_commit_hash_for_specific_revision
+
+    def ref_within(storage_folder: str, revision: str, commit_hash: str) -> None:
+        # where it is written, whatever answer it came from: a revision that leaves refs/ is refused
+        refs = os.path.abspath(os.path.join(storage_folder, "refs"))
+        where = os.path.abspath(os.path.join(refs, revision))
+        if where == refs or os.path.commonpath([refs, where]) != refs:
+            raise _refused_path("commit", revision)
+        record_ref(storage_folder, revision, commit_hash)
+
     checked.refuses_paths = True  # type: ignore[attr-defined]
     file_download._normalize_etag = checked
+    file_download._cache_commit_hash_for_specific_revision = ref_within
+    with contextlib.suppress(ImportError, AttributeError):  # its own name for it, bound at its import
+        from huggingface_hub import _snapshot_download
+
+        _snapshot_download._cache_commit_hash_for_specific_revision = ref_within
     _http.set_client_factory(with_hook(_http._GLOBAL_CLIENT_FACTORY, _refuse_path_commit))  # the next session
     _http.set_async_client_factory(with_hook(_http._GLOBAL_ASYNC_CLIENT_FACTORY, _refuse_path_commit_async))
 

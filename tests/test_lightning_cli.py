@@ -658,3 +658,13 @@ def test_lightning_fit_on_several_nodes_started_by_hand_is_one_line(tmp_path, mo
                                "--trainer.strategy=ddp"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --trainer.num_nodes=2: start it on every node with a launcher"), err
+
+
+def test_a_fit_failure_that_is_not_the_input_s_is_shown_as_it_is_and_a_remote_one_in_one_line() -> None:
+    """``_fit_failure`` named ``remote_failure`` without importing it: any failure of another kind (a
+    remote store that stopped answering mid-fit included) ended in a NameError traceback."""
+    from tclightning.cli.lightning import _fit_failure
+
+    assert _fit_failure(ZeroDivisionError("a bug")) is None  # a bug: shown in full, as it is
+    stalled = _fit_failure(TimeoutError("timed out"))
+    assert stalled is not None and str(stalled).startswith("a remote store or server stopped answering")

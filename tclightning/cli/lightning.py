@@ -254,6 +254,8 @@ def _fit_failure(err: Exception) -> TclightningError | None:
         if unknown is not None:  # a folder fsspec reads as a URL of a protocol it does not know
             return TclightningError(f"a folder of the configuration names the storage protocol "
                                     f"'{unknown.group(1)[:80]}', which fsspec does not know (nothing was trained)")
+    from tclightning.network import remote_failure
+
     reason = remote_failure(err)
     return None if reason is None else TclightningError(reason)
 
