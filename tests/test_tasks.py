@@ -468,7 +468,8 @@ def test_a_task_file_of_more_columns_than_read_is_one_line(tmp_path: Path) -> No
     names = ["question", "answer", *(f"c{i}" for i in range(MAX_COLUMNS))]
     (tmp_path / "wide.csv").write_text(",".join(names) + "\n" + ",".join(["q", "#### 1"] + ["x"] * MAX_COLUMNS) + "\n")
     pq.write_table(pa.table({name: ["x"] for name in names}), tmp_path / "wide.parquet")
-    for wide in ("wide.csv", "wide.parquet"):
+    (tmp_path / "blank-first.csv").write_text("\n\r\n" + (tmp_path / "wide.csv").read_text())  # header: its first row
+    for wide in ("wide.csv", "wide.parquet", "blank-first.csv"):
         with pytest.raises(TclightningError, match=f"{wide}: {MAX_COLUMNS + 2} columns, more than the {MAX_COLUMNS}"):
             read_rows(tmp_path / wide)
 

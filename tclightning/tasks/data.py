@@ -260,8 +260,8 @@ def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
     import datasets
 
     try:
-        with open(path, encoding="utf-8-sig", newline="") as handle:
-            header = next(csv.reader(handle), None)
+        with open(path, encoding="utf-8-sig", newline="") as handle:  # pandas skips blank lines before it
+            header = next((row for row in csv.reader(handle) if row), None)
     except (OSError, UnicodeDecodeError):  # datasets' own line says what it is
         return None
     except csv.Error as err:  # a header field past the csv module's limit: its columns would be guessed
