@@ -65,8 +65,8 @@ def _refused_path(what: str, value: str) -> TclightningError:
 
 
 def _is_api_answer(response: Any) -> bool:
-    """An answer of the hub's API (under a mirror's path too), whatever its content type says, of a
-    size told and small (a file's download is never read here)."""
+    """An answer of the Hugging Face Hub's API (under a mirror's path too), whatever its content type
+    says, of a size told and small (a file's download is never read here)."""
     path, length = response.request.url.path, response.headers.get("content-length", "")
     return "/api/" in path and "/resolve/" not in path and length.isdigit() and int(length) <= 2**24
 
