@@ -642,6 +642,16 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
 
 
+@pytest.mark.parametrize("boxed", [r"\geq 5", r"\ge 5", r"\ne 5", r"\neq 5", r"\leq 5", r"\le5", r"< 5", r">5",
+                                   "\u2260 5", "\u2265 5", "!= 5", r"\not= 5", r"\gt 5", r"\lt 5"])
+def test_the_math_reward_refuses_a_relation_with_nothing_on_its_left(boxed: str) -> None:
+    """math-verify read a bound or an exclusion with no left side as its number: \\boxed{\\geq 5}
+    and \\boxed{\\ne 5} scored 1.0 against 5. The same answer with its left side was already 0.0."""
+    assert verify_math(f"\\boxed{{{boxed}}}", "5") == 0.0
+    assert verify_math(f"\\boxed{{{boxed}}}", boxed) == 1.0  # written as the gold is
+    assert verify_math(r"\boxed{= 5}", "5") == verify_math(r"\boxed{x = 5}", "5") == 1.0  # equal to 5 is 5
+
+
 @pytest.mark.parametrize("completion, gold, reward", [
     (r"\boxed{1 5}", "15", 0.0), (r"\boxed{1\,5}", "15", 0.0), (r"\boxed{1\ 5}", "15", 0.0), (r"\boxed{1\!5}", "15", 0.0),
     (r"\boxed{\text{5}\text{6}}", "56", 0.0), (r"\boxed{1~5}", "15", 0.0), (r"\boxed{1\,000}", "1000", 1.0),
@@ -657,7 +667,7 @@ def test_the_math_reward_reads_digits_spacing_separates_as_two_numbers(completio
 def test_every_shared_math_gold_scores_one_against_itself() -> None:
     """The refusals above (an unknown command, spaced digit runs) never refuse a MATH-500 gold,
     so a right answer in a gold's notation still reaches the checks."""
-    from tclightning.tasks.rewards import _DIGIT_GAP, _foreign_command, _mark_digit_gaps
+    from tclightning.tasks.rewards import _DIGIT_GAP, _LEFTLESS_RELATION, _foreign_command, _mark_digit_gaps
 
     path = DATA / "math500" / "test.jsonl"
     require_shared_data(path)
@@ -666,5 +676,6 @@ def test_every_shared_math_gold_scores_one_against_itself() -> None:
     for row in rows:
         gold = _math500_gold(row)
         assert _foreign_command(gold) is None, gold
+        assert not _LEFTLESS_RELATION.match(gold), gold
         assert _DIGIT_GAP not in _mark_digit_gaps(gold), gold
         assert verify_math(f"so the answer is $\\boxed{{{gold}}}$.", gold) == 1.0, gold

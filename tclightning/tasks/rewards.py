@@ -597,6 +597,8 @@ def _limited(timeout_s: float | None) -> bool:
 _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰⁴⁵⁶⁷⁸⁹]|[eE][+-]?\d)|0[xX][0-9a-fA-F]")
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A relation other than = with nothing on its left: math-verify reads \boxed{\geq 5} or \boxed{\ne 5} as 5
+_LEFTLESS_RELATION = re.compile(r"\s*(?:\\(?:neq?|geq?|leq?|gt|lt|not)(?![A-Za-z])|[<>\u2260\u2264\u2265]|!=)")
 
 
 # The LaTeX commands math-verify reads as part of a value. Any other one it may drop, keeping only
@@ -659,6 +661,8 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
             if _DIGIT_GAP in _mark_digit_gaps(boxed):
                 return 0.0  # "1 5", "1\\,5": two numbers; math-verify reads them as 15
+            if _LEFTLESS_RELATION.match(boxed):
+                return 0.0  # "\\geq 5", "\\ne 5", "< 5": a bound or an exclusion, which math-verify reads as 5
             if _foreign_command(boxed) is not None:
                 return 0.0  # math-verify drops what it does not know: \boxed{2 \ast 5} was 5
             pred_text = "\\boxed{" + boxed + "}"
