@@ -576,6 +576,19 @@ def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completio
     assert verify_gsm8k(completion, gold) == reward
 
 
+@pytest.mark.parametrize("completion", [
+    "#### not 72", "#### 72 thousand", "The answer is not 72.", "The answer is 72 thousand dollars",
+    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "#### no more than 72",
+    "The answer is 72 dozen", "So x isn't 72. #### not 72"])
+def test_the_gsm8k_reward_reads_a_number_a_word_makes_another_as_no_answer(completion: str) -> None:
+    """Each was read as 72 and scored 1.0 against it: a negation before the stated number, or a
+    scale word after it, makes it another number (a word's other reading is no answer either)."""
+    assert verify_gsm8k(completion, "72") == 0.0
+    assert verify_gsm8k(completion, "72000") == 0.0
+    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73"):
+        assert verify_gsm8k(plain, "72") == 1.0
+
+
 @pytest.mark.parametrize("answer, gold", [
     ("#### 1/2", "1/2"), ("#### 3×10^3", None), ("#### 1,5", None), ("#### 10²", None), ("#### 1,500", "1500"),
     ("1,5", None), ("1,500", "1500")])
