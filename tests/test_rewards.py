@@ -3,11 +3,13 @@ rows, malformed and adversarial text, and the time limit from main and worker th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -276,23 +278,29 @@ def test_a_math_task_built_with_a_nan_limit_is_refused() -> None:
         build_task(TaskConfig(name="math", reward_timeout_s=float("nan")))
 
 
+@contextlib.contextmanager
+def _program_timer(handler: Callable[[int, object], None], delay_s: float, interval_s: float = 0.0) -> Iterator[None]:
+    """A program's own SIGALRM handler and interval timer for the block; the test's put back after."""
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, delay_s, interval_s)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_timeout_nests_with_an_outer_alarm() -> None:
     fired: list[float] = []
 
     def outer(signum: int, frame: object) -> None:
         fired.append(time.monotonic())
 
-    previous = signal.signal(signal.SIGALRM, outer)
-    try:
-        # An outer timer longer than ours survives, re-armed with its remaining time.
-        signal.setitimer(signal.ITIMER_REAL, 30.0)
+    with _program_timer(outer, 30.0):  # an outer timer longer than ours survives, with its remaining time
         assert verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) == 1.0
         remaining = signal.getitimer(signal.ITIMER_REAL)[0]
         assert 20.0 < remaining < 30.0
         assert signal.getsignal(signal.SIGALRM) is outer and not fired
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _busy(seconds: float) -> str:
@@ -306,25 +314,33 @@ def test_a_program_s_own_repeating_timer_keeps_its_ticks_and_ends_nothing() -> N
     """A program's heartbeat (``setitimer(ITIMER_REAL, p, p)`` with its own handler) was taken for the
     limit's alarm: each tick ended the work as a timeout, and right answers were scored 0.0."""
     ticks: list[float] = []
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: ticks.append(time.monotonic()))
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+    with _program_timer(lambda signum, frame: ticks.append(time.monotonic()), 0.01, 0.01):
         assert [verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) for _ in range(20)] == [1.0] * 20
         ticks.clear()
         assert run_with_alarm(lambda: _busy(0.5), 5.0) == "done"
         assert len(ticks) >= 5  # its handler ran on its ticks meanwhile (100 of them at most, at its period)
         assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.01)  # and it goes on ticking
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_program_s_timer_its_handler_cancels_stays_off() -> None:
+    """A heartbeat whose handler cancels it (``setitimer(ITIMER_REAL, 0)``) at its third tick was
+    taken for one left alone: called again at its period, and armed again after the call."""
+    ticks: list[float] = []
+
+    def heartbeat(signum: int, frame: object) -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) == 3:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    with _program_timer(heartbeat, 0.05, 0.05):
+        assert run_with_alarm(lambda: _busy(0.6), 5.0) == "done"
+        assert len(ticks) == 3 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() -> None:
     """A 50 Hz heartbeat of the program's: once its moments came with every alarm, the limit's own
     was never checked, and the work ran on past it (C-level chunks, the alarm handled late)."""
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+    with _program_timer(lambda signum, frame: None, 0.02, 0.02):
         start = time.monotonic()
 
         def chunks() -> str:
@@ -336,9 +352,6 @@ def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() ->
             run_with_alarm(chunks, 0.5)
         assert time.monotonic() - start < 5.0
         assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.02)  # its heartbeat goes on
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_program_s_handler_that_puts_a_handler_back_never_holds_off_the_limit() -> None:
@@ -356,42 +369,53 @@ def test_a_program_s_handler_that_puts_a_handler_back_never_holds_off_the_limit(
         signal.signal(signal.SIGALRM, slow_mode if len(ticks) > 3 else heartbeat)
         signal.setitimer(signal.ITIMER_REAL, 0.05)
 
-    previous = signal.signal(signal.SIGALRM, heartbeat)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with _program_timer(heartbeat, 0.05):
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             run_with_alarm(lambda: _busy(20.0), 1.0)
         assert time.monotonic() - start < 5.0
         assert "beat" in ticks and "slow" in ticks and signal.getsignal(signal.SIGALRM) is slow_mode
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+class _ProgramLimit(Exception):
+    pass
+
+
+def _program_limit(signum: int, frame: object) -> None:
+    raise _ProgramLimit
 
 
 def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
     """A program's own limit (its handler raises) and an enclosing :func:`run_with_alarm` shorter than
     ours end the work at their moment, with their exception."""
-    class ProgramLimit(Exception):
-        pass
-
-    def program_limit(signum: int, frame: object) -> None:
-        raise ProgramLimit
-
-    previous = signal.signal(signal.SIGALRM, program_limit)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
+    with _program_timer(_program_limit, 0.2):
         start = time.monotonic()
-        with pytest.raises(ProgramLimit):
+        with pytest.raises(_ProgramLimit):
             run_with_alarm(lambda: _busy(10.0), 5.0)
         assert time.monotonic() - start < 3.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="after 0.3 s"):
         run_with_alarm(lambda: run_with_alarm(lambda: _busy(10.0), 5.0), 0.3)
     assert time.monotonic() - start < 3.0 and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+def test_a_program_s_limit_the_work_swallows_leaves_ours_armed() -> None:
+    """A program's one-shot limit whose exception the work drops (math-verify and sympy catch
+    ``Exception``): the limit's own alarm was no longer armed after it, and the work ran on."""
+    def swallowing() -> str:
+        start = time.monotonic()
+        while time.monotonic() - start < 15:
+            try:
+                sum(range(10**5))
+            except Exception:  # noqa: BLE001 -- what the libraries do
+                pass
+        return "ran on"
+
+    with _program_timer(_program_limit, 0.2):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="after 1.0 s"):
+            run_with_alarm(swallowing, 1.0)
+        assert time.monotonic() - start < 5.0
 
 
 def test_a_swallowed_timeout_is_raised_again() -> None:
