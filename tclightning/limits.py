@@ -91,7 +91,7 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
         """Arm the timer for the next moment: the deadline (at once when past it), theirs if sooner;
         once the timeout is raised, its repeat (a timeout dropped by a bare ``except:``)."""
         due = now + _ALARM_REPEAT_S if after_timeout else deadline
-        if theirs[0] is not None:
+        if theirs[0] is not None and theirs[0] > now:  # one past is being handled (or ends fn): not at once again
             due = min(due, theirs[0])
         signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-6), _ALARM_REPEAT_S)
 

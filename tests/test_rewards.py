@@ -399,6 +399,33 @@ def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
     assert time.monotonic() - start < 3.0 and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
 
 
+def test_a_program_s_watchdog_that_ends_the_process_ends_it_at_its_moment() -> None:
+    """A timer of the program's left to SIGALRM's default action (a watchdog), due before the limit:
+    re-armed for its moment already past, the alarm fired inside its own handler until a
+    RecursionError, which work catching ``Exception`` dropped: the work ran on past both."""
+    import subprocess
+
+    child = """
+import signal, time
+from tclightning.limits import run_with_alarm
+signal.signal(signal.SIGALRM, signal.SIG_DFL)
+signal.setitimer(signal.ITIMER_REAL, 0.3)
+start = time.monotonic()
+def work():
+    while time.monotonic() - start < 10:
+        try:
+            sum(range(10**5))
+        except Exception as err:
+            print("caught", type(err).__name__, flush=True)
+    return "ran on"
+print(run_with_alarm(work, 5.0), flush=True)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGALRM and done.stdout == "", done.stdout[:200]
+    assert time.monotonic() - started < 8.0
+
+
 def test_a_program_s_limit_the_work_swallows_leaves_ours_armed() -> None:
     """A program's one-shot limit whose exception the work drops (math-verify and sympy catch
     ``Exception``): the limit's own alarm was no longer armed after it, and the work ran on."""
