@@ -269,12 +269,17 @@ class AtomicExperimentWriter(ExperimentWriter):
         self._check_folder()
         path = Path(self.metrics_file_path)
         exists = os.path.lexists(path)
+        keys_written = list(self.metrics_keys)
         new_keys = self._record_new_keys()
         if exists and (self.cut_from is not None or new_keys):
-            with self._own(path, "r") as handle:
-                rows = [row for row in csv.DictReader(handle) if self.cut_from is None
-                        or row.get("step") and int(float(row["step"])) < self.cut_from]
-            write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+            try:
+                with self._own(path, "r") as handle:
+                    rows = [row for row in csv.DictReader(handle) if self.cut_from is None
+                            or row.get("step") and int(float(row["step"])) < self.cut_from]
+                write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+            except BaseException:  # the file keeps its header: a later save must not append under it
+                self.metrics_keys = keys_written
+                raise
             info = os.stat(path)
             self._identity = (info.st_dev, info.st_ino)  # the file the rewrite put in place
         else:

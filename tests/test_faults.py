@@ -452,12 +452,23 @@ def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: py
     with pytest.raises(OSError, match="killed"):  # a new column: the file is rewritten (and saved at once)
         logger.log_metrics({"a": 2.5, "b": 7.0}, step=2)
     assert path.read_text() == "a,step\n0.0,0\n1.0,1\n2.0,2\n"
+    # the header the file still has: a later save appended a row of the new columns under it (a full disk)
+    assert logger.experiment.metrics_keys == ["a", "step"]
     monkeypatch.undo()
-    logger.experiment.metrics_keys = ["a", "step"]  # as before the failed save
     logger.save()
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["step"], r["a"], r["b"]) for r in rows] == [("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.5", "7.0")]
+
+
+def test_a_metrics_row_of_more_cells_than_the_header_is_left_out_of_the_summary(tmp_path: Path) -> None:
+    """A row appended under an older header (a full disk failed the rewrite adding its columns) made
+    the failure handler's summary a TypeError traceback: its extra cells came as a list."""
+    from tclightning.grpo.summary import read_metrics
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,val/accuracy\n0,0.5\n0,1.0,2.0,3.0\n1,0.75\n")
+    assert read_metrics(path) == {0: {"val/accuracy": 0.5}, 1: {"val/accuracy": 0.75}}
 
 
 def test_a_metrics_row_cut_short_by_a_crash_is_dropped_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -20,12 +20,13 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately). A row cut
-    short before its ``step`` cell (a crash in the middle of an append) is left out."""
+    short before its ``step`` cell (a crash in the middle of an append) is left out, and so is one
+    of more cells than the header (its cells cannot be told apart)."""
     merged: dict[int, dict[str, float]] = {}
     regular_file(path, "metrics", METRICS_MAX_BYTES)  # 8 GiB of rows: refused; a FIFO named, never opened
     with io.TextIOWrapper(open_regular(path, "metrics", METRICS_MAX_BYTES), newline="") as handle:
         for row in csv.DictReader(handle):
-            if row["step"] is None:
+            if row["step"] is None or None in row:
                 continue
             step = int(float(row["step"]))
             for key, value in row.items():
