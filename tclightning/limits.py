@@ -57,6 +57,11 @@ def interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+_UNTOUCHED_S = 1e7
+"""The timer set while a program's own SIGALRM handler runs: still near it afterwards, the handler
+left its timer alone (a repeating one repeats); otherwise it armed or cancelled it."""
+
+
 def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
     """Run ``fn()`` (main thread only) under a SIGALRM interval timer; ``TimeoutError`` past it.
 
@@ -86,7 +91,7 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
         """Arm the timer for the next moment: the deadline (at once when past it), theirs if sooner;
         once the timeout is raised, its repeat (a timeout dropped by a bare ``except:``)."""
         due = now + _ALARM_REPEAT_S if after_timeout else deadline
-        if theirs[0] is not None:
+        if theirs[0] is not None and theirs[0] > now:  # one past is being handled (or ends fn): not at once again
             due = min(due, theirs[0])
         signal.setitimer(signal.ITIMER_REAL, max(due - now, 1e-6), _ALARM_REPEAT_S)
 
@@ -98,7 +103,8 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
             if ends_fn():
                 next_alarm(now, after_timeout=True)
                 raise ours
-            signal.setitimer(signal.ITIMER_REAL, 0)  # what their handler arms is theirs
+            # A mark no handler sets: what their handler arms or cancels is theirs, the mark left is "as it was"
+            signal.setitimer(signal.ITIMER_REAL, _UNTOUCHED_S)
             theirs[0] = None
             try:
                 if callable(handler[0]):
@@ -110,10 +116,14 @@ def run_with_alarm(fn: Callable[[], T], timeout_s: float) -> T:
                     signal.signal(signal.SIGALRM, on_alarm)
                 delay, interval = signal.getitimer(signal.ITIMER_REAL)
                 now = time.monotonic()
-                if delay > 0:
+                if delay > _UNTOUCHED_S / 2 and interval == 0:  # left as it was: a repeating timer repeats
+                    theirs[0] = now + period[0] if period[0] > 0 else None
+                elif delay > 0:  # armed anew
                     theirs[0], period[0] = now + delay, interval
-                elif period[0] > 0:
-                    theirs[0] = now + period[0]
+                else:  # cancelled: it stays off
+                    period[0] = 0.0
+                # ours stays armed when their exception leaves here (work that swallows it runs on)
+                next_alarm(now)
         if now >= deadline:  # checked at every alarm, theirs too: a timer of theirs faster than ours
             next_alarm(now, after_timeout=True)
             raise ours

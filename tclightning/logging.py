@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.errors import TclightningError, one_line
 from tclightning.files import SameFolder, current_umask, note_made, own_file, rename_over, replace_file
+from tclightning.health.io import metrics_rows
 from tclightning.network import is_http, remote_setup
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
@@ -269,12 +270,17 @@ class AtomicExperimentWriter(ExperimentWriter):
         self._check_folder()
         path = Path(self.metrics_file_path)
         exists = os.path.lexists(path)
+        keys_written = list(self.metrics_keys)
         new_keys = self._record_new_keys()
         if exists and (self.cut_from is not None or new_keys):
-            with self._own(path, "r") as handle:
-                rows = [row for row in csv.DictReader(handle) if self.cut_from is None
-                        or row.get("step") and int(float(row["step"])) < self.cut_from]
-            write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+            try:
+                with self._own(path, "r") as handle:
+                    rows = [row for row in metrics_rows(handle) if self.cut_from is None
+                            or row.get("step") and int(float(row["step"])) < self.cut_from]
+                write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
+            except BaseException:  # the file keeps its header: a later save must not append under it
+                self.metrics_keys = keys_written
+                raise
             info = os.stat(path)
             self._identity = (info.st_dev, info.st_ino)  # the file the rewrite put in place
         else:
@@ -322,7 +328,7 @@ class ResumableCSVLogger(CSVLogger):
         header: list[str] = []
         if resume_step is not None and path.is_file():
             with path.open(newline="") as handle:
-                header = list(csv.DictReader(handle).fieldnames or [])
+                header = list(metrics_rows(handle).fieldnames or [])
         writer = self.experiment
         if path.is_file():  # a fresh run in a directory of ours keeps none (RUN_DIR_ENV)
             writer.cut_from = resume_step if header else 0

@@ -7,7 +7,6 @@ done with one (:func:`remote_setup`); and a time limit on each request afterward
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import urllib.error
@@ -64,34 +63,31 @@ def _refused_path(what: str, value: str) -> TclightningError:
                             "which is no hash but names a path; nothing was written from its answer")
 
 
-def _is_api_answer(response: Any) -> bool:
-    """An answer of the Hugging Face Hub's API (under a mirror's path too), whatever its content type
-    says, of a size told and small (a file's download is never read here)."""
-    path, length = response.request.url.path, response.headers.get("content-length", "")
-    return "/api/" in path and "/resolve/" not in path and length.isdigit() and int(length) <= 2**24
-
-
-def _refuse_path_commit(response: Any, body: bytes | None = None) -> None:
-    """huggingface_hub's response hook: a commit that is not a plain token, as ``X-Repo-Commit`` or
-    as the ``sha`` of a repository's info (``datasets`` and a model's download take it for the
-    revision, and ``refs/<revision>`` was written, over any file it named)."""
+def _refuse_path_commit(response: Any) -> None:
+    """huggingface_hub's response hook: a commit header (``X-Repo-Commit``) that is not a plain token."""
     commit = response.headers.get("X-Repo-Commit")
     if commit is not None and not _PLAIN_TOKEN.fullmatch(commit):
         raise _refused_path("commit", commit)
-    if body is None and _is_api_answer(response):
-        body = response.read()
-    if body and body.lstrip()[:1] == b"{":
-        try:
-            info = json.loads(body)
-        except ValueError:  # not JSON after all: the library says so
-            return
-        sha = info.get("sha") if isinstance(info, dict) else None
-        if isinstance(sha, str) and not _PLAIN_TOKEN.fullmatch(sha):
-            raise _refused_path("commit", sha)
 
 
 async def _refuse_path_commit_async(response: Any) -> None:
-    _refuse_path_commit(response, await response.aread() if _is_api_answer(response) else None)
+    _refuse_path_commit(response)
+
+
+def _refuse_path_sha(info_class: type) -> None:
+    """``info_class`` (a repository's info, as huggingface_hub reads the Hugging Face Hub's answer)
+    made only with a ``sha`` that is a plain token: ``datasets`` and a model's download take it for
+    the revision (``refs/<revision>`` was written over any file it named). Checked where the answer
+    has been read, so its encoding, size or transfer cannot hide it."""
+    made = info_class.__init__
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        sha = kwargs.get("sha")
+        if isinstance(sha, str) and not _PLAIN_TOKEN.fullmatch(sha):
+            raise _refused_path("commit", sha)
+        made(self, *args, **kwargs)
+
+    info_class.__init__ = checked  # type: ignore[misc]
 
 
 def refuse_hub_paths() -> None:
@@ -134,6 +130,11 @@ def refuse_hub_paths() -> None:
 
     checked.refuses_paths = True  # type: ignore[attr-defined]
     file_download._normalize_etag = checked
+    from huggingface_hub import hf_api
+
+    for name in ("ModelInfo", "DatasetInfo", "SpaceInfo", "KernelInfo"):
+        with contextlib.suppress(AttributeError):  # a kind of repository this release lacks
+            _refuse_path_sha(getattr(hf_api, name))
     file_download._cache_commit_hash_for_specific_revision = ref_within
     with contextlib.suppress(ImportError, AttributeError):  # its own name for it, bound at its import
         from huggingface_hub import _snapshot_download

@@ -192,6 +192,9 @@ CASES: dict[str, Case] = {
     "steps-fullwidth-digit": override("trainer.steps=\uff16", names=("trainer.steps", "digits other than 0-9")),
     "seed-arabic-indic-digit": override("trainer.seed=\u0663", names=("trainer.seed", "digits other than 0-9")),
     "file-lr-fullwidth-digits": recipe(BASE + "grpo: {lr: \"\uff12e-4\"}\n", "key 'grpo.lr'", "digits other than 0-9"),
+    # float() skips an underscore between digits: 1e-4_0 was taken as 1e-40
+    "lr-underscore-in-exponent": override("grpo.lr=1e-4_0", names=("grpo.lr", "underscore in a number")),
+    "file-lr-underscore-in-exponent": recipe(BASE + "grpo: {lr: \"1e-4_0\"}\n", "key 'grpo.lr'", "underscore in a number"),
     "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
                                 {"afile": b"not a folder\n"}),
     # a store's URL was taken as the relative folder ./s3:/b/r

@@ -452,12 +452,41 @@ def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: py
     with pytest.raises(OSError, match="killed"):  # a new column: the file is rewritten (and saved at once)
         logger.log_metrics({"a": 2.5, "b": 7.0}, step=2)
     assert path.read_text() == "a,step\n0.0,0\n1.0,1\n2.0,2\n"
+    # the header the file still has: a later save appended a row of the new columns under it (a full disk)
+    assert logger.experiment.metrics_keys == ["a", "step"]
     monkeypatch.undo()
-    logger.experiment.metrics_keys = ["a", "step"]  # as before the failed save
     logger.save()
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["step"], r["a"], r["b"]) for r in rows] == [("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.5", "7.0")]
+
+
+@pytest.mark.parametrize("before", ["\n", " \n\r\n"])
+def test_a_resume_keeps_the_rows_of_a_metrics_csv_that_starts_with_a_blank_line(before: str, tmp_path: Path) -> None:
+    """A blank first line (an editor's, a tool's) was read as a header of no names: the resume kept
+    none of the earlier steps' rows, and the summary and ``analyze health`` read none."""
+    import tclightning.logging as run_logging
+    from tclightning.grpo.summary import read_metrics
+    from tclightning.health.io import read_run
+
+    path = tmp_path / "metrics.csv"
+    path.write_text(before + "reward/mean,step\n0.25,0\n0.5,1\n0.75,2\n")
+    assert read_metrics(path) == {0: {"reward/mean": 0.25}, 1: {"reward/mean": 0.5}, 2: {"reward/mean": 0.75}}
+    assert [step for step, _ in read_run(path)] == [0, 1, 2]
+    logger = run_logging.ResumableCSVLogger(tmp_path, resume_step=2)
+    logger.log_metrics({"reward/mean": 0.875}, step=2)
+    logger.save()
+    assert read_metrics(path) == {0: {"reward/mean": 0.25}, 1: {"reward/mean": 0.5}, 2: {"reward/mean": 0.875}}
+
+
+def test_a_metrics_row_of_more_cells_than_the_header_is_left_out_of_the_summary(tmp_path: Path) -> None:
+    """A row appended under an older header (a full disk failed the rewrite adding its columns) made
+    the failure handler's summary a TypeError traceback: its extra cells came as a list."""
+    from tclightning.grpo.summary import read_metrics
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,val/accuracy\n0,0.5\n0,1.0,2.0,3.0\n1,0.75\n")
+    assert read_metrics(path) == {0: {"val/accuracy": 0.5}, 1: {"val/accuracy": 0.75}}
 
 
 def test_a_metrics_row_cut_short_by_a_crash_is_dropped_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -208,6 +208,39 @@ def test_rollback_restores_last_healthy_checkpoint_and_training_continues(tmp_pa
     assert [e.kind for e in monitor.detector.events if e.kind == "rollback"] == ["rollback"]
 
 
+class SaveAt(pl.Callback):
+    """Saves the trainer's checkpoint to ``path`` at RL step ``step`` (a periodic checkpoint)."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if rl_step(trainer) == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_rollback_never_loads_a_healthy_state_a_later_history_wrote(tmp_path: Path) -> None:
+    """Resumed from an earlier step's checkpoint, whose state names the healthy checkpoint of step 4:
+    the fit it came from had gone on writing step 8's and 12's over that file, and the rollback
+    restored step 12's weights and optimizer state while it said step 4."""
+    resume = tmp_path / "step-6.ckpt"
+    first = CollapseDetector(actions=["log", "checkpoint"], checkpoint_every=4)
+    trainer(tmp_path, [first, SaveAt(resume, 6)], 14, logger=False).fit(TinyModule(healthy), loader())
+    assert first.last_healthy_step == 12 and resume.is_file()
+
+    def collapse_at_8(step: int) -> dict[str, float]:
+        return {**healthy(step), "reward/mean": 0.0} if step >= 8 else healthy(step)
+
+    resumed = CollapseDetector(actions=["log", "rollback"], checkpoint_every=100)
+    fit = trainer(tmp_path, [resumed], 20, logger=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HealthWarning)
+        fit.fit(TinyModule(collapse_at_8), loader(), ckpt_path=resume)
+    assert resumed.rollbacks == 0 and fit.should_stop and rl_step(fit) < 20
+    stopped = next(e for e in resumed.detector.events if e.kind == "stopped")
+    assert "holds the healthy state of step 12, not of step 4" in stopped.message
+
+
 def test_rollback_gives_up_after_max_rollbacks(tmp_path):
     def schedule(step: int) -> dict[str, float]:
         metrics = healthy(step)

@@ -73,6 +73,12 @@ def test_timeline_output_and_name_mapping(tmp_path, capsys):
     with pytest.raises(TclightningError, match="has no metric 'train/rewrad'"):
         run_cli(["health", str(both), "--name", "reward/mean=train/rewrad"])
     assert run_cli(["health", str(both), "--name", "reward/mean=train/reward"]) == 0
+    # two mappings of one name: one was dropped without a word
+    with pytest.raises(TclightningError, match="'train/reward' is already read as 'reward/mean'"):
+        run_cli(["health", str(both), "--name", "reward/mean=train/reward", "--name", "gap/abs_mean=train/reward"])
+    with pytest.raises(TclightningError, match="'reward/mean' is already read from 'train/reward'"):
+        run_cli(["health", str(both), "--name", "reward/mean=train/reward", "--name", "reward/mean=reward/mean"])
+    assert run_cli(["health", str(both), "--name", "reward/mean=train/reward", "--name", "reward/mean=train/reward"]) == 0
 
 
 def test_tensorboard_event_files(tmp_path, capsys):

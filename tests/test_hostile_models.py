@@ -502,6 +502,63 @@ def test_a_hub_answer_that_names_a_path_writes_nothing_there(answer: str, tmp_pa
     assert not list(tmp_path.rglob("zz_hub.pth*")) and not (planted.parent / missing).exists()
 
 
+@pytest.mark.parametrize("sent", ["plain", "byte-order-mark", "utf-16", "chunked"])
+def test_a_dataset_info_s_sha_naming_a_path_is_refused_however_the_answer_is_sent(
+        sent: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset's info whose ``sha`` is a path (``datasets`` takes it for the revision and its cache
+    folder) passed the check when the answer began with a byte-order mark, was UTF-16 or came
+    chunked, with no size: huggingface_hub reads each all the same."""
+    from huggingface_hub.utils._http import close_session
+
+    from tclightning.tasks.data import DataSource
+
+    sha = "x/../../../../../../../.." + str(tmp_path / "victim")
+    info = json.dumps({"id": "someone/ds", "sha": sha, "siblings": [{"rfilename": "train.jsonl", "size": 9}]})
+    body = {"plain": info.encode(), "byte-order-mark": b"\xef\xbb\xbf" + info.encode(),
+            "utf-16": info.encode("utf-16"), "chunked": info.encode()}[sent]
+
+    class Hub(_NotFound):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:  # noqa: N802
+            path = self.path.split("?")[0].rstrip("/")
+            if path != "/api/datasets/someone/ds" and not path.startswith("/api/datasets/someone/ds/revision/"):
+                self.send_response(404)
+                self.send_header("X-Error-Code", "EntryNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if sent == "chunked":
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            else:
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+    hub = _serve(Hub)
+    monkeypatch.setenv("HF_ENDPOINT", next(hub))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for read_at_import in ("huggingface_hub.constants.ENDPOINT", "datasets.config.HF_ENDPOINT"):
+        monkeypatch.setattr(read_at_import, os.environ["HF_ENDPOINT"])
+    monkeypatch.setattr("huggingface_hub.constants.HUGGINGFACE_CO_URL_TEMPLATE",
+                        os.environ["HF_ENDPOINT"] + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr("datasets.config.HUB_DATASETS_URL",
+                        os.environ["HF_ENDPOINT"] + "/datasets/{repo_id}/resolve/{revision}/{path}")
+    close_session()  # a session of an earlier test's factory
+    try:
+        with pytest.raises(TclightningError, match="answered a file's commit .* which is no hash but names a path"):
+            DataSource.from_config(TaskConfig(name="gsm8k", hf_name="someone/ds"), "gsm8k").splits()
+    finally:
+        next(hub, None)
+    assert not (tmp_path / "victim").exists()
+
+
 @pytest.mark.parametrize("how", ["silent", "answers-head-only", "through-a-silent-all-proxy"])
 def test_a_silent_hub_is_refused_for_a_model_and_a_dataset(how: str, silent_server: str, head_only_server: str,
                                                             answering_server: str, request: pytest.FixtureRequest,

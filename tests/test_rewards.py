@@ -3,11 +3,13 @@ rows, malformed and adversarial text, and the time limit from main and worker th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -276,23 +278,29 @@ def test_a_math_task_built_with_a_nan_limit_is_refused() -> None:
         build_task(TaskConfig(name="math", reward_timeout_s=float("nan")))
 
 
+@contextlib.contextmanager
+def _program_timer(handler: Callable[[int, object], None], delay_s: float, interval_s: float = 0.0) -> Iterator[None]:
+    """A program's own SIGALRM handler and interval timer for the block; the test's put back after."""
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, delay_s, interval_s)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_timeout_nests_with_an_outer_alarm() -> None:
     fired: list[float] = []
 
     def outer(signum: int, frame: object) -> None:
         fired.append(time.monotonic())
 
-    previous = signal.signal(signal.SIGALRM, outer)
-    try:
-        # An outer timer longer than ours survives, re-armed with its remaining time.
-        signal.setitimer(signal.ITIMER_REAL, 30.0)
+    with _program_timer(outer, 30.0):  # an outer timer longer than ours survives, with its remaining time
         assert verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) == 1.0
         remaining = signal.getitimer(signal.ITIMER_REAL)[0]
         assert 20.0 < remaining < 30.0
         assert signal.getsignal(signal.SIGALRM) is outer and not fired
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _busy(seconds: float) -> str:
@@ -306,25 +314,33 @@ def test_a_program_s_own_repeating_timer_keeps_its_ticks_and_ends_nothing() -> N
     """A program's heartbeat (``setitimer(ITIMER_REAL, p, p)`` with its own handler) was taken for the
     limit's alarm: each tick ended the work as a timeout, and right answers were scored 0.0."""
     ticks: list[float] = []
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: ticks.append(time.monotonic()))
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.01, 0.01)
+    with _program_timer(lambda signum, frame: ticks.append(time.monotonic()), 0.01, 0.01):
         assert [verify_math(r"\boxed{\sqrt{8}}", r"2\sqrt{2}", timeout_s=5.0) for _ in range(20)] == [1.0] * 20
         ticks.clear()
         assert run_with_alarm(lambda: _busy(0.5), 5.0) == "done"
         assert len(ticks) >= 5  # its handler ran on its ticks meanwhile (100 of them at most, at its period)
         assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.01)  # and it goes on ticking
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_program_s_timer_its_handler_cancels_stays_off() -> None:
+    """A heartbeat whose handler cancels it (``setitimer(ITIMER_REAL, 0)``) at its third tick was
+    taken for one left alone: called again at its period, and armed again after the call."""
+    ticks: list[float] = []
+
+    def heartbeat(signum: int, frame: object) -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) == 3:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    with _program_timer(heartbeat, 0.05, 0.05):
+        assert run_with_alarm(lambda: _busy(0.6), 5.0) == "done"
+        assert len(ticks) == 3 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() -> None:
     """A 50 Hz heartbeat of the program's: once its moments came with every alarm, the limit's own
     was never checked, and the work ran on past it (C-level chunks, the alarm handled late)."""
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.02, 0.02)
+    with _program_timer(lambda signum, frame: None, 0.02, 0.02):
         start = time.monotonic()
 
         def chunks() -> str:
@@ -336,9 +352,6 @@ def test_a_program_s_timer_faster_than_the_repeat_never_holds_off_the_limit() ->
             run_with_alarm(chunks, 0.5)
         assert time.monotonic() - start < 5.0
         assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(0.02)  # its heartbeat goes on
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_program_s_handler_that_puts_a_handler_back_never_holds_off_the_limit() -> None:
@@ -356,42 +369,80 @@ def test_a_program_s_handler_that_puts_a_handler_back_never_holds_off_the_limit(
         signal.signal(signal.SIGALRM, slow_mode if len(ticks) > 3 else heartbeat)
         signal.setitimer(signal.ITIMER_REAL, 0.05)
 
-    previous = signal.signal(signal.SIGALRM, heartbeat)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with _program_timer(heartbeat, 0.05):
         start = time.monotonic()
         with pytest.raises(TimeoutError):
             run_with_alarm(lambda: _busy(20.0), 1.0)
         assert time.monotonic() - start < 5.0
         assert "beat" in ticks and "slow" in ticks and signal.getsignal(signal.SIGALRM) is slow_mode
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+
+
+class _ProgramLimit(Exception):
+    pass
+
+
+def _program_limit(signum: int, frame: object) -> None:
+    raise _ProgramLimit
 
 
 def test_an_enclosing_limit_still_cuts_the_work_short() -> None:
     """A program's own limit (its handler raises) and an enclosing :func:`run_with_alarm` shorter than
     ours end the work at their moment, with their exception."""
-    class ProgramLimit(Exception):
-        pass
-
-    def program_limit(signum: int, frame: object) -> None:
-        raise ProgramLimit
-
-    previous = signal.signal(signal.SIGALRM, program_limit)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
+    with _program_timer(_program_limit, 0.2):
         start = time.monotonic()
-        with pytest.raises(ProgramLimit):
+        with pytest.raises(_ProgramLimit):
             run_with_alarm(lambda: _busy(10.0), 5.0)
         assert time.monotonic() - start < 3.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="after 0.3 s"):
         run_with_alarm(lambda: run_with_alarm(lambda: _busy(10.0), 5.0), 0.3)
     assert time.monotonic() - start < 3.0 and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0
+
+
+def test_a_program_s_watchdog_that_ends_the_process_ends_it_at_its_moment() -> None:
+    """A timer of the program's left to SIGALRM's default action (a watchdog), due before the limit:
+    re-armed for its moment already past, the alarm fired inside its own handler until a
+    RecursionError, which work catching ``Exception`` dropped: the work ran on past both."""
+    import subprocess
+
+    child = """
+import signal, time
+from tclightning.limits import run_with_alarm
+signal.signal(signal.SIGALRM, signal.SIG_DFL)
+signal.setitimer(signal.ITIMER_REAL, 0.3)
+start = time.monotonic()
+def work():
+    while time.monotonic() - start < 10:
+        try:
+            sum(range(10**5))
+        except Exception as err:
+            print("caught", type(err).__name__, flush=True)
+    return "ran on"
+print(run_with_alarm(work, 5.0), flush=True)
+"""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGALRM and done.stdout == "", done.stdout[:200]
+    assert time.monotonic() - started < 8.0
+
+
+def test_a_program_s_limit_the_work_swallows_leaves_ours_armed() -> None:
+    """A program's one-shot limit whose exception the work drops (math-verify and sympy catch
+    ``Exception``): the limit's own alarm was no longer armed after it, and the work ran on."""
+    def swallowing() -> str:
+        start = time.monotonic()
+        while time.monotonic() - start < 15:
+            try:
+                sum(range(10**5))
+            except Exception:  # noqa: BLE001 -- what the libraries do
+                pass
+        return "ran on"
+
+    with _program_timer(_program_limit, 0.2):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="after 1.0 s"):
+            run_with_alarm(swallowing, 1.0)
+        assert time.monotonic() - start < 5.0
 
 
 def test_a_swallowed_timeout_is_raised_again() -> None:
@@ -576,6 +627,19 @@ def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completio
     assert verify_gsm8k(completion, gold) == reward
 
 
+@pytest.mark.parametrize("completion", [
+    "#### not 72", "#### 72 thousand", "The answer is not 72.", "The answer is 72 thousand dollars",
+    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "#### no more than 72",
+    "The answer is 72 dozen", "So x isn't 72. #### not 72"])
+def test_the_gsm8k_reward_reads_a_number_a_word_makes_another_as_no_answer(completion: str) -> None:
+    """Each was read as 72 and scored 1.0 against it: a negation before the stated number, or a
+    scale word after it, makes it another number (a word's other reading is no answer either)."""
+    assert verify_gsm8k(completion, "72") == 0.0
+    assert verify_gsm8k(completion, "72000") == 0.0
+    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73"):
+        assert verify_gsm8k(plain, "72") == 1.0
+
+
 @pytest.mark.parametrize("answer, gold", [
     ("#### 1/2", "1/2"), ("#### 3×10^3", None), ("#### 1,5", None), ("#### 10²", None), ("#### 1,500", "1500"),
     ("1,5", None), ("1,500", "1500")])
@@ -642,6 +706,16 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
 
 
+@pytest.mark.parametrize("boxed", [r"\geq 5", r"\ge 5", r"\ne 5", r"\neq 5", r"\leq 5", r"\le5", r"< 5", r">5",
+                                   "\u2260 5", "\u2265 5", "!= 5", r"\not= 5", r"\gt 5", r"\lt 5"])
+def test_the_math_reward_refuses_a_relation_with_nothing_on_its_left(boxed: str) -> None:
+    """math-verify read a bound or an exclusion with no left side as its number: \\boxed{\\geq 5}
+    and \\boxed{\\ne 5} scored 1.0 against 5. The same answer with its left side was already 0.0."""
+    assert verify_math(f"\\boxed{{{boxed}}}", "5") == 0.0
+    assert verify_math(f"\\boxed{{{boxed}}}", boxed) == 1.0  # written as the gold is
+    assert verify_math(r"\boxed{= 5}", "5") == verify_math(r"\boxed{x = 5}", "5") == 1.0  # equal to 5 is 5
+
+
 @pytest.mark.parametrize("completion, gold, reward", [
     (r"\boxed{1 5}", "15", 0.0), (r"\boxed{1\,5}", "15", 0.0), (r"\boxed{1\ 5}", "15", 0.0), (r"\boxed{1\!5}", "15", 0.0),
     (r"\boxed{\text{5}\text{6}}", "56", 0.0), (r"\boxed{1~5}", "15", 0.0), (r"\boxed{1\,000}", "1000", 1.0),
@@ -657,7 +731,7 @@ def test_the_math_reward_reads_digits_spacing_separates_as_two_numbers(completio
 def test_every_shared_math_gold_scores_one_against_itself() -> None:
     """The refusals above (an unknown command, spaced digit runs) never refuse a MATH-500 gold,
     so a right answer in a gold's notation still reaches the checks."""
-    from tclightning.tasks.rewards import _DIGIT_GAP, _foreign_command, _mark_digit_gaps
+    from tclightning.tasks.rewards import _DIGIT_GAP, _LEFTLESS_RELATION, _foreign_command, _mark_digit_gaps
 
     path = DATA / "math500" / "test.jsonl"
     require_shared_data(path)
@@ -666,5 +740,6 @@ def test_every_shared_math_gold_scores_one_against_itself() -> None:
     for row in rows:
         gold = _math500_gold(row)
         assert _foreign_command(gold) is None, gold
+        assert not _LEFTLESS_RELATION.match(gold), gold
         assert _DIGIT_GAP not in _mark_digit_gaps(gold), gold
         assert verify_math(f"so the answer is $\\boxed{{{gold}}}$.", gold) == 1.0, gold

@@ -456,6 +456,25 @@ def test_a_parquet_or_csv_file_read_here_only_in_part_is_one_line(tmp_path: Path
     (tmp_path / "long.csv").write_text(f"question,answer,{'x' * 200_000}\nq,9007199254740993,\n")
     with pytest.raises(TclightningError, match="long.csv: its header is no CSV line read here"):
         read_rows(tmp_path / "long.csv")
+    (tmp_path / "long-cell.csv").write_text(f"question,answer\nq,1\n{'x' * 200_000},2\n")
+    with pytest.raises(TclightningError, match="long-cell.csv: a row is no CSV line read here"):
+        read_rows(tmp_path / "long-cell.csv")
+
+
+def test_a_csv_row_of_more_cells_than_its_header_is_one_line(tmp_path: Path) -> None:
+    """pandas made a longer row's first cells an index: every row was read a column shifted
+    (the question as the answer), silently."""
+    from tclightning.tasks.data import read_rows
+
+    (tmp_path / "shifted.csv").write_text("question,answer\nwhat is 1+1?,2,extra\nwhat is 2+2?,4,extra\n")
+    with pytest.raises(TclightningError, match="shifted.csv: row 1 has more cells than its header has columns"):
+        read_rows(tmp_path / "shifted.csv")
+    (tmp_path / "one-long.csv").write_text('question,answer\n\n"a, quoted",1\nq2,2\nq3,3,x,y\n')
+    with pytest.raises(TclightningError, match="one-long.csv: row 3 has more cells"):
+        read_rows(tmp_path / "one-long.csv")
+    (tmp_path / "short.csv").write_text('question,answer\n"a, quoted",1\nq2\n')  # a missing cell is missing
+    assert read_rows(tmp_path / "short.csv") == [{"question": "a, quoted", "answer": "1"},
+                                                 {"question": "q2", "answer": None}]
 
 
 def test_a_task_file_of_more_columns_than_read_is_one_line(tmp_path: Path) -> None:
@@ -558,3 +577,14 @@ def test_a_csv_task_file_s_integer_answers_keep_every_digit(tmp_path: Path) -> N
     rows = read_rows(tmp_path / "rows.csv")
     assert [row["answer"] for row in rows] == ["9007199254740993", None, "123456789012345678"]
     assert [row["question"] for row in rows] == ["q1", "q2", "q3"]
+
+
+def test_a_csv_task_file_s_text_cells_are_text_however_they_read(tmp_path: Path) -> None:
+    """pandas read the cells NA, None, null, NaN, n/a and #N/A as missing: a row whose answer is
+    the word None was dropped as having none."""
+    from tclightning.tasks.data import read_rows
+
+    words = ["NA", "None", "null", "NaN", "n/a", "#N/A", "nan", "-NaN"]
+    (tmp_path / "words.csv").write_text("question,answer\n" + "".join(f"{w},{w}\n" for w in words) + "q,\n")
+    rows = read_rows(tmp_path / "words.csv")
+    assert rows == [{"question": w, "answer": w} for w in words] + [{"question": "q", "answer": None}]

@@ -287,6 +287,29 @@ def test_a_resume_in_place_in_the_process_that_made_the_run_keeps_its_trajectory
     assert steps == [0, 5]
 
 
+def test_a_resume_from_an_earlier_step_keeps_one_history_of_points(tmp_path: Path) -> None:
+    """Resumed from step 3 of a 7-step run: the first history's points 5 and 7 stayed in
+    ``trajectory/`` beside the new ones, and the analysis read both histories as one run's."""
+    from tclightning.run import run
+    from tests.conftest import FAST
+
+    settings = [*FAST, "trainer.val_every=0", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=10",
+                f"logging.root={tmp_path}"]
+    recorder = TrajectoryRecorder(every=1)
+    first = run("tiny", [*settings, "trainer.steps=7"], quiet=True, extra_callbacks=[recorder])
+    points = Path(first["run_dir"]) / "trajectory"
+    first_history = {p.name: p.read_bytes() for p in points.glob("point-*.pt")}
+    assert len(first_history) == 8
+    resume = Path(first["run_dir"]) / "checkpoints" / "step-000003.ckpt"
+    run("tiny", [*settings, "trainer.steps=5"], resume=str(resume), quiet=True,
+        extra_callbacks=[TrajectoryRecorder(every=1)])
+    steps, _, _ = load_trajectory(points)
+    assert steps == [0, 1, 2, 3, 4, 5]
+    aside = points / "replaced-after-00000003"  # kept, out of the analysis' way
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == {
+        name: data for name, data in first_history.items() if int(name[6:14]) > 3}
+
+
 def test_parameters_given_as_a_text_is_refused() -> None:
     """``parameters="layer"`` was read as the prefixes l, a, y, e, r: every parameter starting with
     one of those letters was recorded."""

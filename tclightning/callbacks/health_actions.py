@@ -447,13 +447,19 @@ class HealthMonitor(Callback):
             ckpt = load_checkpoint(self.last_healthy_path)  # data only: a crafted file runs no code
             if not isinstance(ckpt.get("state_dict"), Mapping):
                 raise TclightningError(f"checkpoint {self.last_healthy_path}: holds no model weights (state_dict)")
+            saved = ckpt.get("callbacks", {}).get(self.state_key)
+            saved_step = saved.get("last_healthy_step") if isinstance(saved, Mapping) else None
+            if saved_step is not None and saved_step != self.last_healthy_step:
+                # a resume from an earlier step: the fit it left went on writing over the file
+                raise TclightningError(f"{self.last_healthy_path} holds the healthy state of step {saved_step}, not "
+                                       f"of step {self.last_healthy_step} (a later history wrote over it); nothing "
+                                       "was loaded")
             pl_module.load_state_dict(ckpt["state_dict"])
         except (TclightningError, RuntimeError) as err:  # RuntimeError: weights of another model
             self._stop(trainer, verdict, step, f"cannot roll back: {err}")
             return
         for optimizer, opt_state in zip(trainer.optimizers, ckpt.get("optimizer_states", [])):
             optimizer.load_state_dict(opt_state)
-        saved = ckpt.get("callbacks", {}).get(self.state_key)
         saved_factor = float(saved.get("lr_factor", 1.0)) if saved else 1.0
         target = self._lr_factor * self.rollback_lr_scale
         self._scale_lr(trainer, target / saved_factor)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from tclightning.callbacks.steps import completed_steps
@@ -39,6 +41,9 @@ from tclightning.settings import seed as seed_rule
 
 _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
 _CHUNK = 1 << 20
+
+
+_POINT_NAME = re.compile(r"point-(\d+)\.pt")
 
 
 def _hash_params(seed: int) -> tuple[int, int, int, int]:
@@ -129,11 +134,7 @@ class TrajectoryRecorder(Callback):
             return None
         with torch.no_grad():
             point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
-        folder = self.directory(trainer)
-        if self._folder is None or self._folder.folder != folder:
-            # a new run's, or one whose run folder this process made (a resume from a copied checkpoint)
-            self._take(folder, fresh=index == 0 or (self.dirpath is None and made_here(folder.parent)))
-        self._folder.check()  # a link or folder swapped in mid-run: said, the points never carried there
+        folder = self._hold(trainer, index)
         name = f"point-{index:08d}.pt"
         record: dict[str, Any] = {
             "step": int(index), "unit": self.unit, "point": point, "method": method,
@@ -141,6 +142,38 @@ class TrajectoryRecorder(Callback):
         }
         save_tensors(record, self._held.path / name)  # replaced whole: a killed run never leaves half a point
         return folder / name
+
+    def _hold(self, trainer: pl.Trainer, index: int) -> Path:
+        """The points' folder, held (see :meth:`_take`) from the first point written at ``index`` on."""
+        folder = self.directory(trainer)
+        if self._folder is None or self._folder.folder != folder:
+            # a new run's, or one whose run folder this process made (a resume from a copied checkpoint)
+            self._take(folder, fresh=index == 0 or (self.dirpath is None and made_here(folder.parent)))
+        self._folder.check()  # a link or folder swapped in mid-run: said, the points never carried there
+        return folder
+
+    def _set_aside_points_after(self, trainer: pl.Trainer, index: int) -> None:
+        """Move the points past ``index`` (a resume's first) into ``replaced-after-<index>/`` in the
+        points' folder: a later history's (a resume from an earlier step), or those a killed run
+        wrote after its last checkpoint. Left there, they were read as this run's, two histories
+        mixed (the new one writes over only the points it reaches)."""
+        folder = self._hold(trainer, index)
+        assert self._held is not None
+        names = os.listdir(self._held.fd)
+        later = sorted(n for n in names if (m := _POINT_NAME.fullmatch(n)) is not None and int(m.group(1)) > index)
+        if not later:
+            return
+        aside = next(name for k in range(len(names) + 1)
+                     if (name := f"replaced-after-{index:08d}" + (f"-{k}" if k else "")) not in names)
+        os.mkdir(aside, dir_fd=self._held.fd)
+        into = os.open(aside, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._held.fd)
+        try:
+            for name in later:
+                os.rename(name, name, src_dir_fd=self._held.fd, dst_dir_fd=into)
+        finally:
+            os.close(into)
+        rank_zero_info(f"trajectory: {len(later)} points past step {index} (another history, or written after the "
+                       f"last checkpoint) moved to {folder / aside}")
 
     def _take(self, folder: Path, fresh: bool) -> None:
         """Hold the points' folder open (made if missing, never through a link) and write every
@@ -186,6 +219,8 @@ class TrajectoryRecorder(Callback):
         index = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
         if index == 0:
             self.save(trainer, pl_module, 0)  # the start of the trajectory
+        elif trainer.is_global_zero:  # a resume: the points are of one history
+            self._set_aside_points_after(trainer, index)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

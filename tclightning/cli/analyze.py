@@ -81,6 +81,11 @@ def _names(pairs: list[str]) -> dict[str, str]:
         canonical, sep, yours = pair.partition("=")
         if not sep or not canonical or not yours:
             raise TclightningError(f"--name expects CANONICAL=YOURS, got {pair!r}")
+        # two mappings of one name: one of them would be dropped, and which one is a guess
+        if out.get(yours, canonical) != canonical:
+            raise TclightningError(f"--name {pair}: {yours!r} is already read as {out[yours]!r}")
+        if (other := next((y for y, c in out.items() if c == canonical and y != yours), None)) is not None:
+            raise TclightningError(f"--name {pair}: {canonical!r} is already read from {other!r}")
         out[yours] = canonical
     return out
 

@@ -3,7 +3,6 @@ health verdict (final state, first warning and first collapse with their rules, 
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tclightning.files import SameFolder, open_regular, regular_file, replace_text
-from tclightning.health.io import METRICS_MAX_BYTES
+from tclightning.health.io import METRICS_MAX_BYTES, metrics_rows
 
 HEALTH_LABELS = ("healthy", "warning", "collapsing")
 """``health/state`` values 0, 1, 2 by name."""
@@ -20,12 +19,13 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately). A row cut
-    short before its ``step`` cell (a crash in the middle of an append) is left out."""
+    short before its ``step`` cell (a crash in the middle of an append) is left out, and so is one
+    of more cells than the header (its cells cannot be told apart)."""
     merged: dict[int, dict[str, float]] = {}
     regular_file(path, "metrics", METRICS_MAX_BYTES)  # 8 GiB of rows: refused; a FIFO named, never opened
     with io.TextIOWrapper(open_regular(path, "metrics", METRICS_MAX_BYTES), newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row["step"] is None:
+        for row in metrics_rows(handle):
+            if row["step"] is None or None in row:
                 continue
             step = int(float(row["step"]))
             for key, value in row.items():

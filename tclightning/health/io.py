@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import re
 from collections.abc import Collection, Mapping
 from typing import IO
@@ -84,11 +85,22 @@ def _require_rows_at_most(path: Path, fh: IO[bytes], max_rows: int) -> None:
                                    "you want to look at")
 
 
+def metrics_rows(handle: IO[str]) -> csv.DictReader:
+    """The rows of a metrics CSV open as text, by the names of its header: its first line that is
+    not blank (the csv module took a blank first line for a header of no names, so every row was
+    read as nameless cells, and a resume kept none of them)."""
+    lines = iter(handle)
+    for line in lines:
+        if line.strip():
+            return csv.DictReader(itertools.chain([line], lines))
+    return csv.DictReader(iter(()))
+
+
 def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
     # utf-8-sig: a byte-order mark before the header (Excel writes one) is not part of the first name
     with io.TextIOWrapper(handle, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.DictReader(fh)
+        reader = metrics_rows(fh)
         if not reader.fieldnames or "step" not in reader.fieldnames:
             raise TclightningError(f"{path}: no 'step' column (columns: {', '.join(reader.fieldnames or [])})")
         header = reader.fieldnames

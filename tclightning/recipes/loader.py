@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-from omegaconf.nodes import BooleanNode, FloatNode, StringNode
+from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
 
 from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
@@ -394,6 +394,14 @@ def _refuse_foreign_digits(data: Any, source: str, override: str | None) -> None
                           file=source, key=key or None, override=override)
 
 
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _known_keys(node: Any) -> list[str]:
     return [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
 
@@ -466,6 +474,11 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         if value is not None and not isinstance(value, bool) and isinstance(_schema_node(base, key), BooleanNode):
             # OmegaConf would read "on", "yes", "1" or 1 as true: a switch (trust_remote_code!) is set by true or false
             raise RecipeError(f"expected true or false, got {value!r}", file=source, key=key, override=override)
+        if (isinstance(value, str) and "_" in value and _reads_as_number(value)
+                and isinstance(_schema_node(base, key), (FloatNode, IntegerNode))):
+            # Python's float() and int() skip an underscore between digits: 1e-4_0 would be 1e-40
+            raise RecipeError(f"'{shown(value)}' has an underscore in a number; write it without one",
+                              file=source, key=key, override=override)
         if (isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1024
                 and isinstance(_schema_node(base, key), FloatNode)):  # OmegaConf's float() would overflow
             raise RecipeError(f"expected a finite number, got an integer of {value.bit_length()} bits, past any float",

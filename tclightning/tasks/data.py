@@ -252,28 +252,40 @@ def _parquet_rows(path: Path, handle: IO[bytes]) -> list[dict[str, Any]]:
 
 def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
     """``datasets``' csv options that read every column of the file at ``path`` (``named`` as you
-    named it) as text (its header names them), or None (the builder's own inference, and its one
-    line) when the header cannot be read. A column named twice is refused: pandas took the first
-    and renamed the second (``answer.1``), silently."""
+    named it) as text (its header names them; only an empty cell is missing, ``NA`` or ``None`` is
+    text), or None (the builder's own inference, and its one line) when the header cannot be read.
+    A column named twice is refused (pandas took the first and renamed the second, ``answer.1``),
+    and so is a row of more cells than the header (pandas made its first cells an index and read
+    the rest shifted a column)."""
     import csv
 
     import datasets
 
+    header: list[str] | None = None
     try:
-        with open(path, encoding="utf-8-sig", newline="") as handle:  # pandas skips blank lines before it
-            header = next((row for row in csv.reader(handle) if row), None)
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            rows = (row for row in csv.reader(handle) if row)  # pandas skips blank lines
+            header = next(rows, None)
+            if not header:
+                return None
+            if len(header) > MAX_COLUMNS:
+                raise TclightningError(f"task data {named}: {len(header)} columns, more than the {MAX_COLUMNS} read "
+                                       "here")
+            twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+            if twice is not None:  # which of the two is meant is a guess, as for a .jsonl row's field given twice
+                raise TclightningError(f"task data {named}: the column {shown(twice)[:80]!r} appears twice in its "
+                                       "header")
+            longer = next((number for number, row in enumerate(rows, 1) if len(row) > len(header)), None)
     except (OSError, UnicodeDecodeError):  # datasets' own line says what it is
         return None
-    except csv.Error as err:  # a header field past the csv module's limit: its columns would be guessed
-        raise TclightningError(f"task data {named}: its header is no CSV line read here ({err})") from None
-    if not header:
-        return None
-    if len(header) > MAX_COLUMNS:
-        raise TclightningError(f"task data {named}: {len(header)} columns, more than the {MAX_COLUMNS} read here")
-    twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
-    if twice is not None:  # which of the two is meant is a guess, as for a .jsonl row's field given twice
-        raise TclightningError(f"task data {named}: the column {shown(twice)[:80]!r} appears twice in its header")
-    return {"features": datasets.Features({name: datasets.Value("string") for name in header})}
+    except csv.Error as err:  # a field past the csv module's limit: the columns would be guessed
+        where = "a row" if header else "its header"
+        raise TclightningError(f"task data {named}: {where} is no CSV line read here ({err})") from None
+    if longer is not None:
+        raise TclightningError(f"task data {named}: row {longer} has more cells than its header has columns "
+                               f"({len(header)})")
+    return {"features": datasets.Features({name: datasets.Value("string") for name in header}),
+            "keep_default_na": False, "na_values": [""]}
 
 
 @contextlib.contextmanager

@@ -167,31 +167,45 @@ def extract_boxed(text: str) -> str | None:
 
 
 def last_number(text: str) -> str | None:
-    """The last number in ``text`` as a plain string (``"1,234.5"`` -> ``"1234.5"``), or None."""
+    """The last number in ``text`` as a plain string (``"1,234.5"`` -> ``"1234.5"``), or None
+    (also when a scale word follows it: ``"72 thousand"`` is not 72)."""
     if not isinstance(text, str):
         return None
     found = None
-    for found in _NUMBER.finditer(_number_text(text)):
+    text = _number_text(text)
+    for found in _NUMBER.finditer(text):
         pass
-    return _plain(found.group()) if found else None
+    if found is None or _SCALE_WORD.match(text, found.end()):
+        return None
+    return _plain(found.group())
 
 
-def extract_gsm8k_answer(text: str) -> str | None:
-    """The GSM8K final answer: the number on the line after the last ``####``, or None.
+# Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72
+_NEGATION = re.compile(r"\b(?:not|no|nothing|never|isn't|isnt|cannot|can't|neither|nor)\b", re.IGNORECASE)
+_SCALE_WORD = re.compile(r"\s*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
 
-    Works on the dataset's ``answer`` field and on completions that copy its format.
-    ``"#### $1,000"`` -> ``"1000"``.
-    """
+
+def _stated(text: str, match: re.Match[str]) -> str | None:
+    """The number ``match`` found in ``text`` as the answer stated there, or None when a negation
+    comes before it or a scale word follows it (either makes it another number)."""
+    if _NEGATION.search(text, 0, match.start()) or _SCALE_WORD.match(text, match.end()):
+        return None
+    return _plain(match.group())
+
+
+def _after_hashes(text: str) -> tuple[str, re.Match[str] | None] | None:
+    """The line after the last ``####`` as the extractors read it and the first number on it;
+    None without a ``####``."""
     if not isinstance(text, str) or "####" not in text:
         return None
     tail = text.rsplit("####", 1)[1].strip()
-    line = tail.splitlines()[0] if tail else ""
-    match = _NUMBER.search(_number_text(line).replace("$", ""))
-    return _plain(match.group()) if match else None
+    line = _number_text(tail.splitlines()[0] if tail else "").replace("$", "")
+    return line, _NUMBER.search(line)
 
 
-def extract_answer_is(text: str) -> str | None:
-    """The number right after the last "answer is" (``"The answer is: $72."`` -> ``"72"``)."""
+def _after_answer_is(text: str) -> tuple[str, re.Match[str] | None] | None:
+    """What follows the last "answer is" and the number right after it (within 32 characters:
+    "the answer is that ... 17 steps later 12" is not an answer); None without an "answer is"."""
     if not isinstance(text, str):
         return None
     found = None
@@ -199,9 +213,26 @@ def extract_answer_is(text: str) -> str | None:
         pass
     if found is None:
         return None
-    # Only a short window: "the answer is that ... 17 steps later 12" is not an answer.
-    match = _NUMBER.search(_number_text(text[found.end() : found.end() + 32]))
-    return _plain(match.group()) if match else None
+    window = _number_text(text[found.end() : found.end() + 128])  # what follows the number too
+    match = _NUMBER.search(window)
+    return window, match if match is not None and match.start() < 32 else None
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The GSM8K final answer: the number on the line after the last ``####``, or None.
+
+    Works on the dataset's ``answer`` field and on completions that copy its format.
+    ``"#### $1,000"`` -> ``"1000"``; ``"#### not 72"`` and ``"#### 72 thousand"`` -> None.
+    """
+    found = _after_hashes(text)
+    return _stated(*found) if found is not None and found[1] is not None else None
+
+
+def extract_answer_is(text: str) -> str | None:
+    """The number right after the last "answer is" (``"The answer is: $72."`` -> ``"72"``; ``"The
+    answer is not 72"`` -> None)."""
+    found = _after_answer_is(text)
+    return _stated(*found) if found is not None and found[1] is not None else None
 
 
 # A boxed gsm8k answer is read whole: a number, with a currency sign, a percent sign or a unit in
@@ -239,11 +270,11 @@ def gsm8k_completion_answer(text: str) -> str | None:
         return _boxed_number(boxed)
     if isinstance(text, str) and _BOX_OPENER.search(text):
         return None
-    for extract in (extract_gsm8k_answer, extract_answer_is, last_number):
-        answer = extract(text)
-        if answer is not None:
-            return answer
-    return None
+    for find in (_after_hashes, _after_answer_is):
+        found = find(text)
+        if found is not None and found[1] is not None:  # a number stated as another ("not 72") is none
+            return _stated(*found)
+    return last_number(text)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -597,6 +628,8 @@ def _limited(timeout_s: float | None) -> bool:
 _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰⁴⁵⁶⁷⁸⁹]|[eE][+-]?\d)|0[xX][0-9a-fA-F]")
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A relation other than = with nothing on its left: math-verify reads \boxed{\geq 5} or \boxed{\ne 5} as 5
+_LEFTLESS_RELATION = re.compile(r"\s*(?:\\(?:neq?|geq?|leq?|gt|lt|not)(?![A-Za-z])|[<>\u2260\u2264\u2265]|!=)")
 
 
 # The LaTeX commands math-verify reads as part of a value. Any other one it may drop, keeping only
@@ -659,6 +692,8 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
             if _DIGIT_GAP in _mark_digit_gaps(boxed):
                 return 0.0  # "1 5", "1\\,5": two numbers; math-verify reads them as 15
+            if _LEFTLESS_RELATION.match(boxed):
+                return 0.0  # "\\geq 5", "\\ne 5", "< 5": a bound or an exclusion, which math-verify reads as 5
             if _foreign_command(boxed) is not None:
                 return 0.0  # math-verify drops what it does not know: \boxed{2 \ast 5} was 5
             pred_text = "\\boxed{" + boxed + "}"
