@@ -579,6 +579,19 @@ def test_a_csv_task_file_s_integer_answers_keep_every_digit(tmp_path: Path) -> N
     assert [row["question"] for row in rows] == ["q1", "q2", "q3"]
 
 
+@pytest.mark.parametrize("text", [" \nquestion,answer\nq,1\n", "\t\r\nquestion,answer\nq,1\n",
+                                  ",question,answer\n0,q,1\n", "question,answer,\nq,1,\n"],
+                         ids=["spaces-line-first", "tab-line-first", "pandas-index-column", "trailing-comma"])
+def test_a_csv_task_file_pandas_reads_is_read_with_its_column_names(text: str, tmp_path: Path) -> None:
+    """A line of white space before the header, or a header cell left empty (``DataFrame.to_csv``
+    writes its index so), was refused with a KeyError line naming a field " " or ""."""
+    from tclightning.tasks.data import read_rows
+
+    (tmp_path / "rows.csv").write_text(text)
+    (row,) = read_rows(tmp_path / "rows.csv")
+    assert (row["question"], row["answer"]) == ("q", "1")
+
+
 def test_a_csv_task_file_s_text_cells_are_text_however_they_read(tmp_path: Path) -> None:
     """pandas read the cells NA, None, null, NaN, n/a and #N/A as missing: a row whose answer is
     the word None was dropped as having none."""

@@ -264,8 +264,10 @@ def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
     header: list[str] | None = None
     try:
         with open(path, encoding="utf-8-sig", newline="") as handle:
-            rows = (row for row in csv.reader(handle) if row)  # pandas skips blank lines
+            rows = (row for row in csv.reader(handle) if any(cell.strip() for cell in row))  # pandas skips
+            # lines of nothing but white space, and names an empty header cell "Unnamed: <column>"
             header = next(rows, None)
+            header = header and [name or f"Unnamed: {i}" for i, name in enumerate(header)]
             if not header:
                 return None
             if len(header) > MAX_COLUMNS:
