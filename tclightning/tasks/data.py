@@ -21,6 +21,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
@@ -602,7 +603,7 @@ class DatasetTask(Task):
 
 def first_field(row: Row, *keys: str) -> str | None:
     """The first of ``keys`` that holds a non-empty string in ``row``, or a number (a JSON
-    ``"answer": 42`` is the text ``"42"``; a boolean is neither)."""
+    ``"answer": 42`` is the text ``"42"``, ``1e16`` is ``"10000000000000000"``; a boolean is neither)."""
     for key in keys:
         value = row.get(key)
         if isinstance(value, str) and value.strip():
@@ -610,5 +611,6 @@ def first_field(row: Row, *keys: str) -> str | None:
         if isinstance(value, int) and not isinstance(value, bool):  # any size: math.isfinite overflowed past 1e308
             return str(value)
         if isinstance(value, float) and math.isfinite(value):
-            return str(value)
+            # written out in digits: "1e+16" is e + 16 to math-verify (Euler's e)
+            return format(Decimal(repr(value)), "f")
     return None
