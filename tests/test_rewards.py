@@ -651,15 +651,24 @@ def test_a_gsm8k_gold_is_read_whole_or_the_row_is_skipped(answer: str, gold: str
     assert (parsed[1] if parsed else None) == gold
 
 
+@pytest.mark.parametrize("completion", ["#### 3+1", "#### 3-1", "#### 3!", "#### 3:1", "#### 3_8", "The answer is 3+0.",
+                                        "#### ±3", "The answer is \\pm 3", "#### ∓ 3"])
+def test_the_gsm8k_reward_reads_a_sum_a_factorial_or_a_plus_minus_as_no_plain_number(completion: str) -> None:
+    """Each was read by its first part (or without its ±) and scored 1.0 against 3."""
+    assert verify_gsm8k(completion, "3") == 0.0
+    assert verify_gsm8k("10 - 3", "3") == verify_gsm8k("#### 3", "3") == 1.0  # spaced: two numbers, the last 3
+
+
 @pytest.mark.parametrize("answer_at", ["first", "last"])
 def test_the_arithmetic_reward_reads_a_number_an_expression_continues_as_no_integer(answer_at: str) -> None:
     from tclightning.tasks import Example, TaskConfig, build_task
 
     task = build_task(TaskConfig(answer_at=answer_at))
     gold = Example("arithmetic/x/0", "40+45=", "85", "85")
-    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85"]
+    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85", "85+1", "85-1", "85!", "85:2",
+             "85_9", "±85", "\\pm 85"]
     if answer_at == "last":
-        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85"]
+        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85", "1+85", "100-85", "2:85"]
     for completion in wrong:
         assert task.reward(completion, gold) == 0.0, completion
     assert task.reward("85, then 86" if answer_at == "first" else "86, then 85", gold) == 1.0

@@ -74,9 +74,12 @@ _NUMERAL_CORE = r"(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+
 # ("0x1F") or a comma that groups no thousands ("12,34"). Read by its first part it scored 1.0
 # against that part (3, 10, 1, 0, 12). Such a run equals no plain number (``numbers_equal``),
 # except a plain fraction "a/b", which is compared exactly.
+# So is one a sum, a difference, a ratio or a base subscript joins unspaced ("3+1", "3-1", "3:1",
+# "52_8"), or a factorial ("3!"); "10 - 5", spaced, is two numbers. A number after a plus-minus sign
+# ("±5") is none of its values.
 _NUMBER = re.compile(
-    rf"-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
-    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+"
+    rf"(?<![\u00b1\u2213])-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
+    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+|!+|[+\-:_]{_NUMERAL_CORE}"
     rf"|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
     re.ASCII)
 NUMBER_PATTERN = _NUMBER
@@ -90,6 +93,7 @@ _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
+_PLUS_MINUS = re.compile(r"(?:\\pm|\\mp|[\u00b1\u2213])\s*")  # "\pm 5" and "± 5": "±5", which no value reads
 # Minus signs other than ASCII "-" that models and word processors write: U+2212 MINUS SIGN,
 # U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS, U+2796 HEAVY MINUS
 # SIGN, U+02D7 MODIFIER LETTER MINUS SIGN, U+207B / U+208B SUPERSCRIPT / SUBSCRIPT MINUS; and
@@ -127,11 +131,12 @@ def _plain(numeral: str) -> str:
     return numeral.replace(",", "") if _GROUPED.fullmatch(numeral) else numeral
 
 
-def _number_text(text: str) -> str:
+def number_text(text: str) -> str:
     """``text`` as the number extractors read it: every minus sign ASCII, no currency sign between
-    a minus and its digits (``"-$5"`` is -5) and LaTeX's ``{,}`` a thousands comma."""
+    a minus and its digits (``"-$5"`` is -5), LaTeX's ``{,}`` a thousands comma and a plus-minus
+    sign (``\\pm``, ``±``) joined to its number."""
     text = _SIGN_THEN_CURRENCY.sub("-", join_signs(normalize_minus(text)))
-    return text.replace("{,}", ",")
+    return _PLUS_MINUS.sub("\u00b1", text.replace("{,}", ","))
 
 
 def extract_boxed(text: str) -> str | None:
@@ -172,7 +177,7 @@ def last_number(text: str) -> str | None:
     if not isinstance(text, str):
         return None
     found = None
-    text = _number_text(text)
+    text = number_text(text)
     for found in _NUMBER.finditer(text):
         pass
     if found is None or _SCALE_WORD.match(text, found.end()):
@@ -199,7 +204,7 @@ def _after_hashes(text: str) -> tuple[str, re.Match[str] | None] | None:
     if not isinstance(text, str) or "####" not in text:
         return None
     tail = text.rsplit("####", 1)[1].strip()
-    line = _number_text(tail.splitlines()[0] if tail else "").replace("$", "")
+    line = number_text(tail.splitlines()[0] if tail else "").replace("$", "")
     return line, _NUMBER.search(line)
 
 
@@ -213,7 +218,7 @@ def _after_answer_is(text: str) -> tuple[str, re.Match[str] | None] | None:
         pass
     if found is None:
         return None
-    window = _number_text(text[found.end() : found.end() + 128])  # what follows the number too
+    window = number_text(text[found.end() : found.end() + 128])  # what follows the number too
     match = _NUMBER.search(window)
     return window, match if match is not None and match.start() < 32 else None
 
@@ -249,7 +254,7 @@ def _boxed_number(boxed: str) -> str | None:
     text = _BOX_UNIT.sub("", boxed.strip())
     if (whole := _BOX_WRAPPER.fullmatch(text.strip())) is not None:
         text = whole.group(1)
-    text = _number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    text = number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
     text = text.removesuffix(".").strip()  # the sentence's full stop
     if (frac := _BOX_FRAC.fullmatch(text)) is not None:
         negative = frac.group(1) == "-"
