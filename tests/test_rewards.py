@@ -715,6 +715,19 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
 
 
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{52}", "52_8", 0.0), (r"\boxed{52_9}", "52_8", 0.0), (r"\boxed{10001}", "10001_2", 0.0),
+    (r"\boxed{12_3}", "12", 0.0), (r"\boxed{101_{2}}", "101", 0.0), ("so it is 52.", "52_8", 0.0),
+    (r"\boxed{52_8}", "52_8", 1.0), (r"\boxed{52_{8}}", "52_8", 1.0), ("The answer is $52_{8}$.", "52_8", 1.0),
+    (r"\boxed{12_3}", "5", 1.0), (r"\boxed{x_1}", "x_1", 1.0), (r"\boxed{a_1 + a_2}", "a_2 + a_1", 1.0)],
+    ids=["plain-for-base-8", "base-9-for-base-8", "plain-for-base-2", "base-3-for-plain", "base-2-for-plain",
+         "unboxed-plain", "same", "braced", "unboxed-same", "by-value", "variable", "variables-reordered"])
+def test_the_math_reward_reads_a_base_subscript(completion: str, gold: str, reward: float) -> None:
+    """math-verify drops a base subscript: ``\\boxed{52}`` and ``\\boxed{52_9}`` scored 1.0 against
+    MATH-500's ``52_8`` (42), and ``\\boxed{12_3}`` 1.0 against 12."""
+    assert verify_math(completion, gold) == reward
+
+
 @pytest.mark.parametrize("boxed", [r"\geq 5", r"\ge 5", r"\ne 5", r"\neq 5", r"\leq 5", r"\le5", r"< 5", r">5",
                                    "\u2260 5", "\u2265 5", "!= 5", r"\not= 5", r"\gt 5", r"\lt 5"])
 def test_the_math_reward_refuses_a_relation_with_nothing_on_its_left(boxed: str) -> None:

@@ -633,6 +633,24 @@ def _limited(timeout_s: float | None) -> bool:
 _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰⁴⁵⁶⁷⁸⁹]|[eE][+-]?\d)|0[xX][0-9a-fA-F]")
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A number in another base ("52_8", "1011_{2}"): math-verify drops the subscript (52_9 and 52 were 52_8)
+_BASE_NUMERAL = re.compile(r"([0-9A-Za-z]+)_\{?([0-9]{1,2})\}?")
+
+
+def _base_form(text: str) -> str:
+    """A numeral with a base subscript as compared: no spaces, dollars or braces (``$52_{8}$`` -> ``52_8``)."""
+    return re.sub(r"[\s$]|\\[,;:! ]", "", text).rstrip(".").replace("{", "").replace("}", "")
+
+
+def _base_value(text: str) -> int | None:
+    """The value of a numeral with a base subscript from 2 to 36 (``12_3`` -> 5), or None."""
+    match = _BASE_NUMERAL.fullmatch(_base_form(text))
+    if match is None or not 2 <= int(match.group(2)) <= 36:
+        return None
+    try:
+        return int(match.group(1), int(match.group(2)))
+    except ValueError:  # a digit past its base
+        return None
 # A relation other than = with nothing on its left: math-verify reads \boxed{\geq 5} or \boxed{\ne 5} as 5
 _LEFTLESS_RELATION = re.compile(r"\s*(?:\\(?:neq?|geq?|leq?|gt|lt|not)(?![A-Za-z])|[<>\u2260\u2264\u2265]|!=)")
 
@@ -688,11 +706,16 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
         boxed = extract_boxed(completion)
+        in_base = _base_value(gold) is not None  # read as written only: no verifier knows bases
         if boxed is not None:
             if not boxed or len(boxed) > MAX_ANSWER_CHARS:
                 return 0.0
             if simple_math_equal(boxed, gold):
                 return 1.0
+            if in_base:  # written in the gold's base, digit for digit
+                return 1.0 if _base_form(boxed) == _base_form(gold) else 0.0
+            if (value := _base_value(boxed)) is not None:  # another base's numeral: by its value
+                return 1.0 if numbers_equal(str(value), gold) else 0.0
             if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
             if _DIGIT_GAP in _mark_digit_gaps(boxed):
@@ -705,6 +728,8 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
         else:
             pred_text = completion[-MAX_TAIL_CHARS:]
             final = _final_token(pred_text)
+            if in_base:
+                return 1.0 if final is not None and _base_form(final) == _base_form(gold) else 0.0
             if final is not None and "$" not in final and _CONTINUED_NUMBER.search(final):
                 # "3×10^3", "10²", "0x1F", "3e3": math-verify reads plain text's first digits (3, 10, 0, 3)
                 return 1.0 if simple_math_equal(final, gold) else 0.0
