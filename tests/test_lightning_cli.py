@@ -695,6 +695,16 @@ def test_a_fit_failure_that_is_not_the_input_s_is_shown_as_it_is_and_a_remote_on
     remote store that stopped answering mid-fit included) ended in a NameError traceback."""
     from tclightning.cli.lightning import _fit_failure
 
+    import socket
+
     assert _fit_failure(ZeroDivisionError("a bug")) is None  # a bug: shown in full, as it is
-    stalled = _fit_failure(TimeoutError("timed out"))
+    silent, _ = socket.socketpair()
+    silent.settimeout(0.01)
+    with silent, pytest.raises(TimeoutError) as read:
+        silent.makefile("rb").read(1)  # a peer that never answers
+    stalled = _fit_failure(read.value)
     assert stalled is not None and str(stalled).startswith("a remote store or server stopped answering")
+    # a timeout of your own (a callback's lock) was called a remote store's, its traceback hidden, and
+    # a ValueError of yours that says ckpt_path= a --ckpt_path problem
+    assert _fit_failure(TimeoutError("my lock took too long")) is None
+    assert _fit_failure(ValueError("my callback: ckpt_path=None is not supported here")) is None

@@ -262,8 +262,9 @@ def _fit_failure(err: Exception) -> TclightningError | None:
     if isinstance(err, (KeyError, RuntimeError)):
         return TclightningError(text[:300]) if "SaveConfigCallback" in str(err) else None
     if isinstance(err, ValueError):
-        # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
-        if "ckpt_path=" in text:
+        # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ... (raised by
+        # Lightning: your own ValueError that says ckpt_path= is yours, shown as it is)
+        if "ckpt_path=" in text and _raised_in_lightning(err):
             return TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)")
         built = _class_not_built(str(err))
         if built is not None:
@@ -276,6 +277,14 @@ def _fit_failure(err: Exception) -> TclightningError | None:
 
     reason = remote_failure(err)
     return None if reason is None else TclightningError(reason)
+
+
+def _raised_in_lightning(err: BaseException) -> bool:
+    """Whether ``err`` was raised in Lightning's own code (its innermost frame is Lightning's)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("lightning.")
 
 
 def _in_checkpoint_restore(err: BaseException) -> bool:
