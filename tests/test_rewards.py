@@ -715,6 +715,16 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
 
 
+def test_the_last_box_is_read_also_when_it_is_unbraced() -> None:
+    """``\\boxed{5} then \\boxed 7`` scored 1.0 against 5 (a lone ``\\boxed 7`` counts as 7); and
+    gsm8k's ``#### 5.00.00`` against 5."""
+    assert verify_math(r"\boxed{5} then \boxed 7", "5") == 0.0
+    assert verify_math(r"\boxed{5} then \boxed 7", "7") == verify_math(r"\boxed 7.", "7") == 1.0
+    assert verify_gsm8k(r"\boxed{5} then \boxed 7", "7") == 1.0
+    assert extract_boxed(r"\boxed{\boxed 3}") == r"\boxed 3" and extract_boxed("\\boxed") is None
+    assert verify_gsm8k("#### 5.00.00", "5") == 0.0 and verify_gsm8k("#### 5.00", "5") == 1.0
+
+
 @pytest.mark.parametrize("completion, gold, reward", [
     (r"\boxed{52}", "52_8", 0.0), (r"\boxed{52_9}", "52_8", 0.0), (r"\boxed{10001}", "10001_2", 0.0),
     (r"\boxed{12_3}", "12", 0.0), (r"\boxed{101_{2}}", "101", 0.0), ("so it is 52.", "52_8", 0.0),

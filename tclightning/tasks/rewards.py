@@ -63,6 +63,7 @@ MAX_TAIL_CHARS = 4000
 # (\{ \} \\ ... : skipped, so LaTeX set braces do not count), or a bare brace. finditer
 # jumps over everything else in C, so a megabyte of text costs milliseconds.
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
+_UNBRACED_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?!\s*\{)")  # LaTeX's one-token argument: "\boxed 7"
 # ASCII digits only (re.ASCII): the answers are ASCII, and Python's int()/Decimal() would
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 # A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
@@ -140,7 +141,8 @@ def number_text(text: str) -> str:
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced.
+    """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, or the
+    word after the last ``\\boxed`` when that one is unbraced (``\\boxed 7``).
 
     Nested boxes resolve to the outer one. Returns ``None`` when there is none, or when a
     box is left unclosed (a truncated or malformed final answer is no answer). Escaped
@@ -166,9 +168,15 @@ def extract_boxed(text: str) -> str | None:
         elif token[-1] == "{" and len(token) > 2:  # \boxed{ or \fbox{ (not the escape "\{")
             stack.append(m.end())
             open_boxes += 1
-    if open_boxes or last is None:
+    if open_boxes:
         return None
-    return text[last[0] : last[1]].strip()
+    unbraced = None
+    for unbraced in _UNBRACED_BOX.finditer(text, 0 if last is None else last[1]):
+        pass
+    if unbraced is not None:  # the last box is unbraced: its word ("\boxed{5} then \boxed 7" was 5)
+        word = text[unbraced.end():].split(None, 1)
+        return word[0].rstrip(".,;:$") or None if word else None
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def last_number(text: str) -> str | None:
@@ -193,8 +201,9 @@ _SCALE_WORD = re.compile(r"\s*(?:hundred|thousand|million|billion|trillion|dozen
 def _stated(text: str, match: re.Match[str]) -> str | None:
     """The number ``match`` found in ``text`` as the answer stated there, or None when a negation
     comes before it or a scale word follows it (either makes it another number)."""
-    if _NEGATION.search(text, 0, match.start()) or _SCALE_WORD.match(text, match.end()):
-        return None
+    if (_NEGATION.search(text, 0, match.start()) or _SCALE_WORD.match(text, match.end())
+            or text.startswith(".", match.end()) and text[match.end() + 1 : match.end() + 2].isdigit()):
+        return None  # "5.00.00" is no number
     return _plain(match.group())
 
 
