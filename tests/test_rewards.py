@@ -426,6 +426,29 @@ print(run_with_alarm(work, 5.0), flush=True)
     assert time.monotonic() - started < 8.0
 
 
+def test_the_limit_holds_where_the_program_blocks_sigalrm() -> None:
+    """With SIGALRM blocked in the main thread (``pthread_sigmask``, or a mask inherited across
+    ``exec``), the alarm never came: a reward's limit, and every other one, never fired."""
+    import subprocess
+
+    child = """
+import signal, time
+from tclightning.limits import waited_on
+from tclightning.tasks.rewards import verify_math
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+start = time.monotonic()
+print(verify_math(r"\\boxed{9^{9^{9}}}", "2", timeout_s=1.0), flush=True)
+try:
+    waited_on(lambda: time.sleep(30), 1.0)
+except TimeoutError:
+    print("timed out", flush=True)
+print(f"{time.monotonic() - start:.1f}", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    score, timed_out, took = done.stdout.split("\n")[:3]
+    assert (score, timed_out) == ("0.0", "timed out") and float(took) < 30, done.stdout + done.stderr
+
+
 def test_a_program_s_limit_the_work_swallows_leaves_ours_armed() -> None:
     """A program's one-shot limit whose exception the work drops (math-verify and sympy catch
     ``Exception``): the limit's own alarm was no longer armed after it, and the work ran on."""
