@@ -130,6 +130,11 @@ CASES: dict[str, Case] = {
     # a header of 100k columns over 101 rows: ten million cells to parse (counted before parsing)
     "analyze-health-too-many-cells": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "10,000,000 cells"), {
         "m.csv": ("step," + ",".join(f"c{i}" for i in range(100_000)) + "\n").encode() + b"0\n" * 101}),
+    # the same after a byte-order mark and blank lines: counted as 1 column, the count was passed
+    "analyze-health-too-many-cells-after-blank-lines": Case(
+        ("analyze", "health", "{tmp}/m.csv"), ("m.csv", "10,000,000 cells"),
+        {"m.csv": b"\xef\xbb\xbf\n \r\n" + ("step," + ",".join(f"c{i}" for i in range(100_000)) + "\n").encode()
+         + b"0\n" * 101}),
     # more trajectory points than analysed (counted before any is read)
     "analyze-trajectory-too-many-points": Case(("analyze", "trajectory", "{tmp}/t", "--out", "{tmp}/o"),
                                                ("2001 trajectory points", "2000"),
