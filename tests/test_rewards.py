@@ -652,15 +652,18 @@ def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completio
 
 @pytest.mark.parametrize("completion", [
     "#### not 72", "#### 72 thousand", "The answer is not 72.", "The answer is 72 thousand dollars",
-    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "#### no more than 72",
+    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "The answer is: not 72",
     "The answer is 72 dozen", "So x isn't 72. #### not 72"])
 def test_the_gsm8k_reward_reads_a_number_a_word_makes_another_as_no_answer(completion: str) -> None:
     """Each was read as 72 and scored 1.0 against it: a negation before the stated number, or a
     scale word after it, makes it another number (a word's other reading is no answer either)."""
     assert verify_gsm8k(completion, "72") == 0.0
     assert verify_gsm8k(completion, "72000") == 0.0
-    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73"):
-        assert verify_gsm8k(plain, "72") == 1.0
+    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73",
+                  # a negation counts right before the number, a scale word right after it on its line
+                  "The answer is no doubt 72.", "The answer is nothing less than 72", "The answer is not 73 but 72",
+                  "The answer is: 72\n\nThousands of people agree.", r"\boxed{-\frac{-144}{2}}"):
+        assert verify_gsm8k(plain, "72") == 1.0, plain
 
 
 @pytest.mark.parametrize("answer, gold", [

@@ -193,43 +193,52 @@ def last_number(text: str) -> str | None:
     return _plain(found.group())
 
 
-# Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72
-_NEGATION = re.compile(r"\b(?:not|no|nothing|never|isn't|isnt|cannot|can't|neither|nor)\b", re.IGNORECASE)
-_SCALE_WORD = re.compile(r"\s*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
+# Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72.
+# A negation counts right before the number; a scale word right after it, on its line.
+_NEGATED = re.compile(r"\b(?:not|no|never|isn't|isnt|nor)[\s:$]*$", re.IGNORECASE)
+_SCALE_WORD = re.compile(r"[ \t]*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
 
 
-def _stated(text: str, match: re.Match[str]) -> str | None:
-    """The number ``match`` found in ``text`` as the answer stated there, or None when a negation
-    comes before it or a scale word follows it (either makes it another number)."""
-    if (_NEGATION.search(text, 0, match.start()) or _SCALE_WORD.match(text, match.end())
-            or text.startswith(".", match.end()) and text[match.end() + 1 : match.end() + 2].isdigit()):
-        return None  # "5.00.00" is no number
-    return _plain(match.group())
+def _stated(text: str, within: int) -> tuple[bool, str | None]:
+    """``(found, answer)`` for the number a statement's ``text`` gives: the first one starting
+    before ``within`` that no negation comes right before (``"not 73 but 72"`` is 72); ``answer``
+    None when a scale word follows it or a decimal point continues it (``"72 thousand"``,
+    ``"5.00.00"``: another number, or none). ``found`` False when ``text`` states no number there."""
+    found = False
+    for match in _NUMBER.finditer(text):
+        if match.start() >= within:
+            break
+        found = True
+        if _NEGATED.search(text, 0, match.start()):
+            continue
+        end = match.end()
+        if _SCALE_WORD.match(text, end) or text.startswith(".", end) and text[end + 1 : end + 2].isdigit():
+            return True, None
+        return True, _plain(match.group())
+    return found, None
 
 
-def _after_hashes(text: str) -> tuple[str, re.Match[str] | None] | None:
-    """The line after the last ``####`` as the extractors read it and the first number on it;
-    None without a ``####``."""
+def _after_hashes(text: str) -> str | None:
+    """The line after the last ``####``, as the extractors read it; None without a ``####``."""
     if not isinstance(text, str) or "####" not in text:
         return None
     tail = text.rsplit("####", 1)[1].strip()
-    line = number_text(tail.splitlines()[0] if tail else "").replace("$", "")
-    return line, _NUMBER.search(line)
+    return number_text(tail.splitlines()[0] if tail else "").replace("$", "")
 
 
-def _after_answer_is(text: str) -> tuple[str, re.Match[str] | None] | None:
-    """What follows the last "answer is" and the number right after it (within 32 characters:
-    "the answer is that ... 17 steps later 12" is not an answer); None without an "answer is"."""
+def _after_answer_is(text: str) -> str | None:
+    """What follows the last "answer is", as the extractors read it; None without one."""
     if not isinstance(text, str):
         return None
     found = None
     for found in _ANSWER_IS.finditer(text):
         pass
-    if found is None:
-        return None
-    window = number_text(text[found.end() : found.end() + 128])  # what follows the number too
-    match = _NUMBER.search(window)
-    return window, match if match is not None and match.start() < 32 else None
+    return None if found is None else number_text(text[found.end() : found.end() + 128])
+
+
+_STATEMENTS = ((_after_hashes, 1 << 30), (_after_answer_is, 32))
+"""Where a completion states its answer, and how far in the number must start ("the answer is that
+... 17 steps later 12" is no answer)."""
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -238,15 +247,15 @@ def extract_gsm8k_answer(text: str) -> str | None:
     Works on the dataset's ``answer`` field and on completions that copy its format.
     ``"#### $1,000"`` -> ``"1000"``; ``"#### not 72"`` and ``"#### 72 thousand"`` -> None.
     """
-    found = _after_hashes(text)
-    return _stated(*found) if found is not None and found[1] is not None else None
+    line = _after_hashes(text)
+    return None if line is None else _stated(line, len(line))[1]
 
 
 def extract_answer_is(text: str) -> str | None:
     """The number right after the last "answer is" (``"The answer is: $72."`` -> ``"72"``; ``"The
     answer is not 72"`` -> None)."""
-    found = _after_answer_is(text)
-    return _stated(*found) if found is not None and found[1] is not None else None
+    window = _after_answer_is(text)
+    return None if window is None else _stated(window, 32)[1]
 
 
 # A boxed gsm8k answer is read whole: a number, with a currency sign, a percent sign or a unit in
@@ -265,9 +274,9 @@ def _boxed_number(boxed: str) -> str | None:
         text = whole.group(1)
     text = number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
     text = text.removesuffix(".").strip()  # the sentence's full stop
-    if (frac := _BOX_FRAC.fullmatch(text)) is not None:
-        negative = frac.group(1) == "-"
-        return f"{'-' if negative else ''}{frac.group(2)}/{frac.group(3)}"
+    if (frac := _BOX_FRAC.fullmatch(text)) is not None:  # its signs as one: -\frac{-144}{2} is 72
+        signs = [frac.group(1), frac.group(2)[:1], frac.group(3)[:1]].count("-")
+        return f"{'-' * (signs % 2)}{frac.group(2).lstrip('-')}/{frac.group(3).lstrip('-')}"
     return _plain(text) if _NUMBER.fullmatch(text) else None
 
 
@@ -284,10 +293,12 @@ def gsm8k_completion_answer(text: str) -> str | None:
         return _boxed_number(boxed)
     if isinstance(text, str) and _BOX_OPENER.search(text):
         return None
-    for find in (_after_hashes, _after_answer_is):
-        found = find(text)
-        if found is not None and found[1] is not None:  # a number stated as another ("not 72") is none
-            return _stated(*found)
+    for find, within in _STATEMENTS:
+        statement = find(text)
+        if statement is not None:
+            found, answer = _stated(statement, within)
+            if found:  # a number stated as another ("not 72", "72 thousand") is no answer
+                return answer
     return last_number(text)
 
 
