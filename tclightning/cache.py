@@ -12,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tclightning.files import HeldFolder, remove_tree
+from tclightning.processes import process_running
 
 CACHE_ENV = "TCLIGHTNING_CACHE"
 NO_CACHE_ENV = "TCLIGHTNING_NO_CACHE"
@@ -98,7 +101,9 @@ class DirectoryCache:
         reason for a run to fail)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.directory))
+            self._clear_abandoned(key)
+            # named after this process: one a killed writer left is found, and removed, by the next
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.{os.getpid()}-", dir=self.directory))
         except OSError as err:
             return err.strerror or str(err)
         why = None
@@ -122,6 +127,15 @@ class DirectoryCache:
         except OSError as err:  # the disk is full, or another process renamed its copy into place first
             why = err.strerror or str(err)
         return None if self.get(key) is not None else why or "the entry did not appear"
+
+    def _clear_abandoned(self, key: str) -> None:
+        """Remove the folders a writer of ``key`` killed part-way left (a full copy of the weights
+        each): named as :meth:`put` names them, after a process that is no longer running."""
+        staged = re.compile(re.escape(f".{key}.") + r"([0-9]+)-[a-z0-9_]+")
+        for folder in self.directory.glob(f".{glob_escape(key)}.*"):
+            named = staged.fullmatch(folder.name)
+            if named and folder.is_dir() and not folder.is_symlink() and not process_running(int(named[1])):
+                remove_tree(folder)
 
     def put_back(self, key: str, tmp: Path) -> None:
         """Move the folder at the entry (someone's, renamed to the temporary name ``tmp`` as that

@@ -28,6 +28,7 @@ from typing import Any
 from tclightning.errors import StorageError, TclightningError
 from tclightning.files import (HeldFolder, current_umask, entry_identity, exchange, in_the_way, open_regular, own_file,
                               refused_by_storage, require_writable, storage_reason)
+from tclightning.processes import process_running
 
 POLICY_PREFIX = "policy."
 PROVENANCE_FILE = "tclightning_export.json"
@@ -455,7 +456,7 @@ def clear_abandoned_staging(target: Path) -> None:
     staging_name = re.compile(re.escape(marker) + r"([0-9]+)-[a-z0-9_]+")
     for folder in parent.glob(f"{glob_escape(marker)}*"):
         named = staging_name.fullmatch(folder.name)
-        if not (named and folder.is_dir() and not folder.is_symlink() and not _running(int(named[1]))):
+        if not (named and folder.is_dir() and not folder.is_symlink() and not process_running(int(named[1]))):
             continue
         if (folder / REPLACED_MARKER).is_file():  # an old export swapped out (a stray staging marker in it
             # too, left by an export killed after its swap): only the files its record lists are its own
@@ -500,16 +501,6 @@ def remove_export(folder: Path, own: frozenset[str] | None = None) -> None:
                 entry.unlink()
     with contextlib.suppress(OSError):
         folder.rmdir()
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process (or no pid at all: a folder of someone's)
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 __all__ = ["ExportSource", "export_policy", "find_checkpoint", "policy_from_checkpoint"]

@@ -17,8 +17,11 @@ T = TypeVar("T")
 
 
 def can_use_alarm() -> bool:
-    """Whether :func:`run_with_alarm` works here (POSIX, main thread: signals reach no other)."""
-    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    """Whether :func:`run_with_alarm` works here: POSIX, the main thread (signals reach no other),
+    and SIGALRM not blocked in it (a program's ``pthread_sigmask``, or a mask inherited across
+    ``exec``: the alarm never came, and the limit never fired)."""
+    return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+            and signal.SIGALRM not in signal.pthread_sigmask(signal.SIG_BLOCK, ()))
 
 
 class _Timeout(BaseException):

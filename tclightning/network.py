@@ -335,6 +335,26 @@ def _bound_webhdfs_requests() -> Callable[[], None] | None:
     return unbound
 
 
+_NETWORK_PACKAGES = frozenset({"socket", "ssl", "http", "urllib", "urllib3", "requests", "aiohttp", "httpx", "httpcore",
+                               "fsspec", "s3fs", "gcsfs", "adlfs", "botocore", "mlflow", "wandb", "huggingface_hub"})
+
+
+def _raised_in_network_code(err: BaseException) -> bool:
+    """Whether ``err``, or an exception it was raised from or while handling, passed through a
+    frame of the standard library's or a client library's network code."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            if str(tb.tb_frame.f_globals.get("__name__", "")).partition(".")[0] in _NETWORK_PACKAGES:
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def remote_failure(err: BaseException) -> str | None:
     """One line for ``err`` when it is a remote store or server that stopped answering or failed
     mid-command (a request past its time limit, a connection lost, MLflow's server refusing), else
@@ -345,7 +365,7 @@ def remote_failure(err: BaseException) -> str | None:
     mlflow_exceptions = sys.modules.get("mlflow.exceptions")
     remote = (TimeoutError, *(() if requests_exceptions is None else (requests_exceptions.RequestException,)),
               *(() if mlflow_exceptions is None else (mlflow_exceptions.MlflowException,)))
-    if not isinstance(err, remote):
-        return None
+    if not isinstance(err, remote) or isinstance(err, TimeoutError) and not _raised_in_network_code(err):
+        return None  # a timeout of your own code's (a lock, a callback's limit) is shown as it is
     detail = " ".join(str(err).split())[:200] or type(err).__name__
     return f"a remote store or server stopped answering or failed ({type(err).__name__}: {detail})"

@@ -15,6 +15,18 @@ from collections.abc import Iterator, Mapping
 SAFE_PATH = {"PYTHONSAFEPATH": "1"}
 
 
+def process_running(pid: int) -> bool:
+    """Whether a process ``pid`` is running (someone else's counts): a folder named after a process
+    that is not is one a killed writer left."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # no such process (or no pid at all: a folder of someone's)
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 def child_environment(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     """``base`` (``os.environ``) with ``PYTHONSAFEPATH=1`` and ``extra``: the environment for a
     process started by ``subprocess``."""

@@ -116,6 +116,8 @@ def plan_run(recipe: RecipeConfig, resume: str | None) -> RunPlan:
     requested = Path(os.path.realpath(requested.parent.parent)) / requested.parent.name / requested.name
     run_dir = requested.parent.parent
     in_place = requested.parent.name == "checkpoints" and (run_dir / RUN_MARKER).is_file() and _own_file(requested)
+    if in_place:
+        require_readable_rows(run_dir / "metrics.csv")
     ckpt, step, notices = readable_checkpoint(requested, _last_logged_step(run_dir / "metrics.csv") if in_place else None)
     if in_place:
         for path in _run_entries(run_dir):  # a link would carry the resume's writes out of the run directory
@@ -235,6 +237,22 @@ def readable_checkpoint(requested: Path, bound: int | None = None) -> tuple[Path
         return path, step, (f"{requested} is {why}; resuming from {path.name} (step {step}), the newest "
                             "readable step checkpoint",)
     raise TclightningError(f"{failure}; and no readable step-*.ckpt beside it to fall back to") from None
+
+
+def require_readable_rows(metrics: Path) -> None:
+    """Refuse (one line) to resume a run whose ``metrics.csv`` its rows cannot be continued from: no
+    ``step`` column (a byte-order mark or a spreadsheet's separator moved it), a damaged row, a step
+    that is no whole number. The resume rewrote such a file keeping none of its rows, or trained a
+    step and then ended in a traceback. A last row a crash cut short is dropped by the resume, as
+    ever."""
+    from tclightning.health.io import read_metrics_csv
+
+    if metrics.is_file():
+        try:
+            read_metrics_csv(metrics, cut_last_row=True)
+        except TclightningError as err:
+            raise TclightningError(f"--resume: {err}; the resume continues the rows of metrics.csv: put the file "
+                                   "right (or move it away) and resume again; nothing was written") from None
 
 
 def _last_logged_step(metrics: Path) -> int | None:

@@ -130,6 +130,11 @@ CASES: dict[str, Case] = {
     # a header of 100k columns over 101 rows: ten million cells to parse (counted before parsing)
     "analyze-health-too-many-cells": Case(("analyze", "health", "{tmp}/m.csv"), ("m.csv", "10,000,000 cells"), {
         "m.csv": ("step," + ",".join(f"c{i}" for i in range(100_000)) + "\n").encode() + b"0\n" * 101}),
+    # the same after a byte-order mark and blank lines: counted as 1 column, the count was passed
+    "analyze-health-too-many-cells-after-blank-lines": Case(
+        ("analyze", "health", "{tmp}/m.csv"), ("m.csv", "10,000,000 cells"),
+        {"m.csv": b"\xef\xbb\xbf\n \r\n" + ("step," + ",".join(f"c{i}" for i in range(100_000)) + "\n").encode()
+         + b"0\n" * 101}),
     # more trajectory points than analysed (counted before any is read)
     "analyze-trajectory-too-many-points": Case(("analyze", "trajectory", "{tmp}/t", "--out", "{tmp}/o"),
                                                ("2001 trajectory points", "2000"),
@@ -195,6 +200,11 @@ CASES: dict[str, Case] = {
     # float() skips an underscore between digits: 1e-4_0 was taken as 1e-40
     "lr-underscore-in-exponent": override("grpo.lr=1e-4_0", names=("grpo.lr", "underscore in a number")),
     "file-lr-underscore-in-exponent": recipe(BASE + "grpo: {lr: \"1e-4_0\"}\n", "key 'grpo.lr'", "underscore in a number"),
+    # YAML 1.1 itself reads these as numbers, skipping the underscores (1_000 was 1000, 1__0 was 10)
+    "lr-underscore-yaml-number": override("grpo.lr=1_000", names=("grpo.lr=1_000", "its underscores skipped")),
+    "temperature-underscore-yaml-float": override("sampler.temperature=1_0.5", names=("1_0.5", "underscores skipped")),
+    "file-steps-underscore-yaml-number": recipe(BASE + "trainer: {steps: 1__0}\n", "'1__0'", "underscores skipped"),
+    "clip-underscore-in-a-list": override("grpo.clip=[0.2,1e-1_0]", names=("grpo.clip", "underscore in a number")),
     "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
                                 {"afile": b"not a folder\n"}),
     # a store's URL was taken as the relative folder ./s3:/b/r

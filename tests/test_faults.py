@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import random
 import shutil
 import signal
@@ -461,10 +462,12 @@ def test_metrics_csv_is_only_ever_replaced_whole(tmp_path: Path, monkeypatch: py
     assert [(r["step"], r["a"], r["b"]) for r in rows] == [("0", "0.0", ""), ("1", "1.0", ""), ("2", "2.5", "7.0")]
 
 
-@pytest.mark.parametrize("before", ["\n", " \n\r\n"])
+@pytest.mark.parametrize("before", ["\n", " \n\r\n", "\ufeff", "\ufeff\n"],
+                         ids=["blank-line", "white-space-lines", "byte-order-mark", "byte-order-mark-then-blank-line"])
 def test_a_resume_keeps_the_rows_of_a_metrics_csv_that_starts_with_a_blank_line(before: str, tmp_path: Path) -> None:
-    """A blank first line (an editor's, a tool's) was read as a header of no names: the resume kept
-    none of the earlier steps' rows, and the summary and ``analyze health`` read none."""
+    """A blank first line (an editor's, a tool's), or a byte-order mark and one, was read as a header
+    of no names: the resume kept none of the earlier steps' rows, and the summary and ``analyze
+    health`` read none (a mark alone made the first column ``\\ufeffreward/mean``)."""
     import tclightning.logging as run_logging
     from tclightning.grpo.summary import read_metrics
     from tclightning.health.io import read_run
@@ -479,14 +482,39 @@ def test_a_resume_keeps_the_rows_of_a_metrics_csv_that_starts_with_a_blank_line(
     assert read_metrics(path) == {0: {"reward/mean": 0.25}, 1: {"reward/mean": 0.5}, 2: {"reward/mean": 0.875}}
 
 
+@pytest.mark.parametrize("text, said", [
+    ("Step,reward/mean\n0,0.5\n1,0.5\n", "no 'step' column"),  # a spreadsheet's capital
+    ("step;reward/mean\n0;0.5\n1;0.5\n", "no 'step' column"),  # a spreadsheet's separator
+    ("step,reward/mean\n0,0.5\nabc,0.5\n2,0.5\n", ":3: step 'abc' is not a number"),
+    ("step,reward/mean\n0,0.5\n1,0.5,x\n2,0.5\n", ":3: 3 cells where the header names 2 columns"),
+    ("step,reward/mean\n0,0.5\n1e400,0.5\n", ":3: step '1e400' is not a number"),
+    ("step,step\n0,0\n", "the column 'step' appears twice"),
+], ids=["capital-step", "semicolons", "step-no-number", "row-longer", "step-overflow", "step-twice"])
+def test_a_resume_refuses_a_metrics_csv_it_cannot_continue_in_one_line(text: str, said: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``metrics.csv`` whose rows the resume cannot continue: it was rewritten keeping none of its
+    rows, or the resume trained a step and ended in a traceback (every later resume too)."""
+    from tclightning.run import require_readable_rows
+
+    path = tmp_path / "metrics.csv"
+    path.write_text(text)
+    with pytest.raises(TclightningError, match=f"--resume: .*{re.escape(said)}.*nothing was written"):
+        require_readable_rows(path)
+    path.write_bytes(text.encode("utf-16"))  # another encoding
+    with pytest.raises(TclightningError, match="not a CSV text file"):
+        require_readable_rows(path)
+    path.write_text("step,reward/mean\n0,0.5\n1,0.")  # a last row a crash cut short: the resume drops it
+    require_readable_rows(path)
+
+
 def test_a_metrics_row_of_more_cells_than_the_header_is_left_out_of_the_summary(tmp_path: Path) -> None:
     """A row appended under an older header (a full disk failed the rewrite adding its columns) made
     the failure handler's summary a TypeError traceback: its extra cells came as a list."""
     from tclightning.grpo.summary import read_metrics
 
     path = tmp_path / "metrics.csv"
-    path.write_text("step,val/accuracy\n0,0.5\n0,1.0,2.0,3.0\n1,0.75\n")
-    assert read_metrics(path) == {0: {"val/accuracy": 0.5}, 1: {"val/accuracy": 0.75}}
+    path.write_text("step,val/accuracy\n0,0.5\n0,1.0,2.0,3.0\n1,0.75\nabc,0.9\n2,\x00\n")
+    assert read_metrics(path) == {0: {"val/accuracy": 0.5}, 1: {"val/accuracy": 0.75}}  # nor damaged cells
 
 
 def test_a_metrics_row_cut_short_by_a_crash_is_dropped_by_the_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -503,3 +531,17 @@ def test_a_metrics_row_cut_short_by_a_crash_is_dropped_by_the_resume(tmp_path: P
     with (run_dir / "metrics.csv").open(newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert [row["step"] for row in rows] == ["0", "1", "2", "3", "4"] and all(None not in row.values() for row in rows)
+    # a damaged row: one line before anything is written (a step was trained, then a traceback)
+    rows[3]["step"] = "abc"
+    with (run_dir / "metrics.csv").open("w", newline="") as handle:
+        out = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        out.writeheader()
+        out.writerows(rows)
+    damaged = (run_dir / "metrics.csv").read_text()
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main([*base, "trainer.steps=7", "--quiet", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 'abc' is not a number" in err[0], err
+    assert (run_dir / "metrics.csv").read_text() == damaged
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before

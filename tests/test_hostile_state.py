@@ -79,7 +79,11 @@ def _resume(copied: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list
     (lambda c: c["lr_schedulers"][0].__setitem__("_last_lr", [1e9]), ("last reported 1000000000.0",)),
     (lambda c: [g.__setitem__("initial_lr", 1.0) for g in c["optimizer_states"][0]["param_groups"]],
      ("base learning rate is 1.0",)),
-], ids=["rng", "no-optimizer-state", "bool-weight", "loop-counter", "lr", "adam-step", "last-lr", "base-lr"])
+    # the schedule steps with each optimizer step: -100 trained at a negative learning rate
+    (lambda c: c["lr_schedulers"][0].__setitem__("last_epoch", -100), ("schedule is at tick -100",)),
+    (lambda c: c["lr_schedulers"][0].__setitem__("last_epoch", 10**12), ("schedule is at tick 1000000000000",)),
+], ids=["rng", "no-optimizer-state", "bool-weight", "loop-counter", "lr", "adam-step", "last-lr", "base-lr",
+        "schedule-negative", "schedule-past"])
 def test_a_refused_resume_leaves_the_run_directory_as_it_was(
         run_dir: Path, tmp_path: Path, edit, names: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     copied = _crafted(run_dir, tmp_path, edit)
@@ -89,6 +93,21 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(
     for name in names:
         assert name in err[0], err
     assert _snapshot(copied) == before  # recipe.yaml, hparams.yaml, metrics.csv and tb/ untouched
+
+
+def test_a_resume_trains_with_the_recipe_s_adamw_settings(run_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint's ``maximize`` trained by gradient ascent without a word, its ``eps`` and
+    ``weight_decay`` were taken as they were, and its ``amsgrad`` or ``capturable`` ended the first
+    step in a traceback: every setting but the rates is the recipe's."""
+    crafted = {"maximize": True, "amsgrad": True, "capturable": True, "eps": 1e30, "weight_decay": 0.5,
+               "betas": (0.0, 0.0)}
+    copied = _crafted(run_dir, tmp_path, lambda c: [g.update(crafted) for g in c["optimizer_states"][0]["param_groups"]])
+    code, err = _resume(copied, capsys)
+    assert code == 0 and not err, err
+    (group,) = torch.load(copied / "checkpoints" / "last.ckpt", weights_only=False)["optimizer_states"][0]["param_groups"]
+    assert (group["maximize"], group["amsgrad"], group["capturable"], group["eps"], group["weight_decay"]) == \
+        (False, False, False, 1e-8, 0.0) and tuple(group["betas"]) == (0.9, 0.99)
 
 
 @pytest.mark.parametrize("edit, names", [

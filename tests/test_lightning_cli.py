@@ -150,6 +150,36 @@ def test_a_ckpt_path_s_hyper_parameters_never_name_a_class_or_turn_on_remote_cod
     assert "antigravity" not in sys.modules
 
 
+@pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
+def test_a_ckpt_path_lightning_fit_wrote_resumes_the_model_given(tmp_path, monkeypatch, capsys):
+    """LightningCLI records the class it built as ``_class_path`` in every checkpoint of a module that
+    saves its hyper-parameters: each was refused as naming a class, though --model gave that class.
+    Hyper-parameters that do not fit --model are one line (jsonargparse's usage text, before)."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_config.yaml").write_text(MY_CONFIG)
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml"]) == 0
+    (written,) = tmp_path.rglob("*.ckpt")
+    checkpoint = torch.load(written, weights_only=False)
+    checkpoint["hyper_parameters"] = {"_class_path": "lightning.pytorch.demos.boring_classes.BoringModel",
+                                      "_instantiator": "lightning.pytorch.cli.instantiate_module"}
+    torch.save(checkpoint, tmp_path / "mine.ckpt")
+    argv = ["fit", "--config", "my_config.yaml", "--trainer.max_steps=3", "--ckpt_path", "mine.ckpt"]
+    assert lightning_cli.main(argv) == 0, capsys.readouterr().err
+    checkpoint["hyper_parameters"]["_class_path"] = "lightning.pytorch.demos.boring_classes.DemoModel"  # not --model's
+    torch.save(checkpoint, tmp_path / "other.ckpt")
+    assert lightning_cli.main([*argv[:-1], "other.ckpt"]) == 2
+    assert "by name (_class_path)" in capsys.readouterr().err
+    checkpoint["hyper_parameters"] = {"act": "torch.relu"}
+    torch.save(checkpoint, tmp_path / "unfit.ckpt")
+    capsys.readouterr()
+    assert lightning_cli.main([*argv[:-1], "unfit.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --ckpt_path unfit.ckpt: its hyper-parameters (act) are no arguments of --model "
+                   "lightning.pytorch.demos.boring_classes.BoringModel; nothing was built"], err
+
+
 @pytest.mark.parametrize("ckpt_path, said", [
     ("http://127.0.0.1:9/x.ckpt", "only a local checkpoint file"),
     ("simplecache::file:///x.ckpt", "only a local checkpoint file"),
@@ -557,10 +587,10 @@ def test_a_ckpt_path_is_read_for_its_hyper_parameters_once_checked_never_again_b
     (tmp_path / "my_config.yaml").write_text(MY_CONFIG.replace("max_steps: 2", "max_steps: 3"))
     for name in ("boring.ckpt", "named.ckpt"):  # LightningCLI reads only hyper_parameters: hparams_name is no risk
         assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", name]) == 0
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stopped:  # jsonargparse's usage error, as LightningCLI's own merge gives
-        lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "scaled.ckpt"])
-    assert stopped.value.code == 2 and "Parsing of ckpt_path hyperparameters failed!" in capsys.readouterr().err
+    capsys.readouterr()  # jsonargparse's refusal, as LightningCLI's own merge gives, in one line
+    assert lightning_cli.main(["fit", "--config", "my_config.yaml", "--ckpt_path", "scaled.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --ckpt_path scaled.ckpt: its hyper-parameters (scale) are no "), err
 
 
 @pytest.mark.skipif(not HAS_JSONARGPARSE, reason="lightning fit needs jsonargparse (pip install 'lightning[pytorch-extra]')")
@@ -665,6 +695,16 @@ def test_a_fit_failure_that_is_not_the_input_s_is_shown_as_it_is_and_a_remote_on
     remote store that stopped answering mid-fit included) ended in a NameError traceback."""
     from tclightning.cli.lightning import _fit_failure
 
+    import socket
+
     assert _fit_failure(ZeroDivisionError("a bug")) is None  # a bug: shown in full, as it is
-    stalled = _fit_failure(TimeoutError("timed out"))
+    silent, _ = socket.socketpair()
+    silent.settimeout(0.01)
+    with silent, pytest.raises(TimeoutError) as read:
+        silent.makefile("rb").read(1)  # a peer that never answers
+    stalled = _fit_failure(read.value)
     assert stalled is not None and str(stalled).startswith("a remote store or server stopped answering")
+    # a timeout of your own (a callback's lock) was called a remote store's, its traceback hidden, and
+    # a ValueError of yours that says ckpt_path= a --ckpt_path problem
+    assert _fit_failure(TimeoutError("my lock took too long")) is None
+    assert _fit_failure(ValueError("my callback: ckpt_path=None is not supported here")) is None

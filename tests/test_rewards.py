@@ -426,6 +426,29 @@ print(run_with_alarm(work, 5.0), flush=True)
     assert time.monotonic() - started < 8.0
 
 
+def test_the_limit_holds_where_the_program_blocks_sigalrm() -> None:
+    """With SIGALRM blocked in the main thread (``pthread_sigmask``, or a mask inherited across
+    ``exec``), the alarm never came: a reward's limit, and every other one, never fired."""
+    import subprocess
+
+    child = """
+import signal, time
+from tclightning.limits import waited_on
+from tclightning.tasks.rewards import verify_math
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+start = time.monotonic()
+print(verify_math(r"\\boxed{9^{9^{9}}}", "2", timeout_s=1.0), flush=True)
+try:
+    waited_on(lambda: time.sleep(30), 1.0)
+except TimeoutError:
+    print("timed out", flush=True)
+print(f"{time.monotonic() - start:.1f}", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    score, timed_out, took = done.stdout.split("\n")[:3]
+    assert (score, timed_out) == ("0.0", "timed out") and float(took) < 30, done.stdout + done.stderr
+
+
 def test_a_program_s_limit_the_work_swallows_leaves_ours_armed() -> None:
     """A program's one-shot limit whose exception the work drops (math-verify and sympy catch
     ``Exception``): the limit's own alarm was no longer armed after it, and the work ran on."""
@@ -629,15 +652,18 @@ def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completio
 
 @pytest.mark.parametrize("completion", [
     "#### not 72", "#### 72 thousand", "The answer is not 72.", "The answer is 72 thousand dollars",
-    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "#### no more than 72",
+    "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "The answer is: not 72",
     "The answer is 72 dozen", "So x isn't 72. #### not 72"])
 def test_the_gsm8k_reward_reads_a_number_a_word_makes_another_as_no_answer(completion: str) -> None:
     """Each was read as 72 and scored 1.0 against it: a negation before the stated number, or a
     scale word after it, makes it another number (a word's other reading is no answer either)."""
     assert verify_gsm8k(completion, "72") == 0.0
     assert verify_gsm8k(completion, "72000") == 0.0
-    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73"):
-        assert verify_gsm8k(plain, "72") == 1.0
+    for plain in ("#### 72", "The answer is 72.", "We get 72.", "#### 72 apples", "#### 72, not 73",
+                  # a negation counts right before the number, a scale word right after it on its line
+                  "The answer is no doubt 72.", "The answer is nothing less than 72", "The answer is not 73 but 72",
+                  "The answer is: 72\n\nThousands of people agree.", r"\boxed{-\frac{-144}{2}}"):
+        assert verify_gsm8k(plain, "72") == 1.0, plain
 
 
 @pytest.mark.parametrize("answer, gold", [
@@ -651,15 +677,24 @@ def test_a_gsm8k_gold_is_read_whole_or_the_row_is_skipped(answer: str, gold: str
     assert (parsed[1] if parsed else None) == gold
 
 
+@pytest.mark.parametrize("completion", ["#### 3+1", "#### 3-1", "#### 3!", "#### 3:1", "#### 3_8", "The answer is 3+0.",
+                                        "#### ±3", "The answer is \\pm 3", "#### ∓ 3"])
+def test_the_gsm8k_reward_reads_a_sum_a_factorial_or_a_plus_minus_as_no_plain_number(completion: str) -> None:
+    """Each was read by its first part (or without its ±) and scored 1.0 against 3."""
+    assert verify_gsm8k(completion, "3") == 0.0
+    assert verify_gsm8k("10 - 3", "3") == verify_gsm8k("#### 3", "3") == 1.0  # spaced: two numbers, the last 3
+
+
 @pytest.mark.parametrize("answer_at", ["first", "last"])
 def test_the_arithmetic_reward_reads_a_number_an_expression_continues_as_no_integer(answer_at: str) -> None:
     from tclightning.tasks import Example, TaskConfig, build_task
 
     task = build_task(TaskConfig(answer_at=answer_at))
     gold = Example("arithmetic/x/0", "40+45=", "85", "85")
-    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85"]
+    wrong = ["85²", "85/2", "85,000", "85×10^3", "85 \\times 10^3", "85^2", "0x85", "85+1", "85-1", "85!", "85:2",
+             "85_9", "±85", "\\pm 85"]
     if answer_at == "last":
-        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85"]
+        wrong += ["2/85", "3×85", "10^85", "3 \\cdot 85", "1+85", "100-85", "2:85"]
     for completion in wrong:
         assert task.reward(completion, gold) == 0.0, completion
     assert task.reward("85, then 86" if answer_at == "first" else "86, then 85", gold) == 1.0
@@ -704,6 +739,29 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     """math-verify dropped the unknown command and read what followed it: each scored 1.0 against 5."""
     assert verify_math(completion, "5") == 0.0
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
+
+
+def test_the_last_box_is_read_also_when_it_is_unbraced() -> None:
+    """``\\boxed{5} then \\boxed 7`` scored 1.0 against 5 (a lone ``\\boxed 7`` counts as 7); and
+    gsm8k's ``#### 5.00.00`` against 5."""
+    assert verify_math(r"\boxed{5} then \boxed 7", "5") == 0.0
+    assert verify_math(r"\boxed{5} then \boxed 7", "7") == verify_math(r"\boxed 7.", "7") == 1.0
+    assert verify_gsm8k(r"\boxed{5} then \boxed 7", "7") == 1.0
+    assert extract_boxed(r"\boxed{\boxed 3}") == r"\boxed 3" and extract_boxed("\\boxed") is None
+    assert verify_gsm8k("#### 5.00.00", "5") == 0.0 and verify_gsm8k("#### 5.00", "5") == 1.0
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    (r"\boxed{52}", "52_8", 0.0), (r"\boxed{52_9}", "52_8", 0.0), (r"\boxed{10001}", "10001_2", 0.0),
+    (r"\boxed{12_3}", "12", 0.0), (r"\boxed{101_{2}}", "101", 0.0), ("so it is 52.", "52_8", 0.0),
+    (r"\boxed{52_8}", "52_8", 1.0), (r"\boxed{52_{8}}", "52_8", 1.0), ("The answer is $52_{8}$.", "52_8", 1.0),
+    (r"\boxed{12_3}", "5", 1.0), (r"\boxed{x_1}", "x_1", 1.0), (r"\boxed{a_1 + a_2}", "a_2 + a_1", 1.0)],
+    ids=["plain-for-base-8", "base-9-for-base-8", "plain-for-base-2", "base-3-for-plain", "base-2-for-plain",
+         "unboxed-plain", "same", "braced", "unboxed-same", "by-value", "variable", "variables-reordered"])
+def test_the_math_reward_reads_a_base_subscript(completion: str, gold: str, reward: float) -> None:
+    """math-verify drops a base subscript: ``\\boxed{52}`` and ``\\boxed{52_9}`` scored 1.0 against
+    MATH-500's ``52_8`` (42), and ``\\boxed{12_3}`` 1.0 against 12."""
+    assert verify_math(completion, gold) == reward
 
 
 @pytest.mark.parametrize("boxed", [r"\geq 5", r"\ge 5", r"\ne 5", r"\neq 5", r"\leq 5", r"\le5", r"< 5", r">5",

@@ -591,3 +591,25 @@ def test_a_folder_put_in_place_of_a_cache_entry_being_written_is_never_removed_n
     kept = next(p for p in [user, *cache.directory.glob(".k.*")] if p.is_dir())
     assert [(p.name, p.read_text()) for p in kept.iterdir()] == [("notes.txt", "mine")]
     assert cache.get("k") is None
+
+
+def test_the_copy_a_killed_warm_up_left_in_the_cache_is_removed_by_the_next(tmp_path: Path) -> None:
+    """A warm-up killed while it wrote its cache entry left a hidden full copy of the weights
+    (270 MB for SmolLM2) that no later run removed. Only a copy named after a process no longer
+    running goes: one being written, and a folder of yours named alike, stay."""
+    user, cache = _user_folder_and_cache(tmp_path)
+    abandoned = cache.directory / ".k.999999999-abcd1234"  # no such process
+    abandoned.mkdir()
+    (abandoned / "weights.pt").write_text("a killed warm-up's")
+    writing = cache.directory / f".k.{os.getpid()}-wxyz5678"  # a process still running
+    writing.mkdir()
+    yours = cache.directory / ".k.notes"
+    yours.mkdir()
+    (abandoned / "user").symlink_to(user)  # removed, never followed
+
+    def write(folder: Path) -> None:
+        (folder / "weights.pt").write_text("the warm-up's")
+
+    assert cache.put("k", write) is None and (cache.path("k") / "weights.pt").read_text() == "the warm-up's"
+    assert not abandoned.exists() and writing.is_dir() and yours.is_dir()
+    assert (user / "notes.txt").read_text() == "mine"

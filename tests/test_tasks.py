@@ -514,6 +514,22 @@ def test_a_numeric_answer_field_is_an_answer(tmp_path: Path) -> None:
         sorted([str(big + i) for i in range(4)] + ["1"])
 
 
+def test_a_float_answer_field_is_written_in_digits(tmp_path: Path) -> None:
+    """``"answer": 1e16`` was the gold text ``1e+16``, which math-verify reads as e + 16 (Euler's
+    e): ``\\boxed{e+16}`` scored 1.0 and the right ``\\boxed{10^{16}}`` 0.0."""
+    from tclightning.tasks import TaskConfig, build_task
+
+    rows = [{"problem": f"Ten to the sixteenth, {i}?", "answer": 1e16} for i in range(3)]
+    rows += [{"problem": f"A hundred-thousandth, {i}?", "answer": 1e-05} for i in range(3)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = build_task(TaskConfig(name="math", path=str(tmp_path / "rows.jsonl"), eval_size=1))
+    examples = {e.answer: e for e in [*task.train_examples(), *task.eval_examples()]}
+    assert set(examples) == {"10000000000000000", "0.00001"}
+    big, small = examples["10000000000000000"], examples["0.00001"]
+    assert task.reward(r"\boxed{10^{16}}", big) == task.reward(r"\boxed{10^{-5}}", small) == 1.0
+    assert task.reward(r"\boxed{e+16}", big) == task.reward(r"\boxed{e-05}", small) == 0.0
+
+
 def test_a_test_split_without_usable_rows_is_one_line(tmp_path: Path) -> None:
     """An empty (or answerless) test split ended the run in a torch.cat traceback at its first validation."""
     from tclightning.tasks import TaskConfig, build_task
@@ -577,6 +593,19 @@ def test_a_csv_task_file_s_integer_answers_keep_every_digit(tmp_path: Path) -> N
     rows = read_rows(tmp_path / "rows.csv")
     assert [row["answer"] for row in rows] == ["9007199254740993", None, "123456789012345678"]
     assert [row["question"] for row in rows] == ["q1", "q2", "q3"]
+
+
+@pytest.mark.parametrize("text", [" \nquestion,answer\nq,1\n", "\t\r\nquestion,answer\nq,1\n",
+                                  ",question,answer\n0,q,1\n", "question,answer,\nq,1,\n"],
+                         ids=["spaces-line-first", "tab-line-first", "pandas-index-column", "trailing-comma"])
+def test_a_csv_task_file_pandas_reads_is_read_with_its_column_names(text: str, tmp_path: Path) -> None:
+    """A line of white space before the header, or a header cell left empty (``DataFrame.to_csv``
+    writes its index so), was refused with a KeyError line naming a field " " or ""."""
+    from tclightning.tasks.data import read_rows
+
+    (tmp_path / "rows.csv").write_text(text)
+    (row,) = read_rows(tmp_path / "rows.csv")
+    assert (row["question"], row["answer"]) == ("q", "1")
 
 
 def test_a_csv_task_file_s_text_cells_are_text_however_they_read(tmp_path: Path) -> None:

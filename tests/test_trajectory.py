@@ -301,8 +301,19 @@ def test_a_resume_from_an_earlier_step_keeps_one_history_of_points(tmp_path: Pat
     first_history = {p.name: p.read_bytes() for p in points.glob("point-*.pt")}
     assert len(first_history) == 8
     resume = Path(first["run_dir"]) / "checkpoints" / "step-000003.ckpt"
+    (points / "point-7.pt").write_text("yours")  # no name the recorder writes: never moved
+
+    class StopsAtOnce(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            raise RuntimeError("stopped before the first new step")
+
+    with pytest.raises(Exception, match="stopped before"):  # the run as it was: nothing moved yet
+        run("tiny", [*settings, "trainer.steps=5"], resume=str(resume), quiet=True,
+            extra_callbacks=[TrajectoryRecorder(every=1), StopsAtOnce()])
+    assert {p.name: p.read_bytes() for p in points.glob("point-*.pt")} == {**first_history, "point-7.pt": b"yours"}
     run("tiny", [*settings, "trainer.steps=5"], resume=str(resume), quiet=True,
         extra_callbacks=[TrajectoryRecorder(every=1)])
+    (points / "point-7.pt").unlink()
     steps, _, _ = load_trajectory(points)
     assert steps == [0, 1, 2, 3, 4, 5]
     aside = points / "replaced-after-00000003"  # kept, out of the analysis' way

@@ -43,7 +43,7 @@ _P = 2_147_483_647  # the Mersenne prime 2^31 - 1: hash modulus
 _CHUNK = 1 << 20
 
 
-_POINT_NAME = re.compile(r"point-(\d+)\.pt")
+_POINT_NAME = re.compile(r"point-([0-9]{8,})\.pt")  # as the recorder names its points
 
 
 def _hash_params(seed: int) -> tuple[int, int, int, int]:
@@ -115,6 +115,7 @@ class TrajectoryRecorder(Callback):
         self.parameters = None if parameters is None else list(parameters)
         self._folder: SameFolder | None = None  # the points' folder as first seen
         self._held: HeldFolder | None = None  # ... held open: every point is written into it
+        self._resumed_at: int | None = None  # a resume's first step, until its first point is written
 
     def directory(self, trainer: pl.Trainer) -> Path:
         return self.dirpath if self.dirpath is not None else Path(trainer.default_root_dir) / "trajectory"
@@ -135,6 +136,9 @@ class TrajectoryRecorder(Callback):
         with torch.no_grad():
             point, method, num = trajectory_point(self._tensors(pl_module), self.dim, self.seed)
         folder = self._hold(trainer, index)
+        if self._resumed_at is not None:  # the new history's first point: the later ones go aside now
+            self._set_aside_points_after(trainer, self._resumed_at)
+            self._resumed_at = None
         name = f"point-{index:08d}.pt"
         record: dict[str, Any] = {
             "step": int(index), "unit": self.unit, "point": point, "method": method,
@@ -157,7 +161,7 @@ class TrajectoryRecorder(Callback):
         points' folder: a later history's (a resume from an earlier step), or those a killed run
         wrote after its last checkpoint. Left there, they were read as this run's, two histories
         mixed (the new one writes over only the points it reaches)."""
-        folder = self._hold(trainer, index)
+        folder = self.directory(trainer)
         assert self._held is not None
         names = os.listdir(self._held.fd)
         later = sorted(n for n in names if (m := _POINT_NAME.fullmatch(n)) is not None and int(m.group(1)) > index)
@@ -165,13 +169,18 @@ class TrajectoryRecorder(Callback):
             return
         aside = next(name for k in range(len(names) + 1)
                      if (name := f"replaced-after-{index:08d}" + (f"-{k}" if k else "")) not in names)
-        os.mkdir(aside, dir_fd=self._held.fd)
-        into = os.open(aside, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._held.fd)
         try:
-            for name in later:
-                os.rename(name, name, src_dir_fd=self._held.fd, dst_dir_fd=into)
-        finally:
-            os.close(into)
+            os.mkdir(aside, dir_fd=self._held.fd)
+            into = os.open(aside, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._held.fd)
+            try:
+                for name in later:
+                    os.rename(name, name, src_dir_fd=self._held.fd, dst_dir_fd=into)
+            finally:
+                os.close(into)
+        except OSError as err:
+            raise TclightningError(f"TrajectoryRecorder: the points of {folder} past step {index} (another history) "
+                                   f"could not be moved into {aside}/ ({err.strerror or err}); the run stopped before "
+                                   "writing its own there") from None
         rank_zero_info(f"trajectory: {len(later)} points past step {index} (another history, or written after the "
                        f"last checkpoint) moved to {folder / aside}")
 
@@ -217,10 +226,11 @@ class TrajectoryRecorder(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         index = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
+        # a resume: the points past it go aside with its first point, as metrics.csv's rows go with
+        # its first row (a resume that stops before then leaves the run as it was)
+        self._resumed_at = index or None
         if index == 0:
             self.save(trainer, pl_module, 0)  # the start of the trajectory
-        elif trainer.is_global_zero:  # a resume: the points are of one history
-            self._set_aside_points_after(trainer, index)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -239,6 +249,11 @@ class TrajectoryRecorder(Callback):
             self.save(trainer, pl_module, tick)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        done = completed_steps(trainer) if self.unit == "step" else int(trainer.global_step)
+        if self._resumed_at is not None and done > self._resumed_at and trainer.is_global_zero:
+            self._hold(trainer, done)  # a resume that trained but wrote no point: its history is this one
+            self._set_aside_points_after(trainer, self._resumed_at)
+            self._resumed_at = None
         tick = int(trainer.global_step)  # the weights after the last tick: no later hook sees them
         if self.unit == "tick" and tick > 0 and tick % self.every == 0:
             self.save(trainer, pl_module, tick)

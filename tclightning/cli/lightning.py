@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import os
 import re
 import signal
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from typing import Any
 from pathlib import Path
 
@@ -188,7 +189,14 @@ def lightning_cli(argv: Sequence[str]) -> int:
                 if not Path(ckpt_path).is_file():  # a FIFO, a device or a folder: torch.load would wait or fail
                     raise TclightningError(f"--ckpt_path {ckpt_path}: no regular file is there (nothing was built)")
                 checkpoint = load_checkpoint(ckpt_path)
-                named = names_a_class(checkpoint.get("hyper_parameters") or {})  # all LightningCLI merges
+                hparams = dict(checkpoint.get("hyper_parameters") or {})
+                # LightningCLI records the class it built as _class_path (and _instantiator, which it
+                # never reads back): the class given with --model is no class the checkpoint names
+                recorded = hparams.get("_class_path") == self._model_class_path(subcommand)
+                if recorded:
+                    del hparams["_class_path"]
+                    hparams.pop("_instantiator", None)
+                named = names_a_class(hparams)  # all LightningCLI merges
                 if named is not None:
                     raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint asks the parser to build or read "
                                            f"something by name ({named}), which would import any module or read any "
@@ -198,20 +206,30 @@ def lightning_cli(argv: Sequence[str]) -> int:
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
                 # loads the file of that name in torch's download cache unchecked: hand it the file checked
                 self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)
-                self._merge_hparams(subcommand, checkpoint.get("hyper_parameters") or {})
+                self._merge_hparams(subcommand, hparams, ckpt_path, recorded)
 
-        def _merge_hparams(self, subcommand: str, hparams: dict[str, Any]) -> None:
+        def _model_class_path(self, subcommand: str) -> str | None:
+            """The class ``--model`` (or the configuration) names for the fit, or None."""
+            model = self.config[subcommand].get("model")
+            return model.get("class_path") if hasattr(model, "get") else None
+
+        def _merge_hparams(self, subcommand: str, hparams: dict[str, Any], ckpt_path: str, recorded: bool) -> None:
             """LightningCLI's own merge of the checkpoint's hyper-parameters into the model's
             arguments, from the checkpoint read and checked above: Lightning's would load the path
             again, unchecked, and a file renamed over it in between would be what it unpickles.
-            (A ``_class_path`` or ``_instantiator`` key, which it would handle, was refused.)"""
+            ``recorded``: the checkpoint recorded ``--model``'s class as LightningCLI does (another
+            class was refused), and its arguments are merged as LightningCLI merges them then."""
             if not hparams:
                 return
+            model = {"class_path": self._model_class_path(subcommand), "dict_kwargs": hparams} if recorded else hparams
             try:
-                self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+                with redirect_stderr(io.StringIO()):  # the parser's usage text and its many-line error
+                    self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
             except SystemExit:
-                sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
-                raise
+                names = ", ".join(shown(str(key)) for key in hparams)
+                raise TclightningError(f"--ckpt_path {ckpt_path}: its hyper-parameters ({names[:160]}) are no "
+                                       f"arguments of --model {self._model_class_path(subcommand)}; nothing was "
+                                       "built") from None
 
     # args=None when argv is the command line itself: LightningCLI warns when given both
     args = None if list(argv) == sys.argv[1:] else list(argv)
@@ -244,8 +262,9 @@ def _fit_failure(err: Exception) -> TclightningError | None:
     if isinstance(err, (KeyError, RuntimeError)):
         return TclightningError(text[:300]) if "SaveConfigCallback" in str(err) else None
     if isinstance(err, ValueError):
-        # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ...
-        if "ckpt_path=" in text:
+        # Lightning: `.fit(ckpt_path="hpc")` is set but no HPC checkpoint was found. ... (raised by
+        # Lightning: your own ValueError that says ckpt_path= is yours, shown as it is)
+        if "ckpt_path=" in text and _raised_in_lightning(err):
             return TclightningError(f"--ckpt_path: {text.split('. ', 1)[0][:200]} (nothing was trained)")
         built = _class_not_built(str(err))
         if built is not None:
@@ -258,6 +277,14 @@ def _fit_failure(err: Exception) -> TclightningError | None:
 
     reason = remote_failure(err)
     return None if reason is None else TclightningError(reason)
+
+
+def _raised_in_lightning(err: BaseException) -> bool:
+    """Whether ``err`` was raised in Lightning's own code (its innermost frame is Lightning's)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("lightning.")
 
 
 def _in_checkpoint_restore(err: BaseException) -> bool:

@@ -166,6 +166,19 @@ def _rescale_learning_rate(checkpoint: dict[str, Any], lr: float) -> None:
                 schedule[key] = [value * ratio for value in schedule[key]]
 
 
+def _adopt_optimizer_settings(checkpoint: dict[str, Any], settings: Mapping[str, Any]) -> None:
+    """A resume trains with AdamW as this run's recipe makes it: every setting of the saved parameter
+    groups but their rates (``maximize``, ``amsgrad``, ``capturable``, ``eps``, ``weight_decay``,
+    ``betas``...) is the one :meth:`GRPOModule.configure_optimizers` gives (a checkpoint's
+    ``maximize`` trained by gradient ascent without a word; its ``amsgrad`` or ``capturable`` ended
+    the first step in a traceback)."""
+    made = torch.optim.AdamW([torch.zeros(1)], **settings).defaults
+    for optimizer in checkpoint.get("optimizer_states") or []:
+        for group in optimizer.get("param_groups", []) if isinstance(optimizer, Mapping) else []:
+            if isinstance(group, dict):
+                group.update({key: value for key, value in made.items() if key != "lr"})
+
+
 def _check_training_state(checkpoint: Mapping[str, Any], params: list[torch.Tensor]) -> None:
     """That a checkpoint to resume holds the one optimizer and one schedule
     :meth:`GRPOModule.configure_optimizers` makes, for these trainable ``params``, else
@@ -194,6 +207,11 @@ def _check_training_state(checkpoint: Mapping[str, Any], params: list[torch.Tens
                 and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
             raise ValueError("optimizer_states: a parameter group's lr, eps, weight_decay or betas are not numbers")
     _check_learning_rates(checkpoint, groups, schedules[0])
+    ticks, at = checkpoint.get("global_step"), schedules[0].get("last_epoch")
+    if not (isinstance(at, int) and not isinstance(at, bool) and at >= 0 and (not isinstance(ticks, int) or at == ticks)):
+        # the schedule steps with each optimizer step: another position is another rate (-100: a negative one)
+        raise ValueError(f"lr_schedulers: the schedule is at tick {at!r}, not at the checkpoint's {ticks!r} "
+                         "optimizer steps")
     if not isinstance(state, Mapping):
         raise ValueError("optimizer_states: its state is not a mapping of parameter to moments")
     for index, moments in state.items():
@@ -468,11 +486,13 @@ class GRPOModule(L.LightningModule):
     def val_dataloader(self) -> EvalBatches:
         return EvalBatches(len(self.eval_examples), self.val_batch_size)
 
+    def _optimizer_settings(self) -> dict[str, Any]:
+        """The AdamW settings of :meth:`configure_optimizers`, as its parameter groups hold them."""
+        return {"lr": self.cfg.lr, "betas": tuple(self.cfg.betas), "weight_decay": self.cfg.weight_decay}
+
     def configure_optimizers(self) -> Any:
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=self.cfg.lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay
-        )
+        optimizer = torch.optim.AdamW(params, **self._optimizer_settings())
         warmup = max(self.cfg.warmup_steps, 0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda tick: min(1.0, (tick + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -880,6 +900,7 @@ class GRPOModule(L.LightningModule):
             if isinstance(warmup, dict) else {}
         self._resume_step = int(state.get("rl_step", 0))
         _rescale_learning_rate(checkpoint, self.cfg.lr)
+        _adopt_optimizer_settings(checkpoint, self._optimizer_settings())
         # A checkpoint saved at a run's last step records that the prompt stream ended there;
         # restored as is, Lightning ends the resumed run before its first step. Where the stream
         # ends is this run's `trainer.steps` (the PromptStream built from it tells the fetcher).

@@ -20,18 +20,28 @@ HEALTH_LABELS = ("healthy", "warning", "collapsing")
 def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     """``metrics.csv`` merged by step (Lightning writes train and val rows separately). A row cut
     short before its ``step`` cell (a crash in the middle of an append) is left out, and so is one
-    of more cells than the header (its cells cannot be told apart)."""
+    of more cells than the header (its cells cannot be told apart) or with no step number; a cell
+    that is no number is skipped."""
     merged: dict[int, dict[str, float]] = {}
     regular_file(path, "metrics", METRICS_MAX_BYTES)  # 8 GiB of rows: refused; a FIFO named, never opened
     with io.TextIOWrapper(open_regular(path, "metrics", METRICS_MAX_BYTES), newline="") as handle:
         for row in metrics_rows(handle):
-            if row["step"] is None or None in row:
+            step_number = _cell_number(row.get("step") or "")
+            if step_number is None or not math.isfinite(step_number) or None in row:
                 continue
-            step = int(float(row["step"]))
+            step = int(step_number)
             for key, value in row.items():
-                if key != "step" and value not in ("", None):
-                    merged.setdefault(step, {})[key] = float(value)
+                if key != "step" and value not in ("", None) and (number := _cell_number(value)) is not None:
+                    merged.setdefault(step, {})[key] = number
     return dict(sorted(merged.items()))
+
+
+def _cell_number(cell: str) -> float | None:
+    """A cell as a number, or None for one that is not (a cell damaged by hand or by a disk)."""
+    try:
+        return float(cell)
+    except ValueError:
+        return None
 
 
 def _mean(values: list[float]) -> float:

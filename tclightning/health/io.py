@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import os
 import re
 from collections.abc import Collection, Mapping
 from typing import IO
@@ -39,7 +40,7 @@ _SKIP_COLUMNS = {"step", "epoch", "wall_time", "time", "timestamp"}
 
 
 def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *, numbers: Collection[str] = (),
-                     max_rows: int | None = None) -> list[Row]:
+                     max_rows: int | None = None, cut_last_row: bool = False) -> list[Row]:
     """Rows of a CSV with a ``step`` column, merged by step (last non-empty value wins).
 
     Lightning's CSVLogger writes one row per logging call with only that call's columns filled
@@ -47,7 +48,8 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
     the same step are merged. ``names`` maps the file's column names to canonical names
     (``{"train/reward": "reward/mean"}``); unmapped columns keep their names. A cell that is not a
     number is skipped, except in a column whose canonical name is in ``numbers`` (one line naming
-    it). A file of more than ``max_rows`` lines is refused before it is parsed.
+    it). A file of more than ``max_rows`` lines is refused before it is parsed. ``cut_last_row``: a
+    last row with no line break after it (an append a crash cut short) is left out, unchecked.
     """
     path = regular_file(path, "metrics", METRICS_MAX_BYTES)  # a FIFO named metrics.csv would wait forever
     try:
@@ -55,7 +57,8 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
             if max_rows is not None:
                 _require_rows_at_most(path, handle, max_rows)
                 handle.seek(0)
-            return _read_metrics_csv(path, handle, dict(names or {}), frozenset(numbers))
+            cut = cut_last_row and _ends_without_line_break(handle)
+            return _read_metrics_csv(path, handle, dict(names or {}), frozenset(numbers), cut)
     except UnicodeDecodeError as err:
         raise TclightningError(f"{path}: not a CSV text file (byte 0x{err.object[err.start]:02x} at offset "
                                f"{err.start} is not UTF-8)") from None
@@ -65,16 +68,27 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
         raise TclightningError(f"{path}: cannot read: {err.strerror or err}") from None
 
 
+def _ends_without_line_break(handle: IO[bytes]) -> bool:
+    """Whether the open file's last byte is no line break (left at its start)."""
+    size = handle.seek(0, os.SEEK_END)
+    last = handle.read(1) if size and handle.seek(size - 1) >= 0 else b"\n"
+    handle.seek(0)
+    return last not in (b"\n", b"\r")
+
+
 def _require_rows_at_most(path: Path, fh: IO[bytes], max_rows: int) -> None:
-    lines, columns, header_commas = 0, None, 0
+    lines, columns, header_commas, in_header = 0, None, 0, False
     for chunk in iter(lambda: fh.read(1 << 20), b""):
         # a row ends at \n, \r\n or a bare \r, as the csv reader reads them (a \r\n cut by the
         # chunk counts twice: an upper bound)
         breaks = chunk.count(b"\n") + chunk.count(b"\r") - chunk.count(b"\r\n")
         if columns is None:  # the header's width, over as many chunks as it spans (a quoted comma may
-            # count twice: an upper bound)
-            header_commas += re.split(rb"[\r\n]", chunk, maxsplit=1)[0].count(b",")
-            columns = header_commas + 1 if breaks else None
+            # count twice: an upper bound); the header is the first line that is not blank
+            part = chunk if in_header else chunk.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")
+            in_header = in_header or bool(part)
+            head, *rest = re.split(rb"[\r\n]", part, maxsplit=1)
+            header_commas += head.count(b",")
+            columns = header_commas + 1 if rest else None
         lines += breaks
         if lines > max_rows + 1:  # the header is not a row
             raise TclightningError(f"{path}: more than {max_rows} rows, more than a replay takes (about 0.2 ms "
@@ -87,16 +101,18 @@ def _require_rows_at_most(path: Path, fh: IO[bytes], max_rows: int) -> None:
 
 def metrics_rows(handle: IO[str]) -> csv.DictReader:
     """The rows of a metrics CSV open as text, by the names of its header: its first line that is
-    not blank (the csv module took a blank first line for a header of no names, so every row was
-    read as nameless cells, and a resume kept none of them)."""
+    not blank, without a byte-order mark (the csv module took a blank first line for a header of no
+    names, so every row was read as nameless cells, and a resume kept none of them)."""
     lines = iter(handle)
-    for line in lines:
+    for number, line in enumerate(lines):
+        line = line.removeprefix("\ufeff") if number == 0 else line  # a byte-order mark (Excel's), read as UTF-8
         if line.strip():
             return csv.DictReader(itertools.chain([line], lines))
     return csv.DictReader(iter(()))
 
 
-def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numbers: frozenset[str]) -> list[Row]:
+def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numbers: frozenset[str],
+                      cut: bool = False) -> list[Row]:
     merged: dict[int, dict[str, float]] = {}
     # utf-8-sig: a byte-order mark before the header (Excel writes one) is not part of the first name
     with io.TextIOWrapper(handle, newline="", encoding="utf-8-sig") as fh:
@@ -113,7 +129,12 @@ def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numb
             seen.add(name)
         if twice is not None:  # which of the two columns would be the metric?
             raise TclightningError(f"{path}: the column {twice!r} appears twice in its header")
-        for line_no, record in enumerate(reader, start=2):
+        records = enumerate(reader, start=2)
+        ahead = next(records, None)
+        while ahead is not None:
+            (line_no, record), ahead = ahead, next(records, None)
+            if cut and ahead is None:  # the row a crash cut short: left out
+                break
             if None in record:  # more cells than the header names: the columns no longer line up
                 raise TclightningError(f"{path}:{line_no}: {len(header) + len(record[None])} cells where "
                                        f"the header names {len(header)} columns")

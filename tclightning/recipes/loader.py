@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode, StringNode
+from omegaconf.nodes import BooleanNode, FloatNode, StringNode
 
 from tclightning.console import shown
 from tclightning.errors import RecipeError, TclightningError
@@ -185,10 +185,11 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
-# YAML 1.1 (PyYAML's) reads `010` as the octal 8 and `1:30` as the base-60 90; YAML 1.2 reads 10
-# and the text "1:30". Neither is what a recipe means, so both are refused (quote text like "1:30").
+# YAML 1.1 (PyYAML's) reads `010` as the octal 8, `1:30` as the base-60 90 and `1_0` as 10; YAML 1.2
+# reads 10 and the texts "1:30" and "1_0". None is what a recipe means, so all are refused (quote text).
 _AMBIGUOUS_NUMBER_TAG = "tag:tclightning,2026:ambiguous-number"
-_AMBIGUOUS_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)$")
+_AMBIGUOUS_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
+                               r"|(?=[0-9.]*_)(?=\.?[0-9])[0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9_]+)?)$")
 _StrictLoader.yaml_implicit_resolvers = {first: list(resolvers) for first, resolvers
                                          in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 for _first in "+-0123456789":
@@ -199,6 +200,9 @@ def _refuse_ambiguous_number(loader: _StrictLoader, node: yaml.ScalarNode) -> An
     value = loader.construct_scalar(node)
     if ":" in value:
         meaning = "a base-60 number in YAML 1.1 and text in YAML 1.2: quote it, or write the number"
+    elif "_" in value and not re.fullmatch(r"[-+]?0[0-7_]+", value):
+        meaning = ("a number in YAML 1.1, its underscores skipped, and text in YAML 1.2: write the number without "
+                   "them, or quote text")
     else:
         digits = value.replace("_", "")
         meaning = (f"the octal number {int(digits, 8)} in YAML 1.1, {int(digits)} in YAML 1.2: write it without the "
@@ -474,8 +478,7 @@ def _merge(base: DictConfig, data: Any, source: str, override: str | None = None
         if value is not None and not isinstance(value, bool) and isinstance(_schema_node(base, key), BooleanNode):
             # OmegaConf would read "on", "yes", "1" or 1 as true: a switch (trust_remote_code!) is set by true or false
             raise RecipeError(f"expected true or false, got {value!r}", file=source, key=key, override=override)
-        if (isinstance(value, str) and "_" in value and _reads_as_number(value)
-                and isinstance(_schema_node(base, key), (FloatNode, IntegerNode))):
+        if isinstance(value, str) and "_" in value and _reads_as_number(value) and not _is_text_key(base, key):
             # Python's float() and int() skip an underscore between digits: 1e-4_0 would be 1e-40
             raise RecipeError(f"'{shown(value)}' has an underscore in a number; write it without one",
                               file=source, key=key, override=override)

@@ -25,7 +25,7 @@ from tclightning.errors import TclightningError
 from tclightning.tasks.base import Example, Task
 from tclightning.tasks.config import ANSWER_AT, TaskConfig
 from tclightning.tasks.data import build_prompt, check_template
-from tclightning.tasks.rewards import NUMBER_PATTERN, join_signs, normalize_minus
+from tclightning.tasks.rewards import NUMBER_PATTERN, number_text
 
 ALPHABET = frozenset("0123456789+-*= abcdefghijklmnopqrstuvwxyz.,:?!()")
 OPERATIONS: dict[str, Callable[[int, int], int]] = {
@@ -53,7 +53,7 @@ def first_integer(text: str) -> int | None:
     """The first integer in ``text`` (a leading ``-`` counts, or any minus sign ``normalize_minus``
     reads, also spaced off: "- 85"), or None. A first numeral with a fraction or an exponent ("85.9"), one an
     expression continues ("85²", "85/2") or a giant digit run -> None."""
-    match = NUMBER_PATTERN.search(join_signs(normalize_minus(text.strip())))
+    match = NUMBER_PATTERN.search(number_text(text.strip()))
     return _as_integer(match.group()) if match else None
 
 
@@ -62,7 +62,7 @@ def last_integer(text: str) -> int | None:
     reads, also spaced off), or None. A last numeral with a fraction or an exponent, one an expression
     continues ("2/85", "3×85") or a giant digit run -> None."""
     last = None
-    for last in NUMBER_PATTERN.finditer(join_signs(normalize_minus(text))):
+    for last in NUMBER_PATTERN.finditer(number_text(text)):
         pass
     return _as_integer(last.group()) if last else None
 

@@ -21,6 +21,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import IO, Any
 
@@ -264,8 +265,10 @@ def _csv_as_text(path: Path | str, named: Path) -> dict[str, Any] | None:
     header: list[str] | None = None
     try:
         with open(path, encoding="utf-8-sig", newline="") as handle:
-            rows = (row for row in csv.reader(handle) if row)  # pandas skips blank lines
+            rows = (row for row in csv.reader(handle) if any(cell.strip() for cell in row))  # pandas skips
+            # lines of nothing but white space, and names an empty header cell "Unnamed: <column>"
             header = next(rows, None)
+            header = header and [name or f"Unnamed: {i}" for i, name in enumerate(header)]
             if not header:
                 return None
             if len(header) > MAX_COLUMNS:
@@ -600,7 +603,7 @@ class DatasetTask(Task):
 
 def first_field(row: Row, *keys: str) -> str | None:
     """The first of ``keys`` that holds a non-empty string in ``row``, or a number (a JSON
-    ``"answer": 42`` is the text ``"42"``; a boolean is neither)."""
+    ``"answer": 42`` is the text ``"42"``, ``1e16`` is ``"10000000000000000"``; a boolean is neither)."""
     for key in keys:
         value = row.get(key)
         if isinstance(value, str) and value.strip():
@@ -608,5 +611,6 @@ def first_field(row: Row, *keys: str) -> str | None:
         if isinstance(value, int) and not isinstance(value, bool):  # any size: math.isfinite overflowed past 1e308
             return str(value)
         if isinstance(value, float) and math.isfinite(value):
-            return str(value)
+            # written out in digits: "1e+16" is e + 16 to math-verify (Euler's e)
+            return format(Decimal(repr(value)), "f")
     return None

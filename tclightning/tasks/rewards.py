@@ -63,6 +63,7 @@ MAX_TAIL_CHARS = 4000
 # (\{ \} \\ ... : skipped, so LaTeX set braces do not count), or a bare brace. finditer
 # jumps over everything else in C, so a megabyte of text costs milliseconds.
 _BRACE_TOKENS = re.compile(r"\\(?:boxed|fbox)\s*\{|\\.|[{}]", re.DOTALL)
+_UNBRACED_BOX = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])(?!\s*\{)")  # LaTeX's one-token argument: "\boxed 7"
 # ASCII digits only (re.ASCII): the answers are ASCII, and Python's int()/Decimal() would
 # otherwise also read digits of every other script ("\u0667\u0662" as 72).
 # A numeral's exponent or power stays part of it ("85e3", "10**10**10", "2^{10}"): the number a
@@ -74,9 +75,12 @@ _NUMERAL_CORE = r"(?:\d+(?:,\d{3}(?!\d))*(?:\.\d+)?|(?<!\.)\.\d+)(?:[eE][+-]?\d+
 # ("0x1F") or a comma that groups no thousands ("12,34"). Read by its first part it scored 1.0
 # against that part (3, 10, 1, 0, 12). Such a run equals no plain number (``numbers_equal``),
 # except a plain fraction "a/b", which is compared exactly.
+# So is one a sum, a difference, a ratio or a base subscript joins unspaced ("3+1", "3-1", "3:1",
+# "52_8"), or a factorial ("3!"); "10 - 5", spaced, is two numbers. A number after a plus-minus sign
+# ("±5") is none of its values.
 _NUMBER = re.compile(
-    rf"-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
-    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+"
+    rf"(?<![\u00b1\u2213])-?(?:0[xX][0-9a-fA-F]+|{_NUMERAL_CORE})"
+    rf"(?:[\u00b2\u00b3\u00b9\u2070\u2074-\u2079]+|,\d+|!+|[+\-:_]{_NUMERAL_CORE}"
     rf"|[ \t]*(?:[\u00d7*\u00b7/^]|\\times|\\cdot)[ \t]*-?{_NUMERAL_CORE})*",
     re.ASCII)
 NUMBER_PATTERN = _NUMBER
@@ -90,6 +94,7 @@ _BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # "-$5" and "-\\$5": a currency sign between the minus and the digits; "1{,}000": LaTeX's thousands comma.
 _SIGN_THEN_CURRENCY = re.compile(r"-\s*\\?\$\s*(?=\d)")
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
+_PLUS_MINUS = re.compile(r"(?:\\pm|\\mp|[\u00b1\u2213])\s*")  # "\pm 5" and "± 5": "±5", which no value reads
 # Minus signs other than ASCII "-" that models and word processors write: U+2212 MINUS SIGN,
 # U+2012 FIGURE DASH, U+FE63 SMALL HYPHEN-MINUS, U+FF0D FULLWIDTH HYPHEN-MINUS, U+2796 HEAVY MINUS
 # SIGN, U+02D7 MODIFIER LETTER MINUS SIGN, U+207B / U+208B SUPERSCRIPT / SUBSCRIPT MINUS; and
@@ -127,15 +132,17 @@ def _plain(numeral: str) -> str:
     return numeral.replace(",", "") if _GROUPED.fullmatch(numeral) else numeral
 
 
-def _number_text(text: str) -> str:
+def number_text(text: str) -> str:
     """``text`` as the number extractors read it: every minus sign ASCII, no currency sign between
-    a minus and its digits (``"-$5"`` is -5) and LaTeX's ``{,}`` a thousands comma."""
+    a minus and its digits (``"-$5"`` is -5), LaTeX's ``{,}`` a thousands comma and a plus-minus
+    sign (``\\pm``, ``±``) joined to its number."""
     text = _SIGN_THEN_CURRENCY.sub("-", join_signs(normalize_minus(text)))
-    return text.replace("{,}", ",")
+    return _PLUS_MINUS.sub("\u00b1", text.replace("{,}", ","))
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced.
+    """Content of the last outermost ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, or the
+    word after the last ``\\boxed`` when that one is unbraced (``\\boxed 7``).
 
     Nested boxes resolve to the outer one. Returns ``None`` when there is none, or when a
     box is left unclosed (a truncated or malformed final answer is no answer). Escaped
@@ -161,9 +168,15 @@ def extract_boxed(text: str) -> str | None:
         elif token[-1] == "{" and len(token) > 2:  # \boxed{ or \fbox{ (not the escape "\{")
             stack.append(m.end())
             open_boxes += 1
-    if open_boxes or last is None:
+    if open_boxes:
         return None
-    return text[last[0] : last[1]].strip()
+    unbraced = None
+    for unbraced in _UNBRACED_BOX.finditer(text, 0 if last is None else last[1]):
+        pass
+    if unbraced is not None:  # the last box is unbraced: its word ("\boxed{5} then \boxed 7" was 5)
+        word = text[unbraced.end():].split(None, 1)
+        return word[0].rstrip(".,;:$") or None if word else None
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def last_number(text: str) -> str | None:
@@ -172,7 +185,7 @@ def last_number(text: str) -> str | None:
     if not isinstance(text, str):
         return None
     found = None
-    text = _number_text(text)
+    text = number_text(text)
     for found in _NUMBER.finditer(text):
         pass
     if found is None or _SCALE_WORD.match(text, found.end()):
@@ -180,42 +193,52 @@ def last_number(text: str) -> str | None:
     return _plain(found.group())
 
 
-# Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72
-_NEGATION = re.compile(r"\b(?:not|no|nothing|never|isn't|isnt|cannot|can't|neither|nor)\b", re.IGNORECASE)
-_SCALE_WORD = re.compile(r"\s*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
+# Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72.
+# A negation counts right before the number; a scale word right after it, on its line.
+_NEGATED = re.compile(r"\b(?:not|no|never|isn't|isnt|nor)[\s:$]*$", re.IGNORECASE)
+_SCALE_WORD = re.compile(r"[ \t]*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
 
 
-def _stated(text: str, match: re.Match[str]) -> str | None:
-    """The number ``match`` found in ``text`` as the answer stated there, or None when a negation
-    comes before it or a scale word follows it (either makes it another number)."""
-    if _NEGATION.search(text, 0, match.start()) or _SCALE_WORD.match(text, match.end()):
-        return None
-    return _plain(match.group())
+def _stated(text: str, within: int) -> tuple[bool, str | None]:
+    """``(found, answer)`` for the number a statement's ``text`` gives: the first one starting
+    before ``within`` that no negation comes right before (``"not 73 but 72"`` is 72); ``answer``
+    None when a scale word follows it or a decimal point continues it (``"72 thousand"``,
+    ``"5.00.00"``: another number, or none). ``found`` False when ``text`` states no number there."""
+    found = False
+    for match in _NUMBER.finditer(text):
+        if match.start() >= within:
+            break
+        found = True
+        if _NEGATED.search(text, 0, match.start()):
+            continue
+        end = match.end()
+        if _SCALE_WORD.match(text, end) or text.startswith(".", end) and text[end + 1 : end + 2].isdigit():
+            return True, None
+        return True, _plain(match.group())
+    return found, None
 
 
-def _after_hashes(text: str) -> tuple[str, re.Match[str] | None] | None:
-    """The line after the last ``####`` as the extractors read it and the first number on it;
-    None without a ``####``."""
+def _after_hashes(text: str) -> str | None:
+    """The line after the last ``####``, as the extractors read it; None without a ``####``."""
     if not isinstance(text, str) or "####" not in text:
         return None
     tail = text.rsplit("####", 1)[1].strip()
-    line = _number_text(tail.splitlines()[0] if tail else "").replace("$", "")
-    return line, _NUMBER.search(line)
+    return number_text(tail.splitlines()[0] if tail else "").replace("$", "")
 
 
-def _after_answer_is(text: str) -> tuple[str, re.Match[str] | None] | None:
-    """What follows the last "answer is" and the number right after it (within 32 characters:
-    "the answer is that ... 17 steps later 12" is not an answer); None without an "answer is"."""
+def _after_answer_is(text: str) -> str | None:
+    """What follows the last "answer is", as the extractors read it; None without one."""
     if not isinstance(text, str):
         return None
     found = None
     for found in _ANSWER_IS.finditer(text):
         pass
-    if found is None:
-        return None
-    window = _number_text(text[found.end() : found.end() + 128])  # what follows the number too
-    match = _NUMBER.search(window)
-    return window, match if match is not None and match.start() < 32 else None
+    return None if found is None else number_text(text[found.end() : found.end() + 128])
+
+
+_STATEMENTS = ((_after_hashes, 1 << 30), (_after_answer_is, 32))
+"""Where a completion states its answer, and how far in the number must start ("the answer is that
+... 17 steps later 12" is no answer)."""
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -224,15 +247,15 @@ def extract_gsm8k_answer(text: str) -> str | None:
     Works on the dataset's ``answer`` field and on completions that copy its format.
     ``"#### $1,000"`` -> ``"1000"``; ``"#### not 72"`` and ``"#### 72 thousand"`` -> None.
     """
-    found = _after_hashes(text)
-    return _stated(*found) if found is not None and found[1] is not None else None
+    line = _after_hashes(text)
+    return None if line is None else _stated(line, len(line))[1]
 
 
 def extract_answer_is(text: str) -> str | None:
     """The number right after the last "answer is" (``"The answer is: $72."`` -> ``"72"``; ``"The
     answer is not 72"`` -> None)."""
-    found = _after_answer_is(text)
-    return _stated(*found) if found is not None and found[1] is not None else None
+    window = _after_answer_is(text)
+    return None if window is None else _stated(window, 32)[1]
 
 
 # A boxed gsm8k answer is read whole: a number, with a currency sign, a percent sign or a unit in
@@ -249,11 +272,11 @@ def _boxed_number(boxed: str) -> str | None:
     text = _BOX_UNIT.sub("", boxed.strip())
     if (whole := _BOX_WRAPPER.fullmatch(text.strip())) is not None:
         text = whole.group(1)
-    text = _number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
+    text = number_text(text).replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "").strip()
     text = text.removesuffix(".").strip()  # the sentence's full stop
-    if (frac := _BOX_FRAC.fullmatch(text)) is not None:
-        negative = frac.group(1) == "-"
-        return f"{'-' if negative else ''}{frac.group(2)}/{frac.group(3)}"
+    if (frac := _BOX_FRAC.fullmatch(text)) is not None:  # its signs as one: -\frac{-144}{2} is 72
+        signs = [frac.group(1), frac.group(2)[:1], frac.group(3)[:1]].count("-")
+        return f"{'-' * (signs % 2)}{frac.group(2).lstrip('-')}/{frac.group(3).lstrip('-')}"
     return _plain(text) if _NUMBER.fullmatch(text) else None
 
 
@@ -270,10 +293,12 @@ def gsm8k_completion_answer(text: str) -> str | None:
         return _boxed_number(boxed)
     if isinstance(text, str) and _BOX_OPENER.search(text):
         return None
-    for find in (_after_hashes, _after_answer_is):
-        found = find(text)
-        if found is not None and found[1] is not None:  # a number stated as another ("not 72") is none
-            return _stated(*found)
+    for find, within in _STATEMENTS:
+        statement = find(text)
+        if statement is not None:
+            found, answer = _stated(statement, within)
+            if found:  # a number stated as another ("not 72", "72 thousand") is no answer
+                return answer
     return last_number(text)
 
 
@@ -628,6 +653,24 @@ def _limited(timeout_s: float | None) -> bool:
 _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰⁴⁵⁶⁷⁸⁹]|[eE][+-]?\d)|0[xX][0-9a-fA-F]")
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
+# A number in another base ("52_8", "1011_{2}"): math-verify drops the subscript (52_9 and 52 were 52_8)
+_BASE_NUMERAL = re.compile(r"([0-9A-Za-z]+)_\{?([0-9]{1,2})\}?")
+
+
+def _base_form(text: str) -> str:
+    """A numeral with a base subscript as compared: no spaces, dollars or braces (``$52_{8}$`` -> ``52_8``)."""
+    return re.sub(r"[\s$]|\\[,;:! ]", "", text).rstrip(".").replace("{", "").replace("}", "")
+
+
+def _base_value(text: str) -> int | None:
+    """The value of a numeral with a base subscript from 2 to 36 (``12_3`` -> 5), or None."""
+    match = _BASE_NUMERAL.fullmatch(_base_form(text))
+    if match is None or not 2 <= int(match.group(2)) <= 36:
+        return None
+    try:
+        return int(match.group(1), int(match.group(2)))
+    except ValueError:  # a digit past its base
+        return None
 # A relation other than = with nothing on its left: math-verify reads \boxed{\geq 5} or \boxed{\ne 5} as 5
 _LEFTLESS_RELATION = re.compile(r"\s*(?:\\(?:neq?|geq?|leq?|gt|lt|not)(?![A-Za-z])|[<>\u2260\u2264\u2265]|!=)")
 
@@ -683,11 +726,16 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
         if not isinstance(completion, str) or not isinstance(gold, str) or not gold.strip():
             return 0.0
         boxed = extract_boxed(completion)
+        in_base = _base_value(gold) is not None  # read as written only: no verifier knows bases
         if boxed is not None:
             if not boxed or len(boxed) > MAX_ANSWER_CHARS:
                 return 0.0
             if simple_math_equal(boxed, gold):
                 return 1.0
+            if in_base:  # written in the gold's base, digit for digit
+                return 1.0 if _base_form(boxed) == _base_form(gold) else 0.0
+            if (value := _base_value(boxed)) is not None:  # another base's numeral: by its value
+                return 1.0 if numbers_equal(str(value), gold) else 0.0
             if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
             if _DIGIT_GAP in _mark_digit_gaps(boxed):
@@ -700,6 +748,8 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
         else:
             pred_text = completion[-MAX_TAIL_CHARS:]
             final = _final_token(pred_text)
+            if in_base:
+                return 1.0 if final is not None and _base_form(final) == _base_form(gold) else 0.0
             if final is not None and "$" not in final and _CONTINUED_NUMBER.search(final):
                 # "3×10^3", "10²", "0x1F", "3e3": math-verify reads plain text's first digits (3, 10, 0, 3)
                 return 1.0 if simple_math_equal(final, gold) else 0.0
