@@ -6,9 +6,10 @@ before the kill) are dropped, so the continued run leaves no duplicated or missi
 
 from __future__ import annotations
 
-import csv
-import os
 import contextlib
+import csv
+import io
+import os
 import re
 import secrets
 import tempfile
@@ -275,8 +276,12 @@ class AtomicExperimentWriter(ExperimentWriter):
         if exists and (self.cut_from is not None or new_keys):
             try:
                 with self._own(path, "r") as handle:
-                    rows = [row for row in metrics_rows(handle) if self.cut_from is None
-                            or row.get("step") and int(float(row["step"])) < self.cut_from]
+                    text = handle.read()
+                records = list(metrics_rows(io.StringIO(text, newline="")))
+                if text and not text.endswith(("\n", "\r")):  # a last row a crash cut short (its step may be
+                    records.pop()  # cut too: 10 read as 1): left out, as the resume's check left it unread
+                rows = [row for row in records if self.cut_from is None
+                        or row.get("step") and int(float(row["step"])) < self.cut_from]
                 write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])
             except BaseException:  # the file keeps its header: a later save must not append under it
                 self.metrics_keys = keys_written

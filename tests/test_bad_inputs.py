@@ -205,6 +205,9 @@ CASES: dict[str, Case] = {
     "temperature-underscore-yaml-float": override("sampler.temperature=1_0.5", names=("1_0.5", "underscores skipped")),
     "file-steps-underscore-yaml-number": recipe(BASE + "trainer: {steps: 1__0}\n", "'1__0'", "underscores skipped"),
     "clip-underscore-in-a-list": override("grpo.clip=[0.2,1e-1_0]", names=("grpo.clip", "underscore in a number")),
+    "steps-underscore-in-hex": override("trainer.steps=0x1_0", names=("'0x1_0'", "underscores skipped")),
+    "steps-binary": override("trainer.steps=0b1_1", names=("'0b1_1'", "a binary number in YAML 1.1")),
+    "lr-underscore-after-a-leading-point": override("grpo.lr=.0_003", names=("'.0_003'", "underscores skipped")),
     "logging-root-a-file": Case(("run", "--recipe", "tiny", "logging.root={tmp}/afile"), ("logging.root", "afile"),
                                 {"afile": b"not a folder\n"}),
     # a store's URL was taken as the relative folder ./s3:/b/r

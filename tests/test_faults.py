@@ -507,6 +507,26 @@ def test_a_resume_refuses_a_metrics_csv_it_cannot_continue_in_one_line(text: str
     require_readable_rows(path)
 
 
+@pytest.mark.parametrize("cut", ["2.0,1", "2.0,abc", "2.0,-1", "2.0,1,x,y"],
+                         ids=["step-10-cut-to-1", "damaged-step", "negative-step", "longer"])
+def test_the_resume_s_rewrite_leaves_out_a_last_row_a_crash_cut_short(cut: str, tmp_path: Path) -> None:
+    """A last row with no line break after it, cut inside its step cell (``10`` to ``1``), was kept by
+    the resume's rewrite as a row of step 1 (every reader then took step 10's cells for step 1's),
+    and a damaged one ended the resume in a traceback after its first step."""
+    import tclightning.logging as run_logging
+    from tclightning.grpo.summary import read_metrics
+    from tclightning.run import require_readable_rows
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("a,step\n0.0,0\n1.0,1\n" + cut)
+    require_readable_rows(path)  # the resume's check leaves it unread
+    logger = run_logging.ResumableCSVLogger(tmp_path, resume_step=2)
+    logger.log_metrics({"a": 2.5}, step=2)
+    logger.save()
+    assert read_metrics(path) == {0: {"a": 0.0}, 1: {"a": 1.0}, 2: {"a": 2.5}}
+    assert path.read_text().count("\n") == 4
+
+
 def test_a_metrics_row_of_more_cells_than_the_header_is_left_out_of_the_summary(tmp_path: Path) -> None:
     """A row appended under an older header (a full disk failed the rewrite adding its columns) made
     the failure handler's summary a TypeError traceback: its extra cells came as a list."""

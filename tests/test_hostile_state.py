@@ -989,7 +989,7 @@ def test_an_abandoned_staging_folder_another_export_tidied_first_is_passed_over(
 
     abandoned = tmp_path / ".policy.export-999999-abc"
     abandoned.mkdir()
-    monkeypatch.setattr(export, "_running", lambda pid: abandoned.rmdir())  # the other export, just before
+    monkeypatch.setattr(export, "process_running", lambda pid: abandoned.rmdir())  # the other export, just before
     export.clear_abandoned_staging(tmp_path / "policy")
     assert not abandoned.exists()
 

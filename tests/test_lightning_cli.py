@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sys
 import warnings
 from pathlib import Path
 
@@ -171,7 +172,24 @@ def test_a_ckpt_path_lightning_fit_wrote_resumes_the_model_given(tmp_path, monke
     torch.save(checkpoint, tmp_path / "other.ckpt")
     assert lightning_cli.main([*argv[:-1], "other.ckpt"]) == 2
     assert "by name (_class_path)" in capsys.readouterr().err
+    # a text naming an importable module: jsonargparse imports it for a callable's or a class's argument
+    (tmp_path / "planted_module.py").write_text("import pathlib\npathlib.Path('ran').write_text('x')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for hparams in ({"_class_path": "lightning.pytorch.demos.boring_classes.BoringModel", "act": "planted_module.fn"},
+                    {"head": ["planted_module.Planted"]}):
+        checkpoint["hyper_parameters"] = hparams
+        torch.save(checkpoint, tmp_path / "naming.ckpt")
+        capsys.readouterr()
+        assert lightning_cli.main([*argv[:-1], "naming.ckpt"]) == 2
+        assert "names a module the parser would import" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists() and "planted_module" not in sys.modules
     checkpoint["hyper_parameters"] = {"act": "torch.relu"}
+    torch.save(checkpoint, tmp_path / "unfit.ckpt")
+    capsys.readouterr()
+    assert lightning_cli.main([*argv[:-1], "unfit.ckpt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "names a module the parser would import" in err[0], err  # torch: importable
+    checkpoint["hyper_parameters"] = {"act": "relu"}
     torch.save(checkpoint, tmp_path / "unfit.ckpt")
     capsys.readouterr()
     assert lightning_cli.main([*argv[:-1], "unfit.ckpt"]) == 2

@@ -653,7 +653,7 @@ def test_the_gsm8k_reward_reads_a_number_an_expression_continues_whole(completio
 @pytest.mark.parametrize("completion", [
     "#### not 72", "#### 72 thousand", "The answer is not 72.", "The answer is 72 thousand dollars",
     "The answer is never 72", "#### 72 Hundreds", "We get 72 million in the end.", "The answer is: not 72",
-    "The answer is 72 dozen", "So x isn't 72. #### not 72"])
+    "The answer is 72 dozen", "So x isn't 72. #### not 72", "#### 72\u00a0thousand", "The answer is 72\u2009million."])
 def test_the_gsm8k_reward_reads_a_number_a_word_makes_another_as_no_answer(completion: str) -> None:
     """Each was read as 72 and scored 1.0 against it: a negation before the stated number, or a
     scale word after it, makes it another number (a word's other reading is no answer either)."""
@@ -741,6 +741,13 @@ def test_the_math_reward_refuses_a_command_math_verify_would_drop(completion: st
     assert verify_math(completion, completion[len(r"\boxed{"):-1]) == 1.0  # written as the gold is
 
 
+def test_many_numbers_after_the_hashes_are_read_in_linear_time() -> None:
+    """Each number looked for a negation over all the text before it: 8,000 took 36 s."""
+    started = time.monotonic()
+    assert verify_gsm8k("#### " + "not 1 " * 200_000, "1") == 0.0
+    assert time.monotonic() - started < 20  # quadratic: hours
+
+
 def test_the_last_box_is_read_also_when_it_is_unbraced() -> None:
     """``\\boxed{5} then \\boxed 7`` scored 1.0 against 5 (a lone ``\\boxed 7`` counts as 7); and
     gsm8k's ``#### 5.00.00`` against 5."""
@@ -755,9 +762,11 @@ def test_the_last_box_is_read_also_when_it_is_unbraced() -> None:
     (r"\boxed{52}", "52_8", 0.0), (r"\boxed{52_9}", "52_8", 0.0), (r"\boxed{10001}", "10001_2", 0.0),
     (r"\boxed{12_3}", "12", 0.0), (r"\boxed{101_{2}}", "101", 0.0), ("so it is 52.", "52_8", 0.0),
     (r"\boxed{52_8}", "52_8", 1.0), (r"\boxed{52_{8}}", "52_8", 1.0), ("The answer is $52_{8}$.", "52_8", 1.0),
-    (r"\boxed{12_3}", "5", 1.0), (r"\boxed{x_1}", "x_1", 1.0), (r"\boxed{a_1 + a_2}", "a_2 + a_1", 1.0)],
+    (r"\boxed{12_3}", "5", 1.0), (r"\boxed{x_1}", "x_1", 1.0), (r"\boxed{a_1 + a_2}", "a_2 + a_1", 1.0),
+    (r"\boxed{a_{16}}", "10", 0.0), (r"\boxed{9_8}", "9", 0.0), (r"\boxed{1_1}", "1", 0.0)],
     ids=["plain-for-base-8", "base-9-for-base-8", "plain-for-base-2", "base-3-for-plain", "base-2-for-plain",
-         "unboxed-plain", "same", "braced", "unboxed-same", "by-value", "variable", "variables-reordered"])
+         "unboxed-plain", "same", "braced", "unboxed-same", "by-value", "variable", "variables-reordered",
+         "a-term-no-numeral", "digit-past-its-base", "base-1"])
 def test_the_math_reward_reads_a_base_subscript(completion: str, gold: str, reward: float) -> None:
     """math-verify drops a base subscript: ``\\boxed{52}`` and ``\\boxed{52_9}`` scored 1.0 against
     MATH-500's ``52_8`` (42), and ``\\boxed{12_3}`` 1.0 against 12."""

@@ -201,6 +201,11 @@ def lightning_cli(argv: Sequence[str]) -> int:
                     raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint asks the parser to build or read "
                                            f"something by name ({named}), which would import any module or read any "
                                            "file; give the model with --model yourself (nothing was built)")
+                module = _names_a_module(hparams)
+                if module is not None:  # a callable's or a class's argument: jsonargparse imports what it names
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: its hyper-parameter {shown(module)[:80]!r} names "
+                                           "a module the parser would import for a callable or class argument; give "
+                                           "it with --model yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
                 require_lightning_checkpoint(checkpoint, f"--ckpt_path {ckpt_path}")
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
@@ -277,6 +282,26 @@ def _fit_failure(err: Exception) -> TclightningError | None:
 
     reason = remote_failure(err)
     return None if reason is None else TclightningError(reason)
+
+
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", re.ASCII)
+
+
+def _names_a_module(obj: Any) -> str | None:
+    """The first text in ``obj`` (a checkpoint's hyper-parameters) that is a dotted name whose first
+    part is a module Python could import (``planted.fn``), or None. Found without importing it."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(dict.values(item))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, str) and _DOTTED_NAME.fullmatch(item):
+            top = item.split(".", 1)[0]
+            if top in sys.modules or importlib.util.find_spec(top) is not None:
+                return item
+    return None
 
 
 def _raised_in_lightning(err: BaseException) -> bool:

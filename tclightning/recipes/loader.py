@@ -189,10 +189,11 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 # reads 10 and the texts "1:30" and "1_0". None is what a recipe means, so all are refused (quote text).
 _AMBIGUOUS_NUMBER_TAG = "tag:tclightning,2026:ambiguous-number"
 _AMBIGUOUS_NUMBER = re.compile(r"^[-+]?(?:0[0-7_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
-                               r"|(?=[0-9.]*_)(?=\.?[0-9])[0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9_]+)?)$")
+                               r"|(?=[0-9.]*_)(?=\.?[0-9])[0-9_]*(?:\.[0-9_]*)?(?:[eE][-+]?[0-9_]+)?"
+                               r"|0b[01_]+|0x[0-9a-fA-F]*_[0-9a-fA-F_]*)$")
 _StrictLoader.yaml_implicit_resolvers = {first: list(resolvers) for first, resolvers
                                          in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-for _first in "+-0123456789":
+for _first in "+-.0123456789":
     _StrictLoader.yaml_implicit_resolvers.setdefault(_first, []).insert(0, (_AMBIGUOUS_NUMBER_TAG, _AMBIGUOUS_NUMBER))
 
 
@@ -200,6 +201,8 @@ def _refuse_ambiguous_number(loader: _StrictLoader, node: yaml.ScalarNode) -> An
     value = loader.construct_scalar(node)
     if ":" in value:
         meaning = "a base-60 number in YAML 1.1 and text in YAML 1.2: quote it, or write the number"
+    elif "0b" in value:
+        meaning = "a binary number in YAML 1.1 and text in YAML 1.2: write the number in decimal, or quote text"
     elif "_" in value and not re.fullmatch(r"[-+]?0[0-7_]+", value):
         meaning = ("a number in YAML 1.1, its underscores skipped, and text in YAML 1.2: write the number without "
                    "them, or quote text")

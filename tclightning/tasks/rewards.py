@@ -196,7 +196,7 @@ def last_number(text: str) -> str | None:
 # Words that make a stated number another one: "#### not 72", "the answer is 72 thousand" were 72.
 # A negation counts right before the number; a scale word right after it, on its line.
 _NEGATED = re.compile(r"\b(?:not|no|never|isn't|isnt|nor)[\s:$]*$", re.IGNORECASE)
-_SCALE_WORD = re.compile(r"[ \t]*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
+_SCALE_WORD = re.compile(r"[^\S\r\n]*(?:hundred|thousand|million|billion|trillion|dozen|grand)s?\b", re.IGNORECASE)
 
 
 def _stated(text: str, within: int) -> tuple[bool, str | None]:
@@ -209,7 +209,7 @@ def _stated(text: str, within: int) -> tuple[bool, str | None]:
         if match.start() >= within:
             break
         found = True
-        if _NEGATED.search(text, 0, match.start()):
+        if _NEGATED.search(text, max(0, match.start() - 40), match.start()):  # the words right before: linear
             continue
         end = match.end()
         if _SCALE_WORD.match(text, end) or text.startswith(".", end) and text[end + 1 : end + 2].isdigit():
@@ -654,7 +654,7 @@ _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰�
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
 # A number in another base ("52_8", "1011_{2}"): math-verify drops the subscript (52_9 and 52 were 52_8)
-_BASE_NUMERAL = re.compile(r"([0-9A-Za-z]+)_\{?([0-9]{1,2})\}?")
+_BASE_NUMERAL = re.compile(r"([0-9][0-9A-Za-z]*)_\{?([0-9]{1,2})\}?")  # a numeral starts with a digit (a_{16} is a term)
 
 
 def _base_form(text: str) -> str:
@@ -734,8 +734,9 @@ def verify_math(completion: str, gold: str, timeout_s: float = 2.0) -> float:
                 return 1.0
             if in_base:  # written in the gold's base, digit for digit
                 return 1.0 if _base_form(boxed) == _base_form(gold) else 0.0
-            if (value := _base_value(boxed)) is not None:  # another base's numeral: by its value
-                return 1.0 if numbers_equal(str(value), gold) else 0.0
+            if _BASE_NUMERAL.fullmatch(_base_form(boxed)):  # another base's numeral: by its value (9_8: none)
+                value = _base_value(boxed)
+                return 1.0 if value is not None and numbers_equal(str(value), gold) else 0.0
             if _COMMA_LIST.fullmatch(boxed.strip()) and not _THOUSANDS.fullmatch(boxed.strip()):
                 return 0.0  # "1,5" is a list; math-verify reads it as 15
             if _DIGIT_GAP in _mark_digit_gaps(boxed):
