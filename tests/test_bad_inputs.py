@@ -199,7 +199,8 @@ CASES: dict[str, Case] = {
     "file-lr-fullwidth-digits": recipe(BASE + "grpo: {lr: \"\uff12e-4\"}\n", "key 'grpo.lr'", "digits other than 0-9"),
     # float() skips an underscore between digits: 1e-4_0 was taken as 1e-40
     "lr-underscore-in-exponent": override("grpo.lr=1e-4_0", names=("grpo.lr", "underscore in a number")),
-    "file-lr-underscore-in-exponent": recipe(BASE + "grpo: {lr: \"1e-4_0\"}\n", "key 'grpo.lr'", "underscore in a number"),
+    "file-lr-underscore-in-exponent": recipe(BASE + "grpo: {lr: \"1e-4_0\"}\n", "key 'grpo.lr'",
+                                             "underscore in a number"),
     # YAML 1.1 itself reads these as numbers, skipping the underscores (1_000 was 1000, 1__0 was 10)
     "lr-underscore-yaml-number": override("grpo.lr=1_000", names=("grpo.lr=1_000", "its underscores skipped")),
     "temperature-underscore-yaml-float": override("sampler.temperature=1_0.5", names=("1_0.5", "underscores skipped")),

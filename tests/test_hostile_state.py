@@ -102,10 +102,12 @@ def test_a_resume_trains_with_the_recipe_s_adamw_settings(run_dir: Path, tmp_pat
     step in a traceback: every setting but the rates is the recipe's."""
     crafted = {"maximize": True, "amsgrad": True, "capturable": True, "eps": 1e30, "weight_decay": 0.5,
                "betas": (0.0, 0.0)}
-    copied = _crafted(run_dir, tmp_path, lambda c: [g.update(crafted) for g in c["optimizer_states"][0]["param_groups"]])
+    copied = _crafted(run_dir, tmp_path,
+                      lambda c: [g.update(crafted) for g in c["optimizer_states"][0]["param_groups"]])
     code, err = _resume(copied, capsys)
     assert code == 0 and not err, err
-    (group,) = torch.load(copied / "checkpoints" / "last.ckpt", weights_only=False)["optimizer_states"][0]["param_groups"]
+    resumed = torch.load(copied / "checkpoints" / "last.ckpt", weights_only=False)
+    (group,) = resumed["optimizer_states"][0]["param_groups"]
     assert (group["maximize"], group["amsgrad"], group["capturable"], group["eps"], group["weight_decay"]) == \
         (False, False, False, 1e-8, 0.0) and tuple(group["betas"]) == (0.9, 0.99)
 

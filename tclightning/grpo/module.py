@@ -208,7 +208,8 @@ def _check_training_state(checkpoint: Mapping[str, Any], params: list[torch.Tens
             raise ValueError("optimizer_states: a parameter group's lr, eps, weight_decay or betas are not numbers")
     _check_learning_rates(checkpoint, groups, schedules[0])
     ticks, at = checkpoint.get("global_step"), schedules[0].get("last_epoch")
-    if not (isinstance(at, int) and not isinstance(at, bool) and at >= 0 and (not isinstance(ticks, int) or at == ticks)):
+    if not (isinstance(at, int) and not isinstance(at, bool) and at >= 0
+            and (not isinstance(ticks, int) or at == ticks)):
         # the schedule steps with each optimizer step: another position is another rate (-100: a negative one)
         raise ValueError(f"lr_schedulers: the schedule is at tick {at!r}, not at the checkpoint's {ticks!r} "
                          "optimizer steps")

@@ -654,7 +654,8 @@ _CONTINUED_NUMBER = re.compile(r"\d(?:\s*(?:[×*·^]|\\times|\\cdot)|[²³¹⁰�
 _COMMA_LIST = re.compile(r"-?\d+(?:,\d+)+", re.ASCII)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", re.ASCII)
 # A number in another base ("52_8", "1011_{2}"): math-verify drops the subscript (52_9 and 52 were 52_8)
-_BASE_NUMERAL = re.compile(r"([0-9][0-9A-Za-z]*)_\{?([0-9]{1,2})\}?")  # a numeral starts with a digit (a_{16} is a term)
+# a numeral starts with a digit (a_{16} is a term)
+_BASE_NUMERAL = re.compile(r"([0-9][0-9A-Za-z]*)_\{?([0-9]{1,2})\}?")
 
 
 def _base_form(text: str) -> str:
