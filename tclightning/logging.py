@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from tclightning.errors import TclightningError, one_line
 from tclightning.files import SameFolder, current_umask, note_made, own_file, rename_over, replace_file
-from tclightning.health.io import metrics_rows
+from tclightning.health.io import cut_short, metrics_rows
 from tclightning.network import is_http, remote_setup
 
 # Grouped charts for TensorBoard's "Custom Scalars" tab; tags are the canonical metric names. One
@@ -277,9 +277,10 @@ class AtomicExperimentWriter(ExperimentWriter):
             try:
                 with self._own(path, "r") as handle:
                     text = handle.read()
-                records = list(metrics_rows(io.StringIO(text, newline="")))
-                if text and not text.endswith(("\n", "\r")):  # a last row a crash cut short (its step may be
-                    records.pop()  # cut too: 10 read as 1): left out, as the resume's check left it unread
+                reader = metrics_rows(io.StringIO(text, newline=""))
+                records = list(reader)
+                if text and not text.endswith(("\n", "\r")) and records and cut_short(records[-1], reader.fieldnames):
+                    records.pop()  # a last row a crash cut short (its step may be cut too: 10 read as 1)
                 rows = [row for row in records if self.cut_from is None
                         or row.get("step") and int(float(row["step"])) < self.cut_from]
                 write_csv_atomically(path, self.metrics_keys, [*rows, *self.metrics])

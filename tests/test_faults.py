@@ -527,6 +527,27 @@ def test_the_resume_s_rewrite_leaves_out_a_last_row_a_crash_cut_short(cut: str, 
     assert path.read_text().count("\n") == 4
 
 
+
+def test_a_whole_last_metrics_row_saved_without_its_line_break_is_kept(tmp_path: Path) -> None:
+    """A last row with every cell (an editor's save drops the final line break) was taken for one a
+    crash cut short and dropped, a hole at the checkpoint's own step; a header alone with no line
+    break ended the resume in an IndexError traceback."""
+    import tclightning.logging as run_logging
+    from tclightning.grpo.summary import read_metrics
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,val/a\n0,0.5\n1,0.75")
+    logger = run_logging.ResumableCSVLogger(tmp_path, resume_step=2)
+    logger.log_metrics({"val/a": 0.875}, step=2)
+    logger.save()
+    assert read_metrics(path) == {0: {"val/a": 0.5}, 1: {"val/a": 0.75}, 2: {"val/a": 0.875}}
+    path.write_text("step,val/a")
+    logger = run_logging.ResumableCSVLogger(tmp_path, resume_step=0)
+    logger.log_metrics({"val/a": 0.5}, step=0)
+    logger.save()
+    assert read_metrics(path) == {0: {"val/a": 0.5}}
+
+
 def test_a_metrics_row_of_more_cells_than_the_header_is_left_out_of_the_summary(tmp_path: Path) -> None:
     """A row appended under an older header (a full disk failed the rewrite adding its columns) made
     the failure handler's summary a TypeError traceback: its extra cells came as a list."""

@@ -201,13 +201,13 @@ def lightning_cli(argv: Sequence[str]) -> int:
                     raise TclightningError(f"--ckpt_path {ckpt_path}: the checkpoint asks the parser to build or read "
                                            f"something by name ({named}), which would import any module or read any "
                                            "file; give the model with --model yourself (nothing was built)")
-                module = _names_a_module(hparams)
-                if module is not None:  # a callable's or a class's argument: jsonargparse imports what it names
-                    raise TclightningError(f"--ckpt_path {ckpt_path}: its hyper-parameter {shown(module)[:80]!r} names "
-                                           "a module the parser would import for a callable or class argument; give "
-                                           "it with --model yourself (nothing was built)")
                 check_checkpoint_model(checkpoint, f"--ckpt_path {ckpt_path}")
                 require_lightning_checkpoint(checkpoint, f"--ckpt_path {ckpt_path}")
+                text = _a_text(hparams)
+                if text is not None:  # jsonargparse reads a text as a file to read, a config or a class to import
+                    raise TclightningError(f"--ckpt_path {ckpt_path}: its hyper-parameter {shown(text)[:80]!r} is a "
+                                           "text, which the parser may read as a file or a module to import; give it "
+                                           "with --model yourself (nothing was built)")
                 # Lightning reads any path that starts with "http" (http_runs/last.ckpt) as a URL and
                 # loads the file of that name in torch's download cache unchecked: hand it the file checked
                 self.config[subcommand]["ckpt_path"] = os.path.abspath(ckpt_path)
@@ -284,12 +284,10 @@ def _fit_failure(err: Exception) -> TclightningError | None:
     return None if reason is None else TclightningError(reason)
 
 
-_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", re.ASCII)
-
-
-def _names_a_module(obj: Any) -> str | None:
-    """The first text in ``obj`` (a checkpoint's hyper-parameters) that is a dotted name whose first
-    part is a module Python could import (``planted.fn``), or None. Found without importing it."""
+def _a_text(obj: Any) -> str | None:
+    """The first text in ``obj`` (a checkpoint's hyper-parameters), or None: jsonargparse reads a
+    text as a file path, a configuration or a class or callable to import, by the argument's type
+    (``planted.fn``, ``plantéd.fn``, ``sub.yaml`` each ran code), so none is merged."""
     stack = [obj]
     while stack:
         item = stack.pop()
@@ -297,10 +295,8 @@ def _names_a_module(obj: Any) -> str | None:
             stack.extend(dict.values(item))
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-        elif isinstance(item, str) and _DOTTED_NAME.fullmatch(item):
-            top = item.split(".", 1)[0]
-            if top in sys.modules or importlib.util.find_spec(top) is not None:
-                return item
+        elif isinstance(item, str):
+            return item
     return None
 
 

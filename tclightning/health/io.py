@@ -9,7 +9,7 @@ import io
 import itertools
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import IO
 from pathlib import Path
 
@@ -66,6 +66,14 @@ def read_metrics_csv(path: str | Path, names: Mapping[str, str] | None = None, *
         raise TclightningError(f"{path}: not a readable CSV file ({err})") from None
     except OSError as err:
         raise TclightningError(f"{path}: cannot read: {err.strerror or err}") from None
+
+
+def cut_short(record: Mapping[str | None, object], header: Sequence[str] | None) -> bool:
+    """Whether a last row with no line break after it is one a crash cut short: fewer cells than the
+    header names, or cut at its ``step`` when that is the last column (``10`` read as ``1`` cannot be
+    told from a whole row). A whole row saved without its line break (an editor's) is no such row."""
+    names = list(header or ())
+    return not names or record.get(names[-1]) is None or names[-1] == "step"
 
 
 def _ends_without_line_break(handle: IO[bytes]) -> bool:
@@ -133,7 +141,7 @@ def _read_metrics_csv(path: Path, handle: IO[bytes], names: dict[str, str], numb
         ahead = next(records, None)
         while ahead is not None:
             (line_no, record), ahead = ahead, next(records, None)
-            if cut and ahead is None:  # the row a crash cut short: left out
+            if cut and ahead is None and cut_short(record, header):  # the row a crash cut short: left out
                 break
             if None in record:  # more cells than the header names: the columns no longer line up
                 raise TclightningError(f"{path}:{line_no}: {len(header) + len(record[None])} cells where "
