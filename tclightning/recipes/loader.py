@@ -390,11 +390,7 @@ def _refuse_foreign_digits(data: Any, source: str, override: str | None) -> None
     """A number written in another script's digits (``"\uff16"``, ``"\u0663"``) is refused: Python's
     ``int()`` and ``float()`` read them, so OmegaConf would take them as a number the user never typed."""
     for key, value in leaves(data):
-        if not isinstance(value, str) or value.isascii():
-            continue
-        try:
-            float(value)
-        except ValueError:
+        if not isinstance(value, str) or value.isascii() or not _reads_as_number(value):
             continue
         shown = value.encode("ascii", "backslashreplace").decode()
         raise RecipeError(f"'{shown}' is written with digits other than 0-9; write the number in ASCII digits",
